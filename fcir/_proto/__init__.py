@@ -1,0 +1,1 @@
+"""Generated protobuf modules (python tools/gen_protos.py); never edit by hand."""
