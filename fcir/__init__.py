@@ -1,0 +1,26 @@
+"""fcir: a compiler and interpreter toolkit for federated computations written in JAX."""
+
+from fcir import autodiff as _autodiff  # noqa: F401  (registers AD rules)
+from fcir.api import (
+    broadcast,
+    map_fn,
+    program,
+    reduce_max,
+    reduce_mean,
+    reduce_min,
+    reduce_sum,
+    reduce_weighted_mean,
+    secure_sum,
+)
+from fcir.errors import (
+    CheckpointError,
+    ExportError,
+    FcirError,
+    IRTypeError,
+    ParseError,
+    PlacementError,
+    UnsupportedError,
+    VersionError,
+)
+
+__version__ = "0.1.0"

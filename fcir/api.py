@@ -1,0 +1,293 @@
+"""The user-facing federated API: ``program``, ``broadcast``, ``map_fn`` and reductions.
+
+Placement context is a thread-local stack pushed by a program call and by each
+``map_fn`` body being traced, so nothing global is patched: two programs with
+different placements interleave and run from threads. Every call binds a primitive
+from ``fcir.primitives`` with the placement name and cardinality as params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core
+
+from fcir import primitives as P
+from fcir import sharding
+from fcir.errors import PlacementError
+
+__all__ = [
+    "program",
+    "broadcast",
+    "map_fn",
+    "reduce_sum",
+    "reduce_mean",
+    "reduce_weighted_mean",
+    "reduce_min",
+    "reduce_max",
+    "secure_sum",
+    "Placements",
+]
+
+SERVER = "server"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placements:
+    """A placement hierarchy: ``server`` above ``names[0]`` above ``names[1]`` ..."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def from_mapping(cls, placements: Mapping[str, int]) -> Placements:
+        if not isinstance(placements, Mapping) or not placements:
+            raise PlacementError(
+                f"fcir.program: placements must be a non-empty mapping of name -> cardinality, "
+                f"got {placements!r}"
+            )
+        names, sizes = [], []
+        for name, size in placements.items():
+            if not isinstance(name, str) or not name.isidentifier() or name == SERVER:
+                raise PlacementError(
+                    f"fcir.program: placement name {name!r} must be an identifier other "
+                    f"than '{SERVER}'"
+                )
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+                raise PlacementError(
+                    f"fcir.program: cardinality of '{name}' must be a positive int, got {size!r}"
+                )
+            names.append(name)
+            sizes.append(int(size))
+        return cls(tuple(names), tuple(sizes))
+
+    def size(self, name: str) -> int:
+        return self.sizes[self.names.index(name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+    placements: Placements
+    level: int  # -1: server; i: inside a map body over members of names[i]
+    mesh: Any
+
+    def child(self, what: str) -> tuple[str, int]:
+        if self.level + 1 >= len(self.placements.names):
+            here = SERVER if self.level < 0 else self.placements.names[self.level]
+            raise PlacementError(
+                f"{what}: there is no placement below '{here}' in this program "
+                f"(placements: {list(self.placements.names)})"
+            )
+        name = self.placements.names[self.level + 1]
+        return name, self.placements.sizes[self.level + 1]
+
+
+class _Context(threading.local):
+    def __init__(self):
+        self.stack: list[_Frame] = []
+
+
+_CONTEXT = _Context()
+
+
+def _current(what: str) -> _Frame:
+    if not _CONTEXT.stack:
+        raise PlacementError(
+            f"{what} is only defined inside a function decorated with @fcir.program(...): "
+            "decorate the round function that calls it"
+        )
+    return _CONTEXT.stack[-1]
+
+
+class _pushed:
+    def __init__(self, frame: _Frame):
+        self.frame = frame
+
+    def __enter__(self):
+        _CONTEXT.stack.append(self.frame)
+
+    def __exit__(self, *exc):
+        _CONTEXT.stack.pop()
+
+
+def program(*, placements: Mapping[str, int], mesh=None) -> Callable[[Callable], Callable]:
+    """Declares a federated program's placements, outermost first.
+
+    ``@fcir.program(placements={"clients": 8})`` or, for a hierarchy,
+    ``placements={"silos": 4, "clients": 16}``. The decorated function is an ordinary
+    JAX function: ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``fcir.capture`` apply.
+    """
+    spec = Placements.from_mapping(placements)
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with _pushed(_Frame(spec, -1, mesh)):
+                return fn(*args, **kwargs)
+
+        run.fcir_placements = spec
+        return run
+
+    return decorate
+
+
+def _flatten(x):
+    return jax.tree_util.tree_flatten(x)
+
+
+def _check_placed(leaves, placement: str, n: int, what: str) -> None:
+    for leaf in leaves:
+        shape = np.shape(leaf)
+        if len(shape) == 0 or shape[0] != n:
+            raise PlacementError(
+                f"{what}: a leaf of shape {tuple(shape)} is not placed at '{placement}': its "
+                f"leading axis must be the cardinality of '{placement}' ({n})"
+            )
+
+
+def broadcast(x, *, to: str | None = None, mesh=None):
+    """Sends a value to every member of the placement below: ``T@p -> T@child!``.
+
+    Every leaf of pytree ``x`` gets a new leading axis of size n(child).
+    """
+    frame = _current("fcir.broadcast")
+    name, n = frame.child("fcir.broadcast")
+    if to is not None and to != name:
+        raise PlacementError(
+            f"fcir.broadcast(to={to!r}): from here values can only be broadcast to '{name}', "
+            "the placement directly below; broadcast step by step inside map_fn bodies"
+        )
+    mesh = frame.mesh if mesh is None else mesh
+    leaves, tree = _flatten(x)
+    out = [
+        sharding.constrain_broadcast(P.broadcast_p.bind(leaf, placement=name, n=n), name, mesh)
+        for leaf in leaves
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def map_fn(fn: Callable, arg, *, mesh=None):
+    """Applies ``fn`` to each member: ``{T}@p -> {U}@p``.
+
+    ``fn`` is traced once with one member's (unbatched) shapes and becomes the region of
+    a ``fed.map`` op. A tuple ``arg`` is unpacked into positional arguments. Values that
+    ``fn`` closes over are broadcast explicitly, so every server-to-member flow is a
+    visible ``fed.broadcast``.
+    """
+    frame = _current("fcir.map_fn")
+    name, n = frame.child("fcir.map_fn")
+    mesh = frame.mesh if mesh is None else mesh
+    leaves, in_tree = _flatten(arg)
+    _check_placed(leaves, name, n, "fcir.map_fn")
+    leaves = [sharding.constrain_placed(jax.numpy.asarray(x), name, mesh) for x in leaves]
+    member_specs = [
+        jax.ShapeDtypeStruct(
+            np.shape(x)[1:], x.dtype, weak_type=jax.typeof(x).weak_type
+        )
+        for x in leaves
+    ]
+    out_tree_box = []
+
+    def flat_body(*member_leaves):
+        member_arg = jax.tree_util.tree_unflatten(in_tree, member_leaves)
+        out = fn(*member_arg) if isinstance(member_arg, tuple) else fn(member_arg)
+        out_leaves, out_tree = _flatten(out)
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    with _pushed(_Frame(frame.placements, frame.level + 1, mesh)):
+        closed = jax.make_jaxpr(flat_body)(*member_specs)
+    body, consts = _lift_traced_consts(closed)
+    bcast = [P.broadcast_p.bind(c, placement=name, n=n) for c in consts]
+    outs = P.map_p.bind(*bcast, *leaves, body=body, placement=name, n=n)
+    outs = [sharding.constrain_placed(o, name, mesh) for o in outs]
+    return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+
+
+def _lift_traced_consts(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list]:
+    """Turns constants that are tracers of an outer trace into leading invars.
+
+    Concrete constants (numpy arrays) stay constants of the region.
+    """
+    jaxpr = closed.jaxpr
+    traced = [isinstance(c, core.Tracer) for c in closed.consts]
+    if not any(traced):
+        return closed, []
+    keep_vars = [v for v, t in zip(jaxpr.constvars, traced) if not t]
+    keep_vals = [c for c, t in zip(closed.consts, traced) if not t]
+    lift_vars = [v for v, t in zip(jaxpr.constvars, traced) if t]
+    lift_vals = [c for c, t in zip(closed.consts, traced) if t]
+    new = jaxpr.replace(
+        constvars=keep_vars,
+        invars=[*lift_vars, *jaxpr.invars],
+        debug_info=jaxpr.debug_info._replace(arg_names=None),
+    )
+    return core.ClosedJaxpr(new, keep_vals), lift_vals
+
+
+def _reduce(prim, what: str, x, **params):
+    frame = _current(what)
+    name, n = frame.child(what)
+    leaves, tree = _flatten(x)
+    _check_placed(leaves, name, n, what)
+    out = [prim.bind(leaf, placement=name, n=n, **params) for leaf in leaves]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def reduce_sum(x):
+    """Sums a placed pytree to the enclosing placement: ``{T}@child -> T@p``."""
+    return _reduce(P.sum_p, "fcir.reduce_sum", x)
+
+
+def reduce_mean(x):
+    """Unweighted mean: ``{T}@child -> T@p``; ints and bools give float32."""
+    return _reduce(P.mean_p, "fcir.reduce_mean", x)
+
+
+def reduce_min(x):
+    """Elementwise minimum over members: ``{T}@child -> T@p``."""
+    return _reduce(P.min_p, "fcir.reduce_min", x)
+
+
+def reduce_max(x):
+    """Elementwise maximum over members: ``{T}@child -> T@p``."""
+    return _reduce(P.max_p, "fcir.reduce_max", x)
+
+
+def secure_sum(x, *, bitwidth: int):
+    """Sum of placed integers modulo ``2**bitwidth``: ``{iN[...]}@child -> iN[...]@p``."""
+    if isinstance(bitwidth, bool) or not isinstance(bitwidth, (int, np.integer)):
+        raise PlacementError(f"fcir.secure_sum: bitwidth must be an int, got {bitwidth!r}")
+    return _reduce(P.secure_sum_p, "fcir.secure_sum", x, bitwidth=int(bitwidth))
+
+
+def reduce_weighted_mean(x, w):
+    """Weighted mean ``sum(w*x)/sum(w)``: ``({T}@child, {W}@child) -> T@p``.
+
+    ``w`` is a placed scalar per member (shape ``[n]``) or a pytree matching ``x``.
+    """
+    what = "fcir.reduce_weighted_mean"
+    frame = _current(what)
+    name, n = frame.child(what)
+    leaves, tree = _flatten(x)
+    w_leaves, w_tree = _flatten(w)
+    if len(w_leaves) == 1 and w_tree.num_leaves == 1 and tree.num_leaves != 1:
+        w_leaves = w_leaves * len(leaves)
+    elif w_tree != tree:
+        raise PlacementError(
+            f"{what}: weights must be one placed scalar per member or a pytree with the "
+            f"structure of the values; got {w_tree} for values {tree}"
+        )
+    _check_placed(leaves, name, n, what)
+    _check_placed(w_leaves, name, n, f"{what} (weights)")
+    out = [
+        P.weighted_mean_p.bind(leaf, wl, placement=name, n=n)
+        for leaf, wl in zip(leaves, w_leaves)
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)
