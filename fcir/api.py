@@ -188,7 +188,10 @@ def map_fn(fn: Callable, arg, *, mesh=None):
     leaves = [sharding.constrain_placed(jax.numpy.asarray(x), name, mesh) for x in leaves]
     member_specs = [
         jax.ShapeDtypeStruct(
-            np.shape(x)[1:], x.dtype, weak_type=jax.typeof(x).weak_type
+            np.shape(x)[1:],
+            x.dtype,
+            weak_type=jax.typeof(x).weak_type,
+            sharding=sharding.member_sharding(x),
         )
         for x in leaves
     ]
@@ -204,7 +207,10 @@ def map_fn(fn: Callable, arg, *, mesh=None):
     with _pushed(_Frame(frame.placements, frame.level + 1, mesh)):
         closed = jax.make_jaxpr(flat_body)(*member_specs)
     body, consts = _lift_traced_consts(closed)
-    bcast = [P.broadcast_p.bind(c, placement=name, n=n) for c in consts]
+    bcast = [
+        sharding.constrain_broadcast(P.broadcast_p.bind(c, placement=name, n=n), name, mesh)
+        for c in consts
+    ]
     outs = P.map_p.bind(*bcast, *leaves, body=body, placement=name, n=n)
     outs = [sharding.constrain_placed(o, name, mesh) for o in outs]
     return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import batching, mlir
+from jax.sharding import AxisType, PartitionSpec
 
 from fcir.errors import IRTypeError, PlacementError
 
@@ -35,8 +36,14 @@ __all__ = [
 ]
 
 
-def _placed_aval(aval: core.ShapedArray, n: int) -> core.ShapedArray:
-    return core.ShapedArray((n, *aval.shape), aval.dtype, weak_type=aval.weak_type)
+def _placed_aval(aval: core.ShapedArray, n: int, member_axis=None) -> core.ShapedArray:
+    """``aval`` with a leading member axis of size ``n``, sharded on ``member_axis``.
+
+    The rest of the sharding (and weak type, memory space, vma) is kept, so values typed
+    on a mesh with ``Explicit`` axes keep their layout (DrJAX's rule).
+    """
+    spec = PartitionSpec(member_axis, *aval.sharding.spec)
+    return aval.update(shape=(n, *aval.shape), sharding=aval.sharding.update(spec=spec))
 
 
 def _member_aval(aval: core.ShapedArray, placement: str, n: int, what: str):
@@ -45,7 +52,21 @@ def _member_aval(aval: core.ShapedArray, placement: str, n: int, what: str):
             f"{what}: operand of shape {tuple(aval.shape)} is not placed at '{placement}': "
             f"its leading (member) axis must have size {n}, the cardinality of '{placement}'"
         )
-    return core.ShapedArray(aval.shape[1:], aval.dtype, weak_type=aval.weak_type)
+    spec = PartitionSpec(*aval.sharding.spec[1:])
+    return aval.update(shape=aval.shape[1:], sharding=aval.sharding.update(spec=spec))
+
+
+def _explicit_member_axis(aval: core.ShapedArray, placement: str):
+    """The mesh axis a broadcast's member axis is typed as sharded on: ``placement``
+    if the operand's mesh has an ``Explicit`` axis of that name not already used by
+    the operand, else None (replicated; the frontend's constraint does the rest)."""
+    mesh = aval.sharding.mesh
+    if placement not in mesh.axis_names:
+        return None
+    if mesh.axis_types[mesh.axis_names.index(placement)] != AxisType.Explicit:
+        return None
+    used = {a for e in aval.sharding.spec for a in (e if isinstance(e, tuple) else (e,))}
+    return None if placement in used else placement
 
 
 def _moveaxis_to(x, src, dst):
@@ -64,8 +85,7 @@ def _broadcast_impl(x, *, placement, n):
 
 
 def _broadcast_abstract_eval(x, *, placement, n):
-    del placement
-    return _placed_aval(x, n)
+    return _placed_aval(x, n, _explicit_member_axis(x, placement))
 
 
 def _broadcast_batch(args, dims, *, placement, n):
@@ -97,9 +117,7 @@ def _make_reduction(name: str, impl, result_dtype=None):
         member = _member_aval(x, placement, n, f"fed.{name.removeprefix('fed_')}")
         if result_dtype is not None:
             dt = result_dtype(member.dtype)
-            member = core.ShapedArray(
-                member.shape, dt, weak_type=member.weak_type and dt == member.dtype
-            )
+            member = member.update(dtype=dt, weak_type=member.weak_type and dt == member.dtype)
         return member
 
     def batch(args, dims, *, placement, n):
@@ -151,7 +169,7 @@ def _weighted_mean_abstract_eval(x, w, *, placement, n):
         )
     if not jnp.issubdtype(w.dtype, jnp.number):
         raise IRTypeError(f"fed.weighted_mean/C4: weight must be numeric, got {w.dtype}")
-    return core.ShapedArray(member.shape, mean_result_dtype(x.dtype))
+    return member.update(dtype=mean_result_dtype(x.dtype), weak_type=False)
 
 
 def _weighted_mean_batch(args, dims, *, placement, n):
@@ -233,6 +251,7 @@ def _map_impl(*args, body, placement, n):
 
 
 def _map_abstract_eval(*avals, body, placement, n):
+    member_axes = []
     for i, (aval, inner) in enumerate(zip(avals, body.in_avals)):
         member = _member_aval(aval, placement, n, f"fed.map operand {i}")
         if member.shape != inner.shape or member.dtype != inner.dtype:
@@ -240,7 +259,17 @@ def _map_abstract_eval(*avals, body, placement, n):
                 f"fed.map/C2: operand {i} has member type {member.str_short()} but the region "
                 f"expects {inner.str_short()}"
             )
-    return [_placed_aval(a, n) for a in body.out_avals], body.effects
+        member_axes.append(aval.sharding.spec[0] if aval.sharding.spec else None)
+    # Outputs' member axes are sharded like the operands' (vmap's rule for Explicit axes).
+    if len(set(member_axes)) > 1:
+        raise PlacementError(
+            f"fed.map over '{placement}': operands' member axes are sharded differently "
+            f"({', '.join(map(str, member_axes))}); on a mesh with Explicit axes every "
+            f"operand's leading axis must be sharded alike: add a mesh axis named "
+            f"'{placement}' or reshard the operands"
+        )
+    member_axis = member_axes[0] if member_axes else None
+    return [_placed_aval(a, n, member_axis) for a in body.out_avals], body.effects
 
 
 def _map_batch(axis_data, args, dims, *, body, placement, n):

@@ -1,0 +1,372 @@
+"""Attributes: plain data that stands for a JAX primitive's params.
+
+An attribute is an int, float, bool, str, None, a tuple of attributes, or one of the
+records below. Nothing here is pickled or ``eval``-ed: enums and records name a JAX
+class by its qualified name, and decoding only looks that name up among classes that
+JAX's own modules define. Sub-jaxprs are not attributes but regions of the op; the
+param refers to them with :class:`RegionRef`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import sys
+from typing import Any
+
+import numpy as np
+
+from fcir.errors import ParseError, UnsupportedError
+from fcir.types import dtype_from_name, dtype_name
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Enum:
+    type_name: str
+    member: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    type_name: str
+    fields: tuple[tuple[str, Any], ...]
+
+    def get(self, key, default=None):
+        for k, v in self.fields:
+            if k == key:
+                return v
+        return default
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionRef:
+    index: int
+    closed: bool = True  # ClosedJaxpr (True) or open Jaxpr (False) in the JAX param
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tensor:
+    """A constant. ``data`` holds the bytes (little-endian, C order); for PRNG key dtypes
+    the bytes are the key data (uint32). ``data`` is None when the text elided it."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes | None
+    digest: str = ""
+
+    def __post_init__(self):
+        if self.data is not None and not self.digest:
+            object.__setattr__(self, "digest", hashlib.sha256(self.data).hexdigest())
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, Tensor)
+            and (self.dtype, self.shape, self.digest) == (other.dtype, other.shape, other.digest)
+        )
+
+    def __hash__(self):
+        return hash((self.dtype, self.shape, self.digest))
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @staticmethod
+    def from_array(value) -> Tensor:
+        import jax
+
+        dt = getattr(value, "dtype", None)
+        if dt is not None and hasattr(dt, "_impl"):
+            name = dtype_name(dt)
+            arr = np.asarray(jax.random.key_data(value))
+            return Tensor(name, tuple(np.shape(value)), arr.astype("<u4").tobytes())
+        arr = np.asarray(value)
+        name = dtype_name(arr.dtype)
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        return Tensor(name, tuple(arr.shape), np.ascontiguousarray(arr).tobytes())
+
+    def numpy(self) -> np.ndarray:
+        """The raw numpy array (key data for key dtypes)."""
+        if self.data is None:
+            raise UnsupportedError(
+                f"constant {self.dtype}[{','.join(map(str, self.shape))}] (sha256 "
+                f"{self.digest[:16]}) was elided in the text form; load the .pb file or text "
+                "written with full constants to run it"
+            )
+        if self.dtype.startswith("key<"):
+            return np.frombuffer(self.data, "<u4").reshape(*self.shape, -1)
+        dt = dtype_from_name(self.dtype)
+        expected = self.size * dt.itemsize
+        if len(self.data) != expected:
+            raise ParseError(
+                f"constant {self.dtype}{list(self.shape)} holds {len(self.data)} bytes, "
+                f"expected {expected}"
+            )
+        return np.frombuffer(self.data, dt).reshape(self.shape)
+
+    def value(self):
+        """The constant as a JAX-usable value (numpy array or key array)."""
+        arr = self.numpy()
+        if self.dtype.startswith("key<"):
+            import jax
+
+            impl = dtype_from_name(self.dtype)._impl
+            return jax.random.wrap_key_data(arr, impl=impl.name)
+        return arr
+
+
+# --- encoding JAX params --------------------------------------------------------------------
+
+# Params that hold Python callables used only by differentiation. Capture happens after
+# differentiation, so the IR keeps the primal region and records that these were omitted.
+OMITTED_PARAMS = {
+    "custom_jvp_call": ("jvp_jaxpr_fun",),
+    "custom_vjp_call": ("fwd_jaxpr_thunk", "bwd", "out_trees"),
+}
+
+
+def _qualname(cls) -> str:
+    return cls.__qualname__
+
+
+def encode(value, prim: str, key: str, add_region) -> Any:
+    """JAX param value -> attribute. ``add_region(jaxpr, closed)`` returns a RegionRef."""
+    from jax._src import core
+
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, core.ClosedJaxpr):
+        return add_region(value, True)
+    if isinstance(value, core.Jaxpr):
+        return add_region(value, False)
+    if isinstance(value, enum.Enum):
+        return Enum(_qualname(type(value)), value.name)
+    if isinstance(value, np.dtype) or hasattr(value, "_impl") and hasattr(value, "name"):
+        return DType(dtype_name(value))
+    if isinstance(value, type) and issubclass(value, np.generic):
+        return DType(dtype_name(np.dtype(value)))
+    if isinstance(value, np.ndarray):
+        return Tensor.from_array(value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return Record(
+            _qualname(type(value)),
+            tuple((f, encode(getattr(value, f), prim, key, add_region)) for f in value._fields),
+        )
+    if isinstance(value, (tuple, list)):
+        return tuple(encode(v, prim, key, add_region) for v in value)
+    if isinstance(value, frozenset):
+        return tuple(encode(v, prim, key, add_region) for v in sorted(value, key=repr))
+    special = _encode_special(value, prim, key, add_region)
+    if special is not None:
+        return special
+    if dataclasses.is_dataclass(value) and type(value).__module__.startswith("jax"):
+        return Record(
+            _qualname(type(value)),
+            tuple(
+                (f.name, encode(getattr(value, f.name), prim, key, add_region))
+                for f in dataclasses.fields(value)
+            ),
+        )
+    raise UnsupportedError(
+        f"jax.{prim}: param {key}={value!r} of type {type(value).__name__} has no fcir "
+        "attribute encoding"
+    )
+
+
+def _encode_special(value, prim, key, add_region):
+    import jax
+    from jax._src import named_sharding
+    from jax._src.random import prng
+
+    if isinstance(value, named_sharding.UnspecifiedValue):
+        return Enum("Sharding", "UNSPECIFIED")
+    if isinstance(value, prng.PRNGImpl):
+        return Enum("PRNGImpl", value.name)
+    if isinstance(value, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        return Record(
+            "AbstractMesh",
+            (
+                ("axis_names", tuple(str(a) for a in value.axis_names)),
+                ("axis_sizes", tuple(int(s) for s in value.axis_sizes)),
+                ("axis_types", tuple(Enum("AxisType", t.name) for t in value.axis_types)),
+            ),
+        )
+    if isinstance(value, jax.sharding.PartitionSpec):
+        return Record("PartitionSpec", (("spec", _encode_spec(value)),))
+    if isinstance(value, jax.sharding.NamedSharding):
+        return Record(
+            "NamedSharding",
+            (
+                ("mesh", _encode_special(value.mesh, prim, key, add_region)),
+                ("spec", _encode_spec(value.spec)),
+            ),
+        )
+    if key == "policy" and callable(value):
+        for name in dir(jax.checkpoint_policies):
+            if getattr(jax.checkpoint_policies, name) is value:
+                return Enum("checkpoint_policy", name)
+        # A remat policy only steers differentiation, which happens before capture.
+        return Enum("checkpoint_policy", "custom")
+    if prim in OMITTED_PARAMS and key in OMITTED_PARAMS[prim]:
+        return Enum("Omitted", "derivative_rule")
+    return None
+
+
+def _encode_spec(spec) -> tuple:
+    import jax
+
+    out = []
+    for entry in spec:
+        if entry is None:
+            out.append(None)
+        elif entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
+            out.append(Enum("PartitionSpec", "UNCONSTRAINED"))
+        elif isinstance(entry, tuple):
+            out.append(tuple(str(e) for e in entry))
+        else:
+            out.append(str(entry))
+    return tuple(out)
+
+
+# --- decoding to JAX params -----------------------------------------------------------------
+
+_CLASS_CACHE: dict[str, Any] = {}
+
+
+def find_jax_class(qualname: str):
+    """Looks a class up by qualified name among JAX's modules; never evaluates text."""
+    if qualname in _CLASS_CACHE:
+        return _CLASS_CACHE[qualname]
+    head, _, rest = qualname.partition(".")
+    for modname, mod in sorted(sys.modules.items()):
+        if not modname.startswith("jax") or mod is None:
+            continue
+        obj = vars(mod).get(head)
+        if isinstance(obj, type) and getattr(obj, "__module__", "").startswith("jax"):
+            for part in rest.split(".") if rest else ():
+                obj = vars(obj).get(part)
+                if obj is None:
+                    break
+            if isinstance(obj, type) and obj.__qualname__ == qualname:
+                _CLASS_CACHE[qualname] = obj
+                return obj
+    raise UnsupportedError(f"attribute names unknown JAX type {qualname!r}")
+
+
+def _omitted_rule(*args, **kwargs):
+    raise UnsupportedError(
+        "custom derivative rules are not kept in the fcir IR: differentiate the program "
+        "before capturing it (fcir.capture(jax.grad(f), ...))"
+    )
+
+
+def decode(attr, get_region) -> Any:
+    """Attribute -> JAX param value. ``get_region(ref)`` returns the (Closed)Jaxpr."""
+    if attr is None or isinstance(attr, (bool, int, float, str)):
+        return attr
+    if isinstance(attr, tuple):
+        return tuple(decode(a, get_region) for a in attr)
+    if isinstance(attr, RegionRef):
+        return get_region(attr)
+    if isinstance(attr, DType):
+        return dtype_from_name(attr.name)
+    if isinstance(attr, Tensor):
+        return attr.value()
+    if isinstance(attr, Enum):
+        return _decode_enum(attr)
+    if isinstance(attr, Record):
+        return _decode_record(attr, get_region)
+    raise ParseError(f"not an attribute: {attr!r}")
+
+
+def _decode_enum(attr: Enum):
+    import jax
+    from jax._src import named_sharding
+    from jax._src.random import prng
+
+    if attr.type_name == "Sharding" and attr.member == "UNSPECIFIED":
+        return named_sharding.UNSPECIFIED
+    if attr.type_name == "PRNGImpl":
+        impl = prng.prngs.get(attr.member)
+        if impl is None:
+            raise ParseError(f"unknown PRNG implementation {attr.member!r}")
+        return impl
+    if attr.type_name == "checkpoint_policy":
+        return getattr(jax.checkpoint_policies, attr.member, None)
+    if attr.type_name == "Omitted":
+        return _OmittedFun()
+    if attr.type_name == "AxisType":
+        return jax.sharding.AxisType[attr.member]
+    if attr.type_name == "PartitionSpec" and attr.member == "UNCONSTRAINED":
+        return jax.sharding.PartitionSpec.UNCONSTRAINED
+    cls = find_jax_class(attr.type_name)
+    if not issubclass(cls, enum.Enum) or attr.member not in cls.__members__:
+        raise ParseError(f"{attr.type_name} has no member {attr.member!r}")
+    return cls[attr.member]
+
+
+class _OmittedFun:
+    """Stands for a derivative-rule callable the IR does not keep."""
+
+    def __call__(self, *args, **kwargs):
+        _omitted_rule()
+
+    def call_wrapped(self, *args, **kwargs):
+        _omitted_rule()
+
+
+def _decode_spec(entries):
+    import jax
+
+    out = []
+    for e in entries:
+        if isinstance(e, Enum):
+            out.append(jax.sharding.PartitionSpec.UNCONSTRAINED)
+        else:
+            out.append(e)
+    return jax.sharding.PartitionSpec(*out)
+
+
+def _decode_mesh(rec: Record):
+    import jax
+
+    names = tuple(rec.get("axis_names", ()))
+    sizes = tuple(rec.get("axis_sizes", ()))
+    types = tuple(jax.sharding.AxisType[t.member] for t in rec.get("axis_types", ()))
+    return jax.sharding.AbstractMesh(sizes, names, axis_types=types or None)
+
+
+def _decode_record(attr: Record, get_region):
+    import jax
+
+    if attr.type_name == "AbstractMesh":
+        return _decode_mesh(attr)
+    if attr.type_name == "PartitionSpec":
+        return _decode_spec(attr.get("spec", ()))
+    if attr.type_name == "NamedSharding":
+        mesh = _decode_mesh(attr.get("mesh"))
+        devices = jax.devices()
+        if mesh.size == len(devices) and mesh.size > 0:
+            mesh = jax.sharding.Mesh(
+                np.array(devices).reshape(mesh.axis_sizes),
+                mesh.axis_names,
+                axis_types=mesh.axis_types,
+            )
+        return jax.sharding.NamedSharding(mesh, _decode_spec(attr.get("spec", ())))
+    cls = find_jax_class(attr.type_name)
+    kwargs = {k: decode(v, get_region) for k, v in attr.fields}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ParseError(f"cannot build {attr.type_name} from fields {list(kwargs)}: {e}") from e

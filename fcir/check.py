@@ -1,0 +1,202 @@
+"""The checker: SSA scoping, federated type rules, and placement discipline.
+
+``verify(module)`` returns every diagnostic; ``check(module)`` raises the first
+placement problem as PlacementError (else type problems as IRTypeError), with all
+diagnostics in the message. Local (``jax.*``) ops follow two rules:
+
+* ``local/C1``: a local op reads only values local to where it runs. At the server a
+  value placed at clients is off limits: reading one member (``x[0]``), reducing the
+  member axis with ``jnp.sum`` or any other whole-placement access outside ``fed.*`` ops
+  is client-to-client communication.
+* ``local/C2``: the exception is an elementwise op whose operands are all placed at one
+  placement with one member shape (scalar constants may join); it is a per-member
+  computation and its results are placed there too.
+* ``local/C3``: no collective over a placement axis inside a region.
+* ``region/C1``: ops in a region use only values defined earlier in that region
+  (regions are isolated from above); ``region/C2``: each value is defined once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fcir import capture as _capture
+from fcir.errors import IRTypeError, PlacementError
+from fcir.ir import Module, Op, Region, describe, value_numbering
+from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
+from fcir.types import SERVER, PlacedType, TensorType
+
+
+@dataclasses.dataclass
+class Diagnostic:
+    code: str
+    message: str
+    where: str
+    placement: bool
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+class _Checker:
+    def __init__(self, module: Module):
+        self.module = module
+        self.diags: list[Diagnostic] = []
+        self.names = None
+
+    def report(self, code, message, path, op, placement):
+        if self.names is None:
+            self.names = value_numbering(self.module.main)
+        where = describe(self.module, path, op, self.names) if op is not None else "func @main"
+        self.diags.append(Diagnostic(code, message, where, placement))
+
+    def run(self) -> list[Diagnostic]:
+        m = self.module
+        names = [p for p, _ in m.placements]
+        if len(set(names)) != len(names) or SERVER in names:
+            self.report("module/C1", "module/C1: placement names must be unique and not "
+                        f"'{SERVER}' ({names})", (), None, True)
+        for p, n in m.placements:
+            if not isinstance(n, int) or n < 1:
+                self.report("module/C2", f"module/C2: cardinality of '{p}' must be positive",
+                            (), None, True)
+        try:
+            main = m.main
+        except IRTypeError as e:
+            self.report("module/C3", str(e), (), None, False)
+            return self.diags
+        for v in main.body.params + main.body.results:
+            self.check_type_placements(v.type, (), None)
+        self.region(main.body, Context(m.placements, -1), (), set())
+        return self.diags
+
+    def check_type_placements(self, t, path, op):
+        if isinstance(t, PlacedType):
+            if t.placement != SERVER and t.placement not in dict(self.module.placements):
+                self.report("module/C4", f"module/C4: type {t} names undeclared placement "
+                            f"'{t.placement}'", path, op, True)
+            self.check_type_placements(t.member, path, op)
+
+    def region(self, region: Region, ctx: Context, path: tuple, outer_defined: set) -> None:
+        defined: set = set()
+        for v in region.params:
+            if v in defined or v in outer_defined:
+                self.report("region/C2", "region/C2: a value is defined twice", path, None, False)
+            defined.add(v)
+        for i, op in enumerate(region.ops):
+            p = (*path, i)
+            for j, v in enumerate(op.operands):
+                if v not in defined:
+                    self.report(
+                        "region/C1",
+                        f"region/C1: operand {j} is not defined earlier in this region "
+                        "(regions are isolated from above)",
+                        p, op, False,
+                    )
+            self.op(op, ctx, p)
+            for v in op.results:
+                if v in defined:
+                    self.report("region/C2", "region/C2: a value is defined twice", p, op,
+                                False)
+                defined.add(v)
+        for v in region.results:
+            if v not in defined:
+                self.report("region/C1", "region/C1: yielded value is not defined in this "
+                            "region", path, None, False)
+
+    def op(self, op: Op, ctx: Context, path: tuple) -> None:
+        for v in op.results:
+            self.check_type_placements(v.type, path, op)
+        rule = FED_OPS.get(op.name)
+        if rule is not None:
+            try:
+                rule.verify(op, ctx)
+            except Violation as e:
+                self.report(e.code, str(e), path, op, e.placement)
+                return
+            for r, sub in enumerate(op.regions):
+                inner = Context(self.module.placements, ctx.level + 1)
+                self.region(sub, inner, (*path, r), set())
+            return
+        if op.name.startswith("fed."):
+            self.report("fed/C0", f"unknown federated op {op.name}", path, op, False)
+            return
+        if op.name != "fcir.constant" and not op.name.startswith("jax."):
+            self.report("op/C0", f"unknown op {op.name}: ops are fed.*, jax.* or fcir.constant",
+                        path, op, False)
+            return
+        self.local(op, ctx, path)
+        for r, sub in enumerate(op.regions):
+            self.region(sub, ctx, (*path, r), set())
+
+    def local(self, op: Op, ctx: Context, path: tuple) -> None:
+        prim = op.name.removeprefix("jax.")
+        if ctx.level >= 0 and prim in COLLECTIVES:
+            self.report(
+                "local/C3",
+                f"local/C3: collective {prim} inside a fed.map region would communicate "
+                "between members; aggregate with fed ops instead",
+                path, op, True,
+            )
+        operands_local = all(ctx.is_local(v.type) for v in op.operands)
+        results_local = all(ctx.is_local(v.type) for v in op.results)
+        if operands_local and results_local:
+            return
+        if prim in _capture.ELEMENTWISE and self.elementwise_ok(op, ctx):
+            return
+        bad = next((v.type for v in op.operands if not ctx.is_local(v.type)), None)
+        if bad is not None:
+            self.report(
+                "local/C1",
+                f"local/C1: {op.name} at '{ctx.here}' reads a value of type {bad} outside a "
+                "fed op: reading one member or aggregating with plain jax ops is "
+                "client-to-client communication; use map_fn and the fcir reductions",
+                path, op, True,
+            )
+        else:
+            self.report(
+                "local/C1",
+                f"local/C1: {op.name} at '{ctx.here}' produces a placed value without a fed op",
+                path, op, True,
+            )
+
+    @staticmethod
+    def elementwise_ok(op: Op, ctx: Context) -> bool:
+        placed = [
+            v.type for v in op.operands
+            if isinstance(v.type, PlacedType) and v.type.placement != SERVER
+        ]
+        if not placed or len({(t.placement, t.member) for t in placed}) > 1 and len(
+            {(t.placement, getattr(t.member, "shape", None)) for t in placed}
+        ) > 1:
+            return False
+        p = placed[0].placement
+        for v in op.operands:
+            if v.type in placed:
+                continue
+            member = ctx.member_of_local(v.type) if ctx.is_local(v.type) else None
+            if not isinstance(member, TensorType) or member.shape != ():
+                return False
+        return all(
+            isinstance(r.type, PlacedType) and r.type.placement == p
+            and r.type.member.shape == placed[0].member.shape
+            for r in op.results
+        )
+
+
+def verify(module: Module) -> list[Diagnostic]:
+    """Every diagnostic for ``module`` (empty when it checks)."""
+    return _Checker(module).run()
+
+
+def check(module: Module) -> Module:
+    """Raises PlacementError / IRTypeError naming the op and the violated constraint."""
+    diags = verify(module)
+    if not diags:
+        return module
+    first = next((d for d in diags if d.placement), diags[0])
+    more = "" if len(diags) == 1 else f"\n(and {len(diags) - 1} more)\n" + "\n".join(
+        str(d) for d in diags if d is not first
+    )
+    cls = PlacementError if first.placement else IRTypeError
+    raise cls(str(first) + more)

@@ -1,0 +1,156 @@
+"""The in-memory IR: modules of functions whose bodies are regions of ops.
+
+Values are identified by object identity; the printer (``fcir.text``) and the
+serializer number them in definition order, so names never come from Python ids.
+An op is a namespaced name (``fed.map``, ``jax.dot_general``), operands, typed
+results, attributes (plain data, see ``fcir.attrs``) and nested regions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from fcir.types import Structure, Type
+
+IR_VERSION = 1  # major version of the fcir.v1 Module format this fcir reads and writes
+
+
+class Value:
+    """An SSA value: defined once, as a region parameter or an op result."""
+
+    __slots__ = ("type",)
+
+    def __init__(self, type: Type):
+        self.type = type
+
+    def __repr__(self) -> str:
+        return f"Value({self.type})"
+
+
+@dataclasses.dataclass(eq=False)
+class Region:
+    params: list[Value]
+    ops: list[Op]
+    results: list[Value]
+    label: str = "body"
+
+
+@dataclasses.dataclass(eq=False)
+class Op:
+    name: str
+    operands: list[Value]
+    results: list[Value]
+    attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    regions: list[Region] = dataclasses.field(default_factory=list)
+    location: str = ""  # "file.py:12" when captured with locations=True
+
+    @property
+    def dialect(self) -> str:
+        return self.name.split(".", 1)[0]
+
+
+@dataclasses.dataclass(eq=False)
+class Func:
+    name: str
+    body: Region
+    arg_structure: Structure | None = None
+    result_structure: Structure | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Module:
+    """A federated program: placements (outermost first) and its ``main`` function."""
+
+    name: str
+    placements: list[tuple[str, int]]
+    funcs: list[Func]
+    ir_version: int = IR_VERSION
+
+    @property
+    def main(self) -> Func:
+        for f in self.funcs:
+            if f.name == "main":
+                return f
+        from fcir.errors import IRTypeError
+
+        raise IRTypeError(f"module @{self.name} has no func @main")
+
+    def cardinality(self, placement: str) -> int:
+        for name, n in self.placements:
+            if name == placement:
+                return n
+        from fcir.errors import PlacementError
+
+        raise PlacementError(
+            f"placement '{placement}' is not declared by module @{self.name} "
+            f"(placements: {[p for p, _ in self.placements]})"
+        )
+
+    def parent_of(self, placement: str) -> str:
+        names = [p for p, _ in self.placements]
+        i = names.index(placement)
+        return "server" if i == 0 else names[i - 1]
+
+    def to_text(self, *, full_constants: bool = False, locations: bool = False) -> str:
+        """Canonical, deterministic text. Large constants are elided to shape + sha256
+        unless ``full_constants``; source locations are printed only if asked."""
+        from fcir import text
+
+        return text.print_module(self, full_constants=full_constants, locations=locations)
+
+    def serialize(self) -> bytes:
+        """Bytes of the ``fcir.v1.Module`` protobuf (deterministic)."""
+        from fcir import serialize
+
+        return serialize.to_bytes(self)
+
+    @classmethod
+    def deserialize(cls, data: bytes) -> Module:
+        from fcir import serialize
+
+        return serialize.from_bytes(data)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def walk(region: Region, path: tuple = ()) -> Iterator[tuple[tuple, Op]]:
+    """Yields (path, op) for every op, depth first in program order.
+
+    A path is ``(op index, region index, op index, ...)`` from the function body.
+    """
+    for i, op in enumerate(region.ops):
+        yield (*path, i), op
+        for r, sub in enumerate(op.regions):
+            yield from walk(sub, (*path, i, r))
+
+
+def value_numbering(func: Func) -> dict[Value, int]:
+    """Value -> number, in definition order (the printer's and serializer's names)."""
+    names: dict[Value, int] = {}
+
+    def number(region: Region) -> None:
+        for v in region.params:
+            names.setdefault(v, len(names))
+        for op in region.ops:
+            for v in op.results:
+                names.setdefault(v, len(names))
+            for sub in op.regions:
+                number(sub)
+
+    # Reading order of the canonical text: an op's results print before its regions.
+    for v in func.body.params:
+        names.setdefault(v, len(names))
+    number(func.body)
+    return names
+
+
+def describe(module: Module, path: tuple, op: Op, names: dict[Value, int] | None = None) -> str:
+    """Human-readable position of an op for error messages."""
+    names = names if names is not None else value_numbering(module.main)
+    where = "op " + "/".join(str(p) for p in path)
+    res = ", ".join(f"%{names[v]}" for v in op.results if v in names)
+    loc = f" at {op.location}" if op.location else ""
+    return f"{op.name} ({where}{', defining ' + res if res else ''}){loc}"

@@ -1,0 +1,674 @@
+"""Canonical text: printer and parser.
+
+One op per line; value names ``%N`` assigned by the printer in reading order;
+attributes sorted by key; regions indented; floats printed exactly (round-trip repr);
+constants with more than ``INLINE_LIMIT`` elements elided to type + sha256 prefix
+unless ``full_constants``; a header line with ``ir_version``; no source locations
+unless asked. Grammar (informal)::
+
+    module    := 'fcir.module' '@'NAME 'ir_version='INT 'placements=[' (NAME':'INT),* ']' func*
+    func      := 'func' '@'NAME '(' param,* ')' '->' '(' type,* ')' '{' struct* op* 'return' vals '}'
+    struct    := '.args' structure | '.results' structure
+    op        := (result,+ '=')? OPNAME vals? attrdict? loc? regions?
+    result    := VALUE ':' type
+    regions   := '{' region '}' (',' '{' region '}')*
+    region    := '^'LABEL '(' param,* ')' ':' op* 'yield' vals
+    attrdict  := '{' (KEY '=' attr),* '}'
+    attr      := INT | FLOAT | STRING | 'true' | 'false' | 'none' | DTYPE | '[' attr,* ']'
+               | '#'TYPE'.'MEMBER | '#'TYPE'<' (KEY '=' attr),* '>' | '^'INT (':open')?
+               | 'dense<' type ':' ('[' scalar,* ']' | 'hex' STRING | 'sha256' STRING) '>'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+
+from fcir import attrs as A
+from fcir.errors import ParseError
+from fcir.ir import IR_VERSION, Func, Module, Op, Region, Value, value_numbering
+from fcir.types import SERVER, PlacedType, Structure, TensorType, Type
+
+INLINE_LIMIT = 16
+_DIGEST_CHARS = 16
+
+
+# --- printing -------------------------------------------------------------------------------
+
+
+def format_type(t: Type) -> str:
+    return str(t)
+
+
+def _format_float(x: float) -> str:
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return repr(float(x))
+
+
+def format_attr(a, full_constants: bool = False) -> str:
+    if a is None:
+        return "none"
+    if isinstance(a, bool):
+        return "true" if a else "false"
+    if isinstance(a, int):
+        return str(a)
+    if isinstance(a, float):
+        return _format_float(a)
+    if isinstance(a, str):
+        return json.dumps(a)
+    if isinstance(a, tuple):
+        return "[" + ", ".join(format_attr(x, full_constants) for x in a) + "]"
+    if isinstance(a, A.DType):
+        return a.name
+    if isinstance(a, A.Enum):
+        return f"#{a.type_name}.{a.member}"
+    if isinstance(a, A.Record):
+        body = ", ".join(f"{k}={format_attr(v, full_constants)}" for k, v in a.fields)
+        return f"#{a.type_name}<{body}>"
+    if isinstance(a, A.RegionRef):
+        return f"^{a.index}" + ("" if a.closed else ":open")
+    if isinstance(a, A.Tensor):
+        return _format_tensor(a, full_constants)
+    raise TypeError(f"not an attribute: {a!r}")
+
+
+def _format_tensor(t: A.Tensor, full: bool) -> str:
+    head = f"dense<{TensorType(t.dtype, t.shape)}: "
+    if t.data is None:
+        return head + f'sha256"{t.digest[:_DIGEST_CHARS]}">'
+    inline = t.size <= INLINE_LIMIT and not t.dtype.startswith(("key<", "c"))
+    if inline:
+        arr = t.numpy().reshape(-1)
+        if t.dtype == "bool":
+            vals = ["true" if v else "false" for v in arr]
+        elif np.issubdtype(arr.dtype, np.integer):
+            vals = [str(int(v)) for v in arr]
+        else:
+            vals = [_format_float(float(v)) for v in arr]
+        if not t.shape:
+            return head + vals[0] + ">"
+        return head + "[" + ", ".join(vals) + "]>"
+    if full:
+        return head + f'hex"{t.data.hex()}">'
+    return head + f'sha256"{t.digest[:_DIGEST_CHARS]}">'
+
+
+def format_structure(s: Structure) -> str:
+    if s.kind == "tuple" and len(s.children) == 1:
+        return f"({format_structure(s.children[0])},)"
+    if s.kind in ("leaf", "none", "tuple", "list"):
+        if s.kind == "tuple":
+            return "(" + ", ".join(format_structure(c) for c in s.children) + ")"
+        if s.kind == "list":
+            return "[" + ", ".join(format_structure(c) for c in s.children) + "]"
+        return str(s)
+    body = ", ".join(f"{json.dumps(n)}: {format_structure(c)}" for n, c in zip(s.names, s.children))
+    if s.kind == "dict":
+        return "{" + body + "}"
+    return f"{s.kind} {json.dumps(s.type_name)} {{{body}}}"
+
+
+class _Printer:
+    def __init__(self, module: Module, full_constants: bool, locations: bool):
+        self.module = module
+        self.full = full_constants
+        self.locations = locations
+        self.lines: list[str] = []
+
+    def name(self, v: Value) -> str:
+        return f"%{self.names[v]}"
+
+    def run(self) -> str:
+        m = self.module
+        places = ", ".join(f"{p}:{n}" for p, n in m.placements)
+        self.lines.append(
+            f"fcir.module @{m.name} ir_version={m.ir_version} placements=[{places}]"
+        )
+        for f in m.funcs:
+            self.func(f)
+        return "\n".join(self.lines) + "\n"
+
+    def func(self, f: Func) -> None:
+        self.names = value_numbering(f)
+        params = ", ".join(f"{self.name(v)}: {v.type}" for v in f.body.params)
+        results = ", ".join(str(v.type) for v in f.body.results)
+        self.lines.append(f"func @{f.name}({params}) -> ({results}) {{")
+        if f.arg_structure is not None:
+            self.lines.append(f"  .args {format_structure(f.arg_structure)}")
+        if f.result_structure is not None:
+            self.lines.append(f"  .results {format_structure(f.result_structure)}")
+        for op in f.body.ops:
+            self.op(op, 1)
+        self.lines.append("  return " + ", ".join(self.name(v) for v in f.body.results))
+        self.lines.append("}")
+
+    def op(self, op: Op, depth: int) -> None:
+        ind = "  " * depth
+        parts = []
+        if op.results:
+            parts.append(", ".join(f"{self.name(v)}: {v.type}" for v in op.results) + " =")
+        parts.append(op.name)
+        if op.operands:
+            parts.append(", ".join(self.name(v) for v in op.operands))
+        if op.attrs:
+            body = ", ".join(
+                f"{k}={format_attr(op.attrs[k], self.full)}" for k in sorted(op.attrs)
+            )
+            parts.append("{" + body + "}")
+        if self.locations and op.location:
+            parts.append(f"loc({json.dumps(op.location)})")
+        line = ind + " ".join(parts)
+        if not op.regions:
+            self.lines.append(line)
+            return
+        self.lines.append(line + " {")
+        for i, r in enumerate(op.regions):
+            params = ", ".join(f"{self.name(v)}: {v.type}" for v in r.params)
+            self.lines.append(f"{ind}  ^{r.label}({params}):")
+            for sub in r.ops:
+                self.op(sub, depth + 2)
+            self.lines.append(f"{ind}    yield " + ", ".join(self.name(v) for v in r.results))
+            self.lines.append(ind + ("}, {" if i + 1 < len(op.regions) else "}"))
+
+
+def print_module(module: Module, *, full_constants: bool = False, locations: bool = False) -> str:
+    return _Printer(module, full_constants, locations).run()
+
+
+# --- parsing --------------------------------------------------------------------------------
+
+_TOKEN = re.compile(
+    r"""
+    (?P<ws>[ \t\r]+|//[^\n]*)
+  | (?P<nl>\n)
+  | (?P<string>"(?:[^"\\\n]|\\.)*")
+  | (?P<value>%\d+)
+  | (?P<leaf>\$\d+)
+  | (?P<region>\^\w+)
+  | (?P<hash>\#[A-Za-z_][\w.]*)
+  | (?P<sym>@[A-Za-z_][\w]*)
+  | (?P<number>[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+|inf\b|nan\b))
+  | (?P<key>key<\w+>)
+  | (?P<directive>\.(?:args|results)\b)
+  | (?P<ident>[A-Za-z_][\w.]*)
+  | (?P<arrow>->)
+  | (?P<punct>[{}()\[\]<>,:=!])
+  """,
+    re.VERBOSE,
+)
+
+
+class _Tok:
+    __slots__ = ("kind", "text", "line", "col")
+
+    def __init__(self, kind, text, line, col):
+        self.kind, self.text, self.line, self.col = kind, text, line, col
+
+    def __repr__(self):
+        return f"{self.text!r}"
+
+
+def _tokenize(text: str) -> list[_Tok]:
+    toks = []
+    pos, line, line_start = 0, 1, 0
+    n = len(text)
+    while pos < n:
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise ParseError(
+                f"line {line}, column {pos - line_start + 1}: unexpected character "
+                f"{text[pos]!r}"
+            )
+        kind = m.lastgroup
+        if kind == "nl":
+            line += 1
+            line_start = m.end()
+        elif kind != "ws":
+            toks.append(_Tok(kind, m.group(), line, pos - line_start + 1))
+        pos = m.end()
+    toks.append(_Tok("eof", "", line, pos - line_start + 1))
+    return toks
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.toks = _tokenize(text)
+        self.i = 0
+
+    # -- token helpers --
+    @property
+    def tok(self) -> _Tok:
+        return self.toks[self.i]
+
+    def peek(self, k: int = 1) -> _Tok:
+        return self.toks[min(self.i + k, len(self.toks) - 1)]
+
+    def error(self, msg: str, tok: _Tok | None = None) -> ParseError:
+        tok = tok or self.tok
+        got = tok.text or "end of input"
+        return ParseError(f"line {tok.line}, column {tok.col}: {msg} (found {got!r})")
+
+    def next(self) -> _Tok:
+        t = self.tok
+        if t.kind != "eof":
+            self.i += 1
+        return t
+
+    def accept(self, text: str) -> bool:
+        if self.tok.text == text and self.tok.kind != "string":
+            self.i += 1
+            return True
+        return False
+
+    def expect(self, text: str) -> _Tok:
+        if self.tok.text != text or self.tok.kind == "string":
+            raise self.error(f"expected {text!r}")
+        return self.next()
+
+    def expect_kind(self, kind: str, what: str) -> _Tok:
+        if self.tok.kind != kind:
+            raise self.error(f"expected {what}")
+        return self.next()
+
+    def integer(self) -> int:
+        t = self.expect_kind("number", "an integer")
+        if not re.fullmatch(r"[-+]?\d+", t.text):
+            raise self.error("expected an integer", t)
+        return int(t.text)
+
+    # -- module --
+    def module(self) -> Module:
+        self.expect("fcir.module")
+        name = self.expect_kind("sym", "@module_name").text[1:]
+        self.expect("ir_version")
+        self.expect("=")
+        version = self.integer()
+        if version > IR_VERSION:
+            from fcir.errors import VersionError
+
+            raise VersionError(
+                f"module @{name} has ir_version={version}; this fcir reads ir_version "
+                f"<= {IR_VERSION}: upgrade fcir"
+            )
+        if version < 1:
+            raise self.error("ir_version must be >= 1")
+        self.expect("placements")
+        self.expect("=")
+        self.expect("[")
+        placements = []
+        while not self.accept("]"):
+            if placements:
+                self.expect(",")
+            p = self.expect_kind("ident", "a placement name").text
+            self.expect(":")
+            n = self.integer()
+            if n < 1:
+                raise self.error(f"cardinality of '{p}' must be positive")
+            if p in dict(placements) or p == SERVER:
+                raise self.error(f"placement name '{p}' is reserved or repeated")
+            placements.append((p, n))
+        self.placements = dict(placements)
+        funcs = []
+        while self.tok.kind != "eof":
+            funcs.append(self.func())
+        if not funcs:
+            raise self.error("expected a func")
+        return Module(name, placements, funcs, version)
+
+    def func(self) -> Func:
+        self.expect("func")
+        name = self.expect_kind("sym", "@func_name").text[1:]
+        self.env: dict[str, Value] = {}
+        self.expect("(")
+        params = self.params(")")
+        self.expect("->")
+        self.expect("(")
+        result_types = []
+        while not self.accept(")"):
+            if result_types:
+                self.expect(",")
+            result_types.append(self.type())
+        self.expect("{")
+        arg_s = res_s = None
+        while self.tok.text in (".args", ".results"):
+            which = self.next().text
+            s = self.structure()
+            if which == ".args":
+                arg_s = s
+            else:
+                res_s = s
+        ops = []
+        while self.tok.text != "return":
+            if self.tok.kind == "eof":
+                raise self.error("expected 'return'")
+            ops.append(self.op())
+        self.expect("return")
+        results = self.uses()
+        self.expect("}")
+        if [v.type for v in results] != result_types:
+            raise self.error(f"func @{name}: returned values do not match its result types")
+        return Func(name, Region(params, ops, results, "main"), arg_s, res_s)
+
+    def params(self, close: str) -> list[Value]:
+        params = []
+        while not self.accept(close):
+            if params:
+                self.expect(",")
+            params.append(self.define())
+        return params
+
+    def define(self) -> Value:
+        t = self.expect_kind("value", "a %value")
+        if t.text in self.env:
+            raise self.error(f"value {t.text} is defined twice", t)
+        self.expect(":")
+        v = Value(self.type())
+        self.env[t.text] = v
+        return v
+
+    def uses(self) -> list[Value]:
+        vals = []
+        if self.tok.kind != "value":
+            return vals
+        while True:
+            t = self.expect_kind("value", "a %value")
+            if t.text not in self.env:
+                raise self.error(f"value {t.text} is used before it is defined", t)
+            vals.append(self.env[t.text])
+            if not self.accept(","):
+                return vals
+
+    # -- types --
+    def type(self) -> Type:
+        if self.accept("{"):
+            member = self.type()
+            self.expect("}")
+            self.expect_kind("sym", "@placement")
+            p = self.toks[self.i - 1].text[1:]
+            self.check_placement(p)
+            return PlacedType(member, p, False)
+        t = self.tensor_type()
+        if self.tok.kind == "sym":
+            p = self.next().text[1:]
+            if p == SERVER:
+                return PlacedType(t, SERVER, True)
+            self.check_placement(p)
+            self.expect("!")
+            return PlacedType(t, p, True)
+        return t
+
+    def check_placement(self, p: str) -> None:
+        if p != SERVER and p not in self.placements:
+            raise self.error(f"placement '{p}' is not declared in the module header")
+
+    def tensor_type(self) -> TensorType:
+        t = self.next()
+        if t.kind not in ("ident", "key"):
+            raise self.error("expected a type such as f32[16,1]", t)
+        from fcir.types import dtype_from_name
+
+        try:
+            dtype_from_name(t.text)
+        except ParseError as e:
+            raise self.error(str(e), t) from None
+        self.expect("[")
+        dims = []
+        while not self.accept("]"):
+            if dims:
+                self.expect(",")
+            d = self.integer()
+            if d < 0:
+                raise self.error("dimensions must be non-negative")
+            dims.append(d)
+        return TensorType(t.text, tuple(dims))
+
+    # -- structures --
+    def structure(self) -> Structure:
+        t = self.tok
+        if t.kind == "leaf":
+            self.next()
+            return Structure("leaf", leaf=int(t.text[1:]))
+        if self.accept("none"):
+            return Structure("none")
+        if self.accept("("):
+            kids = []
+            while not self.accept(")"):
+                kids.append(self.structure())
+                if not self.accept(","):
+                    self.expect(")")
+                    break
+            return Structure("tuple", tuple(kids))
+        if self.accept("["):
+            kids = []
+            while not self.accept("]"):
+                if kids:
+                    self.expect(",")
+                kids.append(self.structure())
+            return Structure("list", tuple(kids))
+        kind, type_name = "dict", ""
+        if t.text in ("namedtuple", "custom"):
+            kind = self.next().text
+            type_name = self.string()
+        self.expect("{")
+        names, kids = [], []
+        while not self.accept("}"):
+            if names:
+                self.expect(",")
+            names.append(self.string())
+            self.expect(":")
+            kids.append(self.structure())
+        return Structure(kind, tuple(kids), tuple(names), type_name)
+
+    def string(self) -> str:
+        t = self.expect_kind("string", "a string")
+        try:
+            return json.loads(t.text)
+        except ValueError:
+            raise self.error("malformed string", t) from None
+
+    # -- ops --
+    def op(self) -> Op:
+        results = []
+        if self.tok.kind == "value":
+            pending = []
+            while True:
+                t = self.expect_kind("value", "a %value")
+                self.expect(":")
+                pending.append((t, self.type()))
+                if not self.accept(","):
+                    break
+            self.expect("=")
+        else:
+            pending = []
+        name_tok = self.expect_kind("ident", "an op name")
+        if "." not in name_tok.text:
+            raise self.error("op names are namespaced, e.g. fed.map or jax.add", name_tok)
+        operands = self.uses()
+        attrs = {}
+        if self.tok.text == "{" and self.peek().kind != "region":
+            self.next()
+            while not self.accept("}"):
+                if attrs:
+                    self.expect(",")
+                key = self.expect_kind("ident", "an attribute name").text
+                if key in attrs:
+                    raise self.error(f"attribute {key} repeated")
+                self.expect("=")
+                attrs[key] = self.attr()
+        location = ""
+        if self.tok.text == "loc" and self.peek().text == "(":
+            self.next()
+            self.next()
+            location = self.string()
+            self.expect(")")
+        # Results are defined after the op's operands are read but before its regions,
+        # matching the printer's numbering (regions may not use them anyway).
+        for t, ty in pending:
+            if t.text in self.env:
+                raise self.error(f"value {t.text} is defined twice", t)
+            v = Value(ty)
+            self.env[t.text] = v
+            results.append(v)
+        regions = []
+        if self.tok.text == "{" and self.peek().kind == "region":
+            while True:
+                self.expect("{")
+                regions.append(self.region())
+                self.expect("}")
+                if not (self.tok.text == "," and self.peek().text == "{"):
+                    break
+                self.next()
+        return Op(name_tok.text, operands, results, attrs, regions, location)
+
+    def region(self) -> Region:
+        label = self.expect_kind("region", "^label").text[1:]
+        self.expect("(")
+        params = self.params(")")
+        self.expect(":")
+        ops = []
+        while self.tok.text != "yield":
+            if self.tok.kind == "eof":
+                raise self.error("expected 'yield'")
+            ops.append(self.op())
+        self.expect("yield")
+        return Region(params, ops, self.uses(), label)
+
+    # -- attributes --
+    def attr(self):
+        t = self.tok
+        if t.kind == "number":
+            self.next()
+            if re.fullmatch(r"[-+]?\d+", t.text):
+                return int(t.text)
+            return float(t.text)
+        if t.kind == "string":
+            return self.string()
+        if t.kind == "region":
+            self.next()
+            if not t.text[1:].isdigit():
+                raise self.error("expected a region reference ^N", t)
+            closed = True
+            if self.tok.text == ":" and self.peek().text == "open":
+                self.next()
+                self.next()
+                closed = False
+            return A.RegionRef(int(t.text[1:]), closed)
+        if self.accept("["):
+            items = []
+            while not self.accept("]"):
+                if items:
+                    self.expect(",")
+                items.append(self.attr())
+            return tuple(items)
+        if t.kind == "hash":
+            self.next()
+            name = t.text[1:]
+            if self.accept("<"):
+                fields = []
+                while not self.accept(">"):
+                    if fields:
+                        self.expect(",")
+                    k = self.expect_kind("ident", "a field name").text
+                    self.expect("=")
+                    fields.append((k, self.attr()))
+                return A.Record(name, tuple(fields))
+            type_name, dot, member = name.rpartition(".")
+            if not dot:
+                raise self.error("expected #Type.MEMBER or #Type<...>", t)
+            return A.Enum(type_name, member)
+        if t.kind == "ident" and t.text == "dense" and self.peek().text == "<":
+            return self.dense()
+        if t.kind in ("ident", "key"):
+            self.next()
+            if t.text == "true":
+                return True
+            if t.text == "false":
+                return False
+            if t.text == "none":
+                return None
+            from fcir.types import dtype_from_name
+
+            try:
+                dtype_from_name(t.text)
+            except ParseError:
+                raise self.error("expected an attribute value", t) from None
+            return A.DType(t.text)
+        raise self.error("expected an attribute value")
+
+    def dense(self) -> A.Tensor:
+        self.next()
+        self.expect("<")
+        tt = self.tensor_type()
+        self.expect(":")
+        size = int(np.prod(tt.shape, dtype=np.int64))
+        bare_scalar = not tt.shape and self.tok.kind == "number" or self.tok.text in (
+            "true", "false")
+        if bare_scalar or self.accept("["):
+            vals = []
+            while not bare_scalar and not self.accept("]"):
+                if vals:
+                    self.expect(",")
+                vals.append(self.scalar())
+            if bare_scalar:
+                vals.append(self.scalar())
+            if len(vals) != size:
+                raise self.error(f"dense<{tt}> needs {size} values, got {len(vals)}")
+            from fcir.types import dtype_from_name
+
+            dt = dtype_from_name(tt.dtype)
+            if tt.dtype.startswith(("key<", "c")):
+                raise self.error("key and complex constants are written as hex")
+            try:
+                arr = np.array(vals, dtype=np.float64 if dt.kind == "f" or tt.dtype == "bf16"
+                               else object).astype(dt)
+            except (OverflowError, ValueError, TypeError) as e:
+                raise self.error(f"values do not fit {tt.dtype}: {e}") from None
+            tensor = A.Tensor(tt.dtype, tt.shape, np.ascontiguousarray(arr).tobytes())
+        else:
+            kind = self.expect_kind("ident", "hex or sha256").text
+            payload = self.string()
+            if kind == "hex":
+                try:
+                    data = bytes.fromhex(payload)
+                except ValueError:
+                    raise self.error("malformed hex constant") from None
+                tensor = A.Tensor(tt.dtype, tt.shape, data)
+                try:
+                    tensor.numpy()
+                except ParseError as e:
+                    raise self.error(str(e)) from None
+            elif kind == "sha256":
+                if not re.fullmatch(r"[0-9a-f]{1,64}", payload):
+                    raise self.error("malformed sha256 prefix")
+                tensor = A.Tensor(tt.dtype, tt.shape, None, payload)
+            else:
+                raise self.error("expected hex or sha256")
+        self.expect(">")
+        return tensor
+
+    def scalar(self):
+        t = self.next()
+        if t.kind == "number":
+            if re.fullmatch(r"[-+]?\d+", t.text):
+                return int(t.text)
+            return float(t.text)
+        if t.text in ("true", "false"):
+            return t.text == "true"
+        if t.text in ("-inf",):
+            return -math.inf
+        raise self.error("expected a number", t)
+
+
+def parse(text: str) -> Module:
+    """Canonical text -> Module. Raises ParseError (or VersionError) with line/column."""
+    if not isinstance(text, str):
+        raise ParseError(f"fcir.parse expects text (str), got {type(text).__name__}")
+    parser = _Parser(text)
+    module = parser.module()
+    return module
