@@ -37,3 +37,7 @@ class ExportError(FcirError):
 
 class CheckpointError(FcirError):
     """A checkpoint is missing, partial, corrupt, or does not match the target."""
+
+
+class InterpreterError(FcirError):
+    """Running a module failed at an op (bad arguments, or an op's runtime condition)."""

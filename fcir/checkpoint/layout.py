@@ -1,0 +1,165 @@
+"""The checkpoint's layout file: writing, reading, verifying and validating it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from fcir._proto import checkpoint_pb2 as pb
+from fcir.checkpoint import checksums, keypaths, shardings
+from fcir.errors import CheckpointError
+
+LAYOUT_VERSION = 1
+#: Present in a checkpoint directory exactly when the checkpoint is committed.
+LAYOUT_FILE = "layout.pb"
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    try:
+        return np.dtype(jnp.dtype(name))
+    except TypeError as e:
+        raise CheckpointError(f"layout names an unknown dtype {name!r}") from e
+
+
+def data_file_name(process_index: int) -> str:
+    return f"data-p{process_index:05d}.bin"
+
+
+def part_file_name(process_index: int) -> str:
+    """The shard records one process hands to the committing process (removed at commit)."""
+    return f"layout.part-p{process_index:05d}.pb"
+
+
+def encode(layout: pb.CheckpointLayout) -> bytes:
+    payload = layout.SerializeToString(deterministic=True)
+    return pb.CheckpointLayoutFile(
+        layout=payload, layout_crc32=zlib.crc32(payload)
+    ).SerializeToString()
+
+
+def decode(data: bytes, where: str) -> pb.CheckpointLayout:
+    envelope = pb.CheckpointLayoutFile()
+    try:
+        envelope.ParseFromString(data)
+    except DecodeError as e:
+        raise CheckpointError(f"{where}: layout file is corrupt ({e})") from e
+    if zlib.crc32(envelope.layout) != envelope.layout_crc32:
+        raise CheckpointError(f"{where}: layout file is corrupt (checksum mismatch)")
+    layout = pb.CheckpointLayout()
+    try:
+        layout.ParseFromString(envelope.layout)
+    except DecodeError as e:
+        raise CheckpointError(f"{where}: layout file is corrupt ({e})") from e
+    if layout.layout_version > LAYOUT_VERSION:
+        raise CheckpointError(
+            f"{where}: layout version {layout.layout_version} is newer than this fcir "
+            f"reads ({LAYOUT_VERSION}); upgrade fcir"
+        )
+    if layout.layout_version < 1:
+        raise CheckpointError(f"{where}: layout has no valid layout_version")
+    return layout
+
+
+def write_file(path: pathlib.Path, data: bytes) -> None:
+    """Creates `path` (it must not exist) holding `data`, and fsyncs it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_layout(path: str | os.PathLike[str]) -> pb.CheckpointLayout:
+    """The `fcir.v1.CheckpointLayout` of the committed checkpoint at `path`.
+
+    Raises CheckpointError when `path` is not a committed checkpoint, or its layout is
+    damaged, inconsistent or from a newer format version.
+    """
+    directory = pathlib.Path(path)
+    file = directory / LAYOUT_FILE
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        if not directory.exists():
+            raise CheckpointError(f"no checkpoint at {directory}: it does not exist") from None
+        raise CheckpointError(
+            f"{directory} is not a committed checkpoint (no {LAYOUT_FILE})"
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from e
+    layout = decode(data, str(directory))
+    validate(layout, str(directory))
+    return layout
+
+
+def validate(layout: pb.CheckpointLayout, where: str) -> None:
+    """Checks the layout's internal consistency; raises CheckpointError naming the array."""
+    if layout.checksum_algorithm != pb.CHECKSUM_ALGORITHM_CRC32:
+        raise CheckpointError(f"{where}: unsupported checksum algorithm")
+    if layout.checksum_chunk_bytes <= 0:
+        raise CheckpointError(f"{where}: checksum_chunk_bytes must be positive")
+    names = set()
+    for f in layout.files:
+        if not f.name or "/" in f.name or "\\" in f.name or f.name in (".", ".."):
+            raise CheckpointError(f"{where}: invalid data file name {f.name!r}")
+    seen_items = set()
+    for item in layout.items:
+        if item.name in seen_items:
+            raise CheckpointError(f"{where}: item {item.name!r} appears twice")
+        seen_items.add(item.name)
+        if item.WhichOneof("value") is None:
+            raise CheckpointError(f"{where}: item {item.name!r} has neither arrays nor json")
+        names.clear()
+        for record in item.arrays.arrays:
+            key = keypaths.match_key(keypaths.from_proto(record.path))
+            name = keypaths.display(item.name, key)
+            if key in names:
+                raise CheckpointError(f"{where}: array {name!r} appears twice")
+            names.add(key)
+            validate_array(layout, record, f"{where}: array {name!r}")
+
+
+def validate_array(layout: pb.CheckpointLayout, record: pb.ArrayRecord, where: str) -> None:
+    shape = tuple(record.shape)
+    if any(d < 0 for d in shape):
+        raise CheckpointError(f"{where}: negative dimension in shape {shape}")
+    itemsize = dtype_from_name(record.dtype).itemsize
+    total = 0
+    for shard in record.shards:
+        if len(shard.index) != len(shape):
+            raise CheckpointError(f"{where}: a shard's index has the wrong rank")
+        box = (tuple(r.start for r in shard.index), tuple(r.stop for r in shard.index))
+        if any(not 0 <= a <= b <= d for a, b, d in zip(*box, shape)):
+            raise CheckpointError(f"{where}: a shard's index {box} lies outside shape {shape}")
+        vol = shardings.volume(box)
+        if shard.length != vol * itemsize:
+            raise CheckpointError(f"{where}: a shard's byte length does not match its index")
+        if shard.file >= len(layout.files):
+            raise CheckpointError(f"{where}: a shard names a data file that is not listed")
+        if shard.offset + shard.length > layout.files[shard.file].size_bytes:
+            raise CheckpointError(f"{where}: a shard lies beyond the end of its data file")
+        if len(shard.chunk_checksums) != checksums.chunk_count(
+            shard.length, layout.checksum_chunk_bytes
+        ):
+            raise CheckpointError(f"{where}: a shard has the wrong number of checksums")
+        total += vol
+    if total != int(np.prod(shape, dtype=np.int64)):
+        raise CheckpointError(
+            f"{where}: its shards cover {total} of {int(np.prod(shape))} elements"
+        )
+
+
+def array_bytes(record: pb.ArrayRecord) -> int:
+    return sum(s.length for s in record.shards)

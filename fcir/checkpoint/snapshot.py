@@ -1,0 +1,184 @@
+"""Phase 1 of a save: the host copy of the shards this process writes.
+
+Only shards with replica id 0 are taken, so replicated data is written once, by the
+process that holds its first replica; numpy arrays and Python scalars (the same on
+every process) are written by process 0. On CPU devices device memory is host memory:
+`np.asarray` of a shard is a zero-copy view that keeps the buffer alive, and jax will
+not donate a buffer that has such a view, so no copy is needed. Elsewhere all
+device-to-host copies are started at once and then collected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from fcir._proto import checkpoint_pb2 as pb
+from fcir.checkpoint import keypaths, layout, shardings
+from fcir.checkpoint.shardings import Box
+from fcir.errors import CheckpointError
+
+_PYTHON_SCALARS = (bool, int, float, complex)
+
+
+@dataclasses.dataclass
+class ShardData:
+    box: Box
+    data: np.ndarray  # C-contiguous
+
+
+@dataclasses.dataclass
+class ArrayEntry:
+    path: keypaths.Path
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: pb.Sharding
+    kind: int  # pb.LeafKind
+    shards: list[ShardData]  # the ones this process writes
+
+
+@dataclasses.dataclass
+class ItemEntry:
+    name: str
+    json: str | None  # set for metadata items
+    arrays: list[ArrayEntry]
+
+
+@dataclasses.dataclass
+class Snapshot:
+    items: list[ItemEntry]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this process will write."""
+        return sum(s.data.nbytes for it in self.items for a in it.arrays for s in a.shards)
+
+
+def _json_text(value: Any) -> str | None:
+    """The JSON text of `value` if it is made only of JSON types, else None."""
+
+    def plain(v: Any) -> bool:
+        if v is None or type(v) in (str, bool, int):
+            return True
+        if type(v) is float:
+            return math.isfinite(v)
+        if type(v) is list:
+            return all(plain(x) for x in v)
+        if type(v) is dict:
+            return all(type(k) is str and plain(x) for k, x in v.items())
+        return False
+
+    return json.dumps(value, allow_nan=False) if plain(value) else None
+
+
+def _check_dtype(dtype: np.dtype, name: str) -> np.dtype:
+    if dtype.kind in "OUSMm" or dtype.fields is not None:
+        raise CheckpointError(f"array {name!r} has dtype {dtype}, which cannot be saved")
+    try:
+        return layout.dtype_from_name(layout.dtype_name(dtype))
+    except CheckpointError:
+        raise CheckpointError(f"array {name!r} has dtype {dtype}, which cannot be saved") from None
+
+
+def take(tree: Mapping[str, Any], process_index: int, copy_host_values: bool) -> Snapshot:
+    """Copies (or pins) to host every shard this process writes.
+
+    `copy_host_values` copies numpy leaves, which the caller may mutate while an
+    asynchronous save is still writing them.
+    """
+    if not isinstance(tree, Mapping):
+        raise CheckpointError(
+            f"a checkpoint is a dict of named items, got {type(tree).__name__}; "
+            "wrap it, e.g. {'state': tree}"
+        )
+    items: list[ItemEntry] = []
+    pending: list[tuple[ShardData, jax.Array]] = []
+    for item_name, value in tree.items():
+        if not isinstance(item_name, str) or not item_name:
+            raise CheckpointError(f"item names must be non-empty strings, got {item_name!r}")
+        text = _json_text(value)
+        if text is not None:
+            items.append(ItemEntry(item_name, text, []))
+            continue
+        arrays = []
+        for path, leaf in keypaths.flatten(value, item_name):
+            name = keypaths.display(item_name, path)
+            arrays.append(_entry(path, name, leaf, process_index, copy_host_values, pending))
+        items.append(ItemEntry(item_name, None, arrays))
+    # Start every device-to-host copy before waiting for any of them.
+    for _, shard_array in pending:
+        shard_array.copy_to_host_async()
+    for shard, shard_array in pending:
+        shard.data = np.ascontiguousarray(np.asarray(shard_array))
+    return Snapshot(items)
+
+
+def _entry(
+    path: keypaths.Path,
+    name: str,
+    leaf: Any,
+    process_index: int,
+    copy_host_values: bool,
+    pending: list[tuple[ShardData, jax.Array]],
+) -> ArrayEntry:
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            raise CheckpointError(
+                f"array {name!r} has extended dtype {leaf.dtype}; save e.g. "
+                "jax.random.key_data(key) instead"
+            )
+        if leaf.is_deleted():
+            raise CheckpointError(f"array {name!r} has been deleted (was it donated?)")
+        dtype = _check_dtype(np.dtype(leaf.dtype), name)
+        shape = tuple(leaf.shape)
+        entry = ArrayEntry(
+            path,
+            name,
+            shape,
+            dtype,
+            shardings.describe(leaf.sharding, len(shape)),
+            pb.LEAF_KIND_JAX_ARRAY,
+            [],
+        )
+        for shard in leaf.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            box = shardings.box_of_index(shard.index, shape)
+            if shard.device.platform == "cpu":
+                entry.shards.append(ShardData(box, np.ascontiguousarray(np.asarray(shard.data))))
+            else:
+                data = ShardData(box, np.empty(0, dtype))
+                entry.shards.append(data)
+                pending.append((data, shard.data))
+        return entry
+    if isinstance(leaf, np.ndarray):
+        kind = pb.LEAF_KIND_NUMPY_ARRAY
+        host = np.array(leaf, copy=True) if copy_host_values else np.ascontiguousarray(leaf)
+    elif isinstance(leaf, np.generic):
+        kind = pb.LEAF_KIND_NUMPY_SCALAR
+        host = np.asarray(leaf)
+    elif isinstance(leaf, _PYTHON_SCALARS):
+        kind = pb.LEAF_KIND_PYTHON_SCALAR
+        try:
+            host = np.asarray(leaf)
+        except OverflowError:
+            raise CheckpointError(f"integer {name!r} does not fit in int64") from None
+    else:
+        raise CheckpointError(
+            f"leaf {name!r} is a {type(leaf).__name__}; a checkpoint holds jax arrays, numpy "
+            "arrays and scalars (metadata items may be JSON: dicts, lists, str, numbers)"
+        )
+    if host.dtype.byteorder == ">":  # stored little-endian
+        host = host.astype(host.dtype.newbyteorder("<"))
+    dtype = _check_dtype(host.dtype, name)
+    shape = tuple(host.shape)
+    full = (tuple(0 for _ in shape), shape)
+    shards = [ShardData(full, np.ascontiguousarray(host))] if process_index == 0 else []
+    return ArrayEntry(path, name, shape, dtype, shardings.describe(None, len(shape)), kind, shards)

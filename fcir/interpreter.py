@@ -1,0 +1,302 @@
+"""The interpreter base class: run a Module op by op.
+
+A subclass overrides single ops with ``@fcir.impl("op.name")`` methods; ops it does not
+override fall back to the base class. The base class gives every op its JAX meaning
+by binding the op's primitive, so it runs eagerly and equally under ``jax.jit``
+tracing (``fcir.interpreters.xla`` is exactly that). An impl receives the op and its
+operand values and returns the result value (or a sequence, for several results)::
+
+    class CountTraffic(fcir.Interpreter):
+        @fcir.impl("fed.broadcast")
+        def broadcast(self, op, x):
+            self.bytes += x.nbytes
+            return super().broadcast(op, x)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import jax
+import numpy as np
+from jax._src import core
+
+from fcir import attrs as A
+from fcir import primitives as P
+from fcir.errors import FcirError, InterpreterError, UnsupportedError
+from fcir.ir import Module, Op, Region, describe, walk
+from fcir.types import PlacedType, runtime_type
+
+_log = logging.getLogger("fcir.interpreter")
+
+
+def impl(op_name: str) -> Callable:
+    """Marks an Interpreter method as the implementation of ``op_name``."""
+
+    def mark(fn):
+        fn.fcir_op = op_name
+        return fn
+
+    return mark
+
+
+_PRIMITIVES: dict[str, core.Primitive] = {}
+
+
+def jax_primitive(name: str) -> core.Primitive:
+    """The JAX primitive an op named ``jax.<name>`` stands for."""
+    if not _PRIMITIVES:
+        import sys
+
+        import jax.numpy  # noqa: F401  (make sure lax, random, nn are loaded)
+
+        for modname, mod in sorted(sys.modules.items()):
+            if mod is None or not (modname.startswith("jax") or modname.startswith("fcir")):
+                continue
+            for value in list(vars(mod).values()):
+                if isinstance(value, core.Primitive):
+                    _PRIMITIVES.setdefault(value.name, value)
+    prim = _PRIMITIVES.get(name)
+    if prim is None:
+        raise UnsupportedError(f"jax.{name} names no JAX primitive known to this JAX version")
+    return prim
+
+
+class Interpreter:
+    """Runs a Module. ``verbose=True`` logs each op; ``run(..., intermediates=True)``
+    also returns every value computed, keyed by the printer's value number."""
+
+    _impls: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _collect_impls(cls)
+
+    def __init__(self, *, verbose: bool = False):
+        self.verbose = verbose
+        self.module: Module | None = None
+        self._jaxpr_cache: dict[tuple, core.ClosedJaxpr] = {}
+        self._record: dict | None = None
+
+    # -- entry points -----------------------------------------------------------------------
+
+    def run(self, module: Module, *args, intermediates: bool = False):
+        """Runs ``main`` on pytree ``args``; returns the result pytree (and, when
+        ``intermediates``, a dict value-number -> value)."""
+        from fcir.ir import value_numbering
+
+        self.module = module
+        func = module.main
+        leaves = jax.tree_util.tree_leaves(args)
+        params = func.body.params
+        if len(leaves) != len(params):
+            raise InterpreterError(
+                f"@{module.name} takes {len(params)} array leaves, got {len(leaves)}"
+            )
+        from fcir.types import dtype_name
+
+        leaves = [x if hasattr(x, "dtype") else jax.numpy.asarray(x) for x in leaves]
+        for i, (x, v) in enumerate(zip(leaves, params)):
+            expected = runtime_type(v.type, module.cardinality)
+            shape, dtype = tuple(np.shape(x)), x.dtype
+            if shape != expected.shape or dtype_name(dtype) != expected.dtype:
+                raise InterpreterError(
+                    f"@{module.name} argument leaf {i} (%{i}: {v.type}) needs an array of "
+                    f"{expected}, got {dtype_name(dtype)}{list(shape)}"
+                )
+        self._record = {} if intermediates else None
+        outs = self.run_region(func.body, leaves)
+        structure = func.result_structure
+        result = structure.unflatten(outs) if structure is not None else tuple(outs)
+        if intermediates:
+            names = value_numbering(func)
+            return result, {names[v]: val for v, val in self._record.items()}
+        return result
+
+    def run_region(self, region: Region, args: Sequence) -> list:
+        env: dict = dict(zip(region.params, args))
+        record = self._record
+        if record is not None:
+            record.update(env)
+        for op in region.ops:
+            try:
+                vals = [env[v] for v in op.operands]
+            except KeyError:
+                raise InterpreterError(f"{op.name}: operand used before definition") from None
+            outs = self.run_op(op, vals)
+            env.update(zip(op.results, outs))
+            if record is not None:
+                record.update(zip(op.results, outs))
+        return [env[v] for v in region.results]
+
+    def run_op(self, op: Op, args: Sequence) -> list:
+        method = self._impls.get(op.name)
+        if self.verbose:
+            _log.info("%s", op.name)
+        try:
+            if method is not None:
+                out = getattr(self, method)(op, *args)
+            elif op.name.startswith("jax."):
+                out = self.local(op, *args)
+            else:
+                raise UnsupportedError(f"{type(self).__name__} has no implementation of {op.name}")
+        except FcirError as e:
+            if getattr(e, "fcir_located", False):
+                raise
+            raise self._locate(e, op) from e
+        except Exception as e:  # an op failed while running: attach the op, like torch.fx
+            raise self._locate(InterpreterError(f"{type(e).__name__}: {e}"), op) from e
+        if len(op.results) == 1 and not (op.name == "fed.map" or _multiple(op)):
+            return [out]
+        return list(out)
+
+    def _locate(self, err: FcirError, op: Op) -> FcirError:
+        where = op.name
+        if self.module is not None:
+            for path, o in walk(self.module.main.body):
+                if o is op:
+                    where = describe(self.module, path, op)
+                    break
+        new = type(err)(f"while running {where}: {err}")
+        new.fcir_located = True
+        return new
+
+    # -- base semantics ---------------------------------------------------------------------
+
+    @impl("fcir.constant")
+    def constant(self, op: Op):
+        return op.attrs["value"].value()
+
+    @impl("fed.broadcast")
+    def broadcast(self, op: Op, x):
+        to = op.attrs["to"]
+        return P.broadcast_p.bind(x, placement=to, n=self.module.cardinality(to))
+
+    @impl("fed.map")
+    def map(self, op: Op, *args):
+        p = op.operands[0].type.placement
+        body = self.region_jaxpr(op.regions[0])
+        return P.map_p.bind(*args, body=body, placement=p, n=self.module.cardinality(p))
+
+    def _reduce(self, prim, op: Op, *args, **params):
+        p = op.operands[0].type.placement
+        return prim.bind(*args, placement=p, n=self.module.cardinality(p), **params)
+
+    @impl("fed.sum")
+    def sum(self, op, x):
+        return self._reduce(P.sum_p, op, x)
+
+    @impl("fed.mean")
+    def mean(self, op, x):
+        return self._reduce(P.mean_p, op, x)
+
+    @impl("fed.min")
+    def min(self, op, x):
+        return self._reduce(P.min_p, op, x)
+
+    @impl("fed.max")
+    def max(self, op, x):
+        return self._reduce(P.max_p, op, x)
+
+    @impl("fed.weighted_mean")
+    def weighted_mean(self, op, x, w):
+        return self._reduce(P.weighted_mean_p, op, x, w)
+
+    @impl("fed.secure_sum")
+    def secure_sum(self, op, x):
+        return self._reduce(P.secure_sum_p, op, x, bitwidth=op.attrs["bitwidth"])
+
+    @impl("jax.custom_jvp_call")
+    def custom_jvp_call(self, op, *args):
+        # Derivative rules are not kept in the IR; the primal is the region, inlined as
+        # JAX's own lowering of custom_jvp_call inlines it.
+        return self.run_region(op.regions[0], args)
+
+    @impl("jax.custom_vjp_call")
+    def custom_vjp_call(self, op, *args):
+        return self.run_region(op.regions[0], args)
+
+    def local(self, op: Op, *args):
+        """Any ``jax.*`` op: bind its primitive with the params its attributes stand for."""
+        prim = jax_primitive(op.name.removeprefix("jax."))
+        params = self.params(op)
+        if prim.name in _REMAT:
+            # remat takes an open jaxpr; constants of the retraced region become operands.
+            from jax._src.interpreters import partial_eval as pe
+
+            closed = self.region_jaxpr(op.regions[0])
+            params["jaxpr"] = pe.convert_constvars_jaxpr(closed.jaxpr)
+            args = (*closed.consts, *args)
+        bind_params = prim.get_bind_params(params)
+        if isinstance(bind_params, tuple):  # (subfuns, params) in some JAX versions
+            subfuns, bind_params = bind_params
+            return prim.bind(*subfuns, *args, **bind_params)
+        return prim.bind(*args, **bind_params)
+
+    def params(self, op: Op) -> dict[str, Any]:
+        """JAX params of a ``jax.*`` op, with regions turned back into jaxprs."""
+
+        def region(ref: A.RegionRef):
+            if ref.index >= len(op.regions):
+                raise UnsupportedError(f"{op.name}: attribute names missing region ^{ref.index}")
+            if not ref.closed and op.name.removeprefix("jax.") in _REMAT:
+                return None  # filled in by local()
+            closed = self.region_jaxpr(op.regions[ref.index])
+            if ref.closed:
+                return closed
+            if closed.consts:
+                raise UnsupportedError(f"{op.name}: open region ^{ref.index} needs constants")
+            return closed.jaxpr
+
+        return {k: A.decode(v, region) for k, v in op.attrs.items()}
+
+    def region_jaxpr(self, region: Region) -> core.ClosedJaxpr:
+        """Traces a region with this interpreter into a ClosedJaxpr (cached)."""
+        specs = [
+            jax.ShapeDtypeStruct(t.shape, t.np_dtype)
+            for t in (runtime_type(v.type, self.module.cardinality) for v in region.params)
+        ]
+        key = (id(region), tuple((s.shape, str(s.dtype)) for s in specs))
+        cached = self._jaxpr_cache.get(key)
+        if cached is not None and cached[0] is region:
+            return cached[1]
+        saved, self._record = self._record, None
+        try:
+            closed = jax.make_jaxpr(lambda *a: self.run_region(region, a))(*specs)
+        finally:
+            self._record = saved
+        self._jaxpr_cache[key] = (region, closed)
+        return closed
+
+
+_REMAT = ("remat2", "checkpoint")
+
+
+def _collect_impls(cls) -> None:
+    """op name -> method name, subclasses overriding their bases (no registration call
+    to forget: it runs for every subclass)."""
+    table: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        for attr, fn in vars(klass).items():
+            op_name = getattr(fn, "fcir_op", None)
+            if op_name is not None:
+                table[op_name] = attr
+    cls._impls = table
+
+
+_collect_impls(Interpreter)
+
+
+def _multiple(op: Op) -> bool:
+    if not op.name.startswith("jax."):
+        return False
+    try:
+        return jax_primitive(op.name.removeprefix("jax.")).multiple_results
+    except UnsupportedError:
+        return False
+
+
+def is_placed(t) -> bool:
+    return isinstance(t, PlacedType) and t.placement != "server"
