@@ -12,15 +12,22 @@ from fcir.api import (
     reduce_weighted_mean,
     secure_sum,
 )
+from fcir.capture import capture
+from fcir.check import check, verify
 from fcir.errors import (
     CheckpointError,
     ExportError,
     FcirError,
+    InterpreterError,
     IRTypeError,
     ParseError,
     PlacementError,
     UnsupportedError,
     VersionError,
 )
+
+from fcir.interpreter import Interpreter, impl
+from fcir.ir import IR_VERSION, Module
+from fcir.text import parse
 
 __version__ = "0.1.0"
