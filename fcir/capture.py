@@ -59,27 +59,32 @@ FED_OP_NAMES = {
 
 
 def capture(fn, *args, name: str | None = None, locations: bool = False, **kwargs) -> Module:
-    """Traces ``fn(*args)`` and returns its placement-typed Module.
+    """Traces ``fn(*args)`` and returns its checked, placement-typed Module.
 
     ``args`` are arrays or ``jax.ShapeDtypeStruct`` pytrees. Works on anything that
-    traces to a jaxpr with fcir primitives, e.g. ``jax.grad(round_fn)``.
+    traces to a jaxpr with fcir primitives, e.g. ``jax.grad(round_fn)``. Raises
+    PlacementError for client-to-client communication (see ``fcir.check``).
     """
     from fcir.check import check
 
+    return check(capture_unchecked(fn, *args, name=name, locations=locations, **kwargs))
+
+
+def capture_unchecked(fn, *args, name: str | None = None, locations: bool = False,
+                      **kwargs) -> Module:
+    """Like :func:`capture` but returns the Module even when it does not check, so that
+    ``fcir check`` can report every problem with its op."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     _, in_tree = jax.tree_util.tree_flatten((args, kwargs) if kwargs else args)
     _, out_tree = jax.tree_util.tree_flatten(out_shape)
     placements = _placements(fn, closed.jaxpr)
-    module_name = name or _name_of(fn)
     converter = _Converter(placements, locations)
     body = converter.convert_closed(closed, level=-1, label="main")
-    module = Module(
-        module_name,
+    return Module(
+        name or _name_of(fn),
         placements,
         [Func("main", body, structure_of(in_tree), structure_of(out_tree))],
     )
-    check(module)
-    return module
 
 
 def _name_of(fn) -> str:

@@ -1,0 +1,348 @@
+"""The ``fcir`` command line.
+
+Every command prints ``--help``, exits 2 on usage errors and never prints a Python
+traceback for bad input (``--debug`` shows one). Backends are imported only by the
+commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import pathlib
+import sys
+
+from fcir.errors import FcirError
+
+EMIT_CHOICES = ("ir", "hlo", "stablehlo", "cost")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors exiting 2 and naming the subcommand."""
+
+
+def _add_target(p, what="TARGET"):
+    p.add_argument(
+        what,
+        help="file.py:function, package.module:function, or an IR file (.fcir text, .pb binary)",
+    )
+    p.add_argument(
+        "--args",
+        nargs="+",
+        metavar="SPEC",
+        help="argument types in IR syntax, one per argument: 'f32[16,1]' '(f32[8,32,16], "
+        "f32[8,32,1])'; default: the file's EXAMPLE_ARGS",
+    )
+
+
+def _load_inputs(path: str) -> list:
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            keys = sorted((k for k in data.files if k.startswith("arr_")),
+                          key=lambda k: int(k[4:]) if k[4:].isdigit() else -1)
+            if [k for k in keys] != [f"arr_{i}" for i in range(len(keys))]:
+                raise FcirError(f"{path}: expected arrays arr_0, arr_1, ... (np.savez(*leaves))")
+            return [data[k] for k in keys]
+    except (OSError, ValueError) as e:
+        raise FcirError(f"cannot read inputs {path}: {e}") from None
+
+
+def _write_outputs(outputs, path: str | None) -> None:
+    import jax
+    import numpy as np
+
+    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(outputs)]
+    if path:
+        np.savez(path, *leaves)
+        print(f"wrote {len(leaves)} output array(s) to {path}")
+        return
+    for i, x in enumerate(leaves):
+        flat = x.reshape(-1)
+        preview = np.array2string(flat[:6], precision=6, separator=", ")
+        more = " ..." if flat.size > 6 else ""
+        print(f"arr_{i}: {x.dtype}{list(x.shape)} {preview}{more}")
+
+
+def _unflatten_args(module, leaves):
+    structure = module.main.arg_structure
+    if structure is None:
+        return tuple(leaves)
+    n = len(module.main.body.params)
+    if len(leaves) != n:
+        raise FcirError(f"@{module.name} takes {n} array leaves; the inputs hold {len(leaves)}")
+    args = structure.unflatten(leaves)
+    return args if isinstance(args, tuple) else (args,)
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+def cmd_compile(a) -> int:
+    from fcir.targets import load_module
+
+    emit = [e.strip() for e in a.emit.split(",") if e.strip()]
+    bad = [e for e in emit if e not in EMIT_CHOICES]
+    if bad:
+        raise _Usage(f"--emit: unknown {', '.join(bad)}; choose from {', '.join(EMIT_CHOICES)}")
+    module = load_module(a.TARGET, a.args)
+    mesh = _mesh(a.mesh) if a.mesh else None
+    exe = None
+    if any(e in emit for e in ("hlo", "stablehlo", "cost")):
+        from fcir.interpreters import xla
+
+        exe = xla.compile(module, mesh=mesh)
+    if not a.output:
+        if "ir" in emit:
+            sys.stdout.write(module.to_text())
+        for kind in ("hlo", "stablehlo"):
+            if kind in emit:
+                sys.stdout.write(exe.as_text(kind))
+        if "cost" in emit:
+            from fcir.interpreters import xla
+
+            print(xla.format_cost(exe.cost()))
+        return 0
+    out = pathlib.Path(a.output)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def write(name, data):
+        path = out / name
+        (path.write_bytes if isinstance(data, bytes) else path.write_text)(data)
+        written.append(str(path))
+
+    stem = module.name
+    if "ir" in emit:
+        write(f"{stem}.fcir", module.to_text(full_constants=True))
+        write(f"{stem}.pb", module.serialize())
+    if "hlo" in emit:
+        write(f"{stem}.hlo.txt", exe.as_text("hlo"))
+    if "stablehlo" in emit:
+        write(f"{stem}.stablehlo.mlir", exe.as_text("stablehlo"))
+    if "cost" in emit:
+        from fcir.interpreters import xla
+
+        cost = exe.cost()
+        write(f"{stem}.cost.json", json.dumps(cost, indent=2, sort_keys=True) + "\n")
+        table = xla.format_cost(cost)
+        write(f"{stem}.cost.txt", table + "\n")
+        print(table)
+    for w in written:
+        print(f"wrote {w}")
+    return 0
+
+
+def _mesh(spec: str):
+    import jax
+    import numpy as np
+
+    names, sizes = [], []
+    for part in spec.split(","):
+        name, _, size = part.partition("=")
+        if not name.isidentifier() or not size.isdigit():
+            raise _Usage(f"--mesh: expected NAME=SIZE[,NAME=SIZE], got {spec!r}")
+        names.append(name)
+        sizes.append(int(size))
+    devices = jax.devices()
+    total = int(np.prod(sizes))
+    if total > len(devices):
+        raise FcirError(f"--mesh {spec} needs {total} devices; {len(devices)} available")
+    return jax.sharding.Mesh(np.array(devices[:total]).reshape(sizes), tuple(names))
+
+
+def cmd_show(a) -> int:
+    from fcir.targets import load_module
+
+    module = load_module(a.FILE, a.args)
+    if a.format == "text":
+        sys.stdout.write(module.to_text(full_constants=a.full_constants, locations=False))
+        return 0
+    from fcir import dot
+
+    if a.format == "dot":
+        sys.stdout.write(dot.to_dot(module))
+        return 0
+    svg = dot.to_svg(module)
+    if a.output:
+        pathlib.Path(a.output).write_text(svg)
+        print(f"wrote {a.output}")
+    else:
+        sys.stdout.write(svg)
+    return 0
+
+
+def cmd_check(a) -> int:
+    from fcir.check import verify
+    from fcir.targets import is_ir_file, load_ir, load_module
+
+    if is_ir_file(a.FILE):
+        module = load_ir(a.FILE)
+    else:
+        module = _capture_unchecked(a.FILE, a.args)
+    diags = verify(module)
+    if not diags:
+        print(f"@{module.name}: ok")
+        return 0
+    for d in diags:
+        print(f"error: {d}")
+    print(f"@{module.name}: {len(diags)} error(s)")
+    return 1
+
+
+def _capture_unchecked(target, specs):
+    from fcir.capture import capture_unchecked
+    from fcir.targets import load_python_target
+
+    fn, args = load_python_target(target, specs)
+    return capture_unchecked(fn, *args, name=target.rpartition(":")[2])
+
+
+def cmd_diff(a) -> int:
+    from fcir.targets import load_ir
+
+    try:
+        ta = load_ir(a.A).to_text()
+        tb = load_ir(a.B).to_text()
+    except FcirError as e:
+        print(f"fcir diff: error: {e}", file=sys.stderr)
+        return 2
+    if ta == tb:
+        return 0
+    sys.stdout.writelines(
+        difflib.unified_diff(
+            ta.splitlines(keepends=True), tb.splitlines(keepends=True), a.A, a.B,
+            n=a.context,
+        )
+    )
+    return 1
+
+
+def cmd_run(a) -> int:
+    from fcir.targets import load_module
+
+    module = load_module(a.FILE, a.args)
+    leaves = _load_inputs(a.inputs)
+    args = _unflatten_args(module, leaves)
+    if a.backend == "reference":
+        from fcir.interpreters import reference
+
+        outputs = reference.run(module, *args)
+    else:
+        from fcir.interpreters import xla
+
+        outputs = xla.compile(module)(*args)
+    _write_outputs(outputs, a.output)
+    return 0
+
+
+class _Usage(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="fcir",
+        description="Capture, check, print, compile, run and export federated JAX programs.",
+        epilog="Example: fcir compile examples/fedavg.py:fedavg_round -o out/",
+    )
+    parser.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("compile", help="capture a program and write IR, HLO, StableHLO, cost",
+                       description="Capture TARGET into the fcir IR and compile it with XLA.")
+    _add_target(p)
+    p.add_argument("-o", "--output", metavar="DIR", help="write files into DIR (else print)")
+    p.add_argument("--emit", default="ir,hlo,stablehlo,cost",
+                   help="comma-separated: ir, hlo, stablehlo, cost (default: all)")
+    p.add_argument("--mesh", metavar="AXES", help="device mesh, e.g. clients=8 (default: none)")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("show", help="print IR as text, or draw it (dot/svg)",
+                       description="Print the canonical text of an IR file or Python target.")
+    _add_target(p, "FILE")
+    p.add_argument("--format", choices=("text", "dot", "svg"), default="text")
+    p.add_argument("--full-constants", action="store_true",
+                   help="print every constant in full instead of type + sha256")
+    p.add_argument("-o", "--output", metavar="FILE", help="where to write svg output")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("check", help="type and placement check; exit 1 with the errors",
+                       description="Check FILE's types and placements.")
+    _add_target(p, "FILE")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("diff", help="diff two IR files: exit 0 same, 1 different, 2 error",
+                       description="Unified diff of the canonical text of two IR files "
+                       "(text or binary). Exit 0 same, 1 different, 2 error.")
+    p.add_argument("A")
+    p.add_argument("B")
+    p.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("run", help="execute a program on a backend",
+                       description="Run FILE with inputs from an .npz of flattened argument "
+                       "leaves (arr_0, arr_1, ... as np.savez(*leaves) writes them).")
+    _add_target(p, "FILE")
+    p.add_argument("--backend", choices=("reference", "xla"), default="reference")
+    p.add_argument("--inputs", required=True, metavar="IN.npz")
+    p.add_argument("-o", "--output", metavar="OUT.npz")
+    p.set_defaults(func=cmd_run)
+
+    _register_plugins(sub)
+    return parser
+
+
+def _register_plugins(sub) -> None:
+    """Subcommands that live with their backend or subsystem."""
+    try:
+        from fcir.interpreters.production import cli as production_cli
+    except ImportError:
+        production_cli = None
+    if production_cli is not None:
+        production_cli.register(sub)
+    try:
+        from fcir.checkpoint import inspect as ckpt_inspect
+    except ImportError:
+        ckpt_inspect = None
+    if ckpt_inspect is not None:
+        ckpt = sub.add_parser("ckpt", help="checkpoint tools",
+                              description="Inspect fcir checkpoints.")
+        csub = ckpt.add_subparsers(dest="ckpt_command", metavar="COMMAND", parser_class=_Parser)
+        csub.required = True
+        p = csub.add_parser("inspect", help="print a checkpoint's layout and verify checksums",
+                            description="Print arrays, shapes, dtypes, shardings, bytes; "
+                            "verify checksums.")
+        ckpt_inspect.add_arguments(p)
+        p.set_defaults(func=ckpt_inspect.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except _Usage as e:
+        parser.print_usage(sys.stderr)
+        print(f"fcir {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except FcirError as e:
+        if args.debug:
+            raise
+        print(f"fcir {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # user code failed while being traced or run: no traceback
+        if args.debug:
+            raise
+        print(f"fcir {args.command}: error: {type(e).__name__}: {e}\n(run with --debug for "
+              "the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
