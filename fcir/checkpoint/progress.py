@@ -30,7 +30,7 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         if enabled is None:
             enabled = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.enabled = enabled and total > 0
+        self.enabled = enabled
         self.label = label
         self.total = total
         self.done = 0
@@ -59,7 +59,7 @@ class Progress:
                 self.stream.flush()
 
     def _draw(self, now: float) -> None:
-        frac = min(1.0, self.done / self.total)
+        frac = min(1.0, self.done / max(self.total, 1))
         filled = int(frac * _WIDTH)
         rate = self.done / max(now - self._start, 1e-9) / 2**20
         self.stream.write(

@@ -120,5 +120,6 @@ def shift(box: Box, origin: tuple[int, ...]) -> Box:
     )
 
 
-def to_slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in zip(*box))
+def to_slices(box: Box) -> tuple[slice | type[Ellipsis], ...]:
+    """Index expression selecting `box`; always a view, even of a 0-d array."""
+    return (*(slice(a, b) for a, b in zip(*box)), Ellipsis)

@@ -94,7 +94,7 @@ def write_data_file(
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
-        views = [memoryview(b).cast("B") if b.nbytes else memoryview(b"") for b in blocks]
+        views = [memoryview(b.reshape(-1).view(np.uint8)) for b in blocks]
 
         def piece(i: int, start: int) -> Callable[[], None]:
             def run() -> None:

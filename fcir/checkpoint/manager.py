@@ -1,0 +1,148 @@
+"""`CheckpointManager`: numbered checkpoints in one directory, the newest N kept."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterable, Mapping
+from typing import Any, Self
+
+import jax
+
+from fcir.checkpoint import commit
+from fcir.checkpoint.layout import LAYOUT_FILE
+from fcir.checkpoint.restore import restore as _restore
+from fcir.checkpoint.save import SaveHandle
+from fcir.checkpoint.save import save as _save
+from fcir.errors import CheckpointError
+
+
+def _committed_steps(directory: pathlib.Path) -> list[int]:
+    steps = []
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        name = entry.name
+        committed = os.path.isfile(os.path.join(entry.path, LAYOUT_FILE))
+        if name.isdigit() and str(int(name)) == name and committed:
+            steps.append(int(name))
+    return sorted(steps)
+
+
+class CheckpointManager:
+    """Saves step `s` to `directory/s` and keeps the newest `max_to_keep` of them.
+
+    `save` is asynchronous by default: it returns once the arrays are on the host. A
+    failure of that background save is raised by the manager's next call (or by
+    `wait_until_finished`). Only committed checkpoints count: a directory is a step
+    when its name is the step number and it holds a layout, which the atomic commit
+    guarantees is complete. Old checkpoints are deleted only after a newer one is
+    committed. Leftovers of crashed saves are removed on construction and by every save.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        *,
+        progress: bool | None = None,
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise CheckpointError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
+        if save_interval_steps < 1:
+            raise CheckpointError(
+                f"save_interval_steps must be at least 1, got {save_interval_steps}"
+            )
+        self.directory = pathlib.Path(os.path.abspath(directory))
+        self.max_to_keep = max_to_keep
+        self.save_interval_steps = save_interval_steps
+        self.progress = progress
+        self._handle: SaveHandle | None = None
+        if jax.process_index() == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            commit.remove_leftovers(self.directory)
+
+    def _settle(self, wait: bool) -> None:
+        """Raises the error of the last background save once; waits for it if asked."""
+        handle = self._handle
+        if handle is None or not (wait or handle.done()):
+            return
+        self._handle = None
+        handle.wait()
+
+    def all_steps(self) -> list[int]:
+        """The committed steps, oldest first."""
+        self._settle(wait=False)
+        return _committed_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        return step % self.save_interval_steps == 0
+
+    def save(
+        self, step: int, tree: Mapping[str, Any], *, blocking: bool = False, force: bool = False
+    ) -> bool:
+        """Saves `tree` as `step` if the interval says so (or `force`); returns whether it did."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        self._settle(wait=True)
+        if not force and not self.should_save(step):
+            return False
+        if step in self.all_steps():
+            raise CheckpointError(f"step {step} is already saved in {self.directory}")
+        self._handle = _save(
+            self.directory / str(step),
+            tree,
+            blocking=blocking,
+            progress=self.progress,
+            _after_commit=self._prune,
+        )
+        if blocking:
+            self._handle = None
+        return True
+
+    def _prune(self) -> None:
+        # Runs on process 0 right after a commit, so the new step is already listed.
+        if self.max_to_keep is None:
+            return
+        steps = _committed_steps(self.directory)
+        for step in steps[: -self.max_to_keep]:
+            commit.delete(self.directory / str(step))
+
+    def restore(
+        self,
+        step: int | None = None,
+        target: Mapping[str, Any] | None = None,
+        *,
+        items: Iterable[str] | None = None,
+        progress: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restores `step` (default: the latest); see `fcir.checkpoint.restore`."""
+        self._settle(wait=True)
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no committed checkpoint in {self.directory}")
+        elif step not in self.all_steps():
+            raise CheckpointError(f"step {step} is not a committed checkpoint in {self.directory}")
+        return _restore(self.directory / str(step), target, items=items, progress=progress)
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the last save is committed; raises its error if it failed."""
+        self._settle(wait=True)
+
+    def close(self) -> None:
+        self.wait_until_finished()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

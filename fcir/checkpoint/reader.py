@@ -1,0 +1,275 @@
+"""Reads the parts of stored shards that a set of destination blocks needs, verified.
+
+Reads go straight into the destination buffers when the needed part of a stored
+shard is one contiguous byte range that lands contiguously in a destination (the same
+sharding, or any resharding along the leading dimension). Otherwise (e.g. a split
+along another dimension) the needed rows of the stored shard are read once, a slab at
+a time, into a scratch buffer and copied into every destination that needs them.
+
+Checksums cover fixed-size chunks of each stored shard; a partial read also reads the
+rest of the chunks it touches, so every byte handed back has been verified.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pathlib
+import threading
+from collections.abc import Callable
+from typing import Self
+
+import numpy as np
+
+from fcir._proto import checkpoint_pb2 as pb
+from fcir.checkpoint import checksums, shardings
+from fcir.checkpoint.layout import dtype_from_name
+from fcir.checkpoint.progress import Progress
+from fcir.checkpoint.shardings import Box
+from fcir.errors import CheckpointError
+
+#: Largest single read, and largest scratch slab.
+PIECE_BYTES = 16 * checksums.CHUNK_BYTES
+
+Task = Callable[[], None]
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array at a 64-byte aligned address.
+
+    On CPU, jax.device_put adopts such a buffer without copying it.
+    """
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class DataFiles:
+    """The open data files of one checkpoint, opened on first use and checked for size."""
+
+    def __init__(self, directory: pathlib.Path, layout: pb.CheckpointLayout) -> None:
+        self.directory = directory
+        self.layout = layout
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def fd(self, index: int, array: str) -> int:
+        with self._lock:
+            if index in self._fds:
+                return self._fds[index]
+            entry = self.layout.files[index]
+            path = self.directory / entry.name
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                raise CheckpointError(
+                    f"array {array!r}: cannot open data file {path}: {e.strerror or e}"
+                ) from e
+            size = os.fstat(fd).st_size
+            if size < entry.size_bytes:
+                os.close(fd)
+                raise CheckpointError(
+                    f"array {array!r}: data file {path} is truncated "
+                    f"({size} of {entry.size_bytes} bytes)"
+                )
+            self._fds[index] = fd
+            return fd
+
+    def name(self, index: int) -> str:
+        return str(self.directory / self.layout.files[index].name)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pread_into(fd: int, dest: memoryview, offset: int, what: Callable[[], str]) -> None:
+    while dest:
+        n = os.preadv(fd, [dest], offset)
+        if n <= 0:
+            raise CheckpointError(f"{what()} is truncated (nothing at byte {offset})")
+        dest, offset = dest[n:], offset + n
+
+
+def read_range(
+    files: DataFiles,
+    shard: pb.ShardRecord,
+    chunk_bytes: int,
+    start: int,
+    stop: int,
+    dest: memoryview,
+    array: str,
+) -> None:
+    """Reads bytes [start, stop) of a stored shard into `dest` and verifies them.
+
+    The parts of the first and last checksum chunk outside the range are read too,
+    into small buffers, to check those chunks whole.
+    """
+    fd = files.fd(shard.file, array)
+    base = shard.offset
+
+    def where() -> str:
+        return f"array {array!r}: data file {files.name(shard.file)}"
+
+    _pread_into(fd, dest, base + start, where)
+    first, last = start // chunk_bytes, max(start, stop - 1) // chunk_bytes
+    head_start = first * chunk_bytes
+    tail_stop = min((last + 1) * chunk_bytes, shard.length)
+    head = bytearray(start - head_start)
+    tail = bytearray(tail_stop - stop)
+    if head:
+        _pread_into(fd, memoryview(head), base + head_start, where)
+    if tail:
+        _pread_into(fd, memoryview(tail), base + stop, where)
+    # Walk the chunks over the three pieces (head, dest, tail) laid end to end.
+    pieces = [(head_start, memoryview(head)), (start, dest), (stop, memoryview(tail))]
+    for c in range(first, last + 1):
+        lo, hi = c * chunk_bytes, min((c + 1) * chunk_bytes, shard.length)
+        crc = 0
+        for piece_start, piece in pieces:
+            a, b = max(lo, piece_start), min(hi, piece_start + len(piece))
+            if a < b:
+                crc = checksums.crc32(piece[a - piece_start : b - piece_start], crc)
+        if crc != shard.chunk_checksums[c]:
+            raise CheckpointError(
+                f"{where()}: checksum mismatch in bytes {base + lo}..{base + hi} "
+                "(the checkpoint is corrupt)"
+            )
+
+
+def _is_contiguous(shape: tuple[int, ...], box: Box) -> bool:
+    """Whether `box` is one contiguous run of a C-order array of `shape`."""
+    extents = shardings.box_shape(box)
+    k = 0
+    while k < len(shape) and extents[k] == 1:
+        k += 1
+    return all(box[0][j] == 0 and box[1][j] == shape[j] for j in range(k + 1, len(shape)))
+
+
+def _linear(shape: tuple[int, ...], index: tuple[int, ...]) -> int:
+    out = 0
+    for size, i in zip(shape, index):
+        out = out * size + i
+    return out
+
+
+def plan_array(
+    files: DataFiles,
+    record: pb.ArrayRecord,
+    array: str,
+    dests: list[tuple[Box, np.ndarray]],
+    progress: Progress | None = None,
+) -> list[Task]:
+    """Tasks that fill each destination (global box, C-contiguous buffer of its shape)."""
+    itemsize = dtype_from_name(record.dtype).itemsize
+    chunk = files.layout.checksum_chunk_bytes
+    tasks: list[Task] = []
+    covered = [0] * len(dests)
+    for shard in record.shards:
+        sbox = (tuple(r.start for r in shard.index), tuple(r.stop for r in shard.index))
+        sshape = shardings.box_shape(sbox)
+        scattered: list[tuple[Box, np.ndarray]] = []  # (box in shard coords, dest view)
+        for d, (dbox, buf) in enumerate(dests):
+            inter = shardings.intersect(sbox, dbox)
+            if inter is None:
+                continue
+            covered[d] += shardings.volume(inter)
+            in_shard = shardings.shift(inter, sbox[0])
+            view = buf[shardings.to_slices(shardings.shift(inter, dbox[0]))]
+            if _is_contiguous(sshape, in_shard) and view.flags.c_contiguous:
+                start = _linear(sshape, in_shard[0]) * itemsize
+                tasks += _direct_tasks(files, shard, chunk, start, view, array, progress)
+            else:
+                scattered.append((in_shard, view))
+        if scattered:
+            tasks += _slab_tasks(files, shard, chunk, sshape, itemsize, scattered, array, progress)
+    for (dbox, _), got in zip(dests, covered):
+        if got != shardings.volume(dbox):
+            raise CheckpointError(
+                f"array {array!r}: the stored shards cover {got} of the "
+                f"{shardings.volume(dbox)} elements of block {dbox} (overlapping or missing "
+                "shards); the layout is inconsistent"
+            )
+    return tasks
+
+
+def _direct_tasks(
+    files: DataFiles,
+    shard: pb.ShardRecord,
+    chunk: int,
+    start: int,
+    view: np.ndarray,
+    array: str,
+    progress: Progress | None,
+) -> list[Task]:
+    dest = memoryview(view.reshape(-1).view(np.uint8))
+    stop = start + len(dest)
+    cuts = [start]
+    cut = (start // PIECE_BYTES + 1) * PIECE_BYTES  # piece bounds on chunk bounds
+    while cut < stop:
+        cuts.append(cut)
+        cut += PIECE_BYTES
+    cuts.append(stop)
+
+    def task(a: int, b: int) -> Task:
+        def run() -> None:
+            read_range(files, shard, chunk, a, b, dest[a - start : b - start], array)
+            if progress is not None:
+                progress.advance(b - a)
+
+        return run
+
+    return [task(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def _slab_tasks(
+    files: DataFiles,
+    shard: pb.ShardRecord,
+    chunk: int,
+    sshape: tuple[int, ...],
+    itemsize: int,
+    scattered: list[tuple[Box, np.ndarray]],
+    array: str,
+    progress: Progress | None,
+) -> list[Task]:
+    row_bytes = int(np.prod(sshape[1:], dtype=np.int64)) * itemsize
+    rows_per_slab = max(1, PIECE_BYTES // max(row_bytes, 1))
+    intervals: list[list[int]] = []  # merged leading-dimension row ranges that are needed
+    for lo, hi in sorted((b[0][0], b[1][0]) for b, _ in scattered):
+        if intervals and lo <= intervals[-1][1]:
+            intervals[-1][1] = max(intervals[-1][1], hi)
+        else:
+            intervals.append([lo, hi])
+    dtype = scattered[0][1].dtype
+
+    def task(r0: int, r1: int) -> Task:
+        def run() -> None:
+            scratch = np.empty((r1 - r0) * row_bytes, np.uint8)
+            read_range(
+                files, shard, chunk, r0 * row_bytes, r1 * row_bytes, memoryview(scratch), array
+            )
+            rows = scratch.view(dtype).reshape((r1 - r0, *sshape[1:]))
+            for (lo, hi), view in scattered:
+                a, b = max(lo[0], r0), min(hi[0], r1)
+                if a < b:
+                    src = rows[(slice(a - r0, b - r0), *map(slice, lo[1:], hi[1:]))]
+                    view[a - lo[0] : b - lo[0]] = src
+                    if progress is not None:
+                        progress.advance(src.nbytes)
+
+        return run
+
+    return [
+        task(r, min(r + rows_per_slab, hi))
+        for lo, hi in intervals
+        for r in range(lo, hi, rows_per_slab)
+    ]
