@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fcir import capture as _capture
+from fcir.capture import ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError
 from fcir.ir import Module, Op, Region, describe, value_numbering
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
@@ -142,7 +142,7 @@ class _Checker:
         results_local = all(ctx.is_local(v.type) for v in op.results)
         if operands_local and results_local:
             return
-        if prim in _capture.ELEMENTWISE and self.elementwise_ok(op, ctx):
+        if prim in ELEMENTWISE and self.elementwise_ok(op, ctx):
             return
         bad = next((v.type for v in op.operands if not ctx.is_local(v.type)), None)
         if bad is not None:
