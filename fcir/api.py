@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -205,7 +206,11 @@ def map_fn(fn: Callable, arg, *, mesh=None):
         return out_leaves
 
     with _pushed(_Frame(frame.placements, frame.level + 1, mesh)):
-        closed = jax.make_jaxpr(flat_body)(*member_specs)
+        try:
+            closed = jax.make_jaxpr(flat_body)(*member_specs)
+        except NameError as e:
+            _reject_placement_collective(e, frame.placements)
+            raise
     body, consts = _lift_traced_consts(closed)
     bcast = [
         sharding.constrain_broadcast(P.broadcast_p.bind(c, placement=name, n=n), name, mesh)
@@ -214,6 +219,18 @@ def map_fn(fn: Callable, arg, *, mesh=None):
     outs = P.map_p.bind(*bcast, *leaves, body=body, placement=name, n=n)
     outs = [sharding.constrain_placed(o, name, mesh) for o in outs]
     return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+
+
+def _reject_placement_collective(err: NameError, placements: Placements) -> None:
+    """A collective over a placement axis inside a map_fn body (``psum(x, "clients")``)
+    fails in JAX as an unbound axis name; say that it is client-to-client communication."""
+    m = re.search(r"unbound axis name: (\w+)", str(err))
+    if m is not None and m.group(1) in placements.names:
+        raise PlacementError(
+            f"fcir.map_fn: the body uses a collective over the placement axis '{m.group(1)}' "
+            f"({err}); that is client-to-client communication: aggregate with "
+            "fcir.reduce_sum/reduce_mean/... outside the body instead"
+        ) from err
 
 
 def _lift_traced_consts(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list]:
