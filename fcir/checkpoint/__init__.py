@@ -10,7 +10,7 @@ restored onto any sharding. See docs/checkpoint.md.
 
 from fcir.checkpoint.layout import read_layout
 from fcir.checkpoint.manager import CheckpointManager
-from fcir.checkpoint.restore import restore
-from fcir.checkpoint.save import SaveHandle, save
+from fcir.checkpoint.restoring import restore
+from fcir.checkpoint.saving import SaveHandle, save
 
 __all__ = ["CheckpointManager", "SaveHandle", "read_layout", "restore", "save"]

@@ -11,9 +11,9 @@ import jax
 
 from fcir.checkpoint import commit
 from fcir.checkpoint.layout import LAYOUT_FILE
-from fcir.checkpoint.restore import restore as _restore
-from fcir.checkpoint.save import SaveHandle
-from fcir.checkpoint.save import save as _save
+from fcir.checkpoint.restoring import restore as _restore
+from fcir.checkpoint.saving import SaveHandle
+from fcir.checkpoint.saving import save as _save
 from fcir.errors import CheckpointError
 
 

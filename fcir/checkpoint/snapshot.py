@@ -166,10 +166,9 @@ def _entry(
         host = np.asarray(leaf)
     elif isinstance(leaf, _PYTHON_SCALARS):
         kind = pb.LEAF_KIND_PYTHON_SCALAR
-        try:
-            host = np.asarray(leaf)
-        except OverflowError:
-            raise CheckpointError(f"integer {name!r} does not fit in int64") from None
+        if type(leaf) is int and not -(2**63) <= leaf < 2**63:
+            raise CheckpointError(f"integer {name!r} does not fit in int64")
+        host = np.asarray(leaf)
     else:
         raise CheckpointError(
             f"leaf {name!r} is a {type(leaf).__name__}; a checkpoint holds jax arrays, numpy "

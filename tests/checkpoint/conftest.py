@@ -1,0 +1,34 @@
+"""Checkpoint tests run on 8 simulated CPU devices.
+
+XLA reads XLA_FLAGS when the CPU backend starts, so setting it here (at collection,
+before any test touches a device) gives every test in the session 8 devices.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+
+import jax
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+
+@pytest.fixture(scope="session")
+def devices() -> list[jax.Device]:
+    devs = jax.devices()
+    if len(devs) < 8:
+        pytest.fail(
+            f"checkpoint tests need 8 CPU devices, got {len(devs)}: the backend started "
+            "before tests/checkpoint/conftest.py could set XLA_FLAGS; run them alone "
+            f"or export XLA_FLAGS={_FLAG}"
+        )
+    return devs[:8]
