@@ -158,6 +158,9 @@ def encode(value, prim: str, key: str, add_region) -> Any:
         return DType(dtype_name(np.dtype(value)))
     if isinstance(value, np.ndarray):
         return Tensor.from_array(value)
+    special = _encode_special(value, prim, key, add_region)
+    if special is not None:
+        return special
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return Record(
             _qualname(type(value)),
@@ -167,9 +170,6 @@ def encode(value, prim: str, key: str, add_region) -> Any:
         return tuple(encode(v, prim, key, add_region) for v in value)
     if isinstance(value, frozenset):
         return tuple(encode(v, prim, key, add_region) for v in sorted(value, key=repr))
-    special = _encode_special(value, prim, key, add_region)
-    if special is not None:
-        return special
     if dataclasses.is_dataclass(value) and type(value).__module__.startswith("jax"):
         return Record(
             _qualname(type(value)),

@@ -196,7 +196,7 @@ _TOKEN = re.compile(
   | (?P<number>[-+]?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+|inf\b|nan\b))
   | (?P<key>key<\w+>)
   | (?P<directive>\.(?:args|results)\b)
-  | (?P<ident>[A-Za-z_][\w.]*)
+  | (?P<ident>[A-Za-z_][\w.]*(?:-\w[\w.]*)*)
   | (?P<arrow>->)
   | (?P<punct>[{}()\[\]<>,:=!])
   """,

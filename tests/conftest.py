@@ -1,0 +1,74 @@
+"""Shared test setup: the golden-file fixture and the ``--update-goldens`` flag.
+
+A golden is the canonical text of a corpus program (or of its gradient) under
+tests/golden/. A mismatch fails with a short unified diff and the command that
+updates goldens; a missing golden fails; CI never updates them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import pathlib
+
+# The reference interpreter evaluates local ops one at a time, rounding each bf16
+# result; XLA would otherwise keep fused bf16 intermediates in f32 ("excess precision")
+# under jit. Turning that off makes jit round like op-by-op execution, so the oracle
+# comparison holds at 1e-5 for bf16 programs too. Set before jax initializes.
+if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false"
+    ).strip()
+
+import pytest
+
+GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
+_USED: set[str] = set()
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-goldens",
+        action="store_true",
+        default=False,
+        help="rewrite tests/golden/*.fcir from the current output instead of comparing",
+    )
+
+
+@pytest.fixture
+def golden(request):
+    """``golden(name, text)``: compare ``text`` with tests/golden/<name>.fcir."""
+    update = request.config.getoption("--update-goldens")
+
+    def compare(name: str, text: str) -> None:
+        _USED.add(name)
+        path = GOLDEN_DIR / f"{name}.fcir"
+        if update:
+            GOLDEN_DIR.mkdir(exist_ok=True)
+            path.write_text(text)
+            return
+        if not path.exists():
+            pytest.fail(
+                f"missing golden {path.relative_to(GOLDEN_DIR.parent.parent)}; create it with:\n"
+                f"    python -m pytest {request.node.nodeid} --update-goldens"
+            )
+        expected = path.read_text()
+        if expected != text:
+            diff = list(
+                difflib.unified_diff(
+                    expected.splitlines(), text.splitlines(), f"golden/{name}.fcir", "actual",
+                    lineterm="", n=1,
+                )
+            )
+            shown = "\n".join(diff[:40]) + ("\n..." if len(diff) > 40 else "")
+            pytest.fail(
+                f"IR of {name} differs from its golden:\n{shown}\n"
+                f"If the change is intended, update with:\n"
+                f"    python -m pytest {request.node.nodeid} --update-goldens"
+            )
+
+    return compare
+
+
+def used_goldens() -> set[str]:
+    return set(_USED)
