@@ -205,7 +205,7 @@ def _write_and_commit(
         if error is not None:
             raise error
         if outcome != "ok":
-            raise CheckpointError(f"{final} was not committed: {outcome[6:]}")
+            raise CheckpointError(f"saving {final} failed on process 0: {outcome[6:]}")
         return
 
     try:
@@ -228,6 +228,8 @@ def _write_and_commit(
         for q in range(1, count):
             os.unlink(temp / layout.part_file_name(q))
         commit.publish(temp, final, overwrite)
+        if after_commit is not None:  # before the others hear "ok", so they see its effect
+            after_commit()
     except BaseException as e:
         if count > 1:
             coord.publish(f"{key}/commit", "error:" + _error_text(e))
@@ -237,8 +239,6 @@ def _write_and_commit(
         raise
     if count > 1:
         coord.publish(f"{key}/commit", "ok")
-    if after_commit is not None:
-        after_commit()
 
 
 def _write_part(
