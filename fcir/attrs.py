@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import math
 import sys
 from typing import Any
 
@@ -75,7 +76,7 @@ class Tensor:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # exact: np.prod wraps around for huge shapes
 
     @staticmethod
     def from_array(value) -> Tensor:
@@ -100,16 +101,22 @@ class Tensor:
                 f"{self.digest[:16]}) was elided in the text form; load the .pb file or text "
                 "written with full constants to run it"
             )
-        if self.dtype.startswith("key<"):
-            return np.frombuffer(self.data, "<u4").reshape(*self.shape, -1)
         dt = dtype_from_name(self.dtype)
-        expected = self.size * dt.itemsize
+        if self.dtype.startswith("key<"):
+            key_shape = tuple(dt._impl.key_shape)
+            dt, shape = np.dtype("<u4"), (*self.shape, *key_shape)
+        else:
+            shape = self.shape
+        expected = math.prod(shape) * dt.itemsize
         if len(self.data) != expected:
             raise ParseError(
                 f"constant {self.dtype}{list(self.shape)} holds {len(self.data)} bytes, "
                 f"expected {expected}"
             )
-        return np.frombuffer(self.data, dt).reshape(self.shape)
+        try:
+            return np.frombuffer(self.data, dt).reshape(shape)
+        except ValueError as e:  # e.g. a zero-size shape with a dimension beyond intp
+            raise ParseError(f"constant {self.dtype}{list(self.shape)}: {e}") from None
 
     def value(self):
         """The constant as a JAX-usable value (numpy array or key array)."""
