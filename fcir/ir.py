@@ -116,6 +116,34 @@ class Module:
         return self.to_text()
 
 
+def check_structure(structure: Structure, count: int, what: str) -> None:
+    """Raises ParseError unless ``structure`` is well formed and its leaves index each of
+    ``count`` flat values exactly once (a permutation of ``range(count)``)."""
+    from fcir.errors import ParseError
+
+    leaves: list[int] = []
+    stack = [structure]
+    while stack:
+        s = stack.pop()
+        if s.kind == "leaf":
+            if s.children or s.names or s.type_name:
+                raise ParseError(f"{what}: a leaf has children, names or a type name")
+            leaves.append(s.leaf)
+            continue
+        if s.kind in ("none", "tuple", "list") and (s.names or s.type_name):
+            raise ParseError(f"{what}: a {s.kind} node has names or a type name")
+        if s.kind == "none" and s.children:
+            raise ParseError(f"{what}: a none node has children")
+        if s.kind == "dict" and s.type_name:
+            raise ParseError(f"{what}: a dict node has a type name")
+        stack.extend(s.children)
+    if sorted(leaves) != list(range(count)):
+        raise ParseError(
+            f"{what}: leaves {sorted(leaves)[:8]}{'...' if len(leaves) > 8 else ''} must "
+            f"index each of the {count} flat values exactly once"
+        )
+
+
 def walk(region: Region, path: tuple = ()) -> Iterator[tuple[tuple, Op]]:
     """Yields (path, op) for every op, depth first in program order.
 

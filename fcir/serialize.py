@@ -9,11 +9,21 @@ DecodeError, KeyError or IndexError.
 from __future__ import annotations
 
 import math
+import re
 
 from fcir import attrs as A
 from fcir._proto import module_pb2 as pb
 from fcir.errors import ParseError, VersionError
-from fcir.ir import IR_VERSION, Func, Module, Op, Region, Value, value_numbering
+from fcir.ir import (
+    IR_VERSION,
+    Func,
+    Module,
+    Op,
+    Region,
+    Value,
+    check_structure,
+    value_numbering,
+)
 from fcir.types import SERVER, PlacedType, Structure, TensorType, Type, dtype_from_name
 
 _KINDS = {
@@ -26,6 +36,11 @@ _KINDS = {
     "custom": pb.Structure.CUSTOM,
 }
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
+
+# Names must read back from the canonical text (see the tokens in fcir.text).
+_OP_NAME = re.compile(r"[A-Za-z_][\w.]*(?:-\w[\w.]*)*")
+_TYPE_NAME = re.compile(r"[A-Za-z_][\w.]*")
+_LABEL = re.compile(r"\w+")
 
 
 def _producer() -> str:
@@ -171,10 +186,16 @@ def from_proto(msg: pb.Module) -> Module:
     reader = _Reader({p for p, _ in placements})
     funcs = []
     for f in msg.funcs:
+        if not f.name.isidentifier() or any(g.name == f.name for g in funcs):
+            raise ParseError(f"bad or repeated func name {f.name!r}")
         reader.values = {}
         body = reader.region(f.body)
         arg_s = reader.structure(f.arg_structure) if f.HasField("arg_structure") else None
         res_s = reader.structure(f.result_structure) if f.HasField("result_structure") else None
+        if arg_s is not None:
+            check_structure(arg_s, len(body.params), f"func @{f.name} argument structure")
+        if res_s is not None:
+            check_structure(res_s, len(body.results), f"func @{f.name} result structure")
         funcs.append(Func(f.name, body, arg_s, res_s))
     if not any(f.name == "main" for f in funcs):
         raise ParseError(f"module @{msg.name} has no func @main")
@@ -226,9 +247,11 @@ class _Reader:
             raise ParseError("regions nested too deeply")
         params = [self.define(d) for d in msg.params]
         ops = []
+        if not _LABEL.fullmatch(msg.label or "body"):
+            raise ParseError(f"bad region label {msg.label!r}")
         for o in msg.ops:
-            if "." not in o.name:
-                raise ParseError(f"op name {o.name!r} is not namespaced")
+            if "." not in o.name or not _OP_NAME.fullmatch(o.name):
+                raise ParseError(f"op name {o.name!r} is not a namespaced name like jax.add")
             operands = [self.use(i) for i in o.operands]
             results = [self.define(d) for d in o.results]
             attrs = {}
@@ -258,8 +281,17 @@ class _Reader:
         if which == "list":
             return tuple(self.attr(x, depth + 1) for x in msg.list.items)
         if which == "enum":
+            if not _TYPE_NAME.fullmatch(msg.enum.type_name) or not _LABEL.fullmatch(
+                msg.enum.member
+            ):
+                raise ParseError(f"bad enum {msg.enum.type_name!r}.{msg.enum.member!r}")
             return A.Enum(msg.enum.type_name, msg.enum.member)
         if which == "record":
+            if not _TYPE_NAME.fullmatch(msg.record.type_name):
+                raise ParseError(f"bad record type name {msg.record.type_name!r}")
+            for f in msg.record.fields:
+                if not f.key.isidentifier():
+                    raise ParseError(f"record {msg.record.type_name}: bad field {f.key!r}")
             return A.Record(
                 msg.record.type_name,
                 tuple((f.key, self.attr(f.value, depth + 1)) for f in msg.record.fields),
