@@ -77,13 +77,25 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     _, in_tree = jax.tree_util.tree_flatten((args, kwargs) if kwargs else args)
     _, out_tree = jax.tree_util.tree_flatten(out_shape)
-    placements = _placements(fn, closed.jaxpr)
-    converter = _Converter(placements, locations)
-    body = converter.convert_closed(closed, level=-1, label="main")
+    return from_jaxpr(
+        closed, in_tree, out_tree, name=name or _name_of(fn),
+        placements=_placements(fn, closed.jaxpr), locations=locations,
+    )
+
+
+def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="program",
+               placements=None, locations: bool = False) -> Module:
+    """Converts an already traced jaxpr (unchecked). ``in_tree``/``out_tree`` are the
+    PyTreeDefs of the flat arguments and results; placements default to those the
+    jaxpr's federated ops use."""
+    if placements is None:
+        placements = _placements(None, closed.jaxpr)
+    body = _Converter(placements, locations).convert_closed(closed, level=-1, label="main")
     return Module(
-        name or _name_of(fn),
+        name,
         placements,
-        [Func("main", body, structure_of(in_tree), structure_of(out_tree))],
+        [Func("main", body, in_tree and structure_of(in_tree),
+              out_tree and structure_of(out_tree))],
     )
 
 

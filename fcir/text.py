@@ -21,6 +21,7 @@ unless asked. Grammar (informal)::
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -185,8 +186,7 @@ def print_module(module: Module, *, full_constants: bool = False, locations: boo
 
 _TOKEN = re.compile(
     r"""
-    (?P<ws>[ \t\r]+|//[^\n]*)
-  | (?P<nl>\n)
+    (?P<ws>[ \t\r\n]+|//[^\n]*)
   | (?P<string>"(?:[^"\\\n]|\\.)*")
   | (?P<value>%\d+)
   | (?P<leaf>\$\d+)
@@ -199,45 +199,39 @@ _TOKEN = re.compile(
   | (?P<ident>[A-Za-z_][\w.]*(?:-\w[\w.]*)*)
   | (?P<arrow>->)
   | (?P<punct>[{}()\[\]<>,:=!])
+  | (?P<bad>.)
   """,
     re.VERBOSE,
 )
 
 
-class _Tok:
-    __slots__ = ("kind", "text", "line", "col")
-
-    def __init__(self, kind, text, line, col):
-        self.kind, self.text, self.line, self.col = kind, text, line, col
-
-    def __repr__(self):
-        return f"{self.text!r}"
+# A token is a plain tuple (kind, text, offset): the tokenizer makes 100k+ of them.
+_Tok = tuple
 
 
 def _tokenize(text: str) -> list[_Tok]:
     toks = []
-    pos, line, line_start = 0, 1, 0
-    n = len(text)
-    while pos < n:
-        m = _TOKEN.match(text, pos)
-        if m is None:
-            raise ParseError(
-                f"line {line}, column {pos - line_start + 1}: unexpected character "
-                f"{text[pos]!r}"
-            )
+    append = toks.append
+    for m in _TOKEN.finditer(text):
         kind = m.lastgroup
-        if kind == "nl":
-            line += 1
-            line_start = m.end()
-        elif kind != "ws":
-            toks.append(_Tok(kind, m.group(), line, pos - line_start + 1))
-        pos = m.end()
-    toks.append(_Tok("eof", "", line, pos - line_start + 1))
+        if kind == "ws":
+            continue
+        if kind == "bad":
+            line, col = _line_col(text, m.start())
+            raise ParseError(f"line {line}, column {col}: unexpected character {m.group()!r}")
+        append((kind, m.group(), m.start()))
+    append(("eof", "", len(text)))
     return toks
+
+
+def _line_col(text: str, pos: int) -> tuple[int, int]:
+    line = text.count("\n", 0, pos) + 1
+    return line, pos - (text.rfind("\n", 0, pos) + 1) + 1
 
 
 class _Parser:
     def __init__(self, text: str):
+        self.text = text
         self.toks = _tokenize(text)
         self.i = 0
 
@@ -251,41 +245,42 @@ class _Parser:
 
     def error(self, msg: str, tok: _Tok | None = None) -> ParseError:
         tok = tok or self.tok
-        got = tok.text or "end of input"
-        return ParseError(f"line {tok.line}, column {tok.col}: {msg} (found {got!r})")
+        got = tok[1] or "end of input"
+        line, col = _line_col(self.text, tok[2])
+        return ParseError(f"line {line}, column {col}: {msg} (found {got!r})")
 
     def next(self) -> _Tok:
         t = self.tok
-        if t.kind != "eof":
+        if t[0] != "eof":
             self.i += 1
         return t
 
     def accept(self, text: str) -> bool:
-        if self.tok.text == text and self.tok.kind != "string":
+        if self.tok[1] == text and self.tok[0] != "string":
             self.i += 1
             return True
         return False
 
     def expect(self, text: str) -> _Tok:
-        if self.tok.text != text or self.tok.kind == "string":
+        if self.tok[1] != text or self.tok[0] == "string":
             raise self.error(f"expected {text!r}")
         return self.next()
 
     def expect_kind(self, kind: str, what: str) -> _Tok:
-        if self.tok.kind != kind:
+        if self.tok[0] != kind:
             raise self.error(f"expected {what}")
         return self.next()
 
     def integer(self) -> int:
         t = self.expect_kind("number", "an integer")
-        if not re.fullmatch(r"[-+]?\d+", t.text):
+        if not re.fullmatch(r"[-+]?\d+", t[1]):
             raise self.error("expected an integer", t)
-        return int(t.text)
+        return int(t[1])
 
     # -- module --
     def module(self) -> Module:
         self.expect("fcir.module")
-        name = self.expect_kind("sym", "@module_name").text[1:]
+        name = self.expect_kind("sym", "@module_name")[1][1:]
         self.expect("ir_version")
         self.expect("=")
         version = self.integer()
@@ -305,7 +300,7 @@ class _Parser:
         while not self.accept("]"):
             if placements:
                 self.expect(",")
-            p = self.expect_kind("ident", "a placement name").text
+            p = self.expect_kind("ident", "a placement name")[1]
             self.expect(":")
             n = self.integer()
             if n < 1:
@@ -315,7 +310,7 @@ class _Parser:
             placements.append((p, n))
         self.placements = dict(placements)
         funcs = []
-        while self.tok.kind != "eof":
+        while self.tok[0] != "eof":
             funcs.append(self.func())
         if not funcs:
             raise self.error("expected a func")
@@ -323,7 +318,7 @@ class _Parser:
 
     def func(self) -> Func:
         self.expect("func")
-        name = self.expect_kind("sym", "@func_name").text[1:]
+        name = self.expect_kind("sym", "@func_name")[1][1:]
         self.env: dict[str, Value] = {}
         self.expect("(")
         params = self.params(")")
@@ -336,16 +331,16 @@ class _Parser:
             result_types.append(self.type())
         self.expect("{")
         arg_s = res_s = None
-        while self.tok.text in (".args", ".results"):
-            which = self.next().text
+        while self.tok[1] in (".args", ".results"):
+            which = self.next()[1]
             s = self.structure()
             if which == ".args":
                 arg_s = s
             else:
                 res_s = s
         ops = []
-        while self.tok.text != "return":
-            if self.tok.kind == "eof":
+        while self.tok[1] != "return":
+            if self.tok[0] == "eof":
                 raise self.error("expected 'return'")
             ops.append(self.op())
         self.expect("return")
@@ -365,22 +360,22 @@ class _Parser:
 
     def define(self) -> Value:
         t = self.expect_kind("value", "a %value")
-        if t.text in self.env:
-            raise self.error(f"value {t.text} is defined twice", t)
+        if t[1] in self.env:
+            raise self.error(f"value {t[1]} is defined twice", t)
         self.expect(":")
         v = Value(self.type())
-        self.env[t.text] = v
+        self.env[t[1]] = v
         return v
 
     def uses(self) -> list[Value]:
         vals = []
-        if self.tok.kind != "value":
+        if self.tok[0] != "value":
             return vals
         while True:
             t = self.expect_kind("value", "a %value")
-            if t.text not in self.env:
-                raise self.error(f"value {t.text} is used before it is defined", t)
-            vals.append(self.env[t.text])
+            if t[1] not in self.env:
+                raise self.error(f"value {t[1]} is used before it is defined", t)
+            vals.append(self.env[t[1]])
             if not self.accept(","):
                 return vals
 
@@ -390,12 +385,12 @@ class _Parser:
             member = self.type()
             self.expect("}")
             self.expect_kind("sym", "@placement")
-            p = self.toks[self.i - 1].text[1:]
+            p = self.toks[self.i - 1][1][1:]
             self.check_placement(p)
             return PlacedType(member, p, False)
         t = self.tensor_type()
-        if self.tok.kind == "sym":
-            p = self.next().text[1:]
+        if self.tok[0] == "sym":
+            p = self.next()[1][1:]
             if p == SERVER:
                 return PlacedType(t, SERVER, True)
             self.check_placement(p)
@@ -409,12 +404,12 @@ class _Parser:
 
     def tensor_type(self) -> TensorType:
         t = self.next()
-        if t.kind not in ("ident", "key"):
+        if t[0] not in ("ident", "key"):
             raise self.error("expected a type such as f32[16,1]", t)
         from fcir.types import dtype_from_name
 
         try:
-            dtype_from_name(t.text)
+            dtype_from_name(t[1])
         except ParseError as e:
             raise self.error(str(e), t) from None
         self.expect("[")
@@ -426,14 +421,14 @@ class _Parser:
             if d < 0:
                 raise self.error("dimensions must be non-negative")
             dims.append(d)
-        return TensorType(t.text, tuple(dims))
+        return TensorType(t[1], tuple(dims))
 
     # -- structures --
     def structure(self) -> Structure:
         t = self.tok
-        if t.kind == "leaf":
+        if t[0] == "leaf":
             self.next()
-            return Structure("leaf", leaf=int(t.text[1:]))
+            return Structure("leaf", leaf=int(t[1][1:]))
         if self.accept("none"):
             return Structure("none")
         if self.accept("("):
@@ -452,8 +447,8 @@ class _Parser:
                 kids.append(self.structure())
             return Structure("list", tuple(kids))
         kind, type_name = "dict", ""
-        if t.text in ("namedtuple", "custom"):
-            kind = self.next().text
+        if t[1] in ("namedtuple", "custom"):
+            kind = self.next()[1]
             type_name = self.string()
         self.expect("{")
         names, kids = [], []
@@ -468,14 +463,14 @@ class _Parser:
     def string(self) -> str:
         t = self.expect_kind("string", "a string")
         try:
-            return json.loads(t.text)
+            return json.loads(t[1])
         except ValueError:
             raise self.error("malformed string", t) from None
 
     # -- ops --
     def op(self) -> Op:
         results = []
-        if self.tok.kind == "value":
+        if self.tok[0] == "value":
             pending = []
             while True:
                 t = self.expect_kind("value", "a %value")
@@ -487,22 +482,22 @@ class _Parser:
         else:
             pending = []
         name_tok = self.expect_kind("ident", "an op name")
-        if "." not in name_tok.text:
+        if "." not in name_tok[1]:
             raise self.error("op names are namespaced, e.g. fed.map or jax.add", name_tok)
         operands = self.uses()
         attrs = {}
-        if self.tok.text == "{" and self.peek().kind != "region":
+        if self.tok[1] == "{" and self.peek()[0] != "region":
             self.next()
             while not self.accept("}"):
                 if attrs:
                     self.expect(",")
-                key = self.expect_kind("ident", "an attribute name").text
+                key = self.expect_kind("ident", "an attribute name")[1]
                 if key in attrs:
                     raise self.error(f"attribute {key} repeated")
                 self.expect("=")
                 attrs[key] = self.attr()
         location = ""
-        if self.tok.text == "loc" and self.peek().text == "(":
+        if self.tok[1] == "loc" and self.peek()[1] == "(":
             self.next()
             self.next()
             location = self.string()
@@ -510,30 +505,30 @@ class _Parser:
         # Results are defined after the op's operands are read but before its regions,
         # matching the printer's numbering (regions may not use them anyway).
         for t, ty in pending:
-            if t.text in self.env:
-                raise self.error(f"value {t.text} is defined twice", t)
+            if t[1] in self.env:
+                raise self.error(f"value {t[1]} is defined twice", t)
             v = Value(ty)
-            self.env[t.text] = v
+            self.env[t[1]] = v
             results.append(v)
         regions = []
-        if self.tok.text == "{" and self.peek().kind == "region":
+        if self.tok[1] == "{" and self.peek()[0] == "region":
             while True:
                 self.expect("{")
                 regions.append(self.region())
                 self.expect("}")
-                if not (self.tok.text == "," and self.peek().text == "{"):
+                if not (self.tok[1] == "," and self.peek()[1] == "{"):
                     break
                 self.next()
-        return Op(name_tok.text, operands, results, attrs, regions, location)
+        return Op(name_tok[1], operands, results, attrs, regions, location)
 
     def region(self) -> Region:
-        label = self.expect_kind("region", "^label").text[1:]
+        label = self.expect_kind("region", "^label")[1][1:]
         self.expect("(")
         params = self.params(")")
         self.expect(":")
         ops = []
-        while self.tok.text != "yield":
-            if self.tok.kind == "eof":
+        while self.tok[1] != "yield":
+            if self.tok[0] == "eof":
                 raise self.error("expected 'yield'")
             ops.append(self.op())
         self.expect("yield")
@@ -542,23 +537,23 @@ class _Parser:
     # -- attributes --
     def attr(self):
         t = self.tok
-        if t.kind == "number":
+        if t[0] == "number":
             self.next()
-            if re.fullmatch(r"[-+]?\d+", t.text):
-                return int(t.text)
-            return float(t.text)
-        if t.kind == "string":
+            if re.fullmatch(r"[-+]?\d+", t[1]):
+                return int(t[1])
+            return float(t[1])
+        if t[0] == "string":
             return self.string()
-        if t.kind == "region":
+        if t[0] == "region":
             self.next()
-            if not t.text[1:].isdigit():
+            if not t[1][1:].isdigit():
                 raise self.error("expected a region reference ^N", t)
             closed = True
-            if self.tok.text == ":" and self.peek().text == "open":
+            if self.tok[1] == ":" and self.peek()[1] == "open":
                 self.next()
                 self.next()
                 closed = False
-            return A.RegionRef(int(t.text[1:]), closed)
+            return A.RegionRef(int(t[1][1:]), closed)
         if self.accept("["):
             items = []
             while not self.accept("]"):
@@ -566,15 +561,15 @@ class _Parser:
                     self.expect(",")
                 items.append(self.attr())
             return tuple(items)
-        if t.kind == "hash":
+        if t[0] == "hash":
             self.next()
-            name = t.text[1:]
+            name = t[1][1:]
             if self.accept("<"):
                 fields = []
                 while not self.accept(">"):
                     if fields:
                         self.expect(",")
-                    k = self.expect_kind("ident", "a field name").text
+                    k = self.expect_kind("ident", "a field name")[1]
                     self.expect("=")
                     fields.append((k, self.attr()))
                 return A.Record(name, tuple(fields))
@@ -582,23 +577,23 @@ class _Parser:
             if not dot:
                 raise self.error("expected #Type.MEMBER or #Type<...>", t)
             return A.Enum(type_name, member)
-        if t.kind == "ident" and t.text == "dense" and self.peek().text == "<":
+        if t[0] == "ident" and t[1] == "dense" and self.peek()[1] == "<":
             return self.dense()
-        if t.kind in ("ident", "key"):
+        if t[0] in ("ident", "key"):
             self.next()
-            if t.text == "true":
+            if t[1] == "true":
                 return True
-            if t.text == "false":
+            if t[1] == "false":
                 return False
-            if t.text == "none":
+            if t[1] == "none":
                 return None
             from fcir.types import dtype_from_name
 
             try:
-                dtype_from_name(t.text)
+                dtype_from_name(t[1])
             except ParseError:
                 raise self.error("expected an attribute value", t) from None
-            return A.DType(t.text)
+            return A.DType(t[1])
         raise self.error("expected an attribute value")
 
     def dense(self) -> A.Tensor:
@@ -607,7 +602,7 @@ class _Parser:
         tt = self.tensor_type()
         self.expect(":")
         size = int(np.prod(tt.shape, dtype=np.int64))
-        bare_scalar = not tt.shape and self.tok.kind == "number" or self.tok.text in (
+        bare_scalar = not tt.shape and self.tok[0] == "number" or self.tok[1] in (
             "true", "false")
         if bare_scalar or self.accept("["):
             vals = []
@@ -631,7 +626,7 @@ class _Parser:
                 raise self.error(f"values do not fit {tt.dtype}: {e}") from None
             tensor = A.Tensor(tt.dtype, tt.shape, np.ascontiguousarray(arr).tobytes())
         else:
-            kind = self.expect_kind("ident", "hex or sha256").text
+            kind = self.expect_kind("ident", "hex or sha256")[1]
             payload = self.string()
             if kind == "hex":
                 try:
@@ -654,13 +649,13 @@ class _Parser:
 
     def scalar(self):
         t = self.next()
-        if t.kind == "number":
-            if re.fullmatch(r"[-+]?\d+", t.text):
-                return int(t.text)
-            return float(t.text)
-        if t.text in ("true", "false"):
-            return t.text == "true"
-        if t.text in ("-inf",):
+        if t[0] == "number":
+            if re.fullmatch(r"[-+]?\d+", t[1]):
+                return int(t[1])
+            return float(t[1])
+        if t[1] in ("true", "false"):
+            return t[1] == "true"
+        if t[1] in ("-inf",):
             return -math.inf
         raise self.error("expected a number", t)
 

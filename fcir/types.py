@@ -13,6 +13,7 @@ Inside a ``fed.map`` region, unplaced tensors are local to the member running it
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Union
 
 import numpy as np
@@ -45,6 +46,7 @@ def _key_impls():
     return {impl.tag: impl for impl in prng.prngs.values()}
 
 
+@functools.lru_cache(maxsize=None)
 def dtype_from_name(name: str):
     """Inverse of :func:`dtype_name`; raises ParseError for unknown names."""
     if name.startswith("key<") and name.endswith(">"):
