@@ -1,0 +1,114 @@
+"""The Interpreter base class: per-op overrides, fallbacks, debugging switches, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fcir
+from fcir.interpreters import reference
+from fcir.interpreters.reference import ReferenceInterpreter
+
+
+@fcir.program(placements={"clients": 3})
+def weighted_round(w, x, counts):
+    local = fcir.map_fn(lambda w, x: jnp.tanh(x @ w), (fcir.broadcast(w), x))
+    return fcir.reduce_weighted_mean(local, counts), fcir.reduce_sum(local)
+
+
+ARGS = (jnp.ones(4), jnp.arange(24.0).reshape(3, 2, 4) / 24, jnp.array([1.0, 2.0, 3.0]))
+
+
+@pytest.fixture(scope="module")
+def module():
+    return fcir.capture(weighted_round, *ARGS)
+
+
+def test_subclass_overrides_one_op_and_inherits_the_rest(module):
+    class DoubleSum(ReferenceInterpreter):
+        @fcir.impl("fed.sum")
+        def sum(self, op, x):
+            return 2 * super().sum(op, x)
+
+    base = reference.run(module, *ARGS)
+    doubled = DoubleSum().run(module, *ARGS)
+    np.testing.assert_allclose(doubled[1], 2 * base[1], rtol=1e-6)
+    np.testing.assert_array_equal(doubled[0], base[0])
+
+
+def test_counting_bytes_per_placement(module):
+    class CountTraffic(ReferenceInterpreter):
+        def __init__(self):
+            super().__init__()
+            self.sent, self.received = 0, 0
+
+        @fcir.impl("fed.broadcast")
+        def broadcast(self, op, x):
+            out = super().broadcast(op, x)
+            self.sent += out.nbytes
+            return out
+
+        @fcir.impl("fed.sum")
+        def sum(self, op, x):
+            self.received += x.nbytes
+            return super().sum(op, x)
+
+        @fcir.impl("fed.weighted_mean")
+        def weighted_mean(self, op, x, w):
+            self.received += x.nbytes + w.nbytes
+            return super().weighted_mean(op, x, w)
+
+    counter = CountTraffic()
+    counter.run(module, *ARGS)
+    assert counter.sent == 3 * 4 * 4  # f32[4] to each of 3 clients
+    assert counter.received == 2 * (3 * 2 * 4) + 3 * 4
+
+
+def test_base_interpreter_under_jit_is_bitwise_the_original(module):
+    expected = jax.jit(weighted_round)(*ARGS)
+    actual = jax.jit(lambda *a: fcir.Interpreter().run(module, *a))(*ARGS)
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, e)
+
+
+def test_intermediates_are_keyed_by_printed_value_numbers(module):
+    out, values = reference.run(module, *ARGS, intermediates=True)
+    text = module.to_text()
+    for number in values:
+        assert f"%{number}:" in text or f"%{number} " in text
+    final = [int(t.strip(" %")) for t in text.split("return")[-1].split("\n")[0].split(",")]
+    np.testing.assert_array_equal(values[final[0]], out[0])
+
+
+def test_verbose_logs_each_op(module, caplog):
+    caplog.set_level("INFO", logger="fcir.interpreter")
+    ReferenceInterpreter(verbose=True).run(module, *ARGS)
+    logged = [r.getMessage() for r in caplog.records]
+    assert "fed.broadcast" in logged and "fed.weighted_mean" in logged
+
+
+def test_zero_total_weight_is_an_error_naming_the_op(module):
+    with pytest.raises(fcir.InterpreterError, match=r"fed\.weighted_mean.*total weight is zero"):
+        reference.run(module, ARGS[0], ARGS[1], jnp.zeros(3))
+
+
+def test_zero_total_weight_in_compiled_code_is_nan(module):
+    # Documented: compiled code divides 0 by 0 and returns NaN instead of raising.
+    out = jax.jit(weighted_round)(ARGS[0], ARGS[1], jnp.zeros(3))
+    assert np.all(np.isnan(out[0]))
+
+
+def test_wrong_arguments_are_reported_with_types(module):
+    with pytest.raises(fcir.InterpreterError, match=r"argument leaf 1 .* needs an array of f32\[3,2,4\]"):
+        reference.run(module, ARGS[0], jnp.ones((2, 2, 4)), ARGS[2])
+    with pytest.raises(fcir.InterpreterError, match="takes 3 array leaves"):
+        reference.run(module, ARGS[0])
+
+
+def test_op_without_implementation_names_itself(module):
+    text = module.to_text().replace("fed.sum", "fed.frobnicate")
+    broken = fcir.parse(text)
+    with pytest.raises(fcir.UnsupportedError, match="fed.frobnicate"):
+        reference.run(broken, *ARGS)
