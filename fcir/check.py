@@ -45,9 +45,12 @@ class _Checker:
         self.names = None
 
     def report(self, code, message, path, op, placement):
-        if self.names is None:
-            self.names = value_numbering(self.module.main)
-        where = describe(self.module, path, op, self.names) if op is not None else "func @main"
+        if op is None:
+            where = "func @main"
+        else:
+            if self.names is None:
+                self.names = value_numbering(self.module.main)
+            where = describe(self.module, path, op, self.names)
         self.diags.append(Diagnostic(code, message, where, placement))
 
     def run(self) -> list[Diagnostic]:
@@ -63,7 +66,7 @@ class _Checker:
         try:
             main = m.main
         except IRTypeError as e:
-            self.report("module/C3", str(e), (), None, False)
+            self.report("module/C3", f"module/C3: {e}", (), None, False)
             return self.diags
         for v in main.body.params + main.body.results:
             self.check_type_placements(v.type, (), None)
@@ -119,11 +122,11 @@ class _Checker:
                 self.region(sub, inner, (*path, r), set())
             return
         if op.name.startswith("fed."):
-            self.report("fed/C0", f"unknown federated op {op.name}", path, op, False)
+            self.report("fed/C0", f"fed/C0: unknown federated op {op.name}", path, op, False)
             return
         if op.name != "fcir.constant" and not op.name.startswith("jax."):
-            self.report("op/C0", f"unknown op {op.name}: ops are fed.*, jax.* or fcir.constant",
-                        path, op, False)
+            self.report("op/C0", f"op/C0: unknown op {op.name}: ops are fed.*, jax.* or "
+                        "fcir.constant", path, op, False)
             return
         self.local(op, ctx, path)
         for r, sub in enumerate(op.regions):
