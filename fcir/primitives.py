@@ -36,14 +36,18 @@ __all__ = [
 ]
 
 
-def _placed_aval(aval: core.ShapedArray, n: int, member_axis=None) -> core.ShapedArray:
-    """``aval`` with a leading member axis of size ``n``, sharded on ``member_axis``.
+def _placed_aval(aval: core.ShapedArray, n: int, member_axis=None, mesh=None):
+    """``aval`` with a leading member axis of size ``n``, sharded on ``member_axis`` (an
+    axis of ``mesh`` if given, else of ``aval``'s mesh).
 
     The rest of the sharding (and weak type, memory space, vma) is kept, so values typed
     on a mesh with ``Explicit`` axes keep their layout (DrJAX's rule).
     """
-    spec = PartitionSpec(member_axis, *aval.sharding.spec)
-    return aval.update(shape=(n, *aval.shape), sharding=aval.sharding.update(spec=spec))
+    sharding = aval.sharding
+    if member_axis is not None and mesh is not None and sharding.mesh.empty:
+        sharding = sharding.update(mesh=mesh)
+    sharding = sharding.update(spec=PartitionSpec(member_axis, *sharding.spec))
+    return aval.update(shape=(n, *aval.shape), sharding=sharding)
 
 
 def _member_aval(aval: core.ShapedArray, placement: str, n: int, what: str):
@@ -269,7 +273,8 @@ def _map_abstract_eval(*avals, body, placement, n):
             f"'{placement}' or reshard the operands"
         )
     member_axis = member_axes[0] if member_axes else None
-    return [_placed_aval(a, n, member_axis) for a in body.out_avals], body.effects
+    mesh = avals[0].sharding.mesh if member_axis is not None else None
+    return [_placed_aval(a, n, member_axis, mesh) for a in body.out_avals], body.effects
 
 
 def _map_batch(axis_data, args, dims, *, body, placement, n):
