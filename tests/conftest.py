@@ -72,3 +72,31 @@ def golden(request):
 
 def used_goldens() -> set[str]:
     return set(_USED)
+
+
+def _full_run(config) -> bool:
+    """True when the whole suite ran: no -k/-m filter and no narrower paths."""
+    if config.option.keyword or config.option.markexpr:
+        return False
+    root = pathlib.Path(__file__).parent.resolve()
+    return all(pathlib.Path(a.split("::")[0]).resolve() == root for a in config.args) and all(
+        "::" not in a for a in config.args
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A full run fails on golden files no test compared (with --update-goldens it
+    removes them)."""
+    if not _full_run(session.config) or not GOLDEN_DIR.exists() or session.testsfailed:
+        return
+    unused = sorted(p for p in GOLDEN_DIR.glob("*.fcir") if p.stem not in _USED)
+    if not unused:
+        return
+    if session.config.getoption("--update-goldens"):
+        for p in unused:
+            p.unlink()
+        return
+    names = ", ".join(p.name for p in unused)
+    print(f"\nunused golden files (no test compares them): {names}\n"
+          "remove them, or run: python -m pytest tests --update-goldens")
+    session.exitstatus = 1
