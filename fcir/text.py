@@ -21,7 +21,6 @@ unless asked. Grammar (informal)::
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -30,11 +29,13 @@ import numpy as np
 
 from fcir import attrs as A
 from fcir.errors import ParseError
-from fcir.ir import IR_VERSION, Func, Module, Op, Region, Value, value_numbering
+from fcir.ir import IR_VERSION, Func, Module, Op, Region, Value, check_structure, value_numbering
 from fcir.types import SERVER, PlacedType, Structure, TensorType, Type
 
 INLINE_LIMIT = 16
 _DIGEST_CHARS = 16
+_MAX_NESTING = 100  # types, attributes, structures and regions; deeper input is rejected
+_INT64 = 1 << 63
 
 
 # --- printing -------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ def _format_tensor(t: A.Tensor, full: bool) -> str:
         arr = t.numpy().reshape(-1)
         if t.dtype == "bool":
             vals = ["true" if v else "false" for v in arr]
-        elif np.issubdtype(arr.dtype, np.integer):
+        elif t.dtype[0] in "iu":  # also int4/uint4, which numpy does not call integer
             vals = [str(int(v)) for v in arr]
         else:
             vals = [_format_float(float(v)) for v in arr]
@@ -234,6 +235,13 @@ class _Parser:
         self.text = text
         self.toks = _tokenize(text)
         self.i = 0
+        self.depth = 0
+
+    def enter(self) -> None:
+        """Counts one level of nesting; without a bound, deep input is a RecursionError."""
+        self.depth += 1
+        if self.depth > _MAX_NESTING:
+            raise self.error(f"nested more than {_MAX_NESTING} levels deep")
 
     # -- token helpers --
     @property
@@ -277,10 +285,19 @@ class _Parser:
             raise self.error("expected an integer", t)
         return int(t[1])
 
+    def identifier(self, kind: str, what: str) -> str:
+        """A name token that must also be a Python identifier (as the protobuf reader
+        requires), without its ``@`` sigil."""
+        t = self.expect_kind(kind, what)
+        name = t[1][1:] if kind == "sym" else t[1]
+        if not name.isidentifier():
+            raise self.error(f"expected {what} that is an identifier", t)
+        return name
+
     # -- module --
     def module(self) -> Module:
         self.expect("fcir.module")
-        name = self.expect_kind("sym", "@module_name")[1][1:]
+        name = self.identifier("sym", "@module_name")
         self.expect("ir_version")
         self.expect("=")
         version = self.integer()
@@ -300,25 +317,28 @@ class _Parser:
         while not self.accept("]"):
             if placements:
                 self.expect(",")
-            p = self.expect_kind("ident", "a placement name")[1]
+            p = self.identifier("ident", "a placement name")
             self.expect(":")
             n = self.integer()
-            if n < 1:
-                raise self.error(f"cardinality of '{p}' must be positive")
+            if not 1 <= n < _INT64:
+                raise self.error(f"cardinality of '{p}' must be positive (and < 2**63)")
             if p in dict(placements) or p == SERVER:
                 raise self.error(f"placement name '{p}' is reserved or repeated")
             placements.append((p, n))
         self.placements = dict(placements)
         funcs = []
         while self.tok[0] != "eof":
+            tok = self.peek()
             funcs.append(self.func())
+            if any(f.name == funcs[-1].name for f in funcs[:-1]):
+                raise self.error(f"func @{funcs[-1].name} is defined twice", tok)
         if not funcs:
             raise self.error("expected a func")
         return Module(name, placements, funcs, version)
 
     def func(self) -> Func:
         self.expect("func")
-        name = self.expect_kind("sym", "@func_name")[1][1:]
+        name = self.identifier("sym", "@func_name")
         self.env: dict[str, Value] = {}
         self.expect("(")
         params = self.params(")")
@@ -333,11 +353,18 @@ class _Parser:
         arg_s = res_s = None
         while self.tok[1] in (".args", ".results"):
             which = self.next()[1]
+            tok = self.tok
             s = self.structure()
             if which == ".args":
                 arg_s = s
+                count = len(params)
             else:
                 res_s = s
+                count = len(result_types)
+            try:
+                check_structure(s, count, f"func @{name} {which}")
+            except ParseError as e:
+                raise self.error(str(e), tok) from None
         ops = []
         while self.tok[1] != "return":
             if self.tok[0] == "eof":
@@ -382,10 +409,14 @@ class _Parser:
     # -- types --
     def type(self) -> Type:
         if self.accept("{"):
+            self.enter()
             member = self.type()
+            self.depth -= 1
             self.expect("}")
             self.expect_kind("sym", "@placement")
             p = self.toks[self.i - 1][1][1:]
+            if p == SERVER:
+                raise self.error("a server value is written T@server, not {T}@server")
             self.check_placement(p)
             return PlacedType(member, p, False)
         t = self.tensor_type()
@@ -418,8 +449,8 @@ class _Parser:
             if dims:
                 self.expect(",")
             d = self.integer()
-            if d < 0:
-                raise self.error("dimensions must be non-negative")
+            if not 0 <= d < _INT64:
+                raise self.error("dimensions must be non-negative (and < 2**63)")
             dims.append(d)
         return TensorType(t[1], tuple(dims))
 
@@ -431,6 +462,12 @@ class _Parser:
             return Structure("leaf", leaf=int(t[1][1:]))
         if self.accept("none"):
             return Structure("none")
+        self.enter()
+        s = self.structure_node(t)
+        self.depth -= 1
+        return s
+
+    def structure_node(self, t: _Tok) -> Structure:
         if self.accept("("):
             kids = []
             while not self.accept(")"):
@@ -463,9 +500,11 @@ class _Parser:
     def string(self) -> str:
         t = self.expect_kind("string", "a string")
         try:
-            return json.loads(t[1])
-        except ValueError:
+            s = json.loads(t[1])
+            s.encode("utf-8")  # no lone surrogates ("\ud800"): the protobuf form is UTF-8
+        except ValueError:  # also UnicodeEncodeError
             raise self.error("malformed string", t) from None
+        return s
 
     # -- ops --
     def op(self) -> Op:
@@ -491,7 +530,7 @@ class _Parser:
             while not self.accept("}"):
                 if attrs:
                     self.expect(",")
-                key = self.expect_kind("ident", "an attribute name")[1]
+                key = self.identifier("ident", "an attribute name")
                 if key in attrs:
                     raise self.error(f"attribute {key} repeated")
                 self.expect("=")
@@ -514,7 +553,9 @@ class _Parser:
         if self.tok[1] == "{" and self.peek()[0] == "region":
             while True:
                 self.expect("{")
+                self.enter()
                 regions.append(self.region())
+                self.depth -= 1
                 self.expect("}")
                 if not (self.tok[1] == "," and self.peek()[1] == "{"):
                     break
@@ -540,13 +581,16 @@ class _Parser:
         if t[0] == "number":
             self.next()
             if re.fullmatch(r"[-+]?\d+", t[1]):
-                return int(t[1])
+                v = int(t[1])
+                if not -_INT64 <= v < _INT64:
+                    raise self.error("integer attributes must fit in 64 bits", t)
+                return v
             return float(t[1])
         if t[0] == "string":
             return self.string()
         if t[0] == "region":
             self.next()
-            if not t[1][1:].isdigit():
+            if not t[1][1:].isdigit() or int(t[1][1:]) >= 1 << 32:
                 raise self.error("expected a region reference ^N", t)
             closed = True
             if self.tok[1] == ":" and self.peek()[1] == "open":
@@ -555,23 +599,27 @@ class _Parser:
                 closed = False
             return A.RegionRef(int(t[1][1:]), closed)
         if self.accept("["):
+            self.enter()
             items = []
             while not self.accept("]"):
                 if items:
                     self.expect(",")
                 items.append(self.attr())
+            self.depth -= 1
             return tuple(items)
         if t[0] == "hash":
             self.next()
             name = t[1][1:]
             if self.accept("<"):
+                self.enter()
                 fields = []
                 while not self.accept(">"):
                     if fields:
                         self.expect(",")
-                    k = self.expect_kind("ident", "a field name")[1]
+                    k = self.identifier("ident", "a field name")
                     self.expect("=")
                     fields.append((k, self.attr()))
+                self.depth -= 1
                 return A.Record(name, tuple(fields))
             type_name, dot, member = name.rpartition(".")
             if not dot:
@@ -601,7 +649,7 @@ class _Parser:
         self.expect("<")
         tt = self.tensor_type()
         self.expect(":")
-        size = int(np.prod(tt.shape, dtype=np.int64))
+        size = math.prod(tt.shape)
         bare_scalar = not tt.shape and self.tok[0] == "number" or self.tok[1] in (
             "true", "false")
         if bare_scalar or self.accept("["):
@@ -619,9 +667,17 @@ class _Parser:
             dt = dtype_from_name(tt.dtype)
             if tt.dtype.startswith(("key<", "c")):
                 raise self.error("key and complex constants are written as hex")
+            floating = tt.dtype[0] not in "iu"
+            if tt.dtype == "bool":
+                ok = all(isinstance(v, bool) for v in vals)
+            else:
+                kinds = (int, float) if floating else int
+                ok = all(isinstance(v, kinds) and not isinstance(v, bool) for v in vals)
+            if not ok:
+                raise self.error(f"dense<{tt}> values must be {tt.dtype} literals")
             try:
-                arr = np.array(vals, dtype=np.float64 if dt.kind == "f" or tt.dtype == "bf16"
-                               else object).astype(dt)
+                with np.errstate(over="ignore"):  # 1e300 in f16 is inf, as in numpy
+                    arr = np.array(vals, dtype=np.float64 if floating else object).astype(dt)
             except (OverflowError, ValueError, TypeError) as e:
                 raise self.error(f"values do not fit {tt.dtype}: {e}") from None
             tensor = A.Tensor(tt.dtype, tt.shape, np.ascontiguousarray(arr).tobytes())
