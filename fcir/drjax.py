@@ -67,9 +67,9 @@ class ProgramArgumentError(PlacementError, ValueError):
     ``fcir.PlacementError``."""
 
 
-def _require_program(name: str) -> None:
+def _require_program(name: str):
     try:
-        _api._current(name)
+        return _api._current(name)
     except PlacementError:
         raise OperatorUndefinedError(name) from None
 
