@@ -1,11 +1,13 @@
 """Writes one process's shards into its data file, concurrently, and makes them durable.
 
-One file per process: shards are packed at aligned offsets, written by a few threads
-with `pwrite` in pieces of PIECE_BYTES; each piece is checksummed just before it is
-written, and the kernel is asked to start writing it back at once
-(`sync_file_range`), so the final fsync has little left to do. A file per array would
-cost an fsync and a directory entry per array, which dominates for trees of many small
-leaves; bench/checkpoint.py shows one file already writes at the disk's own speed.
+One file per process: shards are packed at aligned offsets and written by a few threads
+with `pwrite` in pieces of PIECE_BYTES, each piece checksummed just before it is
+written. As pieces land in the page cache a flusher thread asks the kernel to start
+writing them back (`sync_file_range`), so the disk works while the CPUs still copy and
+checksum, and the final fsync has little left to do; the writers never wait on the
+disk's queue themselves. A file per array would cost an fsync and a directory entry per
+array, which dominates for trees of many small leaves; bench/checkpoint.py shows one
+file per process writing at about the disk's own speed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import dataclasses
 import errno
 import os
 import pathlib
+import queue
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -48,21 +52,46 @@ def plan_offsets(lengths: Sequence[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _writeback_starter() -> Callable[[int, int, int], object]:
-    """`sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)` where Linux has it, else nothing."""
-    if sys.platform.startswith("linux"):
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-        except (OSError, AttributeError):
-            fn = None
-        if fn is not None:
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            return lambda fd, off, n: fn(fd, off, n, 2)
-    return lambda fd, off, n: None
+def _writeback_starter() -> Callable[[int, int, int], object] | None:
+    """`sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE)` where Linux has it, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return lambda fd, off, n: fn(fd, off, n, 2)
 
 
 _start_writeback = _writeback_starter()
+
+
+class _Flusher:
+    """A thread that starts writeback of file ranges as writers finish them (a hint only:
+    errors surface from the final fsync)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._thread = None
+        if _start_writeback is not None:
+            self._thread = threading.Thread(target=self._run, name="fcir-ckpt-flush", daemon=True)
+            self._thread.start()
+
+    def written(self, offset: int, length: int) -> None:
+        if self._thread is not None:
+            self._ranges.put((offset, length))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._ranges.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._ranges.get()) is not None:
+            _start_writeback(self._fd, *item)
 
 
 def _os_error(action: str, path: pathlib.Path, e: OSError) -> CheckpointError:
@@ -88,12 +117,7 @@ def write_data_file(
     except OSError as e:
         raise _os_error("cannot create", path, e) from e
     try:
-        if size and hasattr(os, "posix_fallocate"):
-            try:  # fails early on a full disk, and gets contiguous extents
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
+        flusher = _Flusher(fd)
         views = [memoryview(b.reshape(-1).view(np.uint8)) for b in blocks]
 
         def piece(i: int, start: int) -> Callable[[], None]:
@@ -108,14 +132,17 @@ def write_data_file(
                     if n <= 0:
                         raise OSError(errno.EIO, "short write")
                     data, pos = data[n:], pos + n
-                _start_writeback(fd, offsets[i] + start, min(PIECE_BYTES, lengths[i] - start))
+                flusher.written(offsets[i] + start, min(PIECE_BYTES, lengths[i] - start))
                 if progress is not None:
                     progress.advance(min(PIECE_BYTES, lengths[i] - start))
 
             return run
 
         tasks = [piece(i, s) for i, n in enumerate(lengths) for s in range(0, n, PIECE_BYTES)]
-        parallel.run_tasks(tasks, threads)
+        try:
+            parallel.run_tasks(tasks, threads)
+        finally:
+            flusher.close()
         if os.fstat(fd).st_size < size:  # trailing alignment of an empty last block
             os.ftruncate(fd, size)
         os.fsync(fd)

@@ -28,7 +28,7 @@ def fail(errno_, message):
     ("call", "errno_", "message"),
     [
         ("pwrite", 28, "No space left on device"),
-        ("posix_fallocate", 28, "No space left on device"),
+        ("write", 28, "No space left on device"),  # the layout file
         ("fsync", 5, "Input/output error"),
         ("rename", 5, "Input/output error"),
     ],

@@ -1,0 +1,428 @@
+"""Checkpoint benchmark: fcir.checkpoint against orbax-checkpoint and against `dd`.
+
+    python bench/checkpoint.py            # ~1 GiB over 8 CPU devices, warm-up + 5 repetitions
+    python bench/checkpoint.py --quick    # tiny sizes, one repetition (the CI smoke run)
+
+Every figure is a ratio measured side by side in one run: each repetition runs the
+contenders back to back (alternating their order), and a figure is the ratio of the
+medians. Prints a table with every goal of docs/design checkpoint.md and writes every
+raw sample, the versions and the core count to bench/results/checkpoint-*.json.
+Restores run right after the saves, so both libraries read from the page cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import pathlib
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jaxlib
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from fcir import checkpoint  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+N_BIG = 4  # large float32 leaves, sharded over all devices
+N_SMALL = 4  # small replicated leaves
+
+
+def big_shape(total_mib: float) -> tuple[int, int]:
+    """Shape of each large leaf so that N_BIG of them hold about `total_mib` MiB."""
+    elems = max(64, int(total_mib * 2**20 / 4 / N_BIG))
+    cols = 1 << max(3, int(math.log2(math.isqrt(elems))))
+    rows = max(8, elems // cols // 8 * 8)
+    return rows, cols
+
+
+def meshes() -> dict[str, jax.sharding.Mesh]:
+    devices = jax.devices()[:8]
+    return {
+        "saved": jax.make_mesh((8,), ("x",), devices=devices),
+        "other": jax.make_mesh((4, 2), ("a", "b"), devices=devices),
+    }
+
+
+def shardings(kind: str) -> dict[str, NamedSharding]:
+    """How the big and small leaves are laid out: as saved, or two other layouts."""
+    m = meshes()
+    if kind == "saved":  # rows over 8 devices
+        return {"big": NamedSharding(m["saved"], P("x")), "small": NamedSharding(m["saved"], P())}
+    if kind == "other":  # another mesh shape and spec: rows over 4, columns over 2
+        return {
+            "big": NamedSharding(m["other"], P("a", "b")),
+            "small": NamedSharding(m["other"], P()),
+        }
+    if kind == "columns":  # every device needs a slice of every stored row block
+        return {
+            "big": NamedSharding(m["saved"], P(None, "x")),
+            "small": NamedSharding(m["saved"], P("x")),
+        }
+    raise ValueError(kind)
+
+
+def abstract_tree(shape: tuple[int, int], kind: str) -> dict[str, Any]:
+    s = shardings(kind)
+    return {
+        "params": {
+            **{
+                f"w{i}": jax.ShapeDtypeStruct(shape, np.float32, sharding=s["big"])
+                for i in range(N_BIG)
+            },
+            **{
+                f"b{i}": jax.ShapeDtypeStruct((shape[1],), np.float32, sharding=s["small"])
+                for i in range(N_SMALL)
+            },
+        }
+    }
+
+
+def make_tree(shape: tuple[int, int]) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, sds in abstract_tree(shape, "saved")["params"].items():
+        host = rng.random(sds.shape, dtype=np.float32)
+        out[name] = jax.device_put(host, sds.sharding)
+        del host
+    jax.block_until_ready(out)
+    return {"params": out}
+
+
+def tree_bytes(tree: dict[str, Any]) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds `fn` takes; afterwards (untimed) flushes what it left dirty, so the next
+    contender does not pay for this one's writeback."""
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    os.sync()
+    return elapsed
+
+
+def rm(path: pathlib.Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if path.is_file():
+        path.unlink()
+
+
+# --- contenders ------------------------------------------------------------------------
+
+
+def fcir_save(path: pathlib.Path, tree: dict[str, Any]) -> float:
+    return timed(lambda: checkpoint.save(path, tree))
+
+
+def fcir_async(path: pathlib.Path, tree: dict[str, Any]) -> tuple[float, float]:
+    start = time.perf_counter()
+    handle = checkpoint.save(path, tree, blocking=False)
+    blocking = time.perf_counter() - start
+    handle.wait()
+    total = time.perf_counter() - start
+    os.sync()
+    return blocking, total
+
+
+def orbax_checkpointer():  # type: ignore[no-untyped-def]
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
+
+
+def orbax_save(ckptr: Any, path: pathlib.Path, tree: dict[str, Any]) -> float:
+    def run() -> None:
+        ckptr.save(path, tree)
+        ckptr.wait_until_finished()
+
+    return timed(run)
+
+
+def dd(path: pathlib.Path, nbytes: int) -> float:
+    count = -(-nbytes // 2**20)
+    cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync"]
+    return timed(lambda: subprocess.run(cmd, check=True, capture_output=True))
+
+
+def fcir_restore(path: pathlib.Path, target: dict[str, Any]) -> float:
+    def run() -> None:
+        jax.block_until_ready(checkpoint.restore(path, target))
+
+    t = timed(run)
+    gc.collect()
+    return t
+
+
+def orbax_restore(ckptr: Any, path: pathlib.Path, target: dict[str, Any]) -> float:
+    def run() -> None:
+        jax.block_until_ready(ckptr.restore(path, target))
+
+    t = timed(run)
+    gc.collect()
+    return t
+
+
+# --- peak memory of a restore, in a fresh process -------------------------------------------
+
+
+def rss_bytes(field: str = "VmRSS") -> int:
+    """Resident memory now (VmRSS) or at its peak (VmHWM) of this process, from /proc.
+
+    Not ru_maxrss: Linux keeps that across exec, so a child would report its parent's peak.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def measure_memory_child(library: str, path: str, rows: int, cols: int) -> None:
+    shape = (rows, cols)
+    target = abstract_tree(shape, "saved")
+    jax.block_until_ready(jax.device_put(np.zeros(8), shardings("saved")["small"]))
+    if library == "orbax":
+        ckptr = orbax_checkpointer()
+    gc.collect()
+    before = rss_bytes()
+    if library == "orbax":
+        out = ckptr.restore(path, target)
+    else:
+        out = checkpoint.restore(path, target)
+    jax.block_until_ready(out)
+    peak = rss_bytes("VmHWM")
+    print(json.dumps({"before": before, "peak": peak, "restored": tree_bytes(out)}))
+
+
+def measure_memory(library: str, path: pathlib.Path, shape: tuple[int, int]) -> dict[str, int]:
+    done = subprocess.run(
+        [sys.executable, __file__, "--memory-child", library, str(path), *map(str, shape)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+GOALS = [
+    # (figure, numerator sample, denominator sample, goal, "<=" or ">=")
+    ("save until committed: orbax / fcir", "orbax_save", "fcir_save", 2.5, ">="),
+    ("save until committed: fcir / dd of the same bytes", "fcir_save", "dd", 1.3, "<="),
+    (
+        "async save: blocking part / whole save",
+        "fcir_async_blocking",
+        "fcir_async_total",
+        0.05,
+        "<=",
+    ),
+    (
+        "restore onto the saved sharding: orbax / fcir",
+        "orbax_restore",
+        "fcir_restore_saved",
+        2.0,
+        ">=",
+    ),
+    (
+        "restore onto mesh (4,2) P('a','b') / onto saved",
+        "fcir_restore_other",
+        "fcir_restore_saved",
+        1.2,
+        "<=",
+    ),
+    (
+        "restore onto P(None,'x') (columns) / onto saved",
+        "fcir_restore_columns",
+        "fcir_restore_saved",
+        1.2,
+        "<=",
+    ),
+]
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = big_shape(args.size_mib)
+    reps = 1 if args.quick else args.reps
+    warmup = 0 if args.quick else 1
+    work = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="fcir-ckpt-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    tree = make_tree(shape)
+    nbytes = tree_bytes(tree)
+    targets = {kind: abstract_tree(shape, kind) for kind in ("saved", "other", "columns")}
+    ckptr = orbax_checkpointer()
+    samples: dict[str, list[float]] = {}
+    print(
+        f"tree: {N_BIG} x f32{list(shape)} over 8 devices + {N_SMALL} replicated f32[{shape[1]}]"
+        f" = {nbytes / 2**20:.1f} MiB; {warmup} warm-up + {reps} repetition(s); dir {work}",
+        flush=True,
+    )
+    for rep in range(warmup + reps):
+        record = rep >= warmup
+        got: dict[str, float] = {}
+        f_path, o_path, d_path, a_path = (work / n for n in ("fcir", "orbax", "dd.bin", "async"))
+        saves = [
+            ("fcir_save", lambda: fcir_save(f_path, tree)),
+            ("orbax_save", lambda: orbax_save(ckptr, o_path, tree)),
+            ("dd", lambda: dd(d_path, nbytes)),
+        ]
+        for name, fn in saves if rep % 2 == 0 else saves[::-1]:
+            got[name] = fn()
+        rm(d_path)
+        got["fcir_async_blocking"], got["fcir_async_total"] = fcir_async(a_path, tree)
+        rm(a_path)
+        restores = [
+            ("fcir_restore_saved", lambda: fcir_restore(f_path, targets["saved"])),
+            ("orbax_restore", lambda: orbax_restore(ckptr, o_path, targets["saved"])),
+            ("fcir_restore_other", lambda: fcir_restore(f_path, targets["other"])),
+            ("fcir_restore_columns", lambda: fcir_restore(f_path, targets["columns"])),
+        ]
+        for name, fn in restores if rep % 2 == 0 else restores[::-1]:
+            got[name] = fn()
+        memory = None
+        if rep == warmup + reps - 1:  # fresh processes, once, on the last checkpoints
+            memory = {
+                "fcir": measure_memory("fcir", f_path, shape),
+                **({} if args.quick else {"orbax": measure_memory("orbax", o_path, shape)}),
+            }
+        rm(f_path)
+        rm(o_path)
+        print(
+            ("rep" if record else "warm-up")
+            + " "
+            + " ".join(f"{k}={v:.3f}" for k, v in got.items()),
+            flush=True,
+        )
+        if record:
+            for k, v in got.items():
+                samples.setdefault(k, []).append(v)
+    if args.dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+    rows = []
+    for figure, num, den, goal, op in GOALS:
+        ratio = median(samples[num]) / median(samples[den])
+        ok = ratio >= goal if op == ">=" else ratio <= goal
+        rows.append((figure, median(samples[num]), median(samples[den]), ratio, f"{op} {goal}", ok))
+    mem = memory["fcir"]
+    mem_ratio = (mem["peak"] - mem["before"]) / mem["restored"]
+    rows.append(
+        (
+            "peak extra host memory of a restore / restored bytes",
+            (mem["peak"] - mem["before"]) / 2**20,
+            mem["restored"] / 2**20,
+            mem_ratio,
+            "<= 1.2",
+            mem_ratio <= 1.2,
+        )
+    )
+    print()
+    print(f"{'figure':<52} {'A':>9} {'B':>9} {'A/B':>7}  {'goal':<7} ok")
+    for figure, a, b, ratio, goal, ok in rows:
+        unit = "MiB" if figure.startswith("peak") else "s"
+        print(
+            f"{figure:<52} {a:>7.3f}{unit[0]:>2} {b:>7.3f}{unit[0]:>2} {ratio:>7.3f}  {goal:<7} "
+            f"{'yes' if ok else 'NO'}"
+        )
+    if "orbax" in memory:
+        om = memory["orbax"]
+        print(
+            f"(orbax restore's peak extra memory: {(om['peak'] - om['before']) / 2**20:.0f} MiB, "
+            f"{(om['peak'] - om['before']) / om['restored']:.2f}x the restored bytes)"
+        )
+
+    result = {
+        "benchmark": "checkpoint",
+        "quick": args.quick,
+        "when": datetime.datetime.now(datetime.UTC).isoformat(),
+        "config": {
+            "big_shape": shape,
+            "n_big": N_BIG,
+            "n_small": N_SMALL,
+            "bytes": nbytes,
+            "devices": jax.device_count(),
+            "repetitions": reps,
+            "warmup": warmup,
+        },
+        "versions": {
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "numpy": np.__version__,
+            "orbax-checkpoint": _version("orbax-checkpoint"),
+        },
+        "cpu_count": os.cpu_count(),
+        "samples_s": samples,
+        "memory_bytes": memory,
+        "figures": [
+            {"figure": f, "a": a, "b": b, "ratio": r, "goal": g, "ok": ok}
+            for f, a, b, r, g, ok in rows
+        ],
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = RESULTS / f"checkpoint-{'quick-' if args.quick else ''}{stamp}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repetition")
+    parser.add_argument("--reps", type=int, default=5, help="measured repetitions (default 5)")
+    parser.add_argument("--size-mib", type=float, default=None, help="bytes of the large leaves")
+    parser.add_argument("--dir", help="where to write checkpoints (default: a temporary dir)")
+    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        library, path, rows, cols = args.memory_child
+        measure_memory_child(library, path, int(rows), int(cols))
+        return 0
+    if args.size_mib is None:
+        args.size_mib = 1 if args.quick else 1024
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
