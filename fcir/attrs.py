@@ -87,7 +87,9 @@ class Tensor:
             name = dtype_name(dt)
             arr = np.asarray(jax.random.key_data(value))
             return Tensor(name, tuple(np.shape(value)), arr.astype("<u4").tobytes())
-        arr = np.asarray(value)
+        # JAX literals are TypedFloat/TypedInt (float/int subclasses with a .dtype):
+        # np.asarray alone would widen them to f64/i64.
+        arr = np.asarray(value) if dt is None else np.asarray(value, dtype=dt)
         name = dtype_name(arr.dtype)
         if arr.dtype.byteorder == ">":
             arr = arr.astype(arr.dtype.newbyteorder("<"))
