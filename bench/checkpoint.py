@@ -45,7 +45,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fcir import checkpoint  # noqa: E402
+from fcir import checkpoint
 
 RESULTS = REPO / "bench" / "results"
 N_BIG = 4  # large float32 leaves, sharded over all devices
@@ -288,10 +288,10 @@ def run(args: argparse.Namespace) -> int:
         f" = {nbytes / 2**20:.1f} MiB; {warmup} warm-up + {reps} repetition(s); dir {work}",
         flush=True,
     )
+    f_path, o_path, d_path, a_path = (work / n for n in ("fcir", "orbax", "dd.bin", "async"))
     for rep in range(warmup + reps):
         record = rep >= warmup
         got: dict[str, float] = {}
-        f_path, o_path, d_path, a_path = (work / n for n in ("fcir", "orbax", "dd.bin", "async"))
         saves = [
             ("fcir_save", lambda: fcir_save(f_path, tree)),
             ("orbax_save", lambda: orbax_save(ckptr, o_path, tree)),
