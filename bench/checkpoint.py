@@ -390,9 +390,10 @@ def run(args: argparse.Namespace) -> int:
             for f, a, b, r, g, ok in rows
         ],
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results = pathlib.Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = RESULTS / f"checkpoint-{'quick-' if args.quick else ''}{stamp}.json"
+    out = results / f"checkpoint-{'quick-' if args.quick else ''}{stamp}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {out}")
     return 0
@@ -413,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="measured repetitions (default 5)")
     parser.add_argument("--size-mib", type=float, default=None, help="bytes of the large leaves")
     parser.add_argument("--dir", help="where to write checkpoints (default: a temporary dir)")
+    parser.add_argument("--results", default=str(RESULTS), help="where to write the JSON")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:

@@ -1,0 +1,35 @@
+"""bench/checkpoint.py --quick runs end to end, so the benchmark cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from ckpt_testing import REPO, child_env
+
+
+def test_checkpoint_benchmark_quick_mode(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "checkpoint.py"),
+            "--quick",
+            "--dir",
+            str(tmp_path / "work"),
+            "--results",
+            str(tmp_path / "results"),
+        ],
+        env=child_env(8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "save until committed: orbax / fcir" in done.stdout
+    (result,) = (tmp_path / "results").glob("checkpoint-quick-*.json")
+    doc = json.loads(result.read_text())
+    assert doc["cpu_count"] and doc["versions"]["jax"] and doc["versions"]["numpy"]
+    assert doc["versions"]["jaxlib"] and doc["samples_s"]["fcir_save"]
+    assert len(doc["figures"]) == 7
