@@ -1,11 +1,8 @@
-"""Distributed checkpoints: sharded jax arrays saved in parallel, committed atomically,
-restored onto any sharding. See docs/checkpoint.md.
+"""Distributed checkpoints: sharded jax arrays saved in parallel without a gather,
+committed atomically, restored onto any sharding. See docs/checkpoint.md.
 
-    from fcir import checkpoint
-    checkpoint.save(path, {"params": params, "step": 10})
-    handle = checkpoint.save(path, tree, blocking=False); handle.wait()
-    tree = checkpoint.restore(path, target={"params": abstract_params})
-    layout = checkpoint.read_layout(path)     # the fcir.v1.CheckpointLayout protobuf
+`save`, `restore`, `read_layout` (the fcir.v1.CheckpointLayout protobuf),
+`CheckpointManager`, and `SaveHandle` (what an asynchronous `save` returns).
 """
 
 from fcir.checkpoint.layout import read_layout
