@@ -28,8 +28,11 @@ from fcir.checkpoint.progress import Progress
 from fcir.checkpoint.shardings import Box
 from fcir.errors import CheckpointError
 
-#: Largest single read, and largest scratch slab.
+#: Largest single read straight into a destination.
 PIECE_BYTES = 16 * checksums.CHUNK_BYTES
+#: Rows read into scratch at a time: small enough to stay in cache while the slab is
+#: checksummed and copied out.
+SLAB_BYTES = 2 * checksums.CHUNK_BYTES
 
 Task = Callable[[], None]
 
@@ -146,6 +149,17 @@ def read_range(
             )
 
 
+_thread_scratch = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread reusable buffer: fresh pages cost a page fault each, reused ones none."""
+    buf = getattr(_thread_scratch, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _thread_scratch.buf = np.empty(max(nbytes, SLAB_BYTES), np.uint8)
+    return buf[:nbytes]
+
+
 def _is_contiguous(shape: tuple[int, ...], box: Box) -> bool:
     """Whether `box` is one contiguous run of a C-order array of `shape`."""
     extents = shardings.box_shape(box)
@@ -242,7 +256,7 @@ def _slab_tasks(
     progress: Progress | None,
 ) -> list[Task]:
     row_bytes = int(np.prod(sshape[1:], dtype=np.int64)) * itemsize
-    rows_per_slab = max(1, PIECE_BYTES // max(row_bytes, 1))
+    rows_per_slab = max(1, SLAB_BYTES // max(row_bytes, 1))
     intervals: list[list[int]] = []  # merged leading-dimension row ranges that are needed
     for lo, hi in sorted((b[0][0], b[1][0]) for b, _ in scattered):
         if intervals and lo <= intervals[-1][1]:
@@ -253,7 +267,7 @@ def _slab_tasks(
 
     def task(r0: int, r1: int) -> Task:
         def run() -> None:
-            scratch = np.empty((r1 - r0) * row_bytes, np.uint8)
+            scratch = _scratch((r1 - r0) * row_bytes)
             read_range(
                 files, shard, chunk, r0 * row_bytes, r1 * row_bytes, memoryview(scratch), array
             )
