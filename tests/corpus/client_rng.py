@@ -1,0 +1,89 @@
+"""Per-client randomness: a DP-style clipped and noised mean of client updates.
+
+The server turns an int32 seed into a threefry key (``jax.random.key``), splits it into
+one key per client and hands the keys to ``map_fn`` as client data (a ``key<fry>[n]``
+array). Each client clips its gradient step to norm ``CLIP`` and adds Gaussian noise
+drawn from its own key.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fcir
+
+from . import loops
+from .case import Case, sum_of_squares
+
+NUM_CLIENTS = 8
+EXAMPLES = 12
+DIM = 8
+LR = 0.5
+CLIP = 0.2
+NOISE = 0.05
+DRJAX_EXPRESSIBLE = True
+
+
+def mse(w, x, y):
+    return jnp.mean(jnp.square(x @ w - y))
+
+
+def noised_update(w, key, x, y):
+    update = -LR * jax.grad(mse)(w, x, y)
+    norm = jnp.sqrt(jnp.sum(jnp.square(update)))
+    clipped = update * jnp.minimum(1.0, CLIP / norm)
+    return clipped + NOISE * jax.random.normal(key, update.shape)
+
+
+def build(api=fcir):
+    @api.program(placements={"clients": NUM_CLIENTS})
+    def client_rng(w, seed, x, y):
+        keys = jax.random.split(jax.random.key(seed), NUM_CLIENTS)
+        updates = api.map_fn(noised_update, (api.broadcast(w), keys, x, y))
+        return w + api.reduce_mean(updates)
+
+    return client_rng
+
+
+def make_args():
+    rng = np.random.default_rng(12)
+    w = rng.normal(size=(DIM,))
+    x = rng.normal(size=(NUM_CLIENTS, EXAMPLES, DIM))
+    y = x @ rng.normal(size=(DIM,)) + 0.1 * rng.normal(size=(NUM_CLIENTS, EXAMPLES))
+    return (
+        jnp.asarray(w, jnp.float32),
+        jnp.int32(20240601),
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(y, jnp.float32),
+    )
+
+
+@jax.jit
+def _oracle_client(w, keys, x, y, i):
+    # Closed-form gradient of the mean squared error.
+    update = -LR * 2.0 * x[i].T @ (x[i] @ w - y[i]) / EXAMPLES
+    clipped = update * jnp.minimum(1.0, CLIP / jnp.linalg.norm(update))
+    return clipped + NOISE * jax.random.normal(keys[i], (DIM,))
+
+
+@jax.jit
+def _oracle_server(w, updates):
+    return w + loops.mean(updates)
+
+
+def oracle(w, seed, x, y):
+    keys = jax.random.split(jax.random.key(seed), NUM_CLIENTS)
+    updates = [_oracle_client(w, keys, x, y, i) for i in range(NUM_CLIENTS)]
+    return _oracle_server(w, updates)
+
+
+CASE = Case(
+    name="client_rng",
+    fn=build(),
+    make_args=make_args,
+    oracle=oracle,
+    grad_argnums=(0, 2, 3),
+    loss=sum_of_squares,
+)

@@ -1,0 +1,94 @@
+"""Every corpus program, jit-compiled, computes what its plain-JAX oracle computes."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from corpus import CASES, DRJAX_NAMES, case, drjax_program
+
+NAMES = [c.name for c in CASES]
+
+
+@functools.cache
+def jitted_output(name: str):
+    """``jax.jit(fn)(*make_args())`` of case ``name``, computed once per test session."""
+    c = case(name)
+    return jax.jit(c.fn)(*c.make_args())
+
+
+def assert_trees_match(actual, expected, *, rtol=1e-5, atol=1e-6):
+    """Same structure, dtypes and shapes; floats within tolerance, integers bitwise."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    flat_actual, _ = jax.tree_util.tree_flatten_with_path(actual)
+    for (path, a), e in zip(flat_actual, jax.tree.leaves(expected)):
+        where = jax.tree_util.keystr(path) or "<root>"
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.dtype == e.dtype, f"{where}: dtype {a.dtype} != {e.dtype}"
+        assert a.shape == e.shape, f"{where}: shape {a.shape} != {e.shape}"
+        if jnp.issubdtype(a.dtype, jnp.inexact):
+            np.testing.assert_allclose(
+                a.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol, err_msg=where
+            )
+        else:
+            np.testing.assert_array_equal(a, e, err_msg=where)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_program_matches_oracle(name):
+    c = case(name)
+    assert_trees_match(jitted_output(name), c.oracle(*c.make_args()))
+
+
+def test_int_mean_dtype():
+    c = case("int_mean")
+    args = c.make_args()
+    declared = jax.eval_shape(c.fn, *args)
+    for leaf in jax.tree.leaves(declared):
+        assert leaf.dtype == jnp.float32
+    values = jitted_output("int_mean")
+    for leaf in jax.tree.leaves(values):
+        assert leaf.dtype == jnp.float32
+    labels = np.asarray(args[0])
+    # Not bitwise: XLA turns division by the constant n into multiplication by 1/n.
+    np.testing.assert_allclose(
+        values["label_mean"], labels.sum(axis=0) / len(labels), rtol=1e-6, atol=0
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_case_is_well_formed(name):
+    c = case(name)
+    assert re.fullmatch(r"[a-z][a-z0-9_]*", c.name)
+    # Deterministic arguments: the goldens and the backends all see the same values.
+    assert_trees_match(c.make_args(), c.make_args(), rtol=0, atol=0)
+    if c.grad_argnums is not None:
+        assert c.loss is not None
+        args = c.make_args()
+        for i in c.grad_argnums:
+            for leaf in jax.tree.leaves(args[i]):
+                assert jnp.issubdtype(jnp.result_type(leaf), jnp.floating), (name, i)
+    assert not (c.hierarchical and c.exportable)
+    assert c.hierarchical == (name == "hierarchical_fedavg")
+
+
+# One case per API feature DrJAX shares with fcir (scalar and pytree broadcast, tuple
+# results from map_fn, grad inside the body, weighted mean, bf16 members); each costs
+# a full compile, and bench/ runs the transformer on drjax at scale.
+DRJAX_CHECKED = ("temperature_sensors", "fedsgd_linreg", "fedavg_weighted", "bf16_client")
+
+
+def test_drjax_checked_cases_are_expressible():
+    assert set(DRJAX_CHECKED) <= set(DRJAX_NAMES)
+
+
+@pytest.mark.parametrize("name", DRJAX_CHECKED)
+def test_same_body_on_drjax_matches(name):
+    pytest.importorskip("drjax")
+    c = case(name)
+    expected = jax.jit(drjax_program(name))(*c.make_args())
+    assert_trees_match(jitted_output(name), expected)
