@@ -76,7 +76,14 @@ class FedOp:
     def placed_operand(cls, ctx: Context, v, code_placement: str, allow_all_equal=True):
         t = v.type
         if not isinstance(t, PlacedType) or t.placement == SERVER:
-            cls.fail(code_placement, f"operand has type {t}")
+            hint = ""
+            if ctx.child is not None and isinstance(t, PlacedType):
+                hint = (
+                    f"; a value computed at '{ctx.here}' reaches the members of "
+                    f"'{ctx.child}' only through fed.broadcast (every member gets the same "
+                    "value): pass per-member values as client data"
+                )
+            cls.fail(code_placement, f"operand has type {t}{hint}")
         if ctx.child is None or t.placement != ctx.child:
             cls.fail(
                 code_placement,

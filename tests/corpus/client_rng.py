@@ -1,9 +1,11 @@
 """Per-client randomness: a DP-style clipped and noised mean of client updates.
 
-The server turns an int32 seed into a threefry key (``jax.random.key``), splits it into
-one key per client and hands the keys to ``map_fn`` as client data (a ``key<fry>[n]``
-array). Each client clips its gradient step to norm ``CLIP`` and adds Gaussian noise
-drawn from its own key.
+The orchestrator turns a seed into a threefry key (``jax.random.key``) and splits it
+into one key per client; the keys are client data (``{key<fry>[]}@clients``), mapped
+with the rest of each client's data. Each client clips its gradient step to norm
+``CLIP`` and adds Gaussian noise drawn from its own key. (Splitting inside the round at
+the server and mapping over the result would hand each client a different server
+value, which no federated op does: fcir rejects it with ``fed.map/C2``.)
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ def noised_update(w, key, x, y):
 
 def build(api=fcir):
     @api.program(placements={"clients": NUM_CLIENTS})
-    def client_rng(w, seed, x, y):
-        keys = jax.random.split(jax.random.key(seed), NUM_CLIENTS)
+    def client_rng(w, keys, x, y):
         updates = api.map_fn(noised_update, (api.broadcast(w), keys, x, y))
         return w + api.reduce_mean(updates)
 
@@ -54,7 +55,7 @@ def make_args():
     y = x @ rng.normal(size=(DIM,)) + 0.1 * rng.normal(size=(NUM_CLIENTS, EXAMPLES))
     return (
         jnp.asarray(w, jnp.float32),
-        jnp.int32(20240601),
+        jax.random.split(jax.random.key(20240601), NUM_CLIENTS),
         jnp.asarray(x, jnp.float32),
         jnp.asarray(y, jnp.float32),
     )
@@ -73,8 +74,7 @@ def _oracle_server(w, updates):
     return w + loops.mean(updates)
 
 
-def oracle(w, seed, x, y):
-    keys = jax.random.split(jax.random.key(seed), NUM_CLIENTS)
+def oracle(w, keys, x, y):
     updates = [_oracle_client(w, keys, x, y, i) for i in range(NUM_CLIENTS)]
     return _oracle_server(w, updates)
 
