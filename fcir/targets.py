@@ -80,7 +80,7 @@ def parse_arg_specs(specs: list[str]) -> tuple:
     for spec in specs:
         parser = _Parser(spec)
         out.append(_spec(parser))
-        if parser.tok.kind != "eof":
+        if parser.tok[0] != "eof":
             raise parser.error("unexpected text after the type")
     return tuple(out)
 
