@@ -1,0 +1,314 @@
+"""The ``fcir`` command line: show, check, diff, run; exit codes, ``--help`` everywhere,
+and no Python traceback for bad input unless ``--debug``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import fcir
+from fcir import cli
+from fcir.capture import capture_unchecked
+from fcir.targets import load_function
+
+TARGET = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, fcir
+
+    @fcir.program(placements={"clients": 3})
+    def fedavg(model, data):
+        def local(m, d):
+            return m - 0.1 * jnp.mean(d @ m) * jnp.ones_like(m)
+        return fcir.reduce_mean(fcir.map_fn(local, (fcir.broadcast(model), data)))
+
+    @fcir.program(placements={"clients": 3})
+    def total(x):
+        return {"sum": fcir.reduce_sum(x), "max": fcir.reduce_max(x)}
+
+    @fcir.program(placements={"clients": 3})
+    def peeks(x):
+        return x[0] + fcir.reduce_sum(fcir.map_fn(lambda a: a * 2, x))
+
+    def broken(x):
+        raise ValueError("user code is broken")
+
+    EXAMPLE_ARGS = {
+        "fedavg": lambda: (jnp.ones((4, 2)), jnp.ones((3, 5, 4))),
+        "peeks": lambda: jnp.ones((3, 2)),
+    }
+    """
+)
+
+
+@pytest.fixture
+def files(tmp_path):
+    """A Python target plus IR files written from it."""
+    src = tmp_path / "target.py"
+    src.write_text(TARGET)
+    _, mod = load_function(f"{src}:fedavg")
+    ns = vars(mod)
+    args = ns["EXAMPLE_ARGS"]["fedavg"]()
+    m = fcir.capture(ns["fedavg"], *args)
+    paths = {
+        "py": src,
+        "fcir": tmp_path / "fedavg.fcir",
+        "pb": tmp_path / "fedavg.pb",
+        "other": tmp_path / "total.fcir",
+        "bad_check": tmp_path / "peeks.fcir",
+        "garbage": tmp_path / "garbage.fcir",
+        "garbage_pb": tmp_path / "garbage.pb",
+        "binary_text": tmp_path / "binary.fcir",
+        "inputs": tmp_path / "in.npz",
+        "bad_npz": tmp_path / "bad.npz",
+        "few_npz": tmp_path / "few.npz",
+        "out": tmp_path / "out.npz",
+    }
+    paths["fcir"].write_text(m.to_text(full_constants=True))
+    paths["pb"].write_bytes(m.serialize())
+    paths["other"].write_text(
+        fcir.capture(ns["total"], jax.ShapeDtypeStruct((3, 2), np.float32)).to_text()
+    )
+    paths["bad_check"].write_text(
+        capture_unchecked(ns["peeks"], *[np.ones((3, 2), np.float32)]).to_text()
+    )
+    paths["garbage"].write_text("fcir.module @x ir_version=1 placements=[clients:3]\nfunc @main(")
+    paths["garbage_pb"].write_bytes(b"\xff\x00\x13garbage")
+    paths["binary_text"].write_bytes(b"\xff\xfe\x00\x80")
+    np.savez(paths["inputs"], *[np.asarray(a) for a in jax.tree.leaves(args)])
+    paths["bad_npz"].write_text("this is not an npz file")
+    np.savez(paths["few_npz"], np.ones((4, 2), np.float32))
+    return paths, ns, args
+
+
+def run_main(argv, capsys):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_no_traceback(err: str):
+    assert "Traceback" not in err and 'File "' not in err, err
+
+
+# --- show -----------------------------------------------------------------------------------
+
+
+def test_show_prints_canonical_text_for_every_kind_of_target(files, capsys):
+    paths, _, _ = files
+    want = fcir.parse(paths["fcir"].read_text()).to_text()
+    for target in [paths["fcir"], paths["pb"], f"{paths['py']}:fedavg"]:
+        code, out, err = run_main(["show", target], capsys)
+        assert (code, err) == (0, ""), err
+        assert out == want
+    code, out, _ = run_main(["show", paths["pb"], "--full-constants"], capsys)
+    assert code == 0 and out == paths["fcir"].read_text()
+    code, out, _ = run_main(["show", f"{paths['py']}:total", "--args", "f32[3,2]"], capsys)
+    assert code == 0 and "fed.max" in out and '.results {"max": $0, "sum": $1}' in out
+
+
+# --- check ----------------------------------------------------------------------------------
+
+
+def test_check_exit_codes(files, capsys):
+    paths, _, _ = files
+    for target in [paths["fcir"], paths["pb"], f"{paths['py']}:fedavg"]:
+        code, out, _ = run_main(["check", target], capsys)
+        assert code == 0 and "ok" in out
+    code, out, err = run_main(["check", paths["bad_check"]], capsys)
+    assert code == 1
+    assert "local/C1" in out and "client-to-client" in out and "error(s)" in out
+    assert_no_traceback(err)
+    code, out, _ = run_main(["check", f"{paths['py']}:peeks"], capsys)
+    assert code == 1 and "local/C1" in out
+
+
+# --- diff -----------------------------------------------------------------------------------
+
+
+def test_diff_exit_codes(files, capsys):
+    paths, _, _ = files
+    code, out, _ = run_main(["diff", paths["fcir"], paths["pb"]], capsys)
+    assert (code, out) == (0, "")
+    code, out, _ = run_main(["diff", paths["fcir"], paths["other"]], capsys)
+    assert code == 1
+    assert out.startswith(f"--- {paths['fcir']}\n+++ {paths['other']}\n")
+    assert "-  %2: f32[4,2]@clients! = fed.broadcast" in out
+    for bad in [paths["garbage"], paths["garbage_pb"], paths["py"].with_name("none.fcir")]:
+        code, out, err = run_main(["diff", paths["fcir"], bad], capsys)
+        assert code == 2 and out == "" and "error" in err
+        assert_no_traceback(err)
+    code, _, _ = run_main(["diff", "-U", "0", paths["fcir"], paths["other"]], capsys)
+    assert code == 1
+
+
+# --- run ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["fcir", "pb", "py"])
+def test_run_writes_outputs(files, capsys, target):
+    paths, ns, args = files
+    t = f"{paths['py']}:fedavg" if target == "py" else paths[target]
+    code, out, err = run_main(["run", t, "--inputs", paths["inputs"], "-o", paths["out"]], capsys)
+    assert code == 0, err
+    assert "wrote 1 output array(s)" in out
+    with np.load(paths["out"]) as data:
+        got = data["arr_0"]
+    np.testing.assert_allclose(got, np.asarray(jax.jit(ns["fedavg"])(*args)), rtol=1e-5)
+    code, out, _ = run_main(["run", t, "--inputs", paths["inputs"]], capsys)
+    assert code == 0 and out.startswith("arr_0: float32[4, 2]")
+
+
+def test_run_on_xla(files, capsys):
+    pytest.importorskip("fcir.interpreters.xla")
+    paths, ns, args = files
+    code, _, err = run_main(
+        ["run", paths["pb"], "--backend", "xla", "--inputs", paths["inputs"], "-o", paths["out"]],
+        capsys,
+    )
+    assert code == 0, err
+    with np.load(paths["out"]) as data:
+        np.testing.assert_array_equal(data["arr_0"], np.asarray(jax.jit(ns["fedavg"])(*args)))
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def _py(paths, name):
+    return f"{paths['py']}:{name}"
+
+
+def _missing(paths, name):
+    return paths["py"].with_name(name)
+
+
+BAD_INPUTS = {
+    "show nonexistent file": lambda p: ["show", _missing(p, "missing.fcir")],
+    "show nonexistent python file": lambda p: ["show", f"{_missing(p, 'missing.py')}:f"],
+    "show garbage text": lambda p: ["show", p["garbage"]],
+    "show garbage binary": lambda p: ["show", p["garbage_pb"]],
+    "show binary named .fcir": lambda p: ["show", p["binary_text"]],
+    "show target without function": lambda p: ["show", _py(p, "nope")],
+    "show target without colon": lambda p: ["show", "target"],
+    "show no EXAMPLE_ARGS": lambda p: ["show", _py(p, "total")],
+    "show bad --args spec": lambda p: ["show", _py(p, "total"), "--args", "f32[3,"],
+    "show unknown dtype in --args": lambda p: ["show", _py(p, "total"), "--args", "q9[3]"],
+    "show --args for an IR file": lambda p: ["show", p["fcir"], "--args", "f32[3]"],
+    "show wrong --args shape": lambda p: ["show", _py(p, "total"), "--args", "f32[4,2]"],
+    "show user code raises": lambda p: ["show", _py(p, "broken"), "--args", "f32[3]"],
+    "check garbage": lambda p: ["check", p["garbage"]],
+    "check nonexistent": lambda p: ["check", _missing(p, "missing.pb")],
+    "run bad npz": lambda p: ["run", p["fcir"], "--inputs", p["bad_npz"]],
+    "run missing npz": lambda p: ["run", p["fcir"], "--inputs", _missing(p, "missing.npz")],
+    "run too few inputs": lambda p: ["run", p["fcir"], "--inputs", p["few_npz"]],
+    "run wrong input shapes": lambda p: ["run", p["other"], "--inputs", p["inputs"]],
+    "run garbage": lambda p: ["run", p["garbage"], "--inputs", p["inputs"]],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_fails_without_traceback(files, capsys, name):
+    paths, _, _ = files
+    argv = [str(a) for a in BAD_INPUTS[name](paths)]
+    code, out, err = run_main(argv, capsys)
+    assert code == 1, (out, err)
+    assert err.startswith(f"fcir {argv[0]}: error: "), err
+    assert err.count("\n") <= 3, err
+    assert_no_traceback(err)
+
+
+def test_debug_shows_the_exception(files, capsys):
+    paths, _, _ = files
+    with pytest.raises(fcir.ParseError):
+        cli.main(["--debug", "check", str(paths["garbage"])])
+    with pytest.raises(ValueError, match="user code is broken"):
+        cli.main(["--debug", "show", f"{paths['py']}:broken", "--args", "f32[3]"])
+
+
+# --- usage and help -------------------------------------------------------------------------
+
+
+def subcommands(parser: argparse.ArgumentParser, prefix=()):
+    """Every (sub)command path, e.g. ("show",), ("ckpt", "inspect")."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*prefix, name)
+                yield from subcommands(sub, (*prefix, name))
+
+
+COMMANDS = sorted(set(subcommands(cli.build_parser())))
+
+
+def test_core_commands_exist():
+    assert {("show",), ("check",), ("diff",), ("run",), ("compile",)} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", [(), *COMMANDS], ids=lambda c: " ".join(c) or "fcir")
+def test_help_exits_0(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([*command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: fcir") and " ".join(command) in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nonsense"],
+        ["show"],
+        ["diff", "a.fcir"],
+        ["run", "a.fcir"],
+        ["run", "a.fcir", "--inputs", "x.npz", "--backend", "gpu9"],
+        ["show", "a.fcir", "--format", "png"],
+        ["check", "a.fcir", "--bogus"],
+        ["diff", "-U", "many", "a.fcir", "b.fcir"],
+    ],
+    ids=lambda a: " ".join(a) or "nothing",
+)
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: fcir" in err and "error:" in err
+    assert_no_traceback(err)
+
+
+# --- as a process ---------------------------------------------------------------------------
+
+
+def test_python_dash_m_fcir_cli(files):
+    paths, _, _ = files
+    runs = {
+        "diff": (["diff", paths["pb"], paths["other"]], 1),
+        "check garbage": (["check", paths["garbage"]], 1),
+        "debug": (["--debug", "check", paths["garbage"]], 1),
+    }
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "fcir.cli", *map(str, argv)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name, (argv, _) in runs.items()
+    }
+    results = {name: (p.communicate(timeout=300), p.returncode) for name, p in procs.items()}
+    for name, ((out, err), code) in results.items():
+        assert code == runs[name][1], (name, code, err[-2000:])
+        if name != "debug":
+            assert_no_traceback(err)
+    assert results["diff"][0][0].startswith(f"--- {paths['pb']}\n+++ {paths['other']}\n")
+    assert results["check garbage"][0][1].startswith("fcir check: error: line 2, column")
+    assert "Traceback" in results["debug"][0][1] and "ParseError" in results["debug"][0][1]
