@@ -151,6 +151,8 @@ def encode(value, prim: str, key: str, add_region) -> Any:
 
     if value is None or isinstance(value, (bool, str)):
         return value
+    if isinstance(value, enum.Enum):  # before int: RoundingMethod is an IntEnum
+        return Enum(_qualname(type(value)), value.name)
     if isinstance(value, (int, np.integer)):
         return int(value)
     if isinstance(value, (float, np.floating)):
@@ -159,8 +161,6 @@ def encode(value, prim: str, key: str, add_region) -> Any:
         return add_region(value, True)
     if isinstance(value, core.Jaxpr):
         return add_region(value, False)
-    if isinstance(value, enum.Enum):
-        return Enum(_qualname(type(value)), value.name)
     if isinstance(value, np.dtype) or hasattr(value, "_impl") and hasattr(value, "name"):
         return DType(dtype_name(value))
     if isinstance(value, type) and issubclass(value, np.generic):
