@@ -21,10 +21,12 @@ or give the argument types explicitly::
 
 Run a few rounds and watch the loss go down::
 
-    python examples/fedavg.py
+    python examples/fedavg.py --rounds 8 --clients 8
 """
 
 from __future__ import annotations
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -64,23 +66,31 @@ def local_train(model, client_data):
     return model, jnp.mean(losses)
 
 
-@fcir.program(placements={"clients": NUM_CLIENTS})
-def fedavg_round(model, client_data):
-    """One FedAvg round: ``(f32[16,1]@server, {(f32[32,16], f32[32,1])}@clients)
-    -> (f32[16,1]@server, f32[]@server)``, the new model and the mean client loss."""
-    model_at_clients = fcir.broadcast(model)
-    new_models, losses = fcir.map_fn(local_train, (model_at_clients, client_data))
-    return fcir.reduce_mean(new_models), fcir.reduce_mean(losses)
+def make_round(num_clients: int):
+    """The FedAvg round for ``num_clients`` clients (the cardinality is part of the program)."""
+
+    @fcir.program(placements={"clients": num_clients})
+    def fedavg_round(model, client_data):
+        """One FedAvg round: ``(f32[16,1]@server, {(f32[32,16], f32[32,1])}@clients)
+        -> (f32[16,1]@server, f32[]@server)``, the new model and the mean client loss."""
+        model_at_clients = fcir.broadcast(model)
+        new_models, losses = fcir.map_fn(local_train, (model_at_clients, client_data))
+        return fcir.reduce_mean(new_models), fcir.reduce_mean(losses)
+
+    return fedavg_round
 
 
-def make_example_args(seed: int = 0):
+fedavg_round = make_round(NUM_CLIENTS)
+
+
+def make_example_args(num_clients: int = NUM_CLIENTS, seed: int = 0):
     """A zero model and synthetic client data from a shared linear teacher."""
     rng = np.random.default_rng(seed)
     teacher = rng.normal(size=(DIM, 1))
-    x = rng.normal(size=(NUM_CLIENTS, EXAMPLES_PER_CLIENT, DIM))
+    x = rng.normal(size=(num_clients, EXAMPLES_PER_CLIENT, DIM))
     # Each client's labels are shifted a little: client data are not identically distributed.
-    shift = rng.normal(scale=0.3, size=(NUM_CLIENTS, 1, 1))
-    y = x @ teacher + shift + 0.1 * rng.normal(size=(NUM_CLIENTS, EXAMPLES_PER_CLIENT, 1))
+    shift = rng.normal(scale=0.3, size=(num_clients, 1, 1))
+    y = x @ teacher + shift + 0.1 * rng.normal(size=(num_clients, EXAMPLES_PER_CLIENT, 1))
     model = np.zeros((DIM, 1), np.float32)
     return jnp.asarray(model), (jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
 
@@ -89,12 +99,22 @@ def make_example_args(seed: int = 0):
 EXAMPLE_ARGS = {"fedavg_round": make_example_args}
 
 
-def main(rounds: int = 8) -> None:
-    model, client_data = make_example_args()
-    run_round = jax.jit(fedavg_round)
-    for r in range(rounds):
+def main(argv: list[str] | None = None) -> list[float]:
+    """Runs ``--rounds`` rounds, printing the mean client loss; returns the losses."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--clients", type=int, default=NUM_CLIENTS)
+    args = parser.parse_args(argv)
+
+    model, client_data = make_example_args(args.clients)
+    # An fcir program is an ordinary JAX function: jax.jit compiles the whole round.
+    run_round = jax.jit(make_round(args.clients))
+    losses = []
+    for r in range(1, args.rounds + 1):
         model, loss = run_round(model, client_data)
-        print(f"round {r}: mean client training loss {float(loss):.4f}")
+        losses.append(float(loss))
+        print(f"round {r}/{args.rounds} | loss {losses[-1]:.4f}")
+    return losses
 
 
 if __name__ == "__main__":
