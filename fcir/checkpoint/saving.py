@@ -64,8 +64,8 @@ class SaveHandle:
             raise TimeoutError(f"saving {self.path} is still in progress")
         self._observed = True
         if self._error is not None:
-            if isinstance(self._error, CheckpointError):
-                raise self._error
+            if isinstance(self._error, CheckpointError) or not isinstance(self._error, Exception):
+                raise self._error  # KeyboardInterrupt and the like stay what they are
             raise CheckpointError(f"saving {self.path} failed: {self._error}") from self._error
 
     def _finish(self, error: BaseException | None) -> None:
