@@ -10,16 +10,18 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
-#: Shard reads and writes release the GIL (pread/pwrite/crc32), so a few threads keep
-#: the disk and the CRC busy at once even on two cores.
-THREADS = max(2, min(8, os.cpu_count() or 2))
+#: Shard reads and writes release the GIL (pread/pwrite/crc32/numpy copies). Twice the
+#: cores, so that while one thread waits for the disk or a page fault another checksums;
+#: at least 4, to keep a few requests in flight for the disk even on small machines.
+THREADS = max(4, min(16, 2 * (os.cpu_count() or 2)))
 
 
-def run_tasks(tasks: Sequence[Callable[[], None]], threads: int = THREADS) -> None:
-    """Calls every task, on up to `threads` threads; stops early and raises on failure."""
+def run_tasks(tasks: Sequence[Callable[[], None]], threads: int | None = None) -> None:
+    """Calls every task, on up to `threads` (default THREADS) threads; stops early and
+    raises on failure."""
     if not tasks:
         return
-    threads = max(1, min(threads, len(tasks)))
+    threads = max(1, min(THREADS if threads is None else threads, len(tasks)))
     if threads == 1:
         for task in tasks:
             task()

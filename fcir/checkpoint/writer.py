@@ -103,7 +103,7 @@ def write_data_file(
     path: pathlib.Path,
     blocks: Sequence[np.ndarray],
     progress: Progress | None = None,
-    threads: int = parallel.THREADS,
+    threads: int | None = None,
 ) -> tuple[list[Written], int]:
     """Writes every block (C-contiguous) into a new file at `path` and fsyncs it.
 
