@@ -1,0 +1,83 @@
+"""Which rounds export: every reason a round is rejected, as an ExportError naming the op.
+
+A round exports when it is straight-line federated code at the server over one client
+placement: at most one broadcast stage before at most one aggregation stage (one
+exchange), no client-to-client communication, no per-member reads, and only tensors
+that federated_language can type crossing a part boundary. The split pass
+(``split.py``) finds the exchange-count and boundary-dtype problems while it assigns
+ops to parts; the structural ones are found here first.
+"""
+
+from __future__ import annotations
+
+from fcir.check import verify
+from fcir.errors import ExportError
+from fcir.ir import Module, Op, describe, value_numbering, walk
+
+# Reasons, quoted in messages and named in tests.
+HIERARCHICAL = "hierarchical placements"
+CONTROL_FLOW = "federated op under control flow"
+CLIENT_TO_CLIENT = "client-to-client communication"
+PER_MEMBER_READ = "per-member read"
+UNBROADCAST_FLOW = "server value used at the clients without fed.broadcast"
+SECOND_EXCHANGE = "more than one broadcast/aggregate exchange"
+UNSUPPORTED_DTYPE = "unsupported dtype"
+CLIENT_RESULT = "round result placed at the clients"
+ILL_TYPED = "ill-typed round"
+
+
+def fail(module: Module, where: str, reason: str, detail: str) -> ExportError:
+    """The one-line error for ``reason`` at ``where``."""
+    return ExportError(f"@{module.name} is not exportable: {where}: {reason}: {detail}")
+
+
+def check_structure(module: Module) -> None:
+    """Raises ExportError for hierarchies, federated control flow, and whatever the
+    checker reports (client-to-client collectives, per-member reads, type errors)."""
+    main = module.main
+    names = value_numbering(main)
+    ops_by_path = {}
+    for path, op in walk(main.body):
+        ops_by_path[path] = op
+        if not op.name.startswith("fed.") or len(path) == 1:
+            continue
+        parent = ops_by_path[path[:-2]]
+        where = describe(module, path, op, names)
+        if parent.name == "fed.map":
+            placement = parent.operands[0].type.placement if parent.operands else "?"
+            raise fail(
+                module,
+                where,
+                HIERARCHICAL,
+                f"it runs inside a fed.map over '{placement}'; federated_language knows only "
+                "the server and one level of clients: export each level as its own round",
+            )
+        raise fail(
+            module,
+            where,
+            CONTROL_FLOW,
+            f"it sits in a region of {parent.name}; a production round is straight-line "
+            "federated code: unroll the loop or export one round per iteration",
+        )
+    diags = verify(module)
+    if diags:
+        first = next((d for d in diags if d.placement), diags[0])
+        reason = ILL_TYPED
+        if first.code == "local/C3":
+            reason = CLIENT_TO_CLIENT
+        elif first.code == "local/C1":
+            reason = PER_MEMBER_READ if "reads a value" in first.message else UNBROADCAST_FLOW
+        more = f" (and {len(diags) - 1} more problem(s); run fcir check)" if len(diags) > 1 else ""
+        raise fail(module, first.where, reason, first.message.replace("\n", " ") + more)
+
+
+def where_defined(module: Module, value, producer: dict, names: dict) -> str:
+    """Text location of the op defining ``value`` (or the argument it is)."""
+    if value in producer:
+        path, op = producer[value]
+        return describe(module, path, op, names)
+    return f"argument %{names[value]}"
+
+
+def op_where(module: Module, path: tuple, op: Op, names: dict) -> str:
+    return describe(module, path, op, names)

@@ -1,0 +1,495 @@
+"""The round as one federated_language ``Computation``: a federated lambda whose local
+pieces are ``Xla`` computations and whose federated steps are intrinsic calls.
+
+Shape of the lambda (``arg`` is the round's argument pytree, every leaf a federated
+value; each line is a local of one Block)::
+
+    (arg -> let
+       server_state     = federated_zip_at_server(<S leaves selected from arg>)
+       prepared         = federated_apply(<server_prepare, server_state>)
+       broadcast_input  = federated_apply(<(p -> p[0]), prepared>)
+       temporary        = federated_apply(<(p -> p[1]), prepared>)
+       broadcast_output = federated_broadcast(broadcast_input)
+       client_input     = federated_zip_at_clients(<<D leaves selected from arg>,
+                                                    broadcast_output>)
+       client_output    = federated_map(<client_work, client_input>)
+       value_v12        = federated_map(<(a -> a[i]), client_output>)      per input
+       aggregate_v12    = federated_mean(value_v12)                       per intrinsic
+       aggregated       = federated_zip_at_server(<v12=aggregate_v12, ...>)
+       result_input     = federated_zip_at_server(<temporary, aggregated>)
+       result           = federated_apply(<server_result, result_input>)
+     in <the result pytree, each leaf federated_apply(<(r -> r[path]), result>)>)
+
+Every node carries its type; intrinsic nodes carry the concrete type of their use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+
+from fcir._proto import computation_pb2 as pb
+from fcir.ir import Module
+from fcir.types import Structure, TensorType
+
+from . import lowering
+from . import wire_types as W
+from .rewrite import leaf_paths, shift, tensor
+from .splitting import Aggregation, Split
+
+HLO_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
+AGGREGATE_WITH = ("intrinsics", "federated_aggregate")
+# Reductions that aggregate_with="federated_aggregate" lowers to federated_aggregate.
+AGGREGATE_LOWERED = frozenset({"federated_sum", "federated_mean", "federated_weighted_mean"})
+
+
+# --- building blocks --------------------------------------------------------------------
+
+
+def _node(t: pb.Type) -> pb.Computation:
+    c = pb.Computation()
+    c.type.CopyFrom(t)
+    return c
+
+
+def reference(name: str, t: pb.Type) -> pb.Computation:
+    c = _node(t)
+    c.reference.name = name
+    return c
+
+
+def selection(source: pb.Computation, index: int) -> pb.Computation:
+    c = _node(source.type.struct.element[index].value)
+    c.selection.source.CopyFrom(source)
+    c.selection.index = index
+    return c
+
+
+def struct(elements: list[tuple[str, pb.Computation]]) -> pb.Computation:
+    c = _node(W.struct_type([(n, e.type) for n, e in elements]))
+    c.struct.SetInParent()
+    for n, e in elements:
+        c.struct.element.add(name=n).value.CopyFrom(e)
+    return c
+
+
+def call(fn: pb.Computation, arg: pb.Computation | None = None) -> pb.Computation:
+    c = _node(fn.type.function.result)
+    c.call.function.CopyFrom(fn)
+    if arg is not None:
+        c.call.argument.CopyFrom(arg)
+    return c
+
+
+def lam(param_name: str, param_type: pb.Type | None, result: pb.Computation) -> pb.Computation:
+    c = _node(W.function_type(param_type, result.type))
+    body = getattr(c, "lambda")
+    body.SetInParent()
+    if param_type is not None:
+        body.parameter_name = param_name
+    body.result.CopyFrom(result)
+    return c
+
+
+def block(locals_: list[tuple[str, pb.Computation]], result: pb.Computation) -> pb.Computation:
+    c = _node(result.type)
+    for name, value in locals_:
+        c.block.local.add(name=name).value.CopyFrom(value)
+    c.block.result.CopyFrom(result)
+    return c
+
+
+def intrinsic(uri: str, t: pb.Type) -> pb.Computation:
+    c = _node(t)
+    c.intrinsic.uri = uri
+    return c
+
+
+def literal_int32(value: int) -> pb.Computation:
+    c = _node(W.tensor_type(TensorType("i32", ())))
+    c.literal.value.dtype = pb.DT_INT32
+    c.literal.value.shape.SetInParent()
+    c.literal.value.int32_list.value.append(value)
+    return c
+
+
+def binding(s: Structure) -> pb.Xla.Binding:
+    """The binding mirroring structure ``s``: leaf ``i`` is HLO parameter (result) ``i``."""
+    b = pb.Xla.Binding()
+    if s.kind == "leaf":
+        b.tensor.index = s.leaf
+    else:
+        b.struct.SetInParent()
+        for c in s.children:
+            b.struct.element.add().CopyFrom(binding(c))
+    return b
+
+
+def xla(
+    hlo: bytes,
+    param: Structure | None,
+    param_leaves: list[TensorType],
+    result: Structure,
+    result_leaves: list[TensorType],
+) -> pb.Computation:
+    """An Xla computation; ``param`` None makes a no-argument function."""
+    ptype = None
+    if param is not None:
+        ptype = W.structure_type(param, [W.tensor_type(t) for t in param_leaves])
+    rtype = W.structure_type(result, [W.tensor_type(t) for t in result_leaves])
+    c = _node(W.function_type(ptype, rtype))
+    c.xla.hlo_module.type_url = HLO_TYPE_URL
+    c.xla.hlo_module.value = hlo
+    if param is not None:
+        c.xla.parameter.CopyFrom(binding(param))
+    c.xla.result.CopyFrom(binding(result))
+    return c
+
+
+def xla_of_function(
+    fn: Callable,
+    param: Structure | None,
+    param_leaves: list[TensorType],
+    result: Structure,
+    result_leaves: list[TensorType],
+) -> pb.Computation:
+    """Lowers ``fn(*param leaves) -> tuple of result leaves`` to an Xla computation."""
+    specs = [lowering.spec_of(t) for t in param_leaves]
+    return xla(lowering.hlo_module_proto(fn, specs), param, param_leaves, result, result_leaves)
+
+
+def xla_of_part(module: Module, hlo: bytes) -> pb.Computation:
+    """The Xla computation of a server part or of client work's member module."""
+    f = module.main
+    return xla(
+        hlo,
+        f.arg_structure,
+        [tensor(v.type) for v in f.body.params],
+        f.result_structure,
+        [tensor(v.type) for v in f.body.results],
+    )
+
+
+# --- federated intrinsics ---------------------------------------------------------------
+
+
+def _pair(a: pb.Computation, b: pb.Computation) -> pb.Computation:
+    return struct([("", a), ("", b)])
+
+
+def federated_apply(fn: pb.Computation, arg: pb.Computation) -> pb.Computation:
+    out = W.federated_type(fn.type.function.result, W.SERVER_URI, True)
+    pair = _pair(fn, arg)
+    return call(intrinsic("federated_apply", W.function_type(pair.type, out)), pair)
+
+
+def federated_map(fn: pb.Computation, arg: pb.Computation) -> pb.Computation:
+    out = W.federated_type(fn.type.function.result, W.CLIENTS_URI, False)
+    pair = _pair(fn, arg)
+    return call(intrinsic("federated_map", W.function_type(pair.type, out)), pair)
+
+
+def federated_broadcast(x: pb.Computation) -> pb.Computation:
+    out = W.federated_type(x.type.federated.member, W.CLIENTS_URI, True)
+    return call(intrinsic("federated_broadcast", W.function_type(x.type, out)), x)
+
+
+def _has_federated(t: pb.Type) -> bool:
+    kind = t.WhichOneof("type")
+    if kind == "federated":
+        return True
+    return kind == "struct" and any(_has_federated(e.value) for e in t.struct.element)
+
+
+def federated_zip(value: pb.Computation, uri: str) -> pb.Computation:
+    """A struct of values placed at ``uri`` -> one federated struct. A struct without
+    federated leaves (an empty one) becomes ``federated_value_at_<uri>`` of itself."""
+    member = W.strip_placement(value.type)
+    at_server = uri == W.SERVER_URI
+    out = W.federated_type(member, uri, at_server)
+    if not _has_federated(value.type):
+        name = "federated_value_at_server" if at_server else "federated_value_at_clients"
+        out = W.federated_type(member, uri, True)
+        return call(intrinsic(name, W.function_type(value.type, out)), value)
+    param = value.type if at_server else W.clients_not_all_equal(value.type)
+    name = "federated_zip_at_server" if at_server else "federated_zip_at_clients"
+    return call(intrinsic(name, W.function_type(param, out)), value)
+
+
+def federated_reduce(uri: str, x: pb.Computation) -> pb.Computation:
+    """``federated_sum`` / ``_mean`` / ``_min`` / ``_max``: ``{T}@C -> T@S``."""
+    out = W.federated_type(x.type.federated.member, W.SERVER_URI, True)
+    return call(intrinsic(uri, W.function_type(x.type, out)), x)
+
+
+def federated_weighted_mean(x: pb.Computation, w: pb.Computation) -> pb.Computation:
+    out = W.federated_type(x.type.federated.member, W.SERVER_URI, True)
+    pair = _pair(x, w)
+    return call(intrinsic("federated_weighted_mean", W.function_type(pair.type, out)), pair)
+
+
+def federated_secure_sum_bitwidth(x: pb.Computation, bitwidth: int) -> pb.Computation:
+    out = W.federated_type(x.type.federated.member, W.SERVER_URI, True)
+    pair = _pair(x, literal_int32(bitwidth))
+    return call(intrinsic("federated_secure_sum_bitwidth", W.function_type(pair.type, out)), pair)
+
+
+def federated_aggregate(value, zero, accumulate, merge, report) -> pb.Computation:
+    out = W.federated_type(report.type.function.result, W.SERVER_URI, True)
+    args = struct([("", value), ("", zero), ("", accumulate), ("", merge), ("", report)])
+    return call(intrinsic("federated_aggregate", W.function_type(args.type, out)), args)
+
+
+# --- federated_aggregate helpers ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Accumulator:
+    """zero/accumulate/merge/report of one reduction, as plain JAX on flat leaves."""
+
+    state: Structure  # U
+    state_leaves: list[TensorType]
+    zero: Callable
+    accumulate: Callable  # (*U, *T) -> U
+    merge: Callable  # (*U, *U) -> U
+    report: Callable  # (*U) -> R
+
+
+def _leaf(i: int = 0) -> Structure:
+    return Structure("leaf", leaf=i)
+
+
+def _accumulator(intrinsic_uri: str, value: TensorType) -> _Accumulator:
+    dt = value.np_dtype
+    if intrinsic_uri == "federated_sum":
+        return _Accumulator(
+            _leaf(),
+            [value],
+            zero=lambda: (jnp.zeros(value.shape, dt),),
+            accumulate=lambda u, t: (u + t,),
+            merge=lambda a, b: (a + b,),
+            report=lambda u: (u,),
+        )
+    state = Structure("dict", (_leaf(0), _leaf(1)), ("count", "total"))
+    if intrinsic_uri == "federated_mean":
+        return _Accumulator(
+            state,
+            [TensorType("f32", ()), value],
+            zero=lambda: (jnp.zeros((), jnp.float32), jnp.zeros(value.shape, dt)),
+            accumulate=lambda n, s, t: (n + 1.0, s + t),
+            merge=lambda n1, s1, n2, s2: (n1 + n2, s1 + s2),
+            report=lambda n, s: ((s / n.astype(dt)).astype(dt),),
+        )
+    # federated_weighted_mean: T = <value, weight>, weight a scalar of the value's dtype.
+    state = Structure("dict", (_leaf(0), _leaf(1)), ("total", "weight"))
+    return _Accumulator(
+        state,
+        [value, TensorType(value.dtype, ())],
+        zero=lambda: (jnp.zeros(value.shape, dt), jnp.zeros((), dt)),
+        accumulate=lambda s, w, x, wx: (s + x * wx, w + wx),
+        merge=lambda s1, w1, s2, w2: (s1 + s2, w1 + w2),
+        report=lambda s, w: ((s / w).astype(dt),),
+    )
+
+
+def _aggregate_call(uri: str, value: pb.Computation, member: TensorType) -> pb.Computation:
+    """``uri`` (sum, mean or weighted mean) as federated_aggregate with Xla helpers."""
+    acc = _accumulator(uri, member)
+    n = len(acc.state_leaves)
+    if uri == "federated_weighted_mean":
+        t_struct = Structure("dict", (_leaf(n), _leaf(n + 1)), ("value", "weight"))
+        t_leaves = [member, TensorType(member.dtype, ())]
+    else:
+        t_struct, t_leaves = _leaf(n), [member]
+    u, u_leaves = acc.state, acc.state_leaves
+    zero = call(xla_of_function(acc.zero, None, [], u, u_leaves))
+    accumulate = xla_of_function(
+        acc.accumulate, Structure("tuple", (u, t_struct)), u_leaves + t_leaves, u, u_leaves
+    )
+    merge = xla_of_function(
+        acc.merge, Structure("tuple", (u, shift(u, n))), u_leaves + u_leaves, u, u_leaves
+    )
+    report = xla_of_function(acc.report, u, u_leaves, _leaf(), [member])
+    return federated_aggregate(value, zero, accumulate, merge, report)
+
+
+# --- the round ----------------------------------------------------------------------------
+
+
+def round_computation(
+    split: Split, hlo: dict[str, bytes], aggregate_with: str = "intrinsics"
+) -> pb.Computation:
+    """The Computation of ``split``'s round; ``hlo`` holds the server_prepare,
+    client_work (member-level) and server_result HLO module protos."""
+    main = split.round.main
+    parts = split.parts
+    arg_struct = main.arg_structure or Structure(
+        "tuple", tuple(_leaf(i) for i in range(len(main.body.params)))
+    )
+    arg_type = W.structure_type(arg_struct, [W.value_type(v.type) for v in main.body.params])
+    has_arg = bool(main.body.params)
+    arg = reference("arg", arg_type)
+    paths = leaf_paths(arg_struct)
+    locals_: list[tuple[str, pb.Computation]] = []
+
+    def let(name: str, value: pb.Computation) -> pb.Computation:
+        locals_.append((name, value))
+        return reference(name, value.type)
+
+    def from_arg(s: Structure, leaves: list[int]) -> pb.Computation:
+        if s.kind == "leaf":
+            c = arg
+            for i in paths[leaves[s.leaf]]:
+                c = selection(c, i)
+            return c
+        return struct(list(zip(W.element_names(s), (from_arg(c, leaves) for c in s.children))))
+
+    def pick(source: pb.Computation, path: tuple[int, ...], name: str) -> pb.Computation:
+        member = source.type.federated.member
+        body = reference(name, member)
+        for i in path:
+            body = selection(body, i)
+        return lam(name, member, body)
+
+    prepare = parts["server_prepare"].main
+    server_state = let(
+        "server_state",
+        federated_zip(from_arg(prepare.arg_structure, split.server_args), W.SERVER_URI),
+    )
+    prepared = let(
+        "prepared",
+        federated_apply(xla_of_part(parts["server_prepare"], hlo["server_prepare"]), server_state),
+    )
+    broadcast_input = let("broadcast_input", federated_apply(pick(prepared, (0,), "p"), prepared))
+    temporary = let("temporary", federated_apply(pick(prepared, (1,), "p"), prepared))
+    broadcast_output = let("broadcast_output", federated_broadcast(broadcast_input))
+    member = split.client_member
+    d_struct = member.main.arg_structure.children[0]
+    client_input = let(
+        "client_input",
+        federated_zip(
+            _pair(from_arg(d_struct, split.client_args), broadcast_output), W.CLIENTS_URI
+        ),
+    )
+    client_output = let(
+        "client_output", federated_map(xla_of_part(member, hlo["client_work"]), client_input)
+    )
+
+    a_in = member.main.result_structure
+    position = {n: i for i, n in enumerate(a_in.names)}
+    a_in_leaves = {
+        n: tensor(member.main.body.results[c.leaf].type) for n, c in zip(a_in.names, a_in.children)
+    }
+    aggregated: dict[str, pb.Computation] = {}
+    for agg in split.aggregations:
+        aggregated[agg.output] = let(
+            f"aggregate_{agg.output}",
+            _aggregation(agg, client_output, position, a_in_leaves, aggregate_with, pick, let),
+        )
+    a_out = parts["client_to_server_aggregation"].main.result_structure
+    aggregated_value = let(
+        "aggregated", federated_zip(struct([(n, aggregated[n]) for n in a_out.names]), W.SERVER_URI)
+    )
+    result_input = let(
+        "result_input", federated_zip(_pair(temporary, aggregated_value), W.SERVER_URI)
+    )
+    result = let(
+        "result",
+        federated_apply(xla_of_part(parts["server_result"], hlo["server_result"]), result_input),
+    )
+
+    out_struct = parts["server_result"].main.result_structure
+    out_paths = leaf_paths(out_struct)
+
+    def output(s: Structure) -> pb.Computation:
+        if s.kind == "leaf":
+            if out_struct.kind == "leaf":
+                return result
+            return federated_apply(pick(result, out_paths[s.leaf], "r"), result)
+        if s.kind == "none":
+            return struct([])
+        return struct(list(zip(W.element_names(s), (output(c) for c in s.children))))
+
+    body = block(locals_, output(out_struct))
+    return lam("arg", arg_type if has_arg else None, body)
+
+
+def _aggregation(
+    agg: Aggregation, client_output, position, leaves, aggregate_with, pick, let
+) -> pb.Computation:
+    def client_value(name: str) -> pb.Computation:
+        return let(
+            f"value_{name}",
+            federated_map(pick(client_output, (position[name],), "a"), client_output),
+        )
+
+    uri = agg.intrinsic
+    member = leaves[agg.inputs[0]]
+    if aggregate_with == "federated_aggregate" and uri in AGGREGATE_LOWERED:
+        if uri == "federated_weighted_mean":
+            a_type = client_output.type.federated.member
+            body = struct(
+                [
+                    ("value", selection(reference("a", a_type), position[agg.inputs[0]])),
+                    ("weight", selection(reference("a", a_type), position[agg.inputs[1]])),
+                ]
+            )
+            value = let(f"value_{agg.output}", federated_map(lam("a", a_type, body), client_output))
+        else:
+            value = client_value(agg.inputs[0])
+        return _aggregate_call(uri, value, member)
+    values = [client_value(n) for n in agg.inputs]
+    if uri == "federated_weighted_mean":
+        return federated_weighted_mean(values[0], values[1])
+    if uri == "federated_secure_sum_bitwidth":
+        return federated_secure_sum_bitwidth(values[0], agg.bitwidth)
+    return federated_reduce(uri, values[0])
+
+
+# --- reading ------------------------------------------------------------------------------
+
+
+def parse(data: bytes) -> pb.Computation:
+    """Computation bytes -> message (ParseError on bad bytes)."""
+    from google.protobuf.message import DecodeError
+
+    from fcir.errors import ParseError
+
+    c = pb.Computation()
+    try:
+        c.ParseFromString(data)
+    except DecodeError as e:
+        raise ParseError(f"not a federated_language Computation: {e}") from None
+    return c
+
+
+def walk(c: pb.Computation):
+    """Every Computation node under ``c`` (itself included), in reading order."""
+    yield c
+    kind = c.WhichOneof("computation")
+    if kind == "lambda":
+        yield from walk(getattr(c, "lambda").result)
+    elif kind == "block":
+        for local in c.block.local:
+            yield from walk(local.value)
+        yield from walk(c.block.result)
+    elif kind == "call":
+        yield from walk(c.call.function)
+        if c.call.HasField("argument"):
+            yield from walk(c.call.argument)
+    elif kind == "struct":
+        for e in c.struct.element:
+            yield from walk(e.value)
+    elif kind == "selection":
+        yield from walk(c.selection.source)
+
+
+def intrinsic_uses(c: pb.Computation) -> list[tuple[str, str]]:
+    """Every intrinsic in ``c`` with its concrete type, in reading order."""
+    return [
+        (n.intrinsic.uri, W.format_type(n.type))
+        for n in walk(c)
+        if n.WhichOneof("computation") == "intrinsic"
+    ]

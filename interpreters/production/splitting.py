@@ -1,0 +1,506 @@
+"""The split pass: one round -> the five DistributeAggregateForm parts.
+
+Every op of the round's ``main`` is classified by where its value lives and what it
+depends on (a straight dataflow pass; the program order is a topological order):
+
+* ``S``: server values that depend on no aggregate (the server arguments, and server
+  ops over them);
+* ``K``: constants (ops whose operands are all constants), copied wherever needed;
+* ``C``: client values (client arguments, broadcasts, fed.map results, per-member
+  elementwise ops);
+* ``P``: server values that depend on an aggregate.
+
+A broadcast of a ``P`` value would need a second exchange, and is rejected. Ops then go
+to parts by what needs them: **server_prepare** holds the ``S`` ops the broadcasts need
+(everything else waits for server_result, which gets the server values it needs through
+the temporary state ``T``); **client_work** fuses every fed.map region and per-member op
+into one region that one client runs; **client_to_server_aggregation** holds only the
+reductions; **server_result** holds the rest.
+
+Reductions become the intrinsics production runtimes implement, with the conversions
+they need at the clients (before) and at the server (after):
+
+==========================  ======================  ===================================
+fcir                        intrinsic               around it
+==========================  ======================  ===================================
+fed.sum                     federated_sum
+fed.mean (floats)           federated_mean
+fed.mean (ints, bools)      federated_mean          clients cast to f32
+fed.weighted_mean (w: [])   federated_weighted_mean clients cast values and weight
+fed.weighted_mean (w: [k])  federated_sum x2        clients send w*x and w; server divides
+fed.min / fed.max           federated_min / _max    bools travel as int32
+fed.secure_sum              federated_secure_sum_   clients and server reduce mod
+                            bitwidth                2**bitwidth
+==========================  ======================  ===================================
+
+Interfaces between parts are dict structures whose keys name the round's values:
+``v12`` carries ``%12`` of the round's text (``v12_weight``: the weight of the weighted
+mean defining ``%12``). The server arguments (``S``) and the client data (``D``) keep
+the round's pytree structure, names included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from fcir.ir import Func, Module, Op, Region, Value, value_numbering
+from fcir.ops import dtype_bits
+from fcir.primitives import mean_result_dtype
+from fcir.types import SERVER, PlacedType, Structure, TensorType, dtype_name
+
+from . import checks
+from .rewrite import clone_op, clone_region, member_type, named, prune, shift, splice, tensor
+from .wire_types import unsupported_dtype
+
+PARTS = (
+    "server_prepare",
+    "server_to_client_broadcast",
+    "client_work",
+    "client_to_server_aggregation",
+    "server_result",
+)
+
+# Where each part runs (for the manifest and the docs).
+RUNS_ON = {
+    "server_prepare": "server",
+    "server_to_client_broadcast": "transport (server to every client)",
+    "client_work": "each client",
+    "client_to_server_aggregation": "aggregation service",
+    "server_result": "server",
+}
+
+INTRINSICS = {
+    "fed.sum": "federated_sum",
+    "fed.mean": "federated_mean",
+    "fed.weighted_mean": "federated_weighted_mean",
+    "fed.min": "federated_min",
+    "fed.max": "federated_max",
+    "fed.secure_sum": "federated_secure_sum_bitwidth",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Aggregation:
+    """One intrinsic use of client_to_server_aggregation."""
+
+    fed_op: str  # the op in the aggregation part
+    intrinsic: str  # the federated_language intrinsic URI
+    inputs: tuple[str, ...]  # client_work outputs it reads (values; then weights)
+    output: str  # the aggregated entry it writes
+    bitwidth: int | None  # for federated_secure_sum_bitwidth
+    source: str  # text location of the round's op
+
+
+@dataclasses.dataclass
+class Split:
+    """A round and its five parts (each a self-contained, checked fcir Module)."""
+
+    round: Module
+    parts: dict[str, Module]
+    client_member: Module  # client_work's region as a module: what one client runs
+    server_args: list[int]  # round argument leaves that form S, in S's order
+    client_args: list[int]  # round argument leaves that form D, in D's order
+    aggregations: list[Aggregation]
+
+
+def split(module: Module) -> Split:
+    """Splits ``module`` (one round) into its five parts; ExportError if it cannot."""
+    checks.check_structure(module)
+    return _Splitter(module).run()
+
+
+def _is_client(t) -> bool:
+    return isinstance(t, PlacedType) and t.placement != SERVER
+
+
+class _Splitter:
+    def __init__(self, module: Module):
+        self.m = module
+        self.main = module.main
+        self.ops = self.main.body.ops
+        self.params = self.main.body.params
+        self.names = value_numbering(self.main)
+        self.index: dict[Value, int] = {}
+        for i, op in enumerate(self.ops):
+            for v in op.results:
+                self.index[v] = i
+        self.kind: dict[Value, str] = {}
+        self.origin: dict[Value, int] = {}  # a P value -> index of a reduction it depends on
+        self.clients = module.placements[0][0] if module.placements else "clients"
+
+    # -- diagnostics ----------------------------------------------------------------------
+
+    def where(self, v: Value) -> str:
+        if v in self.index:
+            i = self.index[v]
+            return checks.op_where(self.m, (i,), self.ops[i], self.names)
+        return f"argument %{self.names[v]}"
+
+    def op_where(self, i: int) -> str:
+        return checks.op_where(self.m, (i,), self.ops[i], self.names)
+
+    def fail(self, where: str, reason: str, detail: str):
+        return checks.fail(self.m, where, reason, detail)
+
+    def check_dtype(self, v: Value, role: str) -> None:
+        why = unsupported_dtype(tensor(v.type).dtype)
+        if why is not None:
+            raise self.fail(
+                self.where(v),
+                checks.UNSUPPORTED_DTYPE,
+                f"{v.type} crosses a part boundary ({role}); {why}",
+            )
+
+    def name(self, v: Value) -> str:
+        return f"v{self.names[v]}"
+
+    # -- classification -------------------------------------------------------------------
+
+    def classify(self) -> None:
+        for v in self.params:
+            self.kind[v] = "C" if _is_client(v.type) else "S"
+        for i, op in enumerate(self.ops):
+            kinds = [self.kind[v] for v in op.operands]
+            if op.name == "fed.broadcast":
+                if kinds[0] == "P":
+                    src = self.origin[op.operands[0]]
+                    raise self.fail(
+                        self.op_where(i),
+                        checks.SECOND_EXCHANGE,
+                        f"it broadcasts a value computed from the aggregate "
+                        f"{self.op_where(src)}, which needs a second broadcast/aggregate "
+                        "exchange (as reverse-mode AD through a round does); a "
+                        "DistributeAggregateForm round has one: split the program into "
+                        "several rounds",
+                    )
+                out = "C"
+            elif op.name == "fed.map":
+                out = "C"
+            elif op.name in INTRINSICS:
+                out = "P"
+                for v in op.results:
+                    self.origin[v] = i
+            elif any(_is_client(v.type) for v in op.results):
+                for v, k in zip(op.operands, kinds):
+                    if k not in ("C", "K"):
+                        raise self.fail(
+                            self.op_where(i),
+                            checks.UNBROADCAST_FLOW,
+                            f"operand %{self.names[v]} ({v.type}) reaches per-client code "
+                            "without fed.broadcast",
+                        )
+                out = "C"
+            elif "C" in kinds:
+                v = op.operands[kinds.index("C")]
+                raise self.fail(
+                    self.op_where(i),
+                    checks.PER_MEMBER_READ,
+                    f"it reads the client value %{self.names[v]} ({v.type}) at the server",
+                )
+            elif all(k == "K" for k in kinds):
+                out = "K"
+            elif "P" in kinds:
+                out = "P"
+                src = next(v for v, k in zip(op.operands, kinds) if k == "P")
+                for v in op.results:
+                    self.origin[v] = self.origin[src]
+            else:
+                out = "S"
+            for v in op.results:
+                self.kind[v] = out
+        for v in self.main.body.results:
+            if self.kind[v] == "C":
+                raise self.fail(
+                    self.where(v),
+                    checks.CLIENT_RESULT,
+                    f"%{self.names[v]} has type {v.type}; a round returns server "
+                    "values only: aggregate it first",
+                )
+
+    def needed(self, roots, stop) -> tuple[set[int], list[Value]]:
+        """Ops needed for ``roots`` (indices) and the boundary values reached (arguments
+        and values where ``stop`` holds), in first-reached order."""
+        ops: set[int] = set()
+        boundary: list[Value] = []
+        seen: set[Value] = set()
+        stack = list(reversed(roots))
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v not in self.index or stop(v):
+                boundary.append(v)
+                continue
+            i = self.index[v]
+            if i not in ops:
+                ops.add(i)
+                stack.extend(reversed(self.ops[i].operands))
+        return ops, boundary
+
+    # -- the split ------------------------------------------------------------------------
+
+    def run(self) -> Split:
+        self.classify()
+        broadcasts = [i for i, op in enumerate(self.ops) if op.name == "fed.broadcast"]
+        reductions = [i for i, op in enumerate(self.ops) if op.name in INTRINSICS]
+        for v in self.params:
+            self.check_dtype(v, "round argument")
+        for v in self.main.body.results:
+            self.check_dtype(v, "round result")
+        for i in broadcasts:
+            self.check_dtype(self.ops[i].operands[0], "broadcast")
+        for i in reductions:
+            for v in (*self.ops[i].operands, *self.ops[i].results):
+                self.check_dtype(v, "aggregation")
+
+        prepare_ops, _ = self.needed([self.ops[i].operands[0] for i in broadcasts], lambda v: False)
+        client_roots = [v for i in reductions for v in self.ops[i].operands]
+        client_ops, _ = self.needed(
+            client_roots, lambda v: self.ops[self.index[v]].name == "fed.broadcast"
+        )
+
+        def result_stop(v):
+            i = self.index[v]
+            return (i in prepare_ops and self.kind[v] != "K") or self.ops[i].name in INTRINSICS
+
+        result_ops, result_inputs = self.needed(self.main.body.results, result_stop)
+        temporary = sorted({self.name(v): v for v in result_inputs if self.kind[v] == "S"}.items())
+        for _, v in temporary:
+            self.check_dtype(v, "temporary state")
+        aggregated_needed = {v for v in result_inputs if self.kind[v] == "P"}
+
+        structure = self.main.arg_structure or Structure(
+            "tuple", tuple(Structure("leaf", leaf=i) for i in range(len(self.params)))
+        )
+        s_struct, s_leaves = prune(
+            structure, {i for i, v in enumerate(self.params) if not _is_client(v.type)}
+        )
+        d_struct, d_leaves = prune(
+            structure, {i for i, v in enumerate(self.params) if _is_client(v.type)}
+        )
+        bnames = [self.name(self.ops[i].results[0]) for i in broadcasts]
+        order = sorted(range(len(bnames)), key=lambda k: bnames[k])
+        broadcasts = [broadcasts[k] for k in order]
+        bnames = [bnames[k] for k in order]
+
+        parts: dict[str, Module] = {}
+        parts["server_prepare"] = self.prepare(
+            prepare_ops, s_struct, s_leaves, broadcasts, bnames, temporary
+        )
+        parts["server_to_client_broadcast"] = self.broadcast(broadcasts, bnames)
+        member, work, lowered = self.client_work(
+            client_ops, d_struct, d_leaves, broadcasts, bnames, reductions
+        )
+        parts["client_work"] = work
+        parts["client_to_server_aggregation"], aggregations = self.aggregation(
+            temporary, member, lowered
+        )
+        parts["server_result"] = self.result(
+            result_ops, temporary, parts, lowered, aggregated_needed
+        )
+        return Split(self.m, parts, member, s_leaves, d_leaves, aggregations)
+
+    def module(self, part: str, region: Region, args: Structure, results: Structure) -> Module:
+        return Module(
+            f"{self.m.name}_{part}", list(self.m.placements), [Func("main", region, args, results)]
+        )
+
+    def prepare(self, op_ids, s_struct, s_leaves, broadcasts, bnames, temporary) -> Module:
+        params = [Value(self.params[i].type) for i in s_leaves]
+        env = dict(zip((self.params[i] for i in s_leaves), params))
+        region = Region(params, [], [], "main")
+        for i in sorted(op_ids):
+            region.ops.append(clone_op(self.ops[i], env))
+        region.results = [env[self.ops[i].operands[0]] for i in broadcasts]
+        region.results += [env[v] for _, v in temporary]
+        results = Structure("tuple", (named(bnames), named([n for n, _ in temporary], len(bnames))))
+        return self.module("server_prepare", region, s_struct, results)
+
+    def broadcast(self, broadcasts, bnames) -> Module:
+        params = [Value(self.ops[i].operands[0].type) for i in broadcasts]
+        region = Region(params, [], [], "main")
+        for i, p in zip(broadcasts, params):
+            out = Value(self.ops[i].results[0].type)
+            region.ops.append(Op("fed.broadcast", [p], [out], {"to": self.clients}))
+            region.results.append(out)
+        return self.module(
+            "server_to_client_broadcast",
+            region,
+            Structure("tuple", (named(bnames),)),
+            named(bnames),
+        )
+
+    def client_work(self, op_ids, d_struct, d_leaves, broadcasts, bnames, reductions):
+        d_round = [self.params[i] for i in d_leaves]
+        b_round = [self.ops[i].results[0] for i in broadcasts]
+        fused = Region([Value(member_type(v.type)) for v in d_round + b_round], [], [], "member")
+        env = dict(zip(d_round + b_round, fused.params))
+        for i in sorted(op_ids):
+            op = self.ops[i]
+            if op.name == "fed.map":
+                body = op.regions[0]
+                inner = {p: env[v] for p, v in zip(body.params, op.operands)}
+                for sub in body.ops:
+                    fused.ops.append(clone_op(sub, inner))
+                env.update(zip(op.results, (inner[y] for y in body.results)))
+            else:  # per-member elementwise op, or a constant it uses
+                fused.ops.append(clone_op(op, env, member_type))
+        outputs: dict[str, Value] = {}
+        lowered = []
+        for i in reductions:
+            plan = _lower_reduction(self, i, fused, env, outputs)
+            lowered.append(plan)
+        anames = sorted(outputs)
+        fused.results = [outputs[n] for n in anames]
+        args = Structure("tuple", (d_struct, shift(named(bnames), len(d_leaves))))
+        member = self.module("client_work_member", fused, args, named(anames))
+
+        params = [Value(v.type) for v in d_round]
+        params += [Value(PlacedType(member_type(v.type), self.clients, True)) for v in b_round]
+        region = Region(params, [], [], "main")
+        if anames:
+            body = clone_region(fused)
+            results = [Value(PlacedType(y.type, self.clients)) for y in body.results]
+            region.ops.append(Op("fed.map", list(params), results, {}, [body]))
+            region.results = results
+        work = self.module("client_work", region, args, named(anames))
+        return member, work, lowered
+
+    def aggregation(self, temporary, member: Module, lowered):
+        tparams = [Value(v.type) for _, v in temporary]
+        anames = [n for n, _ in _names_of(member.main.result_structure)]
+        aparams = [Value(PlacedType(y.type, self.clients)) for y in member.main.body.results]
+        by_name = dict(zip(anames, aparams))
+        region = Region(tparams + aparams, [], [], "main")
+        aggregations, outputs = [], {}
+        for plan in lowered:
+            for agg in plan.aggregations:
+                operands = [by_name[n] for n in agg.inputs]
+                first = tensor(operands[0].type)
+                dtype = first.dtype
+                if agg.fed_op in ("fed.mean", "fed.weighted_mean"):
+                    dtype = dtype_name(mean_result_dtype(first.np_dtype))
+                out = Value(PlacedType(TensorType(dtype, first.shape), SERVER, True))
+                attrs = {"bitwidth": agg.bitwidth} if agg.bitwidth is not None else {}
+                region.ops.append(Op(agg.fed_op, operands, [out], attrs))
+                outputs[agg.output] = out
+                aggregations.append(agg)
+        onames = sorted(outputs)
+        region.results = [outputs[n] for n in onames]
+        args = Structure("tuple", (named([n for n, _ in temporary]), named(anames, len(temporary))))
+        return self.module(
+            "client_to_server_aggregation", region, args, named(onames)
+        ), aggregations
+
+    def result(self, op_ids, temporary, parts, lowered, needed) -> Module:
+        agg = parts["client_to_server_aggregation"].main
+        tparams = [Value(v.type) for _, v in temporary]
+        onames = [n for n, _ in _names_of(agg.result_structure)]
+        oparams = [Value(v.type) for v in agg.body.results]
+        region = Region(tparams + oparams, [], [], "main")
+        env = dict(zip((v for _, v in temporary), tparams))
+        by_name = dict(zip(onames, oparams))
+        for plan in lowered:
+            if plan.result in needed:
+                env[plan.result] = plan.finish(region, [by_name[n] for n in plan.outputs])
+        for i in sorted(op_ids):
+            region.ops.append(clone_op(self.ops[i], env))
+        region.results = [env[v] for v in self.main.body.results]
+        args = Structure("tuple", (named([n for n, _ in temporary]), named(onames, len(temporary))))
+        results = self.main.result_structure or Structure(
+            "tuple", tuple(Structure("leaf", leaf=i) for i in range(len(region.results)))
+        )
+        return self.module("server_result", region, args, results)
+
+
+def _names_of(s: Structure) -> list[tuple[str, int]]:
+    return [(n, c.leaf) for n, c in zip(s.names, s.children)]
+
+
+# --- reductions -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Lowered:
+    """How one fed reduction of the round travels: client outputs, intrinsic uses, and the
+    server's finishing step (``post`` maps the aggregated values to the op's result)."""
+
+    result: Value
+    aggregations: list[Aggregation]
+    outputs: list[str]  # aggregated entries, in the order ``post`` takes them
+    post: object = None  # fn(*aggregated) -> result, or None for the identity
+
+    def finish(self, region: Region, values: list[Value]) -> Value:
+        if self.post is None:
+            return values[0]
+        return splice(region, self.post, values, member=False)[0]
+
+
+def _lower_reduction(sp: _Splitter, i: int, fused: Region, env: dict, outputs: dict) -> _Lowered:
+    op = sp.ops[i]
+    result = op.results[0]
+    name = sp.name(result)
+    where = sp.op_where(i)
+    x = env[op.operands[0]]
+    xt = tensor(x.type)
+    uri = INTRINSICS[op.name]
+
+    def send(key: str, fn=None, *inputs) -> str:
+        vals = [x, *inputs] if not inputs else list(inputs)
+        outputs[key] = splice(fused, fn, vals, member=True)[0] if fn is not None else vals[0]
+        return key
+
+    def one(fed_op: str, key: str, bitwidth=None, post=None) -> _Lowered:
+        agg = Aggregation(fed_op, INTRINSICS[fed_op], (key,), name, bitwidth, where)
+        return _Lowered(result, [agg], [name], post)
+
+    if op.name == "fed.weighted_mean":
+        w = env[op.operands[1]]
+        wt = tensor(w.type)
+        dt = mean_result_dtype(xt.np_dtype)
+        extra = (1,) * (len(xt.shape) - len(wt.shape))
+        if wt.shape == ():
+            vkey = send(name, lambda a: a.astype(dt))
+            wkey = send(f"{name}_weight", lambda b: b.astype(dt), w)
+            agg = Aggregation(op.name, uri, (vkey, wkey), name, None, where)
+            return _Lowered(result, [agg], [name])
+        # Per-element weights: federated_weighted_mean takes a scalar weight, so send the
+        # weighted values and the weights, sum both, and divide at the server.
+        send(name, lambda a, b: a.astype(dt) * b.astype(dt).reshape(b.shape + extra), x, w)
+        send(f"{name}_weight", lambda b: b.astype(dt), w)
+        aggs = [
+            Aggregation("fed.sum", "federated_sum", (name,), name, None, where),
+            Aggregation(
+                "fed.sum", "federated_sum", (f"{name}_weight",), f"{name}_weight", None, where
+            ),
+        ]
+        return _Lowered(
+            result,
+            aggs,
+            [name, f"{name}_weight"],
+            lambda num, den: num / den.reshape(den.shape + extra),
+        )
+    if op.name == "fed.mean":
+        if xt.np_dtype != mean_result_dtype(xt.np_dtype):
+            return one("fed.mean", send(name, lambda a: a.astype(jnp.float32)))
+        return one("fed.mean", send(name))
+    if op.name == "fed.secure_sum":
+        bits, bw = dtype_bits(xt.dtype), op.attrs["bitwidth"]
+        if bw >= bits:
+            return one(op.name, send(name), bw)
+        mask = (1 << bw) - 1
+
+        def reduce(a):
+            return jnp.bitwise_and(a, jnp.asarray(mask, a.dtype))
+
+        # federated_secure_sum_bitwidth wants each client's value in [0, 2**bitwidth) and
+        # returns the plain sum: reduce before and after to keep fcir's modular result.
+        return one(op.name, send(name, reduce), bw, reduce)
+    if op.name in ("fed.min", "fed.max") and xt.dtype == "bool":
+        return one(
+            op.name, send(name, lambda a: a.astype(jnp.int32)), post=lambda a: a.astype(jnp.bool_)
+        )
+    return one(op.name, send(name))

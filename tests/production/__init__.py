@@ -1,0 +1,1 @@
+"""Helpers of the production export tests (tests/test_production_*.py)."""
