@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os as _os
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -19,21 +20,27 @@ import jax
 import numpy as np
 from jax._src import core
 
+# Source locations (and filtered tracebacks) point at the user's code, not at fcir's
+# own frames, as JAX does for its internals.
+from jax._src import source_info_util as _source_info
+
 from fcir import primitives as P
 from fcir import sharding
 from fcir.errors import PlacementError
 
+_source_info.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
+
 __all__ = [
-    "program",
+    "Placements",
     "broadcast",
     "map_fn",
-    "reduce_sum",
-    "reduce_mean",
-    "reduce_weighted_mean",
-    "reduce_min",
+    "program",
     "reduce_max",
+    "reduce_mean",
+    "reduce_min",
+    "reduce_sum",
+    "reduce_weighted_mean",
     "secure_sum",
-    "Placements",
 ]
 
 SERVER = "server"
@@ -310,7 +317,6 @@ def reduce_weighted_mean(x, w):
     _check_placed(leaves, name, n, what)
     _check_placed(w_leaves, name, n, f"{what} (weights)")
     out = [
-        P.weighted_mean_p.bind(leaf, wl, placement=name, n=n)
-        for leaf, wl in zip(leaves, w_leaves)
+        P.weighted_mean_p.bind(leaf, wl, placement=name, n=n) for leaf, wl in zip(leaves, w_leaves)
     ]
     return jax.tree_util.tree_unflatten(tree, out)
