@@ -81,13 +81,12 @@ def test_case_is_well_formed(name):
             for leaf in jax.tree.leaves(args[i]):
                 assert jnp.issubdtype(jnp.result_type(leaf), jnp.floating), (name, i)
     assert not (c.hierarchical and c.exportable)
-    assert c.hierarchical == (name == "hierarchical_fedavg")
 
 
 # One case per API feature DrJAX shares with fcir (scalar and pytree broadcast, tuple
-# results from map_fn, grad inside the body, weighted mean, bf16 members); each costs
-# a full compile, and bench/ runs the transformer on drjax at scale.
-DRJAX_CHECKED = ("temperature_sensors", "fedsgd_linreg", "fedavg_weighted", "bf16_client")
+# results from map_fn, grad inside the body, weighted mean): each costs a full compile,
+# and bench/ runs the transformer on drjax at scale.
+DRJAX_CHECKED = ("temperature_sensors", "fedsgd_linreg", "fedavg_weighted")
 
 
 def test_drjax_checked_cases_are_expressible():

@@ -18,6 +18,7 @@ import fcir
 
 from . import loops
 from .case import Case, sum_of_squares
+from .oracle_jit import oracle_jit
 
 NUM_CLIENTS = 8
 EXAMPLES = 12
@@ -61,7 +62,7 @@ def make_args():
     )
 
 
-@jax.jit
+@oracle_jit
 def _oracle_client(w, keys, x, y, i):
     # Closed-form gradient of the mean squared error.
     update = -LR * 2.0 * x[i].T @ (x[i] @ w - y[i]) / EXAMPLES
@@ -69,7 +70,7 @@ def _oracle_client(w, keys, x, y, i):
     return clipped + NOISE * jax.random.normal(keys[i], (DIM,))
 
 
-@jax.jit
+@oracle_jit
 def _oracle_server(w, updates):
     return w + loops.mean(updates)
 

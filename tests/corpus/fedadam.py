@@ -15,6 +15,7 @@ import fcir
 
 from . import loops, mlp
 from .case import Case, sum_of_squares
+from .oracle_jit import oracle_jit
 
 NUM_CLIENTS = 5
 STEPS = 2
@@ -62,7 +63,7 @@ def make_args():
     return params, opt_state, x, y
 
 
-@jax.jit
+@oracle_jit
 def _oracle_client(params, x, y, i):
     local = params
     for s in range(STEPS):
@@ -70,7 +71,7 @@ def _oracle_client(params, x, y, i):
     return jax.tree.map(jnp.subtract, local, params)
 
 
-@jax.jit
+@oracle_jit
 def _oracle_server(params, opt_state, deltas):
     return server_update(params, opt_state, loops.mean(deltas))
 

@@ -14,6 +14,7 @@ import fcir
 
 from . import loops, mlp
 from .case import Case, sum_of_squares
+from .oracle_jit import oracle_jit
 
 NUM_CLIENTS = 8
 STEPS = 3
@@ -47,7 +48,7 @@ def make_args():
     return params, x, y
 
 
-@jax.jit
+@oracle_jit
 def _oracle_client(params, x, y, i):
     local, losses = params, []
     for s in range(STEPS):
@@ -56,7 +57,7 @@ def _oracle_client(params, x, y, i):
     return jax.tree.map(jnp.subtract, local, params), loops.total(losses) / STEPS
 
 
-@jax.jit
+@oracle_jit
 def _oracle_server(params, deltas, losses):
     mean_delta = loops.mean(deltas)
     return jax.tree.map(jnp.add, params, mean_delta), loops.mean(losses)

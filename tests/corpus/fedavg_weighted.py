@@ -15,6 +15,7 @@ import fcir
 
 from . import loops, mlp
 from .case import Case, sum_of_squares
+from .oracle_jit import oracle_jit
 
 NUM_CLIENTS = 6
 MAX_EXAMPLES = 8
@@ -72,7 +73,7 @@ def example_weighted_mse(params, x, y, example_weight):
     return jnp.sum(example_weight[:, None] * jnp.square(mlp.apply(params, x) - y)) / D_OUT
 
 
-@jax.jit
+@oracle_jit
 def _oracle_client(params, x, y, example_weight, i):
     local = params
     for _ in range(STEPS):
@@ -80,7 +81,7 @@ def _oracle_client(params, x, y, example_weight, i):
     return jax.tree.map(jnp.subtract, local, params)
 
 
-@jax.jit
+@oracle_jit
 def _oracle_server(params, deltas, weights):
     return jax.tree.map(jnp.add, params, loops.weighted_mean(deltas, weights))
 

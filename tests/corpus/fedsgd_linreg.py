@@ -15,6 +15,7 @@ import fcir
 
 from . import loops
 from .case import Case, sum_of_squares
+from .oracle_jit import oracle_jit
 
 NUM_CLIENTS = 8
 EXAMPLES = 16
@@ -54,7 +55,7 @@ def make_args():
     return params, jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
 
 
-@jax.jit
+@oracle_jit
 def _oracle_client(params, x, y, i):
     # Closed-form MSE gradient, independent of jax.grad.
     residual = x[i] @ params["w"] + params["b"] - y[i]
@@ -65,7 +66,7 @@ def _oracle_client(params, x, y, i):
     return jnp.mean(jnp.square(residual)), grad
 
 
-@jax.jit
+@oracle_jit
 def _oracle_server(params, losses, grads):
     mean_grad = loops.mean(grads)
     return {k: params[k] - LR * mean_grad[k] for k in params}, loops.mean(losses)

@@ -15,6 +15,7 @@ import fcir
 
 from . import loops, mlp
 from .case import Case, sum_of_squares
+from .oracle_jit import oracle_jit
 
 NUM_SILOS = 2
 CLIENTS_PER_SILO = 3
@@ -49,7 +50,7 @@ def make_args():
     return params, x, y
 
 
-@jax.jit
+@oracle_jit
 def _oracle_client(params, x, y, s, c):
     local, losses = params, []
     for t in range(STEPS):
@@ -58,7 +59,7 @@ def _oracle_client(params, x, y, s, c):
     return jax.tree.map(jnp.subtract, local, params), loops.total(losses) / STEPS
 
 
-@jax.jit
+@oracle_jit
 def _oracle_aggregate(params, deltas, losses):
     """deltas[s][c], losses[s][c] -> the server's new model and mean loss."""
     silo_deltas = [loops.mean(per_client) for per_client in deltas]

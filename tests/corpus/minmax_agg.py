@@ -7,7 +7,6 @@ client gradient norm (a clipping bound) and the smallest and largest client size
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,6 +14,7 @@ import fcir
 
 from . import loops
 from .case import Case
+from .oracle_jit import oracle_jit
 
 NUM_CLIENTS = 7
 EXAMPLES = 10
@@ -56,7 +56,7 @@ def make_args():
     )
 
 
-@jax.jit
+@oracle_jit
 def _oracle_client(w, x, y, valid, i):
     residual = x[i] @ w - y[i]
     count = jnp.count_nonzero(valid[i])
@@ -68,7 +68,7 @@ def _oracle_client(w, x, y, valid, i):
     }
 
 
-@jax.jit
+@oracle_jit
 def _oracle_server(stats):
     counts = [s["count"] for s in stats]
     return {

@@ -7,7 +7,6 @@ Parameters are a dict ``{"w1", "b1", "w2", "b2"}`` so pytree names reach the IR.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -57,8 +56,7 @@ def regression_data(
     return jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def sgd_step(loss: Callable, params, batch: tuple, lr: float):
-    """One compiled SGD step ``(params, loss value)``, for the oracles' explicit loops."""
+    """One SGD step ``(params, loss value)``, for the oracles' explicit loops."""
     value, grads = jax.value_and_grad(loss)(params, *batch)
     return jax.tree.map(lambda w, g: w - lr * g, params, grads), value

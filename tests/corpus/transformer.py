@@ -25,6 +25,7 @@ import fcir
 
 from . import loops
 from .case import Case, sum_of_squares
+from .oracle_jit import oracle_jit
 
 # Corpus sizes; bench passes its own.
 NUM_CLIENTS = 4
@@ -196,12 +197,12 @@ def build(api=fcir):
 # The member's computation is the program's own ``client_update``, compiled once: this
 # oracle checks the federated structure (broadcast, per-member map, mean) of a model
 # too large to restate, and op-by-op execution would take tens of seconds.
-@jax.jit
+@oracle_jit
 def _oracle_client(params, tokens, i):
     return client_update(params, tokens[i], LR, HEADS)
 
 
-@jax.jit
+@oracle_jit
 def _oracle_server(params, deltas, losses):
     mean_delta = loops.mean(deltas)
     return jax.tree.map(jnp.add, params, mean_delta), loops.mean(losses)
