@@ -4,7 +4,8 @@
     python bench/checkpoint.py --quick    # tiny sizes, one repetition (the CI smoke run)
 
 Every figure is a ratio measured side by side in one run: each repetition runs the
-contenders back to back (alternating their order), and a figure is the ratio of the
+contenders back to back (rotating their order, with a rest before each write, since
+cloud disks throttle a writer that follows another), and a figure is the ratio of the
 medians. Prints a table with every goal of docs/design checkpoint.md and writes every
 raw sample, the versions and the core count to bench/results/checkpoint-*.json.
 Restores run right after the saves, so both libraries read from the page cache.
@@ -233,6 +234,13 @@ def measure_memory(library: str, path: pathlib.Path, shape: tuple[int, int]) -> 
 # --- the run ----------------------------------------------------------------------------
 
 
+def rotated(items: list, k: int) -> list:
+    """`items` starting at position k: over len(items) repetitions each contender runs
+    after each other one once (the machine's state after a run favours or hurts the next)."""
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
@@ -292,32 +300,33 @@ def run(args: argparse.Namespace) -> int:
     for rep in range(warmup + reps):
         record = rep >= warmup
         got: dict[str, float] = {}
-        saves = [
-            ("fcir_save", lambda: fcir_save(f_path, tree)),
-            ("orbax_save", lambda: orbax_save(ckptr, o_path, tree)),
-            ("dd", lambda: dd(d_path, nbytes)),
+        writes = [
+            lambda: {"fcir_save": fcir_save(f_path, tree)},
+            lambda: {"orbax_save": orbax_save(ckptr, o_path, tree)},
+            lambda: {"dd": dd(d_path, nbytes)},
+            lambda: dict(
+                zip(("fcir_async_blocking", "fcir_async_total"), fcir_async(a_path, tree))
+            ),
         ]
-        for name, fn in saves if rep % 2 == 0 else saves[::-1]:
-            got[name] = fn()
-        rm(d_path)
-        got["fcir_async_blocking"], got["fcir_async_total"] = fcir_async(a_path, tree)
-        rm(a_path)
+        for write in rotated(writes, rep):
+            time.sleep(args.settle)  # the disk may throttle a writer right after another
+            got.update(write())
         restores = [
             ("fcir_restore_saved", lambda: fcir_restore(f_path, targets["saved"])),
             ("orbax_restore", lambda: orbax_restore(ckptr, o_path, targets["saved"])),
             ("fcir_restore_other", lambda: fcir_restore(f_path, targets["other"])),
             ("fcir_restore_columns", lambda: fcir_restore(f_path, targets["columns"])),
         ]
-        for name, fn in restores if rep % 2 == 0 else restores[::-1]:
-            got[name] = fn()
+        for name, restore in rotated(restores, rep):
+            got[name] = restore()
         memory = None
         if rep == warmup + reps - 1:  # fresh processes, once, on the last checkpoints
             memory = {
                 "fcir": measure_memory("fcir", f_path, shape),
                 **({} if args.quick else {"orbax": measure_memory("orbax", o_path, shape)}),
             }
-        rm(f_path)
-        rm(o_path)
+        for path in (f_path, o_path, d_path, a_path):
+            rm(path)
         print(
             ("rep" if record else "warm-up")
             + " "
@@ -413,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repetition")
     parser.add_argument("--reps", type=int, default=5, help="measured repetitions (default 5)")
     parser.add_argument("--size-mib", type=float, default=None, help="bytes of the large leaves")
+    parser.add_argument(
+        "--settle", type=float, default=None, help="seconds of rest before each write (default 3)"
+    )
     parser.add_argument("--dir", help="where to write checkpoints (default: a temporary dir)")
     parser.add_argument("--results", default=str(RESULTS), help="where to write the JSON")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
@@ -423,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.size_mib is None:
         args.size_mib = 1 if args.quick else 1024
+    if args.settle is None:
+        args.settle = 0.0 if args.quick else 3.0
     return run(args)
 
 
