@@ -74,11 +74,14 @@ def example_weighted_mse(params, x, y, example_weight):
 
 
 @oracle_jit
-def _oracle_client(params, x, y, example_weight, i):
+def _oracle_client(params, x, y, counts, i):
+    # Each of the first counts[i] examples weighs 1/counts[i]; the padding weighs 0.
+    n_i = counts[i].astype(jnp.float32)
+    example_weight = jnp.where(jnp.arange(MAX_EXAMPLES) < counts[i], 1.0 / n_i, 0.0)
     local = params
     for _ in range(STEPS):
         local, _ = mlp.sgd_step(example_weighted_mse, local, (x[i], y[i], example_weight), LR)
-    return jax.tree.map(jnp.subtract, local, params)
+    return jax.tree.map(jnp.subtract, local, params), n_i
 
 
 @oracle_jit
@@ -87,14 +90,8 @@ def _oracle_server(params, deltas, weights):
 
 
 def oracle(params, x, y, counts):
-    deltas, weights = [], []
-    for i in range(NUM_CLIENTS):
-        n_i = int(counts[i])
-        # Each of the first n_i examples weighs 1/n_i; the padding weighs 0.
-        example_weight = np.where(np.arange(MAX_EXAMPLES) < n_i, 1 / n_i, 0).astype(np.float32)
-        deltas.append(_oracle_client(params, x, y, example_weight, i))
-        weights.append(np.float32(n_i))
-    return _oracle_server(params, deltas, weights)
+    deltas, weights = zip(*[_oracle_client(params, x, y, counts, i) for i in range(NUM_CLIENTS)])
+    return _oracle_server(params, list(deltas), list(weights))
 
 
 CASE = Case(
