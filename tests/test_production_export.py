@@ -70,6 +70,19 @@ def test_bundle_files_and_manifest(tmp_path):
     )
 
 
+def test_bundles_are_reproducible(tmp_path):
+    """Same round, same bytes: no machine paths, call stacks or counters inside."""
+    module = cases.captured("corpus:minmax_agg")
+    a = production.export(module).write(tmp_path / "a")
+    b = production.export(fcir.parse(module.to_text(full_constants=True))).write(tmp_path / "b")
+    assert (a / "manifest.json").read_text() == (b / "manifest.json").read_text()
+    for path in a.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert data == (b / path.relative_to(a)).read_bytes(), path
+            assert str(tmp_path).encode() not in data and b"/tests/" not in data, path
+
+
 def test_bundle_parts_are_the_parts(tmp_path):
     plan = cases.plan("corpus:fedavg_mlp")
     out = plan.write(tmp_path / "b")

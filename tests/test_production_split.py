@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 from fcir.interpreters import production, reference
 from fcir.interpreters.production.splitting import INTRINSICS
-from production import cases
+from production import cases, rounds
 
 import fcir
 from fcir.ir import Func, Module, walk
@@ -147,3 +148,14 @@ def test_server_only_round_has_empty_client_parts():
     assert split.parts["client_work"].main.body.ops == []
     assert split.parts["client_to_server_aggregation"].main.body.ops == []
     assert split.aggregations == []
+
+
+def test_constants_used_by_clients_are_copied_into_client_work():
+    module = fcir.parse(rounds.CONSTANT_CHAIN_IR)
+    split = production.split(module)
+    fcir.check(split.parts["client_work"])
+    member_ops = [op.name for op in split.client_member.main.body.ops]
+    assert member_ops == ["fcir.constant", "jax.exp", "jax.mul"]
+    x = np.ones((2, 3), np.float32)
+    got = compose(split, [x])
+    cases.assert_close(got, list(reference.run(module, x)))

@@ -242,6 +242,8 @@ class Bundle:
             return lowering.load_artifact(self.read(rel))
         except BundleError:
             raise
+        except ImportError as e:  # jax.export's serialization needs flatbuffers
+            raise BundleError(f"reading {rel} needs jax.export serialization: {e}") from None
         except Exception as e:  # noqa: BLE001  (flatbuffers raises assorted errors)
             raise BundleError(f"{self.dir}/{rel}: not a jax.export artifact: {e}") from None
 

@@ -71,13 +71,5 @@ def check_structure(module: Module) -> None:
         raise fail(module, first.where, reason, first.message.replace("\n", " ") + more)
 
 
-def where_defined(module: Module, value, producer: dict, names: dict) -> str:
-    """Text location of the op defining ``value`` (or the argument it is)."""
-    if value in producer:
-        path, op = producer[value]
-        return describe(module, path, op, names)
-    return f"argument %{names[value]}"
-
-
 def op_where(module: Module, path: tuple, op: Op, names: dict) -> str:
     return describe(module, path, op, names)

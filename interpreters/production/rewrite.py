@@ -19,18 +19,20 @@ def member_type(t: Type) -> Type:
     return t.member if isinstance(t, PlacedType) else t
 
 
-def clone_region(region: Region) -> Region:
-    """Deep copy with fresh values (regions are isolated from above)."""
-    env = {v: Value(v.type) for v in region.params}
+def clone_region(region: Region, retype: Callable[[Type], Type] | None = None) -> Region:
+    """Deep copy with fresh values (regions are isolated from above); ``retype`` maps
+    every value's type, nested regions included."""
+    env = {v: Value(retype(v.type) if retype else v.type) for v in region.params}
     new = Region([env[v] for v in region.params], [], [], region.label)
     for op in region.ops:
-        new.ops.append(clone_op(op, env))
+        new.ops.append(clone_op(op, env, retype))
     new.results = [env[v] for v in region.results]
     return new
 
 
 def clone_op(op: Op, env: dict, retype: Callable[[Type], Type] | None = None) -> Op:
-    """Copies ``op`` reading its operands through ``env``; records its new results there."""
+    """Copies ``op`` reading its operands through ``env``; records its new results there.
+    ``retype`` maps the types of its results and of every value in its regions."""
     results = [Value(retype(v.type) if retype else v.type) for v in op.results]
     env.update(zip(op.results, results))
     return Op(
@@ -38,7 +40,7 @@ def clone_op(op: Op, env: dict, retype: Callable[[Type], Type] | None = None) ->
         [env[v] for v in op.operands],
         results,
         dict(op.attrs),
-        [clone_region(r) for r in op.regions],
+        [clone_region(r, retype) for r in op.regions],
         op.location,
     )
 

@@ -1,16 +1,20 @@
 """Runs inside the federated_language virtual environment (never imports fcir).
 
-    python fl_check.py ROUND.computation.pb [...]
+    python fl_check.py ROUND.computation.pb [...]   # one JSON line per file
+    python fl_check.py --descriptors                # federated_language's proto fields
 
-For each file: parses the bytes with federated_language's own computation_pb2, builds
-its building blocks (which checks every intrinsic's concrete type against the
-intrinsic's definition and every call's argument type against its function), and
-prints one JSON object per file: the round's type, every intrinsic use with its type,
-and every Xla piece's type, all in federated_language's own notation.
+For each file: parses the bytes with federated_language's own computation_pb2 and
+builds its building blocks, which checks every intrinsic's concrete type against the
+intrinsic's definition and every call's argument against its function's parameter.
+Prints the round's type, every intrinsic use and every Xla piece, all in
+federated_language's own notation.
 """
 
 import json
 import sys
+import warnings
+
+warnings.simplefilter("ignore", DeprecationWarning)  # FieldDescriptor.label in protobuf 6
 
 
 def summarize(path):
@@ -18,7 +22,8 @@ def summarize(path):
     from federated_language.proto import computation_pb2
 
     with open(path, "rb") as f:
-        proto = computation_pb2.Computation.FromString(f.read())
+        data = f.read()
+    proto = computation_pb2.Computation.FromString(data)
     comp = building_blocks.ComputationBuildingBlock.from_proto(proto)
     intrinsics, xla = [], []
 
@@ -45,12 +50,36 @@ def summarize(path):
         "type": str(comp.type_signature),
         "intrinsics": intrinsics,
         "xla": xla,
-        # Round trip: federated_language writes back the bytes it read.
-        "roundtrip_equal": comp.to_proto() == proto,
+        # federated_language writes back exactly the bytes it read.
+        "reserialized_equal": comp.to_proto().SerializeToString(deterministic=True) == data,
     }
 
 
+def descriptors():
+    """Every field of federated_language's computation schema, by message."""
+    from federated_language.proto import computation_pb2
+
+    out = {}
+
+    def visit(desc, prefix):
+        name = prefix + desc.name
+        for f in desc.fields:
+            out[f"{name}.{f.number}"] = [f.name, f.type, f.label, f.containing_oneof is not None]
+        for nested in desc.nested_types:
+            visit(nested, name + ".")
+
+    for desc in computation_pb2.DESCRIPTOR.message_types_by_name.values():
+        visit(desc, "")
+    array = sys.modules["federated_language.proto.array_pb2"]
+    for desc in array.DESCRIPTOR.message_types_by_name.values():
+        visit(desc, "")
+    return out
+
+
 def main(argv):
+    if argv == ["--descriptors"]:
+        print(json.dumps(descriptors()))
+        return 0
     for path in argv:
         print(json.dumps(summarize(path)))
     return 0

@@ -293,3 +293,16 @@ func @main(%0: {f32[3]}@clients) -> (f32[2]@server) {
   return %1
 }
 """
+
+# A computed server scalar joining per-client code: copied into client work, whose
+# member-level code then holds no server-typed value (regions included).
+CONSTANT_CHAIN_IR = """\
+fcir.module @chain ir_version=1 placements=[clients:2]
+func @main(%0: {f32[3]}@clients) -> (f32[3]@server) {
+  %1: f32[]@server = fcir.constant {value=dense<f32[]: 3.0>}
+  %2: f32[]@server = jax.exp %1 {accuracy=none}
+  %3: {f32[3]}@clients = jax.mul %0, %2 {out_dtype=none}
+  %4: f32[3]@server = fed.sum %3
+  return %4
+}
+"""

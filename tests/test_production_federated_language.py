@@ -1,0 +1,102 @@
+"""The Computation bytes against the real federated_language package.
+
+federated_language needs protobuf < 7, so it runs in its own virtual environment
+(``.venv-fl/``, created on first use by tests/production/fl_venv.py: about a minute,
+then reused). The test skips only when the package index cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from fcir.interpreters.production import computation as C
+from fcir.interpreters.production import wire_types as W
+from production import cases, fl_venv
+
+from fcir._proto import computation_pb2 as pb
+
+ROUNDS = [
+    ("corpus:temperature_sensors", "intrinsics"),
+    ("corpus:fedavg_mlp", "intrinsics"),
+    ("corpus:fedavg_mlp", "federated_aggregate"),
+    ("corpus:secure_histogram", "intrinsics"),
+    ("corpus:minmax_agg", "intrinsics"),
+    ("corpus:int_mean", "federated_aggregate"),
+    ("corpus:fedavg_weighted", "intrinsics"),
+    ("corpus:fedadam", "intrinsics"),
+    ("own:weighted", "intrinsics"),
+    ("own:weighted", "federated_aggregate"),
+    ("own:fedavg_pytree", "intrinsics"),
+    ("own:secure", "federated_aggregate"),
+    ("own:minmax", "intrinsics"),
+    ("own:server_side", "intrinsics"),
+    ("own:server_only", "intrinsics"),
+]
+
+
+@pytest.fixture(scope="module")
+def fl_python():
+    try:
+        return str(fl_venv.ensure())
+    except fl_venv.Unreachable as e:
+        pytest.skip(f"federated_language cannot be installed (package index unreachable): {e}")
+
+
+def _run(python, *args) -> list[dict]:
+    proc = subprocess.run(
+        [python, str(fl_venv.ROOT / "tests/production/fl_check.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_federated_language_builds_and_type_checks_every_round(fl_python, tmp_path):
+    files = {}
+    for name, mode in ROUNDS:
+        path = tmp_path / f"{name.replace(':', '_')}.{mode}.pb"
+        path.write_bytes(cases.plan(name, mode).to_computation_bytes())
+        files[str(path)] = (name, mode)
+    results = _run(fl_python, *files)
+    assert len(results) == len(ROUNDS)
+    for got in results:
+        name, mode = files[got["file"]]
+        ours = pb.Computation.FromString(cases.plan(name, mode).to_computation_bytes())
+        assert got["kind"] == "Lambda", name
+        assert got["reserialized_equal"], name
+        # Types print the same in federated_language's notation and ours.
+        assert got["type"] == W.format_type(ours.type), name
+        assert got["intrinsics"] == [list(u) for u in C.intrinsic_uses(ours)], name
+        uris = {u for u, _ in got["intrinsics"]}
+        assert ("federated_aggregate" in uris) == (
+            mode == "federated_aggregate" and name != "own:minmax"
+        ), name
+        for piece in got["xla"]:
+            assert piece["type_url"] == "type.googleapis.com/xla.HloModuleProto"
+            assert piece["has_result_binding"]
+            assert piece["has_parameter_binding"] == (not piece["type"].startswith("( ->")), piece[
+                "type"
+            ]
+
+
+def test_compat_schema_matches_federated_language_field_for_field(fl_python):
+    (theirs,) = _run(fl_python, "--descriptors")
+    ours = {}
+
+    def visit(desc, prefix):
+        name = prefix + desc.name
+        for f in desc.fields:
+            ours[f"{name}.{f.number}"] = [f.name, f.type, f.containing_oneof is not None]
+        for nested in desc.nested_types:
+            visit(nested, name + ".")
+
+    for desc in pb.DESCRIPTOR.message_types_by_name.values():
+        visit(desc, "")
+    theirs = {k: [v[0], v[1], v[3]] for k, v in theirs.items()}
+    # Every message federated_language has, we have, with the same fields.
+    assert {k: ours.get(k) for k in theirs} == theirs
