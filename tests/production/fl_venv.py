@@ -2,7 +2,8 @@
 
 federated_language 0.5.4 is pure Python but needs protobuf < 7, which fcir's own
 environment does not have, so it lives in its own virtual environment (gitignored,
-created once and reused)::
+created once and reused; ``FCIR_FL_VENV`` puts it elsewhere, e.g. in a cache that
+outlives clones)::
 
     python tests/production/fl_venv.py            # create or reuse; prints its python
 """
@@ -10,13 +11,14 @@ created once and reused)::
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
 import venv
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_DIR = ROOT / ".venv-fl"
+DEFAULT_DIR = pathlib.Path(os.environ.get("FCIR_FL_VENV") or ROOT / ".venv-fl")
 REQUIREMENTS = ("federated_language==0.5.4", "protobuf<7", "numpy")
 MARKER = "fcir-ready.json"
 
