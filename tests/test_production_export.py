@@ -238,6 +238,14 @@ def test_intrinsic_types_are_concrete():
     assert wmean[0] == "(<{float32[8]}@CLIENTS,{float32}@CLIENTS> -> float32[8]@SERVER)"
     _, uses = _intrinsics("corpus:int_mean")
     assert ("federated_mean", "({float32[12]}@CLIENTS -> float32[12]@SERVER)") in uses
+    # Full-width signed secure sums travel as their unsigned bits.
+    _, uses = _intrinsics("own:secure")
+    secure = [t for u, t in uses if u == "federated_secure_sum_bitwidth"]
+    assert secure == [
+        "(<{int32[3]}@CLIENTS,int32> -> int32[3]@SERVER)",
+        "(<{uint32}@CLIENTS,int32> -> uint32@SERVER)",
+        "(<{uint8[2]}@CLIENTS,int32> -> uint8[2]@SERVER)",
+    ]
 
 
 def test_federated_aggregate_option():

@@ -100,6 +100,16 @@ def test_unsupported_dtype_inside_a_part_is_fine():
     assert production.export(module).parts["client_work"]
 
 
+def test_sum_of_bools_is_refused():
+    @fcir.program(placements={"clients": 2})
+    def count_flags(flags):
+        return fcir.reduce_sum(flags)
+
+    module = fcir.capture(count_flags, jax.numpy.ones((2, 3), bool))
+    message = _reject(module, checks.UNSUPPORTED_DTYPE, r"fed\.sum \(op 0, defining %1\)")
+    assert "astype(jnp.int32)" in message
+
+
 def test_round_results_must_be_at_the_server():
     module = fcir.capture(rounds.returns_client_values, *rounds.two_exchanges_args())
     _reject(module, checks.CLIENT_RESULT, r"fed\.map \(op \d+, defining %\d+\)")

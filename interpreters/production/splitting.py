@@ -30,7 +30,8 @@ fed.weighted_mean (w: [])   federated_weighted_mean clients cast values and weig
 fed.weighted_mean (w: [k])  federated_sum x2        clients send w*x and w; server divides
 fed.min / fed.max           federated_min / _max    bools travel as int32
 fed.secure_sum              federated_secure_sum_   clients and server reduce mod
-                            bitwidth                2**bitwidth
+                            bitwidth                2**bitwidth (full-width signed
+                                                    values travel as unsigned bits)
 ==========================  ======================  ===================================
 
 Interfaces between parts are dict structures whose keys name the round's values:
@@ -44,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+from jax import lax
 
 from fcir.ir import Func, Module, Op, Region, Value, value_numbering
 from fcir.ops import dtype_bits
@@ -487,10 +489,27 @@ def _lower_reduction(sp: _Splitter, i: int, fused: Region, env: dict, outputs: d
         if xt.np_dtype != mean_result_dtype(xt.np_dtype):
             return one("fed.mean", send(name, lambda a: a.astype(jnp.float32)))
         return one("fed.mean", send(name))
+    if op.name == "fed.sum" and xt.dtype == "bool":
+        raise sp.fail(
+            where,
+            checks.UNSUPPORTED_DTYPE,
+            "fed.sum of bool values has no federated_sum counterpart: sum them as int32 "
+            "(x.astype(jnp.int32)) before reducing",
+        )
     if op.name == "fed.secure_sum":
         bits, bw = dtype_bits(xt.dtype), op.attrs["bitwidth"]
-        if bw >= bits:
+        if bw >= bits and xt.dtype[0] == "u":
             return one(op.name, send(name), bw)
+        if bw >= bits:
+            # A full-width signed value is in [0, 2**bitwidth) only read unsigned: send its
+            # bits as the unsigned type, and read the sum's bits back as signed.
+            unsigned, signed = jnp.dtype(f"uint{bits}"), xt.np_dtype
+            return one(
+                op.name,
+                send(name, lambda a: lax.bitcast_convert_type(a, unsigned)),
+                bw,
+                lambda a: lax.bitcast_convert_type(a, signed),
+            )
         mask = (1 << bw) - 1
 
         def reduce(a):
