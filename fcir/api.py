@@ -301,6 +301,8 @@ def reduce_weighted_mean(x, w):
     """Weighted mean ``sum(w*x)/sum(w)``: ``({T}@child, {W}@child) -> T@p``.
 
     ``w`` is a placed scalar per member (shape ``[n]``) or a pytree matching ``x``.
+    A zero total weight is an InterpreterError in the reference interpreter; compiled
+    code (jit, the XLA backend) computes 0/0 and returns NaN there, as jnp.average does.
     """
     what = "fcir.reduce_weighted_mean"
     frame = _current(what)
