@@ -1,0 +1,44 @@
+"""The XLA backend: a Module as one jit-compiled, sharded XLA program.
+
+::
+
+    from fcir.interpreters import xla
+
+    exe = xla.compile(module, mesh=None)      # mesh: jax.sharding.Mesh or None
+    exe(*args)                                # pytree in, pytree out (like reference.run)
+    exe.as_text("stablehlo"); exe.as_text("hlo"); exe.as_text("optimized_hlo")
+    report = exe.cost()                       # XLA cost analysis + per-round report
+    print(xla.format_cost(report))
+
+How it works, and why it is short: the base :class:`fcir.Interpreter` gives every op
+its JAX meaning by binding the op's primitive. Run under ``jax.jit`` tracing, it
+rebuilds the captured jaxpr, so ``xla.compile(fcir.capture(f, *args))(*args)`` is
+bitwise what ``jax.jit(f)(*args)`` computes, with the same HLO and the same flops.
+:class:`XlaInterpreter` overrides two ops, ``fed.broadcast`` and ``fed.map``, to add
+the sharding constraints of ``fcir.sharding`` when a mesh is given; every other op
+falls back to the base class. That is the pattern for any backend that maps the IR
+onto JAX (``interpreter.py``); :mod:`.executable` wraps it in ``jax.jit`` and
+:mod:`.cost` reads XLA's cost analysis, per program and per fed.map region.
+
+Sharding (DrJAX's rules): a value placed at ``p`` has its member axis sharded along
+the mesh axis named ``p``; ``Auto`` axes get ``with_sharding_constraint`` with the
+other dimensions unconstrained, ``Explicit`` axes get ``reshard``; a mesh without an
+axis named ``p`` gets no constraint and a warning on the ``fcir`` logger. Hierarchical
+placements take one mesh axis each: ``{"silos": 2, "clients": 4}`` runs on a mesh with
+axes ``("silos", "clients")``. Everything else about the layout is XLA's propagation,
+starting from the arguments' shardings (see :func:`default_sharding`).
+"""
+
+from .cost import cost_report, format_cost
+from .executable import Executable, compile, default_sharding, placement_spec
+from .interpreter import XlaInterpreter
+
+__all__ = [
+    "Executable",
+    "XlaInterpreter",
+    "compile",
+    "cost_report",
+    "default_sharding",
+    "format_cost",
+    "placement_spec",
+]
