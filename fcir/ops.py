@@ -202,10 +202,22 @@ class _Reduce(FedOp):
 
 
 class Sum(_Reduce):
-    """Sum over members: ``{T}@child -> T``."""
+    """Sum over members: ``{T}@child -> T``; bool members are counted in i32."""
 
     name = "fed.sum"
     primitive = P.sum_p
+    constraints = {
+        **_Reduce.constraints,
+        "C3": "result must be the operand's member type (i32 for bool members), local to the "
+        "current placement",
+    }
+
+    @classmethod
+    def result_member(cls, member):
+        from fcir.types import dtype_from_name, dtype_name
+
+        return TensorType(dtype_name(P.sum_result_dtype(dtype_from_name(member.dtype))),
+                          member.shape)
 
 
 class Mean(_Reduce):

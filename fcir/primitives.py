@@ -144,7 +144,15 @@ def _mean(x):
     return jnp.mean(x.astype(dt) if x.dtype != dt else x, axis=0)
 
 
-sum_p = _make_reduction("fed_sum", lambda x: jnp.sum(x, axis=0))
+def sum_result_dtype(dtype) -> np.dtype:
+    """``reduce_sum`` of bools counts them in int32, as ``jnp.sum`` does."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.int32) if dtype == np.bool_ else dtype
+
+
+sum_p = _make_reduction(
+    "fed_sum", lambda x: jnp.sum(x, axis=0, dtype=sum_result_dtype(x.dtype)), sum_result_dtype
+)
 mean_p = _make_reduction("fed_mean", _mean, mean_result_dtype)
 min_p = _make_reduction("fed_min", lambda x: jnp.min(x, axis=0))
 max_p = _make_reduction("fed_max", lambda x: jnp.max(x, axis=0))

@@ -13,7 +13,7 @@ import numpy as np
 from fcir.errors import InterpreterError
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Module
-from fcir.primitives import mean_result_dtype
+from fcir.primitives import mean_result_dtype, sum_result_dtype
 
 
 def _members(x) -> list:
@@ -37,11 +37,12 @@ class ReferenceInterpreter(Interpreter):
 
     @impl("fed.sum")
     def sum(self, op, x):
-        members = _members(x)
+        dt = sum_result_dtype(x.dtype)
+        members = [m.astype(dt) for m in _members(x)]
         total = members[0]
         for m in members[1:]:
             total = total + m
-        return total.astype(x.dtype)
+        return total
 
     @impl("fed.mean")
     def mean(self, op, x):

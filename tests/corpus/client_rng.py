@@ -87,4 +87,6 @@ CASE = Case(
     oracle=oracle,
     grad_argnums=(0, 2, 3),
     loss=sum_of_squares,
+    # Client keys are PRNG-key-typed client data; federated_language has no key dtype.
+    exportable=False,
 )
