@@ -261,19 +261,29 @@ def test_integer_mean_is_float32_where_drjax_fails_to_lower():
     assert jax.eval_shape(mean(fdrjax), x).dtype == jnp.float32
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="core: fed_sum's impl (jnp.sum) promotes bool/int8/int16 to int32 while its "
-    "abstract eval and IR rule keep the member dtype, so jit fails to lower (DrJAX has "
-    "the same bug)",
+@pytest.mark.parametrize(
+    "dtype,expected", [("bool", "int32"), ("int8", "int8"), ("uint16", "uint16")]
 )
-def test_sum_of_narrow_ints_under_jit():
-    @fdrjax.program(clients=3)
-    def f(x):
-        return fdrjax.reduce_sum(x)
+def test_sum_of_bools_and_narrow_ints(dtype, expected):
+    """DrJAX's sum declares the input dtype but jnp.sum promotes, so bools and narrow ints
+    only work eagerly (as int32/uint32). fcir: bools count in int32, other dtypes keep
+    theirs, the same under jit and eagerly."""
+    x = jnp.ones((3, 2), dtype)
 
-    assert jax.jit(f)(jnp.ones((3, 2), jnp.int8)).dtype == jnp.int8
+    def total(api):
+        @api.program(clients=3)
+        def f(x):
+            return api.reduce_sum(x)
+
+        return f
+
+    with pytest.raises(ValueError):
+        jax.jit(total(drjax))(x)
+    for run in (total(fdrjax), jax.jit(total(fdrjax))):
+        out = run(x)
+        assert out.dtype == jnp.dtype(expected)
+        assert out.tolist() == [3, 3]
+    assert jax.eval_shape(total(fdrjax), x).dtype == jnp.dtype(expected)
 
 
 def test_programs_capture_into_fcir_ir():
