@@ -42,7 +42,11 @@ N = 8  # clients in the side-by-side programs
 @pytest.fixture(autouse=True)
 def _quiet_drjax_logging():
     # DrJAX logs a warning per call without a mesh; keep test output readable.
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    yield
+    absl.setLevel(level)
 
 
 # --- programs, each written once -----------------------------------------------------------
