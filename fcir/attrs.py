@@ -203,8 +203,10 @@ def _encode_special(value, prim, key, add_region):
     if isinstance(value, prng.PRNGImpl):
         return Enum("PRNGImpl", value.name)
     if isinstance(value, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        # A concrete mesh is recorded by its axes only and rebuilt over this process's
+        # devices; an abstract mesh stays abstract.
         return Record(
-            "AbstractMesh",
+            "Mesh" if isinstance(value, jax.sharding.Mesh) and value.axis_names else "AbstractMesh",
             (
                 ("axis_names", tuple(str(a) for a in value.axis_names)),
                 ("axis_sizes", tuple(int(s) for s in value.axis_sizes)),
@@ -356,22 +358,34 @@ def _decode_mesh(rec: Record):
     return jax.sharding.AbstractMesh(sizes, names, axis_types=types or None)
 
 
+def _concrete(mesh):
+    """An abstract mesh laid over this process's devices (in id order), when they fit."""
+    import jax
+
+    devices = jax.devices()
+    if mesh.size == 0 or mesh.size > len(devices):
+        return mesh
+    return jax.sharding.Mesh(
+        np.array(devices[: mesh.size]).reshape(mesh.axis_sizes),
+        mesh.axis_names,
+        axis_types=mesh.axis_types,
+    )
+
+
 def _decode_record(attr: Record, get_region):
     import jax
 
     if attr.type_name == "AbstractMesh":
         return _decode_mesh(attr)
+    if attr.type_name == "Mesh":
+        return _concrete(_decode_mesh(attr))
     if attr.type_name == "PartitionSpec":
         return _decode_spec(attr.get("spec", ()))
     if attr.type_name == "NamedSharding":
-        mesh = _decode_mesh(attr.get("mesh"))
-        devices = jax.devices()
-        if mesh.size == len(devices) and mesh.size > 0:
-            mesh = jax.sharding.Mesh(
-                np.array(devices).reshape(mesh.axis_sizes),
-                mesh.axis_names,
-                axis_types=mesh.axis_types,
-            )
+        rec = attr.get("mesh")
+        mesh = _decode_mesh(rec)
+        if rec.type_name == "Mesh":
+            mesh = _concrete(mesh)
         return jax.sharding.NamedSharding(mesh, _decode_spec(attr.get("spec", ())))
     cls = find_jax_class(attr.type_name)
     kwargs = {k: decode(v, get_region) for k, v in attr.fields}

@@ -30,8 +30,11 @@ ELEMENTWISE = frozenset(
     imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter
     not or population_count pow real reduce_precision rem round rsqrt select_n shift_left
     shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
+    sharding_constraint reshard mesh_cast
     """.split()
 )
+# (The last three only change a value's layout; under a mesh the frontend adds them to
+# placed values, which stay placed.)
 
 # Call-like primitives that are inlined when their body contains federated ops, so that
 # placements never hide inside a local call.
@@ -91,12 +94,12 @@ def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="p
     if placements is None:
         placements = _placements(None, closed.jaxpr)
     body = _Converter(placements, locations).convert_closed(closed, level=-1, label="main")
-    return Module(
-        name,
-        placements,
-        [Func("main", body, in_tree and structure_of(in_tree),
-              out_tree and structure_of(out_tree))],
-    )
+    main = Func("main", body, in_tree and structure_of(in_tree),
+                out_tree and structure_of(out_tree))
+    # In this process, results come back with the program's own pytree classes (optax
+    # states, dataclasses); a deserialized module rebuilds them from the Structure.
+    main.result_treedef = out_tree
+    return Module(name, placements, [main])
 
 
 def _name_of(fn) -> str:

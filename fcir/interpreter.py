@@ -109,7 +109,10 @@ class Interpreter:
         self._record = {} if intermediates else None
         outs = self.run_region(func.body, leaves)
         structure = func.result_structure
-        result = structure.unflatten(outs) if structure is not None else tuple(outs)
+        if func.result_treedef is not None and func.result_treedef.num_leaves == len(outs):
+            result = jax.tree_util.tree_unflatten(func.result_treedef, outs)
+        else:
+            result = structure.unflatten(outs) if structure is not None else tuple(outs)
         if intermediates:
             names = value_numbering(func)
             return result, {names[v]: val for v, val in self._record.items()}

@@ -57,6 +57,7 @@ class Func:
     body: Region
     arg_structure: Structure | None = None
     result_structure: Structure | None = None
+    result_treedef: Any = None  # the captured PyTreeDef; in-process only, never serialized
 
 
 @dataclasses.dataclass(eq=False)

@@ -92,6 +92,21 @@ class ReferenceInterpreter(Interpreter):
         return jnp.asarray(np.asarray(total).astype(x.dtype))
 
 
+    # Layout ops change where a value lives, never what it is: the oracle ignores them,
+    # so a module captured under a mesh runs without one.
+    @impl("jax.sharding_constraint")
+    def sharding_constraint(self, op, x):
+        return x
+
+    @impl("jax.reshard")
+    def reshard(self, op, x):
+        return x
+
+    @impl("jax.mesh_cast")
+    def mesh_cast(self, op, x):
+        return x
+
+
 def run(module: Module, *args, intermediates: bool = False):
     """Runs ``module`` eagerly with per-member semantics; returns the output pytree."""
     return ReferenceInterpreter().run(module, *args, intermediates=intermediates)

@@ -266,3 +266,24 @@ def test_cost_on_a_mesh_is_per_device():
     assert report["devices"] == 8 and report["xla_scope"] == "per_device"
     assert report["mesh"] == {"clients": 8}
     assert "per device, SPMD over 8 devices" in xla.format_cost(report)
+
+
+@on_8_devices
+def test_capture_under_an_auto_mesh_keeps_layout_ops_placed():
+    """The frontend's own constraints on placed values are layout, not communication:
+    capture under ``jax.set_mesh`` checks, round-trips, and runs on both backends."""
+    from fcir.interpreters import reference
+
+    @fcir.program(placements={"clients": 8})
+    def avg(w, x):
+        return fcir.reduce_mean(fcir.map_fn(lambda w, x: w * x, (fcir.broadcast(w), x)))
+
+    args = (jnp.arange(3.0), jnp.arange(24.0).reshape(8, 3))
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=(AUTO,))
+    with jax.set_mesh(mesh):
+        module = fcir.capture(avg, *args)
+        expected = jax.jit(avg)(*args)
+    text = module.to_text()
+    assert "jax.sharding_constraint" in text and fcir.parse(text).to_text() == text
+    np.testing.assert_allclose(reference.run(module, *args), expected, rtol=1e-6)
+    np.testing.assert_array_equal(xla.compile(module, mesh)(*args), expected)
