@@ -25,7 +25,6 @@ from fcir.errors import (
     UnsupportedError,
     VersionError,
 )
-
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import IR_VERSION, Module
 from fcir.text import parse

@@ -176,7 +176,7 @@ def cmd_show(a) -> int:
 
 def cmd_check(a) -> int:
     from fcir.check import verify
-    from fcir.targets import is_ir_file, load_ir, load_module
+    from fcir.targets import is_ir_file, load_ir
 
     if is_ir_file(a.FILE):
         module = load_ir(a.FILE)

@@ -11,10 +11,9 @@ leading axis has size ``n`` (the member axis). Reductions remove that axis.
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import core
 from jax._src.interpreters import batching, mlir
 from jax.sharding import AxisType, PartitionSpec

@@ -46,7 +46,7 @@ def _key_impls():
     return {impl.tag: impl for impl in prng.prngs.values()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dtype_from_name(name: str):
     """Inverse of :func:`dtype_name`; raises ParseError for unknown names."""
     if name.startswith("key<") and name.endswith(">"):

@@ -305,7 +305,7 @@ def test_python_dash_m_fcir_cli(files):
         for name, (argv, _) in runs.items()
     }
     results = {name: (p.communicate(timeout=300), p.returncode) for name, p in procs.items()}
-    for name, ((out, err), code) in results.items():
+    for name, ((_out, err), code) in results.items():
         assert code == runs[name][1], (name, code, err[-2000:])
         if name != "debug":
             assert_no_traceback(err)

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 from corpus import CASES, case
+from fcir.interpreters import reference
 
 import fcir
-from fcir.interpreters import reference
 
 NAMES = [c.name for c in CASES]
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import fcir
 from fcir.interpreters import reference
 from fcir.interpreters.reference import ReferenceInterpreter
+
+import fcir
 
 
 @fcir.program(placements={"clients": 3})

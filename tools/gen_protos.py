@@ -21,9 +21,8 @@ OUT = ROOT / "fcir" / "_proto"
 
 def generate(out_dir: pathlib.Path) -> dict[str, bytes]:
     """Runs protoc on every .proto and returns {module file name: contents}."""
-    from grpc_tools import protoc  # dev dependency (grpcio-tools), pinned in pyproject
-
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency (grpcio-tools), pinned in pyproject
 
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))

@@ -14,8 +14,8 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
-import jax
-import pytest
+import jax  # noqa: E402  (XLA_FLAGS must be set first)
+import pytest  # noqa: E402
 
 HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
