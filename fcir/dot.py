@@ -15,7 +15,7 @@ handful of boxes:
   (a silo that broadcasts to its clients) is drawn open, its body in the silos'
   cluster. Control flow that contains federated ops is drawn open the same way;
 * an edge that crosses into another placement is communication, labelled with the
-  bytes per member and per round (``fcir.progress.transfers``). Other edges are local
+  bytes per member and per round (``fcir.traffic.transfers``). Other edges are local
   dataflow, unlabelled.
 
 ``to_svg(module)`` runs Graphviz's ``dot`` program on that text.
@@ -30,7 +30,7 @@ import subprocess
 
 from fcir.errors import FcirError
 from fcir.ir import Module, Op, Region, Value, walk
-from fcir.progress import REDUCTIONS, Transfer, format_bytes, nbytes, transfers
+from fcir.traffic import REDUCTIONS, Transfer, format_bytes, nbytes, transfers
 from fcir.types import SERVER, PlacedType, Structure
 
 __all__ = ["to_dot", "to_svg"]

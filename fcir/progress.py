@@ -1,13 +1,7 @@
 """Training progress: what one round communicates, and a per-round progress line.
 
-``communication_bytes(module)`` reads the bytes a round moves from the IR alone: each
-``fed.broadcast`` sends its result's member type to every member of its target
-placement, and each reduction receives its operands' member types from every member
-of the placement it reduces over. Members are counted in all, so a broadcast to the
-clients of each of 4 silos counts ``4 x clients`` receivers. A federated op inside a
-``jax.scan`` counts ``length`` times; inside a ``while`` loop once (its trip count is
-not static) and inside a ``cond`` once per branch, the same rules as the XLA cost
-report (``fcir compile --emit cost``).
+``communication_bytes(module)`` (from ``fcir.traffic``, re-exported here) reads the
+bytes a round moves from the IR alone.
 
 ``RoundProgress`` drives a training loop::
 
@@ -23,8 +17,6 @@ carriage return. Either way a summary line closes the loop.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import sys
 import time
@@ -33,8 +25,15 @@ from typing import IO, Self
 
 import numpy as np
 
-from fcir.ir import Module, Op, Region
-from fcir.types import PlacedType, Type, runtime_type
+from fcir.ir import Module
+from fcir.traffic import (
+    REDUCTIONS,
+    Transfer,
+    communication_bytes,
+    format_bytes,
+    total_bytes,
+    transfers,
+)
 
 __all__ = [
     "REDUCTIONS",
@@ -45,102 +44,6 @@ __all__ = [
     "total_bytes",
     "transfers",
 ]
-
-REDUCTIONS = frozenset(
-    ["fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum"]
-)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Transfer:
-    """The traffic of one federated op in one round.
-
-    ``kind`` is ``"broadcast"`` (the members of ``placement`` each receive) or
-    ``"aggregate"`` (they each send). ``operand_bytes[i]`` is what one member receives
-    or sends for operand ``i`` each time the op runs; ``members`` counts the members
-    in all (4 silos of 3 clients: 12) and ``repeats`` how often the op runs per round
-    (the lengths of enclosing scans).
-    """
-
-    op: Op
-    kind: str
-    placement: str
-    operand_bytes: tuple[int, ...]
-    members: int
-    repeats: int = 1
-
-    @property
-    def bytes_per_member(self) -> int:
-        return sum(self.operand_bytes)
-
-    @property
-    def bytes(self) -> int:
-        """Bytes per round."""
-        return self.bytes_per_member * self.members * self.repeats
-
-
-def nbytes(module: Module, t: Type) -> int:
-    """Bytes of a value of IR type ``t`` at run time (placed types include their axes)."""
-    rt = runtime_type(t, module.cardinality)
-    return math.prod(rt.shape) * np.dtype(rt.np_dtype).itemsize
-
-
-def _member(t: Type) -> Type:
-    return t.member if isinstance(t, PlacedType) else t
-
-
-def transfers(module: Module) -> Iterator[Transfer]:
-    """Every federated op that communicates, in program order, with its bytes."""
-    yield from _transfers(module, module.main.body, 1, 1)
-
-
-def _transfers(module: Module, region: Region, members: int, repeats: int):
-    """``members``: how many members run ``region``; ``repeats``: how often each does."""
-    for op in region.ops:
-        if op.name == "fed.broadcast":
-            to = op.attrs["to"]
-            size = nbytes(module, _member(op.results[0].type))
-            yield Transfer(op, "broadcast", to, (size,), members * module.cardinality(to), repeats)
-        elif op.name in REDUCTIONS:
-            p = op.operands[0].type.placement
-            sizes = tuple(nbytes(module, _member(o.type)) for o in op.operands)
-            yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
-        elif op.name == "fed.map":
-            n = module.cardinality(op.operands[0].type.placement)
-            yield from _transfers(module, op.regions[0], members * n, repeats)
-        elif op.regions:
-            inner = repeats * int(op.attrs.get("length", 1)) if op.name == "jax.scan" else repeats
-            for sub in op.regions:
-                yield from _transfers(module, sub, members, inner)
-
-
-def communication_bytes(module: Module) -> dict[str, dict[str, int]]:
-    """Bytes per round, per placement: ``{"clients": {"broadcast": b, "aggregate": a}}``.
-
-    ``broadcast``: bytes the members of the placement receive, all members together;
-    ``aggregate``: bytes they send into reductions. Every declared placement has an
-    entry, outermost first.
-    """
-    out = {p: {"broadcast": 0, "aggregate": 0} for p, _ in module.placements}
-    for t in transfers(module):
-        out[t.placement][t.kind] += t.bytes
-    return out
-
-
-def total_bytes(module: Module) -> int:
-    """All bytes one round communicates, every placement and direction together."""
-    return sum(t.bytes for t in transfers(module))
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    raise AssertionError("unreachable")
-
 
 # --- the progress line -------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
 """``fcir.dot`` pictures and the per-round traffic they are labelled with
-(``fcir.progress.communication_bytes``), and ``fcir show --format dot|svg``."""
+(``fcir.traffic.communication_bytes``), and ``fcir show --format dot|svg``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from corpus import case
 
 import fcir
 from fcir import cli, dot
-from fcir.progress import communication_bytes, total_bytes
+from fcir.traffic import communication_bytes, total_bytes
 
 
 @functools.cache

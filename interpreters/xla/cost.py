@@ -28,21 +28,17 @@ compares with ``hlo_flops``.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Module, Op, Region
-from fcir.types import Type, runtime_type
+from fcir.traffic import transfers
+from fcir.types import runtime_type
 
 __all__ = ["cost_report", "format_cost"]
 
-_REDUCTIONS = frozenset(
-    ["fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum"]
-)
 
 
 def cost_report(exe, *args) -> dict:
@@ -56,6 +52,14 @@ def cost_report(exe, *args) -> dict:
     levels = _levels(module)
     notes: list[str] = []
     maps: list[tuple[str, Region, float]] = []
+    for t in transfers(module):  # bytes and op counts come from fcir.traffic
+        level = levels[t.placement]
+        if t.kind == "broadcast":
+            level.bytes_broadcast_per_member += t.repeats * t.bytes_per_member
+            level.broadcasts += 1
+        else:
+            level.bytes_aggregated_per_member += t.repeats * t.bytes_per_member
+            level.aggregations += 1
     _visit(module, module.main.body, 1.0, levels, maps, notes)
     for placement, region, times in maps:
         levels[placement].flops_per_member += times * _own_flops(module, region)
@@ -120,25 +124,11 @@ def _levels(module: Module) -> dict[str, _Level]:
     return levels
 
 
-def _nbytes(module: Module, t: Type) -> int:
-    rt = runtime_type(t, module.cardinality)
-    return math.prod(rt.shape) * np.dtype(rt.np_dtype).itemsize
-
-
 def _visit(module, region: Region, times: float, levels, maps, notes) -> None:
-    """Adds the traffic of ``region``'s federated ops, run ``times`` times per member of
-    the placement running ``region``, and lists the fed.map regions to cost."""
+    """Lists the fed.map regions to cost, each with how often it runs per member of the
+    placement running ``region``, and notes on loops whose trip count is not static."""
     for op in region.ops:
-        if op.name == "fed.broadcast":
-            level = levels[op.attrs["to"]]
-            level.bytes_broadcast_per_member += times * _nbytes(module, op.results[0].type.member)
-            level.broadcasts += 1
-        elif op.name in _REDUCTIONS:
-            level = levels[op.operands[0].type.placement]
-            sent = sum(_nbytes(module, o.type.member) for o in op.operands)
-            level.bytes_aggregated_per_member += times * sent
-            level.aggregations += 1
-        elif op.name == "fed.map":
+        if op.name == "fed.map":
             placement = op.operands[0].type.placement
             levels[placement].maps += 1
             maps.append((placement, op.regions[0], times))
