@@ -216,7 +216,7 @@ def _plan_device_leaf(
 
     def build() -> jax.Array:
         hosts, devices = [], []
-        for (box, buf), devs in zip(dests, blocks.values()):
+        for (_, buf), devs in zip(dests, blocks.values()):
             host = buf if dtype == saved_dtype else buf.astype(dtype)
             for d in devs:
                 hosts.append(host)
