@@ -313,10 +313,9 @@ def _register_plugins(sub) -> None:
                               description="Inspect fcir checkpoints.")
         csub = ckpt.add_subparsers(dest="ckpt_command", metavar="COMMAND", parser_class=_Parser)
         csub.required = True
-        p = csub.add_parser("inspect", help="print a checkpoint's layout and verify checksums",
-                            description="Print arrays, shapes, dtypes, shardings, bytes; "
-                            "verify checksums.")
-        ckpt_inspect.add_arguments(p)
+        p = csub.add_parser("inspect", help=ckpt_inspect.HELP,
+                            description=ckpt_inspect.DESCRIPTION)
+        ckpt_inspect.add_arguments(p, debug_flag=False)  # the top-level parser owns --debug
         p.set_defaults(func=ckpt_inspect.run)
 
 
