@@ -73,12 +73,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-
 from jax._src import ad_util, api_util, core, dtypes, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad, remat
 from jax._src.interpreters import partial_eval as pe
 from jax._src.util import merge_lists, partition_list, split_list, weakref_lru_cache
+from jax.sharding import PartitionSpec
 
 from fcir.primitives import (
     broadcast_p,
@@ -112,11 +112,16 @@ def _inexact(dtype) -> bool:
 
 
 def _member_aval(aval) -> core.ShapedArray:
-    return core.ShapedArray(aval.shape[1:], aval.dtype, weak_type=aval.weak_type)
+    """One member's type: the placed type without its leading (member) axis."""
+    sharding = aval.sharding
+    spec = PartitionSpec(*sharding.spec[1:])
+    return aval.update(shape=aval.shape[1:], sharding=sharding.update(spec=spec))
 
 
-def _placed_aval(aval, n: int) -> core.ShapedArray:
-    return core.ShapedArray((n, *aval.shape), aval.dtype, weak_type=aval.weak_type)
+def _map_out_avals(in_avals, body, placement: str, n: int):
+    """The placed result types of ``fed_map`` (its own abstract evaluation)."""
+    out_avals, _ = map_p.abstract_eval(*in_avals, body=body, placement=placement, n=n)
+    return out_avals
 
 
 def _trace_region(fn, avals, name: str) -> core.ClosedJaxpr:
@@ -268,9 +273,7 @@ def _chooser_jvp(prim, primals, tangents, *, placement, n):
     # tangents of the members attaining the extremum. Everything per member happens in
     # fed_map regions; the division by the tie count happens on the server.
     ans_at_members = broadcast_p.bind(ans, placement=placement, n=n)
-    (ind,) = member_map(
-        _indicator_region, (np.dtype(dtype),), placement, n, x, ans_at_members
-    )
+    (ind,) = member_map(_indicator_region, (np.dtype(dtype),), placement, n, x, ans_at_members)
     count = sum_p.bind(ind, placement=placement, n=n)
     (picked,) = member_map(_masked_region, (), placement, n, g, ind)
     return ans, sum_p.bind(picked, placement=placement, n=n) / count
@@ -376,7 +379,7 @@ def _map_linearize(is_vjp, nzs, *primals, body, placement, n):
     )
     num_nz_in = sum(nzs)
     tangent_body = _bake_const_residuals(tangent_jaxpr, is_const, const_vals, num_nz_in)
-    tangent_avals_out = [_placed_aval(a, n).to_tangent_aval() for a in body.out_avals]
+    tangent_avals_out = [core.typeof(p).to_tangent_aval() for p in primals_out]
 
     def tangent_fun(residuals, *tangents):
         nz_tangents = [ad.instantiate_zeros(t) for t, nz in zip(tangents, nzs) if nz]
@@ -405,11 +408,16 @@ def _map_partial_eval(trace, *tracers, body, placement, n):
     if not any(unknowns):
         vals = [t.pval.get_known() for t in tracers]
         return map_p.bind(*vals, body=body, placement=placement, n=n)
+    if all(unknowns):
+        # Nothing to split off: stage the whole map (a known part would have no operands).
+        return trace.default_process_primitive(
+            map_p, tracers, dict(body=body, placement=placement, n=n)
+        )
     # Known numpy operands are not forwarded (as in scan): they would become constants
     # of the staged jaxpr instead of placed values.
     fwd = [not isinstance(t.pval.get_known(), np.ndarray) for t in tracers]
-    jaxpr_known, jaxpr_unknown, out_uk, res_avals, in_fwd_res = (
-        pe.partial_eval_jaxpr_nounits_fwd(body, unknowns, instantiate=False, fwd=fwd)
+    jaxpr_known, jaxpr_unknown, out_uk, res_avals, in_fwd_res = pe.partial_eval_jaxpr_nounits_fwd(
+        body, unknowns, instantiate=False, fwd=fwd
     )
     num_known_out = len(jaxpr_known.out_avals) - len(res_avals)
     known_ins = [t.pval.get_known() for t in tracers if t.pval.is_known()]
@@ -426,13 +434,11 @@ def _map_partial_eval(trace, *tracers, body, placement, n):
 
     res_tracers = [trace.new_instantiated_const(r) for r in residuals]
     unknown_tracers = [t for t in tracers if not t.pval.is_known()]
-    out_tracers = [
-        pe.JaxprTracer(trace, pe.PartialVal.unknown(_placed_aval(a, n)), None)
-        for a in unknown_body.out_avals
-    ]
+    in_tracers = [*res_tracers, *unknown_tracers]
+    out_avals = _map_out_avals([t.aval for t in in_tracers], unknown_body, placement, n)
+    out_tracers = [pe.JaxprTracer(trace, pe.PartialVal.unknown(a), None) for a in out_avals]
     name_stack = source_info_util.current_name_stack()[len(trace.name_stack) :]
     source = source_info_util.current().replace(name_stack=name_stack)
-    in_tracers = [*res_tracers, *unknown_tracers]
     eqn = pe.new_eqn_recipe(
         trace,
         in_tracers,
@@ -456,6 +462,11 @@ pe.custom_partial_eval_rules[map_p] = _map_partial_eval
 def _map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     body = eqn.params["body"]
     placement, n = eqn.params["placement"], eqn.params["n"]
+    if all(unks_in):
+        # Nothing is known: stage the whole map (a known map would have no operands).
+        new_inst = [x for x, inst in zip(eqn.invars, inst_in) if type(x) is core.Var and not inst]
+        num_out = len(eqn.outvars)
+        return None, eqn, [True] * num_out, [True] * num_out, new_inst
     jaxpr_known_, jaxpr_staged_, unks_out, inst_out, num_res = pe.partial_eval_jaxpr_custom(
         body.jaxpr,
         in_unknowns=unks_in,
@@ -467,9 +478,9 @@ def _map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
     jaxpr_known = core.ClosedJaxpr(jaxpr_known_, body.consts)
     jaxpr_staged = core.ClosedJaxpr(jaxpr_staged_, body.consts)
     # Residuals are computed per member by the known map and stay placed (leading n).
-    res_avals = jaxpr_staged.in_avals[:num_res]
-    residuals = [core.Var(_placed_aval(a, n)) for a in res_avals]
     ins_known, _ = partition_list(unks_in, eqn.invars)
+    known_out_avals = _map_out_avals([x.aval for x in ins_known], jaxpr_known, placement, n)
+    residuals = [core.Var(a) for a in known_out_avals[len(known_out_avals) - num_res :]]
     outs_known, _ = partition_list(unks_out, eqn.outvars)
     if jaxpr_known.out_avals or jaxpr_known.effects:
         eqn_known = pe.new_jaxpr_eqn(
@@ -511,11 +522,22 @@ def _dce_body(body: core.ClosedJaxpr, used_outputs: tuple[bool, ...]):
     return core.ClosedJaxpr(jaxpr, body.consts), used_inputs
 
 
+@weakref_lru_cache
+def _dce_body_keep_first(body: core.ClosedJaxpr, used_outputs: tuple[bool, ...]):
+    keep = (True,) + (False,) * (len(body.jaxpr.invars) - 1)
+    jaxpr, used_inputs = pe.dce_jaxpr(body.jaxpr, used_outputs, instantiate=keep)
+    return core.ClosedJaxpr(jaxpr, body.consts), used_inputs
+
+
 def _map_dce(used_outputs, eqn):
     body = eqn.params["body"]
     if not any(used_outputs) and not pe.has_effects(eqn):
         return [False] * len(eqn.invars), None
-    new_body, used_inputs = _dce_body(body, tuple(used_outputs))
+    used_outputs = tuple(used_outputs)
+    new_body, used_inputs = _dce_body(body, used_outputs)
+    if not any(used_inputs) and eqn.invars:
+        # Keep one operand: a map needs at least one placed operand to carry its members.
+        new_body, used_inputs = _dce_body_keep_first(body, used_outputs)
     new_invars = [v for v, u in zip(eqn.invars, used_inputs) if u]
     new_outvars = [v for v, u in zip(eqn.outvars, used_outputs) if u]
     new_eqn = pe.new_jaxpr_eqn(
@@ -550,7 +572,9 @@ def _transpose_body(body: core.ClosedJaxpr, linear: tuple[bool, ...], ct_nz: tup
     def transposed(*args):
         res, cts_nz = split_list(args, [len(res_avals)])
         res_it, ct_it = iter(res), iter(cts_nz)
-        primals = [ad.UndefinedPrimal(a) if lin else next(res_it) for a, lin in zip(in_avals, linear)]
+        primals = [
+            ad.UndefinedPrimal(a) if lin else next(res_it) for a, lin in zip(in_avals, linear)
+        ]
         cts = [next(ct_it) if nz else Zero(a.to_ct_aval()) for a, nz in zip(out_avals, ct_nz)]
         cts_out = ad.backward_pass(body.jaxpr, False, body.consts, primals, cts)
         lin_out = [ct for ct, lin in zip(cts_out, linear) if lin]
@@ -574,7 +598,11 @@ def _map_transpose(cts, *args, body, placement, n):
     region, nz_out = _transpose_body(body, linear, ct_nz)
     residuals = [x for x, lin in zip(args, linear) if not lin]
     nz_cts = [ct for ct, nz in zip(cts, ct_nz) if nz]
-    outs = map_p.bind(*residuals, *nz_cts, body=region, placement=placement, n=n) if any(nz_out) else []
+    outs = (
+        map_p.bind(*residuals, *nz_cts, body=region, placement=placement, n=n)
+        if any(nz_out)
+        else []
+    )
     outs_it, nz_it = iter(outs), iter(nz_out)
     result = []
     for x, lin in zip(args, linear):
