@@ -255,13 +255,18 @@ class Interpreter:
 
         return {k: A.decode(v, region) for k, v in op.attrs.items()}
 
-    def region_jaxpr(self, region: Region) -> core.ClosedJaxpr:
-        """Traces a region with this interpreter into a ClosedJaxpr (cached)."""
-        specs = [
-            jax.ShapeDtypeStruct(t.shape, t.np_dtype)
-            for t in (runtime_type(v.type, self.module.cardinality) for v in region.params)
-        ]
-        key = (id(region), tuple((s.shape, str(s.dtype)) for s in specs))
+    def region_jaxpr(self, region: Region, specs: list | None = None) -> core.ClosedJaxpr:
+        """Traces a region with this interpreter into a ClosedJaxpr (cached). ``specs``
+        (ShapeDtypeStructs, e.g. with shardings) default to the parameters' IR types."""
+        if specs is None:
+            specs = [
+                jax.ShapeDtypeStruct(t.shape, t.np_dtype)
+                for t in (runtime_type(v.type, self.module.cardinality) for v in region.params)
+            ]
+        key = (
+            id(region),
+            tuple((s.shape, str(s.dtype), s.weak_type, s.sharding) for s in specs),
+        )
         cached = self._jaxpr_cache.get(key)
         if cached is not None and cached[0] is region:
             return cached[1]

@@ -819,12 +819,6 @@ def test_body_constants_stay_constants_of_the_linear_region():
         assert len(backward.invars) == 2  # cos(x) residual (placed) and the cotangent
 
 
-@pytest.mark.xfail(
-    "add_any" not in importlib.import_module("fcir.capture").ELEMENTWISE,
-    reason="fcir.capture does not yet treat add_any (JAX's cotangent accumulation) as "
-    "an elementwise op",
-    strict=True,
-)
 def test_gradients_capture_and_check():
     """``fcir.capture`` + ``fcir.check`` accept every gradient of this file's programs."""
     for fn, _, make_args, argnums in PROGRAMS.values():

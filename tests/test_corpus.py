@@ -74,3 +74,38 @@ def test_parsed_text_with_full_constants_runs_to_same_values(name):
     args = c.make_args()
     module = fcir.parse(captured(name).to_text(full_constants=True))
     assert_close(reference.run(module, *args), reference.run(captured(name), *args), 0, 0)
+
+
+# The backward pass stays federated: the gradient of a round captures to fed.map regions
+# plus fed.broadcast/fed.sum-style ops, checks, and is pinned by a golden.
+GRADIENT_GOLDENS = ["fedavg_mlp", "fedavg_transformer", "diloco"]
+
+
+def _grad_of(c):
+    return jax.grad(lambda *a: c.loss(c.fn(*a)), c.grad_argnums)
+
+
+@pytest.mark.parametrize("name", GRADIENT_GOLDENS)
+def test_gradient_ir_is_federated_and_matches_golden(name, golden):
+    c = case(name)
+    module = fcir.capture(_grad_of(c), *c.make_args(), name=f"{name}_grad")
+    fcir.check(module)
+    ops = {op.name for _, op in fcir.ir.walk(module.main.body)}
+    assert {"fed.map", "fed.broadcast"} <= ops and ops & {"fed.sum", "fed.mean"}
+    assert fcir.parse(module.to_text()).to_text() == module.to_text()
+    golden(f"{name}_grad", module.to_text())
+
+
+def test_meta_learning_gradient_ir_matches_golden(golden):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "meta_learning.py"
+    spec = importlib.util.spec_from_file_location("meta_learning_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.EXAMPLE_ARGS["post_round_loss"]()
+    grad = jax.grad(example.post_round_loss)  # w.r.t. the initial model and server lr
+    module = fcir.capture(grad, *args, name="meta_learning_grad")
+    fcir.check(module)
+    golden("meta_learning_grad", module.to_text())

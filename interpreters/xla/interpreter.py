@@ -47,7 +47,6 @@ class XlaInterpreter(Interpreter):
     def __init__(self, mesh=None, *, verbose: bool = False):
         super().__init__(verbose=verbose)
         self.mesh = None if mesh is None else sharding.resolve_mesh(mesh)
-        self._traced: dict[tuple, tuple[Region, core.ClosedJaxpr]] = {}
         # Explicit axes put layouts in the types, so regions must be traced with their
         # operands' typed layouts; (op, operand avals) of the op being run, if so.
         self._typed = self.mesh is not None and AxisType.Explicit in tuple(self.mesh.axis_types)
@@ -90,7 +89,7 @@ class XlaInterpreter(Interpreter):
                     sharding=sharding.member_sharding(x),
                 )
             )
-        return self._trace(region, specs)
+        return super().region_jaxpr(region, specs)
 
     # -- regions of local ops under Explicit axes ---------------------------------------
 
@@ -103,7 +102,9 @@ class XlaInterpreter(Interpreter):
         finally:
             self._operands = saved
 
-    def region_jaxpr(self, region: Region) -> core.ClosedJaxpr:
+    def region_jaxpr(self, region: Region, specs: list | None = None) -> core.ClosedJaxpr:
+        if specs is not None:
+            return super().region_jaxpr(region, specs)
         shapes = [runtime_type(v.type, self.module.cardinality).shape for v in region.params]
         specs = self._operands and _typed_region_specs(*self._operands, region, shapes)
         # Equal regions get one jaxpr, as JAX traces a function called twice once: the
@@ -113,21 +114,8 @@ class XlaInterpreter(Interpreter):
         cached = self._equal_regions.get(key)
         if cached is not None:
             return cached
-        closed = self._trace(region, specs) if specs else super().region_jaxpr(region)
+        closed = super().region_jaxpr(region, specs or None)
         self._equal_regions[key] = closed
-        return closed
-
-    def _trace(self, region: Region, specs) -> core.ClosedJaxpr:
-        key = (id(region), _spec_key(specs))
-        cached = self._traced.get(key)
-        if cached is not None and cached[0] is region:
-            return cached[1]
-        saved, self._record = self._record, None
-        try:
-            closed = jax.make_jaxpr(lambda *a: self.run_region(region, a))(*specs)
-        finally:
-            self._record = saved
-        self._traced[key] = (region, closed)
         return closed
 
 
