@@ -257,8 +257,8 @@ map_p.multiple_results = True
 
 
 def _map_impl(*args, body, placement, n):
-    del placement, n
-    return jax.vmap(core.jaxpr_as_fun(body))(*args)
+    del placement
+    return jax.vmap(core.jaxpr_as_fun(body), axis_size=n)(*args)
 
 
 def _map_abstract_eval(*avals, body, placement, n):
