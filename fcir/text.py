@@ -21,6 +21,8 @@ unless asked. Grammar (informal)::
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import re
@@ -179,8 +181,22 @@ class _Printer:
             self.lines.append(ind + ("}, {" if i + 1 < len(op.regions) else "}"))
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Pauses the cyclic garbage collector: printing and parsing make many objects and
+    no cycles, and the collector's passes over them made large modules superlinear."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def print_module(module: Module, *, full_constants: bool = False, locations: bool = False) -> str:
-    return _Printer(module, full_constants, locations).run()
+    with _gc_paused():
+        return _Printer(module, full_constants, locations).run()
 
 
 # --- parsing --------------------------------------------------------------------------------
@@ -720,6 +736,5 @@ def parse(text: str) -> Module:
     """Canonical text -> Module. Raises ParseError (or VersionError) with line/column."""
     if not isinstance(text, str):
         raise ParseError(f"fcir.parse expects text (str), got {type(text).__name__}")
-    parser = _Parser(text)
-    module = parser.module()
-    return module
+    with _gc_paused():
+        return _Parser(text).module()
