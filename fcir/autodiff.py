@@ -191,12 +191,18 @@ def _split_fwd_residuals(fwds, num_consts, consts, ins, ext_res):
 # --- fed.broadcast / fed.sum / fed.mean -----------------------------------------------------
 
 
-def _broadcast_jvp(primals, tangents, *, placement, n):
-    (x,), (t,) = primals, tangents
-    y = broadcast_p.bind(x, placement=placement, n=n)
-    if _is_zero(t) or not _inexact(core.typeof(x).dtype):
-        return y, ad_util.p2tz(y)
-    return y, broadcast_p.bind(t, placement=placement, n=n)
+def _linear_jvp(prim):
+    """JVP of a primitive linear in its operand: the same primitive on the tangent.
+    Integer and bool operands (e.g. the f32 mean of ints) have no tangent."""
+
+    def jvp(primals, tangents, *, placement, n):
+        (x,), (t,) = primals, tangents
+        y = prim.bind(x, placement=placement, n=n)
+        if _is_zero(t) or not _inexact(core.typeof(x).dtype):
+            return y, ad_util.p2tz(y)
+        return y, prim.bind(t, placement=placement, n=n)
+
+    return jvp
 
 
 def _broadcast_transpose(ct, x, *, placement, n):
@@ -206,28 +212,11 @@ def _broadcast_transpose(ct, x, *, placement, n):
     return [sum_p.bind(ct, placement=placement, n=n)]
 
 
-def _sum_jvp(primals, tangents, *, placement, n):
-    (x,), (t,) = primals, tangents
-    y = sum_p.bind(x, placement=placement, n=n)
-    if _is_zero(t) or not _inexact(core.typeof(x).dtype):
-        return y, ad_util.p2tz(y)
-    return y, sum_p.bind(t, placement=placement, n=n)
-
-
 def _sum_transpose(ct, x, *, placement, n):
     assert ad.is_undefined_primal(x)
     if type(ct) is Zero:
         return [Zero(x.aval.to_ct_aval())]
     return [broadcast_p.bind(ct, placement=placement, n=n)]
-
-
-def _mean_jvp(primals, tangents, *, placement, n):
-    (x,), (t,) = primals, tangents
-    y = mean_p.bind(x, placement=placement, n=n)
-    # ints/bools: float32 result, but the input has no tangent.
-    if _is_zero(t) or not _inexact(core.typeof(x).dtype):
-        return y, ad_util.p2tz(y)
-    return y, mean_p.bind(t, placement=placement, n=n)
 
 
 def _mean_transpose(ct, x, *, placement, n):
@@ -238,11 +227,11 @@ def _mean_transpose(ct, x, *, placement, n):
     return [broadcast_p.bind(ct / n, placement=placement, n=n)]
 
 
-ad.primitive_jvps[broadcast_p] = _broadcast_jvp
+ad.primitive_jvps[broadcast_p] = _linear_jvp(broadcast_p)
 ad.primitive_transposes[broadcast_p] = _broadcast_transpose
-ad.primitive_jvps[sum_p] = _sum_jvp
+ad.primitive_jvps[sum_p] = _linear_jvp(sum_p)
 ad.primitive_transposes[sum_p] = _sum_transpose
-ad.primitive_jvps[mean_p] = _mean_jvp
+ad.primitive_jvps[mean_p] = _linear_jvp(mean_p)
 ad.primitive_transposes[mean_p] = _mean_transpose
 
 
