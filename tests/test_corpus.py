@@ -7,9 +7,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import numpy as np
 import pytest
-from corpus import CASES, case
+from corpus import CASES, assert_trees_match, case
 from fcir.interpreters import reference
 
 import fcir
@@ -21,19 +20,6 @@ NAMES = [c.name for c in CASES]
 def captured(name: str) -> fcir.Module:
     c = case(name)
     return fcir.capture(c.fn, *c.make_args(), name=name)
-
-
-def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
-    a_leaves, e_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
-    assert len(a_leaves) == len(e_leaves)
-    for a, e in zip(a_leaves, e_leaves):
-        a, e = np.asarray(a), np.asarray(e)
-        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, a.dtype, e.shape, e.dtype)
-        if np.issubdtype(e.dtype, np.inexact):
-            np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64),
-                                       rtol=rtol, atol=atol)
-        else:
-            np.testing.assert_array_equal(a, e)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -61,11 +47,7 @@ def test_reference_matches_jit(name):
     c = case(name)
     args = c.make_args()
     expected = jax.jit(c.fn)(*args)
-    actual = reference.run(captured(name), *args)
-    assert jax.tree.structure(actual) == jax.tree.structure(expected) or len(
-        jax.tree.leaves(actual)
-    ) == len(jax.tree.leaves(expected))
-    assert_close(actual, expected)
+    assert_trees_match(reference.run(captured(name), *args), expected)
 
 
 @pytest.mark.parametrize("name", ["fedavg_mlp", "secure_histogram"])
@@ -73,7 +55,8 @@ def test_parsed_text_with_full_constants_runs_to_same_values(name):
     c = case(name)
     args = c.make_args()
     module = fcir.parse(captured(name).to_text(full_constants=True))
-    assert_close(reference.run(module, *args), reference.run(captured(name), *args), 0, 0)
+    expected = reference.run(captured(name), *args)
+    assert_trees_match(reference.run(module, *args), expected, rtol=0, atol=0)
 
 
 # The backward pass stays federated: the gradient of a round captures to fed.map regions

@@ -27,8 +27,17 @@ from . import (
     transformer,
 )
 from .case import Case, sum_of_squares
+from .compare import assert_trees_match
 
-__all__ = ["CASES", "DRJAX_NAMES", "Case", "case", "drjax_program", "sum_of_squares"]
+__all__ = [
+    "CASES",
+    "DRJAX_NAMES",
+    "Case",
+    "assert_trees_match",
+    "case",
+    "drjax_program",
+    "sum_of_squares",
+]
 
 _MODULES = (
     temperature_sensors,
