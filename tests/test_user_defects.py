@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from fcir.interpreters import production, reference, xla
 
 import fcir
@@ -146,3 +147,131 @@ def test_cli_compiles_a_file_with_future_annotations_and_a_dataclass(tmp_path, c
     text = next((tmp_path / "out").glob("*.fcir")).read_text()
     assert "fed.mean" in text and "jax.add" in text
 
+
+# --- defect 11: max-pool gradients, jax.debug.print and lax.reduce in client code --------
+
+
+def _maxpool(x):  # NHWC, 2x2 windows
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+
+def _cnn_loss(params, images, labels):
+    h = jax.lax.conv_general_dilated(
+        images, params["conv"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    h = _maxpool(jax.nn.relu(h)).reshape(images.shape[0], -1)
+    logits = h @ params["dense"]
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * labels, -1))
+
+
+@fcir.program(placements={"clients": N})
+def cnn_round(params, images, labels):
+    """One FedAvg round of a CNN with max pooling: the client step's gradient holds
+    select_and_scatter_add."""
+
+    def client(params, images, labels):
+        grads = jax.grad(_cnn_loss)(params, images, labels)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    return fcir.reduce_mean(fcir.map_fn(client, (fcir.broadcast(params), images, labels)))
+
+
+@fcir.program(placements={"clients": N})
+def printing_round(x):
+    def client(x):
+        jax.debug.print("member sum={s} first={}", x[0], s=jnp.sum(x))
+        return x * 2.0
+
+    return fcir.reduce_sum(fcir.map_fn(client, x))
+
+
+@fcir.program(placements={"clients": N})
+def custom_reduce_round(x):
+    def client(x):  # a variadic reduction no monoid fast path covers: the region is kept
+        def comp(a, b):
+            return a[0] + b[0] * b[1], jnp.maximum(a[1], b[1])
+
+        return jax.lax.reduce((x, x), (0.0, -jnp.inf), comp, (0,))
+
+    return fcir.reduce_sum(fcir.map_fn(client, x))
+
+
+def _cnn_args():
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    params = {
+        "conv": 0.3 * jax.random.normal(k1, (3, 3, 1, 2)),
+        "dense": 0.3 * jax.random.normal(k2, (2 * 3 * 3, 3)),
+    }
+    images = jax.random.normal(k3, (N, 2, 6, 6, 1))
+    labels = jax.nn.one_hot(jax.random.randint(k4, (N, 2), 0, 3), 3)
+    return params, images, labels
+
+
+NEW_OPS = {
+    "cnn_round": (cnn_round, _cnn_args, "jax.select_and_scatter_add"),
+    "printing_round": (printing_round, lambda: (jnp.arange(12.0).reshape(N, 4),), "jax.debug_print"),
+    "custom_reduce_round": (
+        custom_reduce_round, lambda: (jnp.arange(24.0).reshape(N, 4, 2) / 7,), "jax.reduce"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_OPS))
+def test_ops_real_programs_need_capture_check_round_trip_and_run(name, capsys):
+    fn, make_args, op = NEW_OPS[name]
+    args = make_args()
+    m = fcir.capture(fn, *args)  # captures and checks
+    text = m.to_text()
+    assert op in text
+    parsed, reread = fcir.parse(text), Module.deserialize(m.serialize())
+    assert parsed.to_text() == text and reread.to_text() == text
+    assert reread.serialize() == m.serialize()
+    capsys.readouterr()
+    want = jax.jit(fn)(*args)
+    printed = sorted(capsys.readouterr().out.splitlines())
+    # (The parsed and deserialized modules print to the same text: running one of them is
+    # running what the IR file holds.)
+    for run in (lambda: reference.run(m, *args), lambda: xla.compile(reread)(*args)):
+        got = run()
+        # A debug print runs again wherever the module runs, once per member.
+        assert sorted(capsys.readouterr().out.splitlines()) == printed
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7),
+                     got, want)
+    if op == "jax.debug_print":
+        assert len(printed) == N and printed[0].startswith("member sum=")
+
+
+def test_what_has_no_plain_data_form_is_refused_by_name():
+    x = jnp.ones((N, 2))
+
+    @fcir.program(placements={"clients": N})
+    def calls_back(x):
+        def client(x):
+            jax.debug.callback(print, x)
+            return x
+
+        return fcir.reduce_sum(fcir.map_fn(client, x))
+
+    with pytest.raises(fcir.UnsupportedError, match=r"jax\.debug_callback: param callback .*jax\.debug\.callback"):
+        fcir.capture(calls_back, x)
+
+    @fcir.program(placements={"clients": N})
+    def prints_a_namedtuple(x):
+        def client(x):
+            jax.debug.print("{}", _Pair(x, x))
+            return x
+
+        return fcir.reduce_sum(fcir.map_fn(client, x))
+
+    with pytest.raises(fcir.UnsupportedError, match=r"in_tree holds a pytree node of class _Pair"):
+        fcir.capture(prints_a_namedtuple, x)
+    # An IR file may name only the comparison primitives JAX passes as params.
+    @fcir.program(placements={"clients": N})
+    def pool_grad(x):
+        return fcir.reduce_sum(fcir.map_fn(jax.grad(lambda x: jnp.sum(_maxpool(x))), x))
+
+    x = jnp.ones((N, 1, 2, 2, 1))
+    text = fcir.capture(pool_grad, x).to_text()
+    forged = fcir.parse(text.replace("#Primitive.ge", "#Primitive.debug_callback"))
+    with pytest.raises(fcir.FcirError, match=r"#Primitive\.debug_callback: only ge, gt, le, lt"):
+        reference.run(forged, x)
