@@ -275,3 +275,11 @@ def test_what_has_no_plain_data_form_is_refused_by_name():
     forged = fcir.parse(text.replace("#Primitive.ge", "#Primitive.debug_callback"))
     with pytest.raises(fcir.FcirError, match=r"#Primitive\.debug_callback: only ge, gt, le, lt"):
         reference.run(forged, x)
+
+
+def test_a_round_that_prints_is_not_exportable():
+    from fcir.interpreters.production import checks
+
+    m = fcir.capture(printing_round, jnp.ones((N, 4)))
+    with pytest.raises(fcir.ExportError, match=rf"jax\.debug_print \(op 0/0/\d+\): {checks.HOST_PRINT}"):
+        production.export(m)
