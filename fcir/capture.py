@@ -17,6 +17,7 @@ import numpy as np
 from jax._src import core, source_info_util
 
 from fcir import attrs as A
+from fcir import captured
 from fcir import primitives as P
 from fcir.errors import FcirError, PlacementError, UnsupportedError
 from fcir.ir import Func, Module, Op, Region, Value
@@ -100,7 +101,10 @@ def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="p
     # In this process, results come back with the program's own pytree classes (optax
     # states, dataclasses); a deserialized module rebuilds them from the Structure.
     main.result_treedef = out_tree
-    return Module(name, placements, [main])
+    module = Module(name, placements, [main])
+    # Backends that only need this very jaxpr back take it instead of tracing the IR.
+    captured.remember(module, closed)
+    return module
 
 
 def _name_of(fn) -> str:
