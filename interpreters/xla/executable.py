@@ -108,6 +108,8 @@ class Executable:
         self._context = mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types
         self._devices = None if mesh is None else set(mesh.devices.flat)
         self._mesh_shardings: set = set()  # shardings seen on the mesh's devices
+        # No mesh, results in jit's own pytree, no mesh context: straight to jit.
+        self._direct = mesh is None and self._rebuild is None
         self._lowered: dict[Any, jax.stages.Lowered] = {}
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
@@ -162,14 +164,24 @@ class Executable:
     # -- running --------------------------------------------------------------------------
 
     def __call__(self, *args):
-        # The fast path: no Python between here and JAX's C++ dispatch but this frame
-        # (on a mesh, and a look at each leaf's sharding: see _laid_out).
-        if self._rebuild is None and not self._context and self._laid_out(args):
+        # The fast path: no Python between here and JAX's C++ dispatch but this frame.
+        if self._direct:
             try:
                 return self._jitted(*args)
             except FcirError:
                 raise  # a check failed while tracing: already the clear message
             except Exception as e:  # noqa: BLE001  JAX rejected the arguments as given
+                return self._call_slow(args, e)
+        return self._call_on_mesh(args)
+
+    def _call_on_mesh(self, args):
+        """The fast path on a mesh: one look at each leaf's sharding first."""
+        if self._rebuild is None and not self._context and self._laid_out(args):
+            try:
+                return self._jitted(*args)
+            except FcirError:
+                raise
+            except Exception as e:  # noqa: BLE001
                 return self._call_slow(args, e)
         return self._call_slow(args, None)
 
