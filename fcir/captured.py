@@ -27,9 +27,32 @@ __all__ = ["captured_jaxpr", "forget", "remember", "snapshot", "unchanged"]
 _JAXPRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# The IR holds its own copy of the jaxpr's constants; past this many bytes keeping the
+# jaxpr too would hold them twice, so the module is traced from its IR instead.
+MAX_CONSTANT_BYTES = 16 << 20
+
+
 def remember(module: Module, closed: core.ClosedJaxpr) -> None:
     """Records that ``module``'s ``main`` is ``closed`` (called by capture)."""
+    if _constant_bytes(closed) > MAX_CONSTANT_BYTES:
+        return
     _JAXPRS[module] = (closed, snapshot(module))
+
+
+def _constant_bytes(closed: core.ClosedJaxpr) -> int:
+    """Bytes of the constants of ``closed`` and of every closed jaxpr in its eqns."""
+    total = sum(getattr(c, "nbytes", 0) for c in closed.consts)
+    stack = [closed.jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, core.ClosedJaxpr):
+                        total += sum(getattr(c, "nbytes", 0) for c in sub.consts)
+                        stack.append(sub.jaxpr)
+                    elif isinstance(sub, core.Jaxpr):
+                        stack.append(sub)
+    return total
 
 
 def forget(module: Module) -> None:

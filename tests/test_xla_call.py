@@ -147,3 +147,18 @@ def test_a_module_edited_in_place_is_traced_from_its_ir():
     before = xla.compile(module)(w, x)["w"]
     set_member_constant(module, 3.0)
     np.testing.assert_array_equal(xla.compile(module)(w, x)["w"], before - 2.0)
+
+
+def test_a_module_with_large_constants_does_not_keep_its_jaxpr(monkeypatch):
+    """The IR holds the constants already: a second copy in the jaxpr is not kept."""
+    monkeypatch.setattr(captured, "MAX_CONSTANT_BYTES", 8)
+    table = np.arange(16, dtype=np.float32)
+
+    @fcir.program(placements={"clients": 2})
+    def lookup(x):
+        return fcir.reduce_sum(fcir.map_fn(lambda x: x * jnp.asarray(table), x))
+
+    x = np.ones((2, 16), np.float32)
+    module = fcir.capture(lookup, x)
+    assert captured.captured_jaxpr(module) is None
+    np.testing.assert_array_equal(xla.compile(module)(x), 2 * table)
