@@ -162,3 +162,37 @@ def test_a_module_with_large_constants_does_not_keep_its_jaxpr(monkeypatch):
     module = fcir.capture(lookup, x)
     assert captured.captured_jaxpr(module) is None
     np.testing.assert_array_equal(xla.compile(module)(x), 2 * table)
+
+
+CLI_TARGET = '''
+import jax.numpy as jnp, fcir
+
+@fcir.program(placements={"clients": 3})
+def tiny(w, x):
+    return fcir.reduce_mean(fcir.map_fn(lambda w, x: w * x, (fcir.broadcast(w), x)))
+
+EXAMPLE_ARGS = {"tiny": lambda: (jnp.ones(4), jnp.ones((3, 4)))}
+'''
+
+
+@pytest.mark.parametrize("kind", ["py", "fcir"])
+def test_fcir_compile_traces_once_for_all_formats(kind, tmp_path, monkeypatch, capsys):
+    """`fcir compile --emit ir,hlo,stablehlo,cost`: a Python target (the captured jaxpr)
+    and an IR file (rebuilt op by op) are each traced once for all four outputs."""
+    from fcir import cli
+
+    src = tmp_path / "target.py"
+    src.write_text(CLI_TARGET)
+    target = f"{src}:tiny"
+    if kind == "fcir":
+        assert cli.main(["compile", target, "--emit", "ir", "-o", str(tmp_path / "ir")]) == 0
+        target = str(tmp_path / "ir" / "tiny.fcir")
+    compiled = []
+    real_compile = xla.compile
+    monkeypatch.setattr(xla, "compile", lambda m, **kw: compiled.append(m) or real_compile(m, **kw))
+    out = tmp_path / "out"
+    assert cli.main(["compile", target, "--emit", "ir,hlo,stablehlo,cost", "-o", str(out)]) == 0
+    (module,) = compiled
+    assert (captured.captured_jaxpr(module) is not None) == (kind == "py")
+    assert xla.trace_count(module) == 1
+    assert (out / "tiny.hlo.txt").read_text().startswith("HloModule jit_tiny")
