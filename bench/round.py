@@ -1,7 +1,8 @@
 """FedAvg round benchmark: fcir's XLA backend vs DrJAX vs hand-written jit(vmap).
 
     python bench/round.py            # full run: 8 and 64 clients, 15 repetitions
-    python bench/round.py --quick    # smoke mode (tiny model, 8 clients, one repetition)
+    python bench/round.py --quick    # smoke mode (tiny model, 8 clients, one repetition;
+                                     # --smoke is the same, as in bench/scale.py)
 
 Part 1, on 8 simulated CPU devices with the clients sharded over a ``clients`` mesh
 axis: one FedAvg round of the small transformer language model of
@@ -569,7 +570,9 @@ def report(single: dict, procs: dict | None, reps: int, calls: dict | None = Non
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, 8 clients, one repetition")
+    ap.add_argument(
+        "--quick", "--smoke", action="store_true", help="tiny model, 8 clients, one repetition"
+    )
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget", type=float, default=20.0, help="seconds of timing per client count")
