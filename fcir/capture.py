@@ -17,8 +17,8 @@ import numpy as np
 from jax._src import core, source_info_util
 
 from fcir import attrs as A
+from fcir import captured, pytrees
 from fcir import primitives as P
-from fcir import pytrees
 from fcir.errors import FcirError, PlacementError, UnsupportedError
 from fcir.ir import Func, Module, Op, Region, Value
 from fcir.types import SERVER, PlacedType, TensorType, Type, structure_of, tensor_of
@@ -102,7 +102,10 @@ def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="p
     # states, dataclasses); a deserialized module rebuilds them from the Structure.
     main.result_treedef = out_tree
     pytrees.remember(main.result_structure, out_tree)
-    return Module(name, placements, [main])
+    module = Module(name, placements, [main])
+    # Backends that only need this very jaxpr back take it instead of tracing the IR.
+    captured.remember(module, closed)
+    return module
 
 
 def _name_of(fn) -> str:
