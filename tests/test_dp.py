@@ -137,6 +137,10 @@ def test_noise_std_is_noise_multiplier_times_clip_norm():
     sigma = z * clip
     assert abs(std - sigma) < 5 * sigma / np.sqrt(2 * (count - 1)), (std, sigma)
     assert abs(samples.mean()) < 5 * sigma / np.sqrt(count)
+    # Batched over keys (jax.vmap), each key draws what it draws alone.
+    keys = jnp.stack([jax.random.fold_in(base, k) for k in range(2)])
+    batched = jax.vmap(noise_only, in_axes=(0, None))(keys, zeros)["x"]
+    np.testing.assert_array_equal(np.asarray(batched).ravel(), samples[: 2 * size])
 
 
 def two_op_round():
