@@ -44,11 +44,10 @@ from collections.abc import Iterator
 
 from fcir.errors import PrivacyError
 from fcir.ir import Module, Op, Region, Value, value_numbering
+from fcir.ops import DP_OPS
 from fcir.types import SERVER, PlacedType
 
-__all__ = ["Release", "epsilon", "leaks", "releases", "round_cost"]
-
-DP_OPS = frozenset({"fed.dp_sum", "fed.dp_mean"})
+__all__ = ["DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
 _AGGREGATES = frozenset(
     {"fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum"}
 )
@@ -157,7 +156,7 @@ class _Taint:
         control = any(t for j, t in enumerate(ins) if j not in used)
         carried: dict[tuple[int, int], bool] = {}
         outs = [False] * len(op.results)
-        for _ in range(len(op.results) + 2):  # taints only grow: this bounds the fixpoint
+        while True:  # taints only grow, so this reaches its fixpoint
             before = (dict(carried), list(outs))
             for r, sub in enumerate(op.regions):
                 taints = [
