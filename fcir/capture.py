@@ -18,6 +18,7 @@ from jax._src import core, source_info_util
 
 from fcir import attrs as A
 from fcir import primitives as P
+from fcir import pytrees
 from fcir.errors import FcirError, PlacementError, UnsupportedError
 from fcir.ir import Func, Module, Op, Region, Value
 from fcir.types import SERVER, PlacedType, TensorType, Type, structure_of, tensor_of
@@ -105,6 +106,7 @@ def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="p
     # In this process, results come back with the program's own pytree classes (optax
     # states, dataclasses); a deserialized module rebuilds them from the Structure.
     main.result_treedef = out_tree
+    pytrees.remember(main.result_structure, out_tree)
     return Module(name, placements, [main], private=private)
 
 

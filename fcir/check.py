@@ -11,7 +11,9 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
 * ``local/C2``: the exception is an elementwise op whose operands are all placed at one
   placement with one member shape (scalar constants may join); it is a per-member
   computation and its results are placed there too.
-* ``local/C3``: no collective over a placement axis inside a region.
+* ``local/C3``: no collective over a placement axis. A collective whose axes are array
+  dimensions (``psum(r, "batch")`` under a ``vmap`` in client code becomes
+  ``psum[axes=(0,)]``) or another named axis is local computation and is allowed.
 * ``region/C1``: ops in a region use only values defined earlier in that region
   (regions are isolated from above); ``region/C2``: each value is defined once.
 
@@ -142,13 +144,16 @@ class _Checker:
 
     def local(self, op: Op, ctx: Context, path: tuple) -> None:
         prim = op.name.removeprefix("jax.")
-        if ctx.level >= 0 and prim in COLLECTIVES:
-            self.report(
-                "local/C3",
-                f"local/C3: collective {prim} inside a fed.map region would communicate "
-                "between members; aggregate with fed ops instead",
-                path, op, True,
-            )
+        if prim in COLLECTIVES:
+            over = sorted(placement_axes(op, self.module.placements))
+            if over:
+                self.report(
+                    "local/C3",
+                    f"local/C3: collective {prim} over the placement axis "
+                    f"{', '.join(map(repr, over))} would communicate between members; "
+                    "aggregate with fed ops instead",
+                    path, op, True,
+                )
         operands_local = all(ctx.is_local(v.type) for v in op.operands)
         results_local = all(ctx.is_local(v.type) for v in op.results)
         if operands_local and results_local:
@@ -193,6 +198,25 @@ class _Checker:
             and r.type.member.shape == placed[0].member.shape
             for r in op.results
         )
+
+
+def placement_axes(op: Op, placements) -> set[str]:
+    """The placement names among a collective's axes. Only those are communication:
+    positional axes (ints) are dimensions of the member's own arrays."""
+    names = {p for p, _ in placements}
+    found: set[str] = set()
+
+    def visit(a) -> None:
+        if isinstance(a, str):
+            if a in names:
+                found.add(a)
+        elif isinstance(a, tuple):
+            for x in a:
+                visit(x)
+
+    for key in ("axes", "axis_name"):
+        visit(op.attrs.get(key))
+    return found
 
 
 def verify(module: Module) -> list[Diagnostic]:

@@ -25,6 +25,7 @@ from jax._src import core
 
 from fcir import attrs as A
 from fcir import primitives as P
+from fcir import pytrees
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.ir import Module, Op, Region, describe, walk
 from fcir.types import PlacedType, runtime_type
@@ -108,11 +109,7 @@ class Interpreter:
                 )
         self._record = {} if intermediates else None
         outs = self.run_region(func.body, leaves)
-        structure = func.result_structure
-        if func.result_treedef is not None and func.result_treedef.num_leaves == len(outs):
-            result = jax.tree_util.tree_unflatten(func.result_treedef, outs)
-        else:
-            result = structure.unflatten(outs) if structure is not None else tuple(outs)
+        result = pytrees.unflatten_results(func, outs)
         if intermediates:
             names = value_numbering(func)
             return result, {names[v]: val for v, val in self._record.items()}

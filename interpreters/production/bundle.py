@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 import fcir
+from fcir import pytrees
 from fcir.errors import FcirError
 from fcir.ir import Module
 from fcir.types import dtype_name, runtime_type
@@ -293,5 +294,5 @@ def run_bundle(directory, *args):
     """
     bundle = Bundle(directory)
     outs = bundle.run_flat(jax.tree_util.tree_leaves(args))
-    structure = bundle.round().main.result_structure
-    return structure.unflatten(outs) if structure is not None else tuple(outs)
+    # In the process that captured the round, its own pytree classes (fcir.pytrees).
+    return pytrees.unflatten_results(bundle.round().main, outs)

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fcir import pytrees
 from fcir.check import check
 from fcir.errors import InterpreterError, PlacementError
 from fcir.ir import Module
@@ -201,10 +202,15 @@ def _program(module: Module, mesh: Mesh | None):
     n = len(module.main.body.results)
     # Results leave jit in the program's flatten order, so the HLO's results are those
     # of jax.jit(original). A structure that flattens in another order (a custom node
-    # rebuilt as a dict with unsorted keys) is rebuilt outside jit instead.
-    inside = structure is not None and jax.tree_util.tree_leaves(
-        structure.unflatten(list(range(n)))
-    ) == list(range(n))
+    # rebuilt as a dict with unsorted keys) is rebuilt outside jit instead. In the
+    # capturing process the program's own treedef rebuilds its classes (fcir.pytrees).
+    treedef = pytrees.result_treedef(module.main)
+    if treedef is not None:
+        structure, inside = treedef, True
+    else:
+        inside = structure is not None and jax.tree_util.tree_leaves(
+            structure.unflatten(list(range(n)))
+        ) == list(range(n))
 
     def program(*leaves):
         interp = XlaInterpreter(mesh)
