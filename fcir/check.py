@@ -16,6 +16,9 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
   ``psum[axes=(0,)]``) or another named axis is local computation and is allowed.
 * ``region/C1``: ops in a region use only values defined earlier in that region
   (regions are isolated from above); ``region/C2``: each value is defined once.
+
+A private module (``@fcir.program(..., private=True)``) also gets the leak check of
+``fcir.privacy`` (``privacy/C1``-``C3``, raised as PrivacyError).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from fcir.capture import ELEMENTWISE
-from fcir.errors import IRTypeError, PlacementError
+from fcir.errors import IRTypeError, PlacementError, PrivacyError
 from fcir.ir import Module, Op, Region, describe, value_numbering
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
@@ -73,6 +76,11 @@ class _Checker:
         for v in main.body.params + main.body.results:
             self.check_type_placements(v.type, (), None)
         self.region(main.body, Context(m.placements, -1), (), set())
+        if m.private and not self.diags:  # the leak check needs a well-formed module
+            from fcir.privacy import leaks
+
+            for leak in leaks(m):
+                self.report(leak.code, leak.message, leak.path, leak.op, True)
         return self.diags
 
     def check_type_placements(self, t, path, op):
@@ -226,4 +234,6 @@ def check(module: Module) -> Module:
         str(d) for d in diags if d is not first
     )
     cls = PlacementError if first.placement else IRTypeError
+    if first.code.startswith("privacy/"):
+        cls = PrivacyError
     raise cls(str(first) + more)

@@ -182,6 +182,8 @@ def write(plan, directory) -> pathlib.Path:
         "parts": parts,
         "files": {},
     }
+    if plan.split.privacy is not None:  # the DP parameters of the round as written
+        manifest["privacy"] = plan.split.privacy
     for rel, data in sorted(files.items()):
         (out / rel).write_bytes(data)
         manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
