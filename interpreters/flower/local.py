@@ -1,0 +1,200 @@
+"""A Flower deployment on localhost: one SuperLink and N SuperNodes, each its own process
+with its own free port and its own FLWR_HOME, stopped by PID.
+
+Used by ``fcir flower up`` and by the tests. ``flwr run APPDIR local`` reaches it with
+``FLWR_HOME`` set to ``cli_home`` (whose config.toml names the SuperLink).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from fcir.errors import FcirError
+
+FEDERATION = "local"
+
+
+class DeploymentError(FcirError):
+    """A SuperLink or SuperNode did not start, or flwr is not installed."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str:
+    """``name`` from this Python's environment (the SuperLink starts flower-superexec by
+    name, so that bin/ also goes first on every child's PATH)."""
+    path = pathlib.Path(sys.executable).parent / name
+    if path.is_file():
+        return str(path)
+    found = shutil.which(name)
+    if found is None:
+        raise DeploymentError(
+            f"{name} not found: install Flower beside fcir (pip install 'fcir[flower]')"
+        )
+    return found
+
+
+def env_for(home: pathlib.Path) -> dict:
+    env = dict(os.environ)
+    env["FLWR_HOME"] = str(home)
+    env["FLWR_TELEMETRY_ENABLED"] = "0"
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+class Deployment:
+    """``nodes`` SuperNodes; ``data[i]`` (optional) is node i's ``data-path``."""
+
+    def __init__(self, root, nodes: int, data: list | None = None):
+        self.root = pathlib.Path(root).resolve()
+        self.nodes = nodes
+        self.data = list(data) if data is not None else [None] * nodes
+        self.port = free_port()
+        self.node_ports = [free_port() for _ in range(nodes)]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.cli_home = self.root / "home-cli"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        home = self.root / f"home-{name}"
+        home.mkdir(parents=True, exist_ok=True)
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (the child owns it)
+        try:
+            self.procs[name] = subprocess.Popen(
+                cmd, env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=home,
+                start_new_session=True,  # Ctrl-C in a terminal reaches only us; we stop them
+            )
+        finally:
+            log.close()
+
+    def start_superlink(self, timeout: float = 60) -> None:
+        self._spawn(
+            "superlink",
+            [
+                _bin("flower-superlink"),
+                "--insecure",
+                "--disable-runtime-dependency-installation",
+                "--host", "127.0.0.1",
+                "--port", str(self.port),
+            ],
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/health", timeout=2):
+                    return
+            except OSError:
+                pass
+            proc = self.procs["superlink"]
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise DeploymentError(
+                    f"the SuperLink on {self.address} did not come up: {self.log_tail('superlink')}"
+                )
+            time.sleep(0.3)
+
+    def start_supernode(self, i: int) -> None:
+        config = f"partition-id={i} num-partitions={self.nodes}"
+        if self.data[i] is not None:
+            config += f' data-path="{pathlib.Path(self.data[i]).resolve()}"'
+        self._spawn(
+            f"supernode-{i}",
+            [
+                _bin("flower-supernode"),
+                "--insecure",
+                "--superlink", self.address,
+                "--port", str(self.node_ports[i]),
+                "--node-config", config,
+            ],
+        )
+
+    def start(self) -> Deployment:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cli_home.mkdir(parents=True, exist_ok=True)
+        (self.cli_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{FEDERATION}"\n\n'
+            f'[superlink.{FEDERATION}]\naddress = "{self.address}"\ninsecure = true\n'
+        )
+        try:
+            self.start_superlink()
+            for i in range(self.nodes):
+                self.start_supernode(i)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop_one(self, name: str, grace: float = 10) -> None:
+        """SIGTERM to ``name``'s process (and its children, its session), then SIGKILL."""
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(5)
+
+    def kill_one(self, name: str) -> None:
+        """SIGKILL, as a crash: nothing gets to clean up."""
+        proc = self.procs.pop(name)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)
+
+    def stop(self) -> None:
+        for name in [n for n in self.procs if n != "superlink"] + ["superlink"]:
+            self.stop_one(name)
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        p = self.root / f"{name}.log"
+        text = p.read_text(errors="replace") if p.is_file() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def run_command(self, appdir, run_config: str = "") -> list[str]:
+        cmd = [_bin("flwr"), "run", str(appdir), FEDERATION, "--stream"]
+        if run_config:
+            cmd += ["--run-config", run_config]
+        return cmd
+
+    def run(self, appdir, run_config: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+        """``flwr run APPDIR local --stream``: waits for the run to end, returns its output."""
+        return subprocess.run(
+            self.run_command(appdir, run_config),
+            env=env_for(self.cli_home),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
