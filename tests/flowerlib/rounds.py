@@ -83,3 +83,18 @@ def reference_outputs(r: Round, leaves=None) -> list:
 
 def export(r: Round, appdir) -> pathlib.Path:
     return flower.export(r.module, appdir, inputs=r.server_leaves)
+
+
+def plan_of(appdir) -> dict:
+    return json.loads((pathlib.Path(appdir) / "fcir_app/plan.json").read_text())
+
+
+def first_clients(r: Round, k: int) -> Round:
+    """``r`` on its first ``k`` clients only."""
+    leaves = [x[:k] if c else x for x, c in zip(r.leaves, r.is_client)]
+    return dataclasses.replace(r, module=rebind(r.module, k), leaves=leaves)
+
+
+def corpus_module(name: str) -> fcir.Module:
+    c = case(name)
+    return fcir.capture(c.fn, *c.make_args())

@@ -29,7 +29,9 @@ def client_data(context) -> list:
             f"node {context.node_id}: @{plan['round']} needs client data: start the "
             "SuperNode with --node-config \"data-path='/path/to/client.npz'\""
         )
-    return runtime.load_leaves(str(path), specs, f"node {context.node_id} data-path")
+    # "{round}" in data-path names the round, so one SuperNode can serve several apps.
+    path = str(path).replace("{round}", plan["round"])
+    return runtime.load_leaves(path, specs, f"node {context.node_id} data-path")
 
 
 def partition(context) -> int:
