@@ -7,13 +7,16 @@ Used by ``fcir flower up`` and by the tests. ``flwr run APPDIR local`` reaches i
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -32,18 +35,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bin(name: str) -> str:
-    """``name`` from this Python's environment (the SuperLink starts flower-superexec by
-    name, so that bin/ also goes first on every child's PATH)."""
-    path = pathlib.Path(sys.executable).parent / name
-    if path.is_file():
-        return str(path)
-    found = shutil.which(name)
-    if found is None:
+def _bin_dir() -> pathlib.Path:
+    """A folder of Flower's commands bound to this Python.
+
+    The SuperLink and SuperNodes start flower-superexec, flwr-serverapp and
+    flwr-clientapp by name: whichever comes first on PATH runs the apps. A shim or
+    another environment there would run the ServerApp without this fcir (and its
+    checkpoints), so every Flower command of the deployment is a wrapper that runs
+    its entry point with ``sys.executable``.
+    """
+    from importlib.metadata import entry_points
+
+    scripts = [e for e in entry_points(group="console_scripts") if e.value.startswith("flwr")]
+    if not scripts:
         raise DeploymentError(
-            f"{name} not found: install Flower beside fcir (pip install 'fcir[flower]')"
+            "Flower is not installed beside fcir: pip install 'fcir[flower]' (flwr==1.42.0)"
         )
-    return found
+    folder = pathlib.Path(tempfile.gettempdir()) / f"fcir-flower-bin-{os.getuid()}-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    atexit.register(shutil.rmtree, folder, True)
+    for e in scripts:
+        module, _, func = e.value.partition(":")
+        path = folder / e.name
+        path.write_text(
+            "#!/bin/sh\n"
+            f"exec {shlex.quote(sys.executable)} -c "
+            f"{shlex.quote(f'import sys; from {module} import {func} as f; sys.argv[0] = {e.name!r}; sys.exit(f())')}"
+            ' "$@"\n'
+        )
+        path.chmod(0o755)
+    return folder
+
+
+_BIN: pathlib.Path | None = None
+
+
+def _bin(name: str) -> str:
+    global _BIN
+    if _BIN is None:
+        _BIN = _bin_dir()
+    return str(_BIN / name)
 
 
 def env_for(home: pathlib.Path) -> dict:
@@ -51,7 +82,7 @@ def env_for(home: pathlib.Path) -> dict:
     env["FLWR_HOME"] = str(home)
     env["FLWR_TELEMETRY_ENABLED"] = "0"
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
-    env["PATH"] = f"{pathlib.Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PATH"] = f"{pathlib.Path(_bin('flwr')).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 
@@ -167,9 +198,36 @@ class Deployment:
             pass
         proc.wait(5)
 
-    def stop(self) -> None:
-        for name in [n for n in self.procs if n != "superlink"] + ["superlink"]:
-            self.stop_one(name)
+    def restart(self) -> None:
+        """A SuperLink restarted after a crash, and its SuperNodes. The SuperLink keeps
+        its state in memory, so the SuperNodes of flwr 1.42 it forgot keep retrying with
+        ids it no longer knows: they are restarted to register afresh."""
+        self.stop_one("superlink")
+        self.start_superlink()
+        for i in range(self.nodes):
+            self.stop_one(f"supernode-{i}")
+            self.start_supernode(i)
+
+    def stop(self, grace: float = 10) -> None:
+        """SIGTERM to every process at once, then SIGKILL whatever is left after
+        ``grace`` seconds. Only the processes this deployment started are touched."""
+        procs, self.procs = self.procs, {}
+        for proc in procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for proc in procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(5)
 
     def __enter__(self) -> Deployment:
         return self.start()
