@@ -77,8 +77,15 @@ def _bin(name: str) -> str:
     return str(_BIN / name)
 
 
-def env_for(home: pathlib.Path) -> dict:
+def env_for(home: pathlib.Path, jax_cache: pathlib.Path | None = None) -> dict:
     env = dict(os.environ)
+    if jax_cache is not None:
+        # Every message starts a fresh ClientApp process that compiles client work
+        # again; a persistent compilation cache shared by the local processes makes
+        # that a read from disk after the first time.
+        env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     env["FLWR_HOME"] = str(home)
     env["FLWR_TELEMETRY_ENABLED"] = "0"
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
@@ -109,7 +116,7 @@ class Deployment:
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (the child owns it)
         try:
             self.procs[name] = subprocess.Popen(
-                cmd, env=env_for(home), stdout=log, stderr=subprocess.STDOUT, cwd=home,
+                cmd, env=env_for(home, self.root / "jax-cache"), stdout=log, stderr=subprocess.STDOUT, cwd=home,
                 start_new_session=True,  # Ctrl-C in a terminal reaches only us; we stop them
             )
         finally:
