@@ -178,7 +178,6 @@ def _mean_dtype(dtype) -> np.dtype:
     return dtype if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(np.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("op", "bitwidth"))
 def _reduce(x, w, *, op: str, bitwidth: int | None):
     if op == "fed.sum":
         dt = np.dtype(np.int32) if x.dtype == np.bool_ else x.dtype
@@ -203,9 +202,20 @@ def _reduce(x, w, *, op: str, bitwidth: int | None):
     raise AppError(f"no aggregation {op}")
 
 
-def aggregate(aggregation: dict, replies: list[dict]):
-    """One aggregation of the plan over the replies' client outputs."""
-    names = aggregation["inputs"]
-    x = jnp.stack([r[names[0]] for r in replies])
-    w = jnp.stack([r[names[1]] for r in replies]) if len(names) > 1 else None
-    return _reduce(x, w, op=aggregation["fed_op"], bitwidth=aggregation["bitwidth"])
+@functools.partial(jax.jit, static_argnames=("ops",))
+def _reduce_all(stacked, *, ops):
+    return [_reduce(x, w, op=op, bitwidth=bw) for (x, w), (op, bw) in zip(stacked, ops)]
+
+
+def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
+    """The plan's aggregations over the replies' client outputs, compiled as one
+    function (one compile per exchange, not one per aggregation): output name -> value."""
+    stacked, ops = [], []
+    for agg in aggregations:
+        names = agg["inputs"]
+        x = np.stack([r[names[0]] for r in replies])
+        w = np.stack([r[names[1]] for r in replies]) if len(names) > 1 else None
+        stacked.append((x, w))
+        ops.append((agg["fed_op"], agg["bitwidth"]))
+    outs = _reduce_all(stacked, ops=tuple(ops))
+    return {agg["output"]: y for agg, y in zip(aggregations, outs)}

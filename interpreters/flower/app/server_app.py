@@ -167,8 +167,8 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
             f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, "
             f"min-clients={cfg.min_clients}: {why.strip('; ')}"
         )
-    for agg in step["aggregations"]:
-        env[("aggregated", agg["output"])] = runtime.aggregate(agg, replies)
+    for name, value in runtime.aggregate(step["aggregations"], replies).items():
+        env[("aggregated", name)] = value
 
 
 def run_round(grid, cfg: Config, plan: dict, inputs: list, rnd: int, stats: dict) -> list:
