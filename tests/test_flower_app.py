@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus.compare import assert_trees_match
-from fcir.interpreters import flower
+from fcir.interpreters import flower, production, reference
 from flowerlib import inprocess, rounds
+
+import fcir
 
 pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
 
@@ -122,6 +126,37 @@ def test_app_directory_layout_and_cli(fedavg, tmp_path):
                  "--inputs", str(tmp_path / "in.npz")])
     assert code == 0
     assert json.loads((tmp_path / "cli_app/fcir_app/plan.json").read_text()) == rounds.plan_of(app)
+
+
+@fcir.program(placements={"clients": rounds.NODES})
+def mean_then_variance(scale, x):
+    """Two exchanges: the mean is broadcast back to compute the variance around it."""
+    mean = fcir.reduce_mean(
+        fcir.map_fn(lambda s, x: s * jnp.mean(x, axis=0), (fcir.broadcast(scale), x))
+    )
+    var = fcir.reduce_mean(
+        fcir.map_fn(lambda m, x: jnp.mean(jnp.square(x - m), axis=0), (fcir.broadcast(mean), x))
+    )
+    return {"mean": mean, "spread": jnp.sqrt(var) * scale, "var": var}
+
+
+def test_a_multi_exchange_round_runs_as_phases_and_matches_the_reference(tmp_path):
+    scale = jnp.float32(2.0)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(rounds.NODES, 5, 4)), jnp.float32)
+    module = fcir.capture(mean_then_variance, scale, x)
+    with pytest.raises(production.ExportError, match="more than one broadcast/aggregate"):
+        production.export(module)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(scale)])
+    plan = rounds.plan_of(app)
+    assert [s["kind"] for s in plan["steps"]] == ["server", "exchange", "server"] * 2
+    nodes = {}
+    for i in range(rounds.NODES):
+        np.savez(tmp_path / f"n{i}.npz", np.asarray(x[i]))
+        nodes[10 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
+    grid = inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
+    assert len(grid.sent) == 2 * rounds.NODES  # one message per node and exchange
+    expected = [np.asarray(v) for v in jax.tree.leaves(reference.run(module, scale, x))]
+    assert_trees_match(_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_not_exportable_rounds_fail_and_write_nothing(tmp_path):

@@ -33,6 +33,4 @@ def export(module: Module, directory, *, inputs: list | None = None) -> pathlib.
     Raises ExportError naming the op when the round cannot run on Flower. Nothing is
     written unless the whole app is.
     """
-    from ..production import export as production_export
-
-    return write_app(production_export(module), directory, inputs=inputs)
+    return write_app(module, directory, inputs=inputs)

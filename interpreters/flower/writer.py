@@ -61,56 +61,99 @@ def _spec(t, index) -> dict:
     return {"leaf": index, "type": str(t), "dtype": t.np_dtype.name, "shape": list(t.shape)}
 
 
-def build_plan(plan) -> tuple[dict, dict[str, bytes]]:
-    """The app's plan.json and its artifacts (key -> bytes) for a production Plan."""
+def _phase_steps(plan, phase, k: int, multi: bool) -> tuple[list, dict[str, bytes]]:
+    """Phase ``k``'s steps (server_prepare, the exchange, server_result) and artifacts.
+
+    With several phases, each phase's groups are prefixed ``<k>.`` (its own values),
+    carried values are ``("carry", name)`` and the round's arguments stay ``("arg", i)``.
+    """
     sp = plan.split
-    module = plan.round
-    params = module.main.body.params
     interface = _interface(plan)
     stablehlo = plan.stablehlo_artifacts()
-    artifacts = {name: stablehlo[name][0] for name in PARTS if name != "server_to_client_broadcast"}
+    n_args = len(phase.module.main.body.params) - len(phase.carried_in)
+
+    def key(pair):
+        g, n = pair
+        if g == "arg":
+            i = int(n)
+            return ["arg", n] if i < n_args else ["carry", phase.carried_in[i - n_args]]
+        if g == "output" and phase.carried_out:
+            return ["carry", phase.carried_out[int(n)]]
+        if g == "output" or not multi:
+            return [g, n]
+        return [f"{k}.{g}", n]
+
+    def art(name):
+        return f"{k}.{name}" if multi else name
 
     def part(name):
         ps, rs = interface[name]
-        return {"artifact": name, "params": [list(p) for p in ps], "results": [list(r) for r in rs]}
+        return {"artifact": art(name), "params": [key(x) for x in ps], "results": [key(x) for x in rs]}
 
-    member = sp.client_member.main.body.params
+    sends = [key(src) for src in interface["server_to_client_broadcast"][0]]
+    steps = [
+        {"kind": "server", "part": part("server_prepare")},
+        {
+            "kind": "exchange",
+            # broadcast_input -> broadcast_output is the identity (the transport).
+            "send": [[src, key(("broadcast_output", src[1]))] for src in sends],
+            "client": part("client_work"),
+            "aggregations": [
+                {"fed_op": a.fed_op, "inputs": list(a.inputs), "output": a.output,
+                 "bitwidth": a.bitwidth}
+                for a in sp.aggregations
+            ],
+            "aggregated": f"{k}.aggregated" if multi else "aggregated",
+        },
+        {"kind": "server", "part": part("server_result")},
+    ]
+    artifacts = {
+        art(name): stablehlo[name][0] for name in PARTS if name != "server_to_client_broadcast"
+    }
+    return steps, artifacts
+
+
+def build_plan(module) -> tuple[dict, dict[str, bytes]]:
+    """The app's plan.json and its artifacts (key -> bytes) for a round: one phase per
+    broadcast/aggregate exchange, each split by the production export."""
+    from ..production import export as production_export
+    from .phases import split_phases
+
+    phases = split_phases(module)
+    multi = len(phases) > 1
+    steps, artifacts, plans = [], {}, []
+    for k, phase in enumerate(phases, 1):
+        plan = production_export(phase.module)
+        plans.append(plan)
+        s, a = _phase_steps(plan, phase, k, multi)
+        steps += s
+        artifacts.update(a)
+    first = plans[0].split
+    params = module.main.body.params
+    member = first.client_member.main.body.params
     client_inputs = [
-        _spec(member_type(member[k].type), leaf) for k, leaf in enumerate(sp.client_args)
+        _spec(member_type(member[k].type), leaf) for k, leaf in enumerate(first.client_args)
     ]
     server_inputs = [
-        _spec(runtime_type(params[i].type, module.cardinality), i) for i in sorted(sp.server_args)
+        _spec(runtime_type(params[i].type, module.cardinality), i)
+        for i in sorted(first.server_args)
+        if i < len(params)
     ]
     results = module.main.body.results
     outputs = [_spec(runtime_type(v.type, module.cardinality), i) for i, v in enumerate(results)]
     structure = module.main.result_structure
     order = structure.leaves() if structure is not None else list(range(len(results)))
-    sends = [n for g, n in interface["server_to_client_broadcast"][0]]
-    aggregations = [
-        {"fed_op": a.fed_op, "inputs": list(a.inputs), "output": a.output, "bitwidth": a.bitwidth}
-        for a in sp.aggregations
-    ]
     doc = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "round": module.name,
-        "signature": plan.round_signature(),
+        "signature": plans[-1].round_signature() if not multi else f"{len(phases)} phases",
         "bundle_clients": module.placements[0][1] if module.placements else 0,
         "server_inputs": server_inputs,
         "client_inputs": client_inputs,
         "outputs": outputs,
         "output_order": order,
-        "steps": [
-            {"kind": "server", "part": part("server_prepare")},
-            {
-                "kind": "exchange",
-                # broadcast_input -> broadcast_output is the identity (the transport).
-                "send": [[["broadcast_input", n], ["broadcast_output", n]] for n in sends],
-                "client": part("client_work"),
-                "aggregations": aggregations,
-            },
-            {"kind": "server", "part": part("server_result")},
-        ],
+        "steps": steps,
     }
     return doc, artifacts
 
@@ -149,13 +192,13 @@ clientapp = "{APP_PACKAGE}.client_app:app"
 """
 
 
-def write_app(plan, directory, *, inputs: list | None = None) -> pathlib.Path:
-    """Writes the Flower app of ``plan`` to ``directory`` atomically (see the module doc).
+def write_app(module, directory, *, inputs: list | None = None) -> pathlib.Path:
+    """Writes the Flower app of ``module`` to ``directory`` atomically (see the module doc).
 
     ``inputs``: the server's initial inputs (server leaves, in leaf order), embedded
     as ``inputs.json``; without them the run config ``inputs=FILE`` must name them.
     """
-    doc, artifacts = build_plan(plan)
+    doc, artifacts = build_plan(module)
     if inputs is not None:
         specs = doc["server_inputs"]
         if len(inputs) != len(specs):

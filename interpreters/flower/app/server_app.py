@@ -158,6 +158,7 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
     replies = [out for _, out in sorted(replies, key=lambda r: r[0])]
     silent = len(nodes) - len(replies) - len(errors)
     stats["sampled"] += len(nodes)
+    stats["exchanges"] += 1
     stats["replied"] += len(replies)
     for e in errors:
         print(f"[fcir] round {rnd}: client failed, left out: {e}", flush=True)
@@ -168,7 +169,7 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
             f"min-clients={cfg.min_clients}: {why.strip('; ')}"
         )
     for name, value in runtime.aggregate(step["aggregations"], replies).items():
-        env[("aggregated", name)] = value
+        env[(step.get("aggregated", "aggregated"), name)] = value
 
 
 def run_round(grid, cfg: Config, plan: dict, inputs: list, rnd: int, stats: dict) -> list:
@@ -238,16 +239,18 @@ def main(grid, context) -> None:
             inputs = restored
             print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
     for rnd in range(done + 1, cfg.rounds + 1):
-        stats = dict.fromkeys(("sent", "received", "sampled", "replied"), 0)
+        stats = dict.fromkeys(("sent", "received", "sampled", "replied", "exchanges"), 0)
         start = time.perf_counter()
         outputs = run_round(grid, cfg, plan, inputs, rnd, stats)
         inputs = list(inputs)
         for i, o in cfg.state.items():
             inputs[i] = outputs[o]
         metrics = " ".join(f"arr_{o}={_metric(outputs[o])}" for o in cfg.metrics)
+        who = f"{stats['replied']}/{stats['sampled']} clients replied"
+        if stats["exchanges"] > 1:
+            who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
         print(
-            f"[fcir] round {rnd}/{cfg.rounds}: {stats['replied']}/{stats['sampled']} clients "
-            f"replied, sent {stats['sent']} B, received {stats['received']} B, "
+            f"[fcir] round {rnd}/{cfg.rounds}: {who}, sent {stats['sent']} B, received {stats['received']} B, "
             f"{time.perf_counter() - start:.1f} s {metrics}".rstrip(),
             flush=True,
         )
