@@ -174,6 +174,8 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
 
 def run_round(grid, cfg: Config, plan: dict, inputs: list, rnd: int, stats: dict) -> list:
     env = {("arg", str(s["leaf"])): x for s, x in zip(plan["server_inputs"], inputs)}
+    later = [s["part"]["artifact"] for s in plan["steps"][1:] if s["kind"] == "server"]
+    runtime.precompile(later)
     for i, step in enumerate(plan["steps"]):
         if step["kind"] == "server":
             runtime.call(step["part"], env)
