@@ -53,7 +53,6 @@ RUN_CONFIG = {
     "clients": 0,
     "min-clients": 1,
     "timeout": 600.0,
-    "secure-sum": "server",
 }
 
 
