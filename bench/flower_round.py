@@ -28,6 +28,7 @@ import os
 import pathlib
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -97,11 +98,11 @@ def main() -> int:
                 samples[name].append({"wall_s": wall, "round_s": rnd})
                 print(f"rep {k}: {name} wall {wall:.1f} s, round {rnd} s", flush=True)
 
-    fcir_out = np.load(work / "fcir.npz")
-    hand_out = np.load(work / "hand.npz")
-    max_diff = max(
-        float(np.max(np.abs(fcir_out[k] - hand_out[k]))) for k in fcir_out.files
-    )
+    with np.load(work / "fcir.npz") as fcir_out, np.load(work / "hand.npz") as hand_out:
+        max_diff = max(
+            float(np.max(np.abs(fcir_out[k] - hand_out[k]))) for k in fcir_out.files
+        )
+    shutil.rmtree(work, ignore_errors=True)
     ratios = [f["wall_s"] / h["wall_s"] for f, h in zip(samples["fcir"], samples["hand"])]
     round_ratios = [
         f["round_s"] / h["round_s"]
