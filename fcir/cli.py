@@ -309,6 +309,9 @@ def _register_plugins(sub) -> None:
         production_cli = None
     if production_cli is not None:
         production_cli.register(sub)
+    from fcir.interpreters.flower import cli as flower_cli  # imports flwr only when run
+
+    flower_cli.register(sub)
     try:
         from fcir.checkpoint import inspect as ckpt_inspect
     except ImportError:
