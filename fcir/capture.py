@@ -146,6 +146,21 @@ def _placements(fn, jaxpr: core.Jaxpr) -> list[tuple[str, int]]:
     return [(p, n) for p, (_, n) in by_depth]
 
 
+def _check_cardinality(eqn, declared: int) -> None:
+    """A module has one cardinality per placement, which every backend runs each fed op
+    with; a fed op traced with another (a program calling a program declared with other
+    cardinalities) would compute other numbers than jax.jit does, so it is refused."""
+    n = eqn.params["n"]
+    if n != declared:
+        p = eqn.params["placement"]
+        raise PlacementError(
+            f"{FED_OP_NAMES[eqn.primitive.name]}: traced with '{p}' of cardinality {n}, but "
+            f"the captured program declares {p}:{declared}; a module has one cardinality "
+            f"per placement: declare the programs it calls with placements={{'{p}': "
+            f"{declared}}} (or capture the called program on its own)"
+        )
+
+
 def _contains_federated(jx: core.Jaxpr) -> bool:
     for eqn in jx.eqns:
         if eqn.primitive.name in FED_OP_NAMES:
@@ -180,6 +195,7 @@ class _Converter:
                 f"'{here}', but the placement below '{here}' is "
                 f"{self.names[level + 1] if level + 1 < len(self.names) else 'none'!r}"
             )
+        _check_cardinality(eqn, self.sizes[p])
         return p
 
     def param_types(self, jx: core.Jaxpr, level: int) -> list[Type]:
