@@ -18,8 +18,8 @@ from jax._src import core, source_info_util
 
 from fcir import attrs as A
 from fcir import primitives as P
-from fcir.errors import FcirError, PlacementError, UnsupportedError
-from fcir.ir import Func, Module, Op, Region, Value
+from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
+from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
 from fcir.types import SERVER, PlacedType, TensorType, Type, structure_of, tensor_of
 
 # Primitives applied elementwise: on values placed at one placement they stay
@@ -78,6 +78,11 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
                       **kwargs) -> Module:
     """Like :func:`capture` but returns the Module even when it does not check, so that
     ``fcir check`` can report every problem with its op."""
+    if name is not None and not is_name(name):
+        raise IRTypeError(
+            f"capture(name={name!r}): a module name is an ASCII identifier "
+            f"([A-Za-z_][A-Za-z0-9_]*), e.g. {sanitize_name(name)!r}"
+        )
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     _, in_tree = jax.tree_util.tree_flatten((args, kwargs) if kwargs else args)
     _, out_tree = jax.tree_util.tree_flatten(out_shape)
@@ -107,7 +112,7 @@ def _name_of(fn) -> str:
     while isinstance(fn, functools.partial):
         fn = fn.func
     name = getattr(fn, "__name__", None) or type(fn).__name__
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "program"
+    return sanitize_name(name) if isinstance(name, str) and name else "program"
 
 
 def _placements(fn, jaxpr: core.Jaxpr) -> list[tuple[str, int]]:

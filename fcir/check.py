@@ -14,6 +14,7 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
 * ``local/C3``: no collective over a placement axis inside a region.
 * ``region/C1``: ops in a region use only values defined earlier in that region
   (regions are isolated from above); ``region/C2``: each value is defined once.
+* ``module/C5``: module, func and placement names are ASCII identifiers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dataclasses
 
 from fcir.capture import ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError
-from fcir.ir import Module, Op, Region, describe, value_numbering
+from fcir.ir import Module, Op, Region, describe, is_name, value_numbering
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
 
@@ -63,6 +64,13 @@ class _Checker:
             if not isinstance(n, int) or n < 1:
                 self.report("module/C2", f"module/C2: cardinality of '{p}' must be positive",
                             (), None, True)
+        named = [("module", m.name), *(("placement", p) for p in names),
+                 *(("func", f.name) for f in m.funcs)]
+        for what, name in named:
+            if not is_name(name):
+                self.report("module/C5", f"module/C5: {what} name {name!r} must be an ASCII "
+                            "identifier ([A-Za-z_][A-Za-z0-9_]*) to print and parse", (), None,
+                            False)
         try:
             main = m.main
         except IRTypeError as e:

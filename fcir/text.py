@@ -31,7 +31,18 @@ import numpy as np
 
 from fcir import attrs as A
 from fcir.errors import ParseError
-from fcir.ir import IR_VERSION, Func, Module, Op, Region, Value, check_structure, value_numbering
+from fcir.ir import (
+    IR_VERSION,
+    Func,
+    Module,
+    Op,
+    Region,
+    Value,
+    check_names,
+    check_structure,
+    is_name,
+    value_numbering,
+)
 from fcir.types import SERVER, PlacedType, Structure, TensorType, Type
 
 INLINE_LIMIT = 16
@@ -131,6 +142,7 @@ class _Printer:
 
     def run(self) -> str:
         m = self.module
+        check_names(m)
         places = ", ".join(f"{p}:{n}" for p, n in m.placements)
         self.lines.append(
             f"fcir.module @{m.name} ir_version={m.ir_version} placements=[{places}]"
@@ -312,19 +324,22 @@ class _Parser:
             raise self.error("integer out of range (every integer in the IR fits 64 bits)", tok)
         return int(text)
 
-    def identifier(self, kind: str, what: str) -> str:
+    def identifier(self, kind: str, what: str, ir_name: bool = False) -> str:
         """A name token that must also be a Python identifier (as the protobuf reader
-        requires), without its ``@`` sigil."""
+        requires), without its ``@`` sigil; module, func and placement names
+        (``ir_name``) must be ASCII identifiers (``fcir.ir.is_name``)."""
         t = self.expect_kind(kind, what)
         name = t[1][1:] if kind == "sym" else t[1]
-        if not name.isidentifier():
-            raise self.error(f"expected {what} that is an identifier", t)
+        if not (is_name(name) if ir_name else name.isidentifier()):
+            raise self.error(
+                f"expected {what} that is {'an ASCII' if ir_name else 'an'} identifier", t
+            )
         return name
 
     # -- module --
     def module(self) -> Module:
         self.expect("fcir.module")
-        name = self.identifier("sym", "@module_name")
+        name = self.identifier("sym", "@module_name", ir_name=True)
         self.expect("ir_version")
         self.expect("=")
         version = self.integer()
@@ -344,7 +359,7 @@ class _Parser:
         while not self.accept("]"):
             if placements:
                 self.expect(",")
-            p = self.identifier("ident", "a placement name")
+            p = self.identifier("ident", "a placement name", ir_name=True)
             self.expect(":")
             n = self.integer()
             if not 1 <= n < _INT64:
@@ -365,7 +380,7 @@ class _Parser:
 
     def func(self) -> Func:
         self.expect("func")
-        name = self.identifier("sym", "@func_name")
+        name = self.identifier("sym", "@func_name", ir_name=True)
         self.env: dict[str, Value] = {}
         self.expect("(")
         params = self.params(")")

@@ -458,6 +458,14 @@ CASES = [
         "undeclared placement",
         PlacementError,
     ),
+    Case(
+        "module",
+        "C5",
+        "flat",
+        lambda m: setattr(m, "name", "my round\nfunc"),
+        "module name that would not parse",
+        IRTypeError,
+    ),
     # unknown ops
     Case(
         "fed",

@@ -25,7 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fcir
-from fcir.errors import FcirError, ParseError, PlacementError
+from fcir._proto import module_pb2 as pb
+from fcir.capture import _name_of
+from fcir.check import verify
+from fcir.errors import FcirError, IRTypeError, ParseError, PlacementError
+from fcir.ir import is_name
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 
@@ -126,6 +130,86 @@ def test_int32_full_width_secure_sum_is_minus_2_to_the_30():
 
     x = np.full((3, 2), 1 << 30, np.int32)
     np.testing.assert_array_equal(reference.run(fcir.capture(s, x), x), [-(1 << 30)] * 2)
+
+
+# --- defect 7: names print and parse -----------------------------------------------------
+
+
+def test_module_names_that_would_not_parse_are_refused_at_capture():
+    x = jnp.ones((3, 4))
+    for name in ["my round", "héllo", "x\nfcir.module @y ir_version=1 placements=[clients:5]"]:
+        with pytest.raises(IRTypeError, match="ASCII identifier"):
+            fcir.capture(_same, x[:, :2], name=name)
+
+
+def test_a_function_name_is_made_a_name():
+    def médian_round(x):
+        return fcir.reduce_mean(x)
+
+    m = fcir.capture(fcir.program(placements={"clients": 3})(médian_round), jnp.ones((3, 2)))
+    assert m.name == "m_dian_round"
+    _round_trips(m)
+
+
+def test_newline_in_a_name_cannot_inject_placements():
+    m = fcir.parse(SUM)
+    m.name = "x ir_version=1 placements=[clients:5]\nfunc"
+    with pytest.raises(IRTypeError, match="module name"):
+        m.to_text()
+    with pytest.raises(IRTypeError, match="module name"):
+        m.serialize()
+    assert [d.code for d in verify(m)] == ["module/C5"]
+
+
+def test_non_ascii_names_are_parse_errors_in_text_and_protobuf():
+    with pytest.raises(ParseError, match="ASCII identifier"):
+        fcir.parse(SUM.replace("@p ", "@pé "))
+    with pytest.raises(ParseError, match="ASCII identifier"):
+        fcir.parse(SUM.replace("clients", "clientsé"))
+    msg = pb.Module()
+    msg.ParseFromString(fcir.parse(SUM).serialize())
+    msg.name = "pé"
+    with pytest.raises(ParseError, match="not an identifier"):
+        fcir.Module.deserialize(msg.SerializeToString())
+
+
+@FUZZ
+@given(st.text(max_size=12))
+def test_any_module_name_round_trips_or_is_refused(name):
+    m = fcir.parse(SUM)
+    m.name = name
+    if is_name(name):
+        _round_trips(m)
+        assert fcir.parse(m.to_text()).name == name
+        assert fcir.Module.deserialize(m.serialize()).name == name
+    else:
+        with pytest.raises(IRTypeError):
+            m.to_text()
+        with pytest.raises(IRTypeError):
+            m.serialize()
+        assert "module/C5" in [d.code for d in verify(m)]
+
+
+@FUZZ
+@given(st.text(max_size=12))
+def test_any_placement_name_round_trips_or_is_refused(name):
+    try:
+        fcir.program(placements={name: 2})
+    except PlacementError:
+        assert not is_name(name) or name == "server"
+        return
+    text = SUM.replace("clients", name)
+    assert fcir.parse(text).to_text() == fcir.parse(fcir.parse(text).to_text()).to_text()
+
+
+@FUZZ
+@given(st.text(max_size=12))
+def test_any_function_name_becomes_a_name(name):
+    def f():
+        pass
+
+    f.__name__ = name
+    assert is_name(_name_of(f))
 
 
 # --- defect 10: hostile integers in text are ParseErrors ---------------------------------
