@@ -15,12 +15,17 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
 * ``region/C1``: ops in a region use only values defined earlier in that region
   (regions are isolated from above); ``region/C2``: each value is defined once.
 * ``module/C5``: module, func and placement names are ASCII identifiers.
+
+Local ops' result types and attributes, and the size of every value, are checked by
+``fcir.check_local`` (its docstring lists those constraints, its tests are in
+tests/test_soundness.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from fcir import check_local
 from fcir.capture import ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError
 from fcir.ir import Module, Op, Region, describe, is_name, value_numbering
@@ -44,6 +49,7 @@ class _Checker:
         self.module = module
         self.diags: list[Diagnostic] = []
         self.names = None
+        self.types = check_local.Types(module.placements)
 
     def report(self, code, message, path, op, placement):
         if op is None:
@@ -78,6 +84,7 @@ class _Checker:
             return self.diags
         for v in main.body.params + main.body.results:
             self.check_type_placements(v.type, (), None)
+        self.check_sizes(main.body.params, (), None)
         self.region(main.body, Context(m.placements, -1), (), set())
         return self.diags
 
@@ -115,9 +122,17 @@ class _Checker:
                 self.report("region/C1", "region/C1: yielded value is not defined in this "
                             "region", path, None, False)
 
+    def check_sizes(self, values, path, op) -> None:
+        for v in values:
+            problem = self.types.size_problem(v.type)
+            if problem is not None:
+                self.report("value/C1", problem, path, op, False)
+                return
+
     def op(self, op: Op, ctx: Context, path: tuple) -> None:
         for v in op.results:
             self.check_type_placements(v.type, path, op)
+        self.check_sizes(op.results, path, op)
         rule = FED_OPS.get(op.name)
         if rule is not None:
             try:
@@ -136,7 +151,12 @@ class _Checker:
             self.report("op/C0", f"op/C0: unknown op {op.name}: ops are fed.*, jax.* or "
                         "fcir.constant", path, op, False)
             return
+        before = len(self.diags)
         self.local(op, ctx, path)
+        if len(self.diags) == before:  # placement holds: now the types (fcir.check_local)
+            problem = check_local.result_types_problem(self.types, op)
+            if problem is not None:
+                self.report(problem[0], problem[1], path, op, False)
         for r, sub in enumerate(op.regions):
             self.region(sub, ctx, (*path, r), set())
 

@@ -15,6 +15,7 @@ values replicated. Inside the program the layout is the constraints' and XLA's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fcir.check import check
-from fcir.errors import InterpreterError, PlacementError
+from fcir.errors import FcirError, InterpreterError, PlacementError
 from fcir.ir import Module
 from fcir.types import PlacedType, Type, dtype_name, runtime_type
 
@@ -147,7 +148,9 @@ class Executable:
 
     def __call__(self, *args):
         leaves = self._flat_args(args, abstract_ok=False)
-        out = self._compile(leaves)(*leaves)
+        compiled = self._compile(leaves)
+        with _xla_errors(self.module, "run"):
+            out = compiled(*leaves)
         return out if self._rebuild is None else self._rebuild.unflatten(list(out))
 
     def lower(self, *args) -> jax.stages.Lowered:
@@ -164,7 +167,7 @@ class Executable:
         key = _signature(leaves)
         lowered = self._lowered.get(key)
         if lowered is None:
-            with _mesh_context(self.mesh):
+            with _xla_errors(self.module, "lower"), _mesh_context(self.mesh):
                 lowered = self._lowered[key] = self._jitted.lower(*leaves)
         return lowered
 
@@ -172,7 +175,9 @@ class Executable:
         key = _signature(leaves)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = self._lower(leaves).compile()
+            lowered = self._lower(leaves)
+            with _xla_errors(self.module, "compile"):
+                compiled = self._compiled[key] = lowered.compile()
         return compiled
 
     # -- inspecting -----------------------------------------------------------------------
@@ -229,6 +234,24 @@ def _signature(leaves) -> tuple:
         )
         for x in leaves
     )
+
+
+@contextlib.contextmanager
+def _xla_errors(module: Module, step: str):
+    """Turns what JAX or XLA raises while lowering, compiling or running a checked module
+    (a lowering rule refusing an attribute, memory exhausted) into an InterpreterError
+    that names the program; errors the interpreter raised while tracing an op already
+    name that op and pass through."""
+    try:
+        yield
+    except FcirError:
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        raise InterpreterError(
+            f"@{module.name}: XLA could not {step} the program: {type(e).__name__}: "
+            f"{text[:2000]}"
+        ) from e
 
 
 class _NoMesh:
