@@ -42,6 +42,7 @@ from jax._src import core
 from fcir import attrs as A
 from fcir.errors import FcirError
 from fcir.ir import Op, Region
+from fcir.ops import COLLECTIVES
 from fcir.types import SERVER, PlacedType, TensorType, Type, dtype_from_name
 
 CONSTRAINTS = {
@@ -178,6 +179,8 @@ def result_types_problem(types: Types, op: Op) -> tuple[str, str] | None:
     if cached[0] == "err":
         return cached[1], cached[2]
     derived = cached[1]
+    if derived is None:
+        return None
     declared = [runtime(v.type) for v in op.results]
     if declared == derived:
         return None
@@ -260,8 +263,9 @@ def _stub(sig, closed: bool):
     return core.ClosedJaxpr(jaxpr, []) if closed else jaxpr
 
 
-def _derive(op: Op, operand_types, region_sigs) -> list:
-    """The result types the primitive gives: a list of (dtype, shape)."""
+def _derive(op: Op, operand_types, region_sigs) -> list | None:
+    """The result types the primitive gives: a list of (dtype, shape), or None where
+    they cannot be derived from the op alone."""
     from fcir.interpreter import jax_primitive
 
     name = op.name.removeprefix("jax.")
@@ -293,6 +297,12 @@ def _derive(op: Op, operand_types, region_sigs) -> list:
             )
     if name in _LAYOUT:
         return list(operand_types)
+    if name in COLLECTIVES or name == "shard_map":
+        # A collective's type depends on the sizes of the named axes it reduces over,
+        # which only the enclosing shard_map's mesh binds (over a placement axis it is
+        # local/C3 already), and shard_map's region is typed per shard (manual axes,
+        # varying values): neither is derived from the op alone.
+        return None
     if name in _CALLS and (len(region_sigs) != 1 or region_sigs[0][0] != operand_types):
         takes = ", ".join(_fmt(t) for t in region_sigs[0][0]) if region_sigs else "no region"
         raise _Failure(
@@ -308,7 +318,8 @@ def _derive(op: Op, operand_types, region_sigs) -> list:
         ):
             if rule is None:
                 raise _Failure("local/C5", f"local/C5: jax.{name} has no abstract evaluation")
-            out, _ = rule(None, *avals, **params)
+            # Typecheck rules take atoms (they read .aval), not avals.
+            out, _ = rule(None, *[core.Var(a) for a in avals], **params)
         else:
             out, _ = prim.abstract_eval(*avals, **params)
     except _Failure:
@@ -417,8 +428,10 @@ _PARAM_CHECKS = {
         ("num_carry", "num_consts", "length", "axis", "dimension", "bit_width",
          "cond_nconsts", "body_nconsts"), _INT),
     "unroll": (lambda v, ops, res: isinstance(v, (bool, int)), "an integer or a bool"),
+    "axes": (lambda v, ops, res: isinstance(v, tuple) and all(
+        _is_int(a) or isinstance(a, str) for a in v), "a list of axes (integers or names)"),
     **dict.fromkeys(
-        ("axes", "broadcast_dimensions", "shape", "new_sizes", "permutation",
+        ("broadcast_dimensions", "shape", "new_sizes", "permutation",
          "limit_indices", "start_indices", "slice_sizes", "sizes"), _INTS),
     **dict.fromkeys(("strides", "dimensions"), _INTS_OR_NONE),
     "linear": (lambda v, ops, res: isinstance(v, tuple) and all(

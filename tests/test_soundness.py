@@ -509,3 +509,20 @@ def test_op_without_operands_before_a_definition_round_trips():
     text = m.to_text()
     assert "jax.reduce_sum\n" in text
     assert fcir.parse(text).to_text() == text
+
+
+def test_collectives_in_a_shard_map_are_not_false_positives():
+    """A collective's type needs its axis sizes, bound only by the enclosing shard_map's
+    mesh: check leaves them (and shard_map's per-shard region) underived."""
+    text = """\
+fcir.module @sm ir_version=1 placements=[]
+func @main(%0: f32[4]@server) -> (f32[4]@server) {
+  %1: f32[4]@server = jax.shard_map %0 {check_vma=true, in_specs=[#PartitionSpec<spec=["i"]>], jaxpr=^0:open, mesh=#AbstractMesh<axis_names=["i"], axis_sizes=[1], axis_types=[#AxisType.Explicit]>, newly_manual_axes=["i"], out_specs=[#PartitionSpec<spec=[]>]} {
+    ^r0(%2: f32[4]@server):
+      %3: f32[4]@server = jax.psum_invariant %2 {axes=["i"]}
+      yield %3
+  }
+  return %1
+}
+"""
+    assert verify(fcir.parse(text)) == []
