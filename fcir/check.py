@@ -16,6 +16,11 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
   ``psum[axes=(0,)]``) or another named axis is local computation and is allowed.
 * ``region/C1``: ops in a region use only values defined earlier in that region
   (regions are isolated from above); ``region/C2``: each value is defined once.
+* ``module/C5``: module, func and placement names are ASCII identifiers.
+
+Local ops' result types and attributes, and the size of every value, are checked by
+``fcir.check_local`` (its docstring lists those constraints, its tests are in
+tests/test_soundness.py).
 
 A private module (``@fcir.program(..., private=True)``) also gets the leak check of
 ``fcir.privacy`` (``privacy/C1``-``C3``, raised as PrivacyError).
@@ -25,9 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from fcir import check_local
 from fcir.capture import ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError, PrivacyError
-from fcir.ir import Module, Op, Region, describe, value_numbering
+from fcir.ir import Module, Op, Region, describe, is_name, value_numbering
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
 
@@ -48,6 +54,7 @@ class _Checker:
         self.module = module
         self.diags: list[Diagnostic] = []
         self.names = None
+        self.types = check_local.Types(module.placements)
 
     def report(self, code, message, path, op, placement):
         if op is None:
@@ -68,6 +75,13 @@ class _Checker:
             if not isinstance(n, int) or n < 1:
                 self.report("module/C2", f"module/C2: cardinality of '{p}' must be positive",
                             (), None, True)
+        named = [("module", m.name), *(("placement", p) for p in names),
+                 *(("func", f.name) for f in m.funcs)]
+        for what, name in named:
+            if not is_name(name):
+                self.report("module/C5", f"module/C5: {what} name {name!r} must be an ASCII "
+                            "identifier ([A-Za-z_][A-Za-z0-9_]*) to print and parse", (), None,
+                            False)
         try:
             main = m.main
         except IRTypeError as e:
@@ -75,6 +89,7 @@ class _Checker:
             return self.diags
         for v in main.body.params + main.body.results:
             self.check_type_placements(v.type, (), None)
+        self.check_sizes(main.body.params, (), None)
         self.region(main.body, Context(m.placements, -1), (), set())
         if m.private and not self.diags:  # the leak check needs a well-formed module
             from fcir.privacy import leaks
@@ -117,9 +132,17 @@ class _Checker:
                 self.report("region/C1", "region/C1: yielded value is not defined in this "
                             "region", path, None, False)
 
+    def check_sizes(self, values, path, op) -> None:
+        for v in values:
+            problem = self.types.size_problem(v.type)
+            if problem is not None:
+                self.report("value/C1", problem, path, op, False)
+                return
+
     def op(self, op: Op, ctx: Context, path: tuple) -> None:
         for v in op.results:
             self.check_type_placements(v.type, path, op)
+        self.check_sizes(op.results, path, op)
         rule = FED_OPS.get(op.name)
         if rule is not None:
             try:
@@ -138,7 +161,12 @@ class _Checker:
             self.report("op/C0", f"op/C0: unknown op {op.name}: ops are fed.*, jax.* or "
                         "fcir.constant", path, op, False)
             return
+        before = len(self.diags)
         self.local(op, ctx, path)
+        if len(self.diags) == before:  # placement holds: now the types (fcir.check_local)
+            problem = check_local.result_types_problem(self.types, op)
+            if problem is not None:
+                self.report(problem[0], problem[1], path, op, False)
         for r, sub in enumerate(op.regions):
             self.region(sub, ctx, (*path, r), set())
 

@@ -31,13 +31,25 @@ import numpy as np
 
 from fcir import attrs as A
 from fcir.errors import ParseError
-from fcir.ir import IR_VERSION, Func, Module, Op, Region, Value, check_structure, value_numbering
+from fcir.ir import (
+    IR_VERSION,
+    Func,
+    Module,
+    Op,
+    Region,
+    Value,
+    check_names,
+    check_structure,
+    is_name,
+    value_numbering,
+)
 from fcir.types import SERVER, PlacedType, Structure, TensorType, Type
 
 INLINE_LIMIT = 16
 _DIGEST_CHARS = 16
 _MAX_NESTING = 100  # types, attributes, structures and regions; deeper input is rejected
 _INT64 = 1 << 63
+_MAX_INT_DIGITS = 40  # a 64-bit integer has at most 20 digits; leave room for leading zeros
 
 
 # --- printing -------------------------------------------------------------------------------
@@ -130,6 +142,7 @@ class _Printer:
 
     def run(self) -> str:
         m = self.module
+        check_names(m)
         places = ", ".join(f"{p}:{n}" for p, n in m.placements)
         self.lines.append(
             f"fcir.module @{m.name} ir_version={m.ir_version} placements=[{places}]"
@@ -271,6 +284,8 @@ class _Parser:
     def error(self, msg: str, tok: _Tok | None = None) -> ParseError:
         tok = tok or self.tok
         got = tok[1] or "end of input"
+        if len(got) > 60:  # a 5000-digit number or a long string: its start says enough
+            got = got[:57] + "..."
         line, col = _line_col(self.text, tok[2])
         return ParseError(f"line {line}, column {col}: {msg} (found {got!r})")
 
@@ -300,21 +315,32 @@ class _Parser:
         t = self.expect_kind("number", "an integer")
         if not re.fullmatch(r"[-+]?\d+", t[1]):
             raise self.error("expected an integer", t)
-        return int(t[1])
+        return self.to_int(t[1], t)
 
-    def identifier(self, kind: str, what: str) -> str:
+    def to_int(self, text: str, tok: _Tok) -> int:
+        """``int(text)`` for a run of digits, refusing more than any 64-bit value has:
+        Python itself refuses strings of over 4300 digits with a ValueError."""
+        digits = text.lstrip("+-")
+        if len(digits) > _MAX_INT_DIGITS or not digits.isdecimal():
+            raise self.error("integer out of range (every integer in the IR fits 64 bits)", tok)
+        return int(text)
+
+    def identifier(self, kind: str, what: str, ir_name: bool = False) -> str:
         """A name token that must also be a Python identifier (as the protobuf reader
-        requires), without its ``@`` sigil."""
+        requires), without its ``@`` sigil; module, func and placement names
+        (``ir_name``) must be ASCII identifiers (``fcir.ir.is_name``)."""
         t = self.expect_kind(kind, what)
         name = t[1][1:] if kind == "sym" else t[1]
-        if not name.isidentifier():
-            raise self.error(f"expected {what} that is an identifier", t)
+        if not (is_name(name) if ir_name else name.isidentifier()):
+            raise self.error(
+                f"expected {what} that is {'an ASCII' if ir_name else 'an'} identifier", t
+            )
         return name
 
     # -- module --
     def module(self) -> Module:
         self.expect("fcir.module")
-        name = self.identifier("sym", "@module_name")
+        name = self.identifier("sym", "@module_name", ir_name=True)
         self.expect("ir_version")
         self.expect("=")
         version = self.integer()
@@ -334,7 +360,7 @@ class _Parser:
         while not self.accept("]"):
             if placements:
                 self.expect(",")
-            p = self.identifier("ident", "a placement name")
+            p = self.identifier("ident", "a placement name", ir_name=True)
             self.expect(":")
             n = self.integer()
             if not 1 <= n < _INT64:
@@ -356,7 +382,7 @@ class _Parser:
 
     def func(self) -> Func:
         self.expect("func")
-        name = self.identifier("sym", "@func_name")
+        name = self.identifier("sym", "@func_name", ir_name=True)
         self.env: dict[str, Value] = {}
         self.expect("(")
         params = self.params(")")
@@ -477,7 +503,7 @@ class _Parser:
         t = self.tok
         if t[0] == "leaf":
             self.next()
-            return Structure("leaf", leaf=int(t[1][1:]))
+            return Structure("leaf", leaf=self.to_int(t[1][1:], t))
         if self.accept("none"):
             return Structure("none")
         self.enter()
@@ -541,7 +567,10 @@ class _Parser:
         name_tok = self.expect_kind("ident", "an op name")
         if "." not in name_tok[1]:
             raise self.error("op names are namespaced, e.g. fed.map or jax.add", name_tok)
-        operands = self.uses()
+        # An op without operands may be followed by the next op's "%N: type =": newlines
+        # are plain whitespace, so a value followed by ':' is a definition, not an operand.
+        no_operands = self.tok[0] == "value" and self.peek()[1] == ":"
+        operands = [] if no_operands else self.uses()
         attrs = {}
         if self.tok[1] == "{" and self.peek()[0] != "region":
             self.next()
@@ -599,7 +628,7 @@ class _Parser:
         if t[0] == "number":
             self.next()
             if re.fullmatch(r"[-+]?\d+", t[1]):
-                v = int(t[1])
+                v = self.to_int(t[1], t)
                 if not -_INT64 <= v < _INT64:
                     raise self.error("integer attributes must fit in 64 bits", t)
                 return v
@@ -608,7 +637,9 @@ class _Parser:
             return self.string()
         if t[0] == "region":
             self.next()
-            if not t[1][1:].isdigit() or int(t[1][1:]) >= 1 << 32:
+            if not (t[1][1:].isascii() and t[1][1:].isdigit()) or self.to_int(
+                t[1][1:], t
+            ) >= 1 << 32:
                 raise self.error("expected a region reference ^N", t)
             closed = True
             if self.tok[1] == ":" and self.peek()[1] == "open":
@@ -725,7 +756,7 @@ class _Parser:
         t = self.next()
         if t[0] == "number":
             if re.fullmatch(r"[-+]?\d+", t[1]):
-                return int(t[1])
+                return self.to_int(t[1], t)
             return float(t[1])
         if t[1] in ("true", "false"):
             return t[1] == "true"

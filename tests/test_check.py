@@ -281,8 +281,21 @@ def _rename_main(m):
 
 
 def _broadcast_other_shape(m):
-    retype(op_named(m, BC).results[0], placed(t("f32", 3), all_equal=True))
-    retype(map_region(m).params[0], t("f32", 3))
+    """The broadcast's result (and everything computed from it) is f32[3] instead of
+    f32[2]: only the broadcast's own rule is broken, every op after it still types."""
+    op = op_named(m, BC)
+    keep = op.operands[0]
+
+    def widen(ty):
+        if isinstance(ty, PlacedType):
+            return dataclasses.replace(ty, member=widen(ty.member))
+        return t("f32", 3) if ty == t("f32", 2) else ty
+
+    values = {id(v): v for _, o in walk(m.main.body) for v in o.results}
+    values.update({id(v): v for _, o in walk(m.main.body) for r in o.regions for v in r.params})
+    for v in values.values():
+        if v is not keep:
+            retype(v, widen(v.type))
 
 
 def _yield_other_value(m):
@@ -457,6 +470,14 @@ CASES = [
         _undeclared_placement_param,
         "undeclared placement",
         PlacementError,
+    ),
+    Case(
+        "module",
+        "C5",
+        "flat",
+        lambda m: setattr(m, "name", "my round\nfunc"),
+        "module name that would not parse",
+        IRTypeError,
     ),
     # unknown ops
     Case(

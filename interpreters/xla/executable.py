@@ -29,6 +29,7 @@ argument signature (:func:`trace_count`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Sequence
@@ -206,9 +207,10 @@ class Executable:
         raised again when the checks pass and no argument needed moving."""
         leaves = self._flat_args(args, abstract_ok=False)
         if error is not None and all(a is b for a, b in zip(leaves, jax.tree.leaves(args))):
-            raise error
+            with _xla_errors(self.module, "run"):
+                raise error
         laid_out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), leaves)
-        with _mesh_context(self.mesh if self._context else None):
+        with _xla_errors(self.module, "run"), _mesh_context(self.mesh if self._context else None):
             out = self._jitted(*laid_out)
         return out if self._rebuild is None else self._rebuild.unflatten(list(out))
 
@@ -235,7 +237,9 @@ class Executable:
         lowered = self._lowered.get(key)
         if lowered is None:
             args = leaves if treedef is None else jax.tree_util.tree_unflatten(treedef, leaves)
-            with _mesh_context(self.mesh if self._context else None):
+            with _xla_errors(self.module, "lower"), _mesh_context(
+                self.mesh if self._context else None
+            ):
                 lowered = self._lowered[key] = self._jitted.lower(*args)
         return lowered
 
@@ -243,7 +247,9 @@ class Executable:
         key = _signature(leaves)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = self._lower(leaves, treedef).compile()
+            lowered = self._lower(leaves, treedef)
+            with _xla_errors(self.module, "compile"):
+                compiled = self._compiled[key] = lowered.compile()
         return compiled
 
     # -- inspecting -----------------------------------------------------------------------
@@ -387,6 +393,24 @@ def _signature(leaves) -> tuple:
         )
         for x in leaves
     )
+
+
+@contextlib.contextmanager
+def _xla_errors(module: Module, step: str):
+    """Turns what JAX or XLA raises while lowering, compiling or running a checked module
+    (a lowering rule refusing an attribute, memory exhausted) into an InterpreterError
+    that names the program; errors the interpreter raised while tracing an op already
+    name that op and pass through."""
+    try:
+        yield
+    except FcirError:
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        raise InterpreterError(
+            f"@{module.name}: XLA could not {step} the program: {type(e).__name__}: "
+            f"{text[:2000]}"
+        ) from e
 
 
 class _NoMesh:
