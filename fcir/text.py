@@ -256,15 +256,17 @@ _Tok = tuple
 _FAST_TYPE = r"\{?(?:key<\w+>|[A-Za-z_]\w*)\[[0-9,]*\]\}?(?:@[A-Za-z_]\w*!?)?"
 _FAST_RESULT = re.compile(rf"(%\d+): ({_FAST_TYPE})")
 _FAST_OP = re.compile(
-    r"[ \t\r\n]*"
+    # Possessive quantifiers (*+, ++): a line that does not match fails without
+    # backtracking, and runs of plain characters are taken in one step.
+    r"[ \t\r\n]*+"
     # groups: 1 first result, 2 its type, 3 more results, 4 op name, 5 operands, 6 attrs
-    rf"(?:(%\d+): ({_FAST_TYPE})((?:, %\d+: {_FAST_TYPE})*) = )?"
-    r"([A-Za-z_][\w.]*(?:-\w[\w.]*)*)"
-    r"(?: (%\d+(?:, %\d+)*))?"
-    r'(?: (\{[A-Za-z_](?:[^{}"\n]|"(?:[^"\\\n]|\\.)*")*\}))?'
+    rf"(?:(%\d+): ({_FAST_TYPE})((?:, %\d+: {_FAST_TYPE})*+) = )?"
+    r"([A-Za-z_][\w.]*+(?:-\w[\w.]*+)*+)"
+    r"(?: (%\d+(?:, %\d+)*+))?"
+    r'(?: (\{[A-Za-z_](?:[^{}"\n]++|"(?:[^"\\\n]++|\\.)*+")*+\}))?'
     # The op ends at the line's end, and what follows starts the next op (or return,
     # yield): not a region, attribute dict or location continuing it on the next line.
-    r"[ \t\r]*\n[ \t\r\n]*(?=%|[A-Za-z_])(?!loc[ \t\r\n]*\()"
+    r"[ \t\r]*+\n[ \t\r\n]*+(?=%|[A-Za-z_])(?!loc[ \t\r\n]*\()"
 )
 # Cached types and attribute dicts were read with this many nesting levels to spare, so
 # the fast path runs only where that many are left under _MAX_NESTING.
@@ -655,7 +657,7 @@ class _Parser:
                 v = env[n] = Value(t)
                 results.append(v)
         self.toks, self.i, self.pos = [], 0, m.end()
-        return Op(name, operands, results, attrs)
+        return Op(name, operands, results, attrs, [], "")
 
     def learn_types(self, m: re.Match, type_text: str):
         """Parses and caches ``type_text``, a result type of the op line ``m``."""
