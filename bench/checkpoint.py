@@ -11,8 +11,8 @@ raw sample, the versions and the core count to bench/results/checkpoint-*.json.
 
 Restores onto the saved sharding are also compared with the restore *limit*: the same
 stored bytes read with plain `os.pread`, 1 MiB at a time on as many threads as fcir
-uses, into one 64-byte aligned numpy buffer per array, then `jax.device_put` onto the
-same sharding; no checksums, no planning. Each restore runs warm (right after the saves,
+uses, into one 64-byte aligned numpy buffer per device block, then `jax.device_put`
+onto the devices of the same sharding; no checksums, no planning. Each restore runs warm (right after the saves,
 from the page cache) and cold: before a cold one the checkpoint's files are dropped
 from the page cache with posix_fadvise(POSIX_FADV_DONTNEED) per file (clean pages: the
 saves were synced), which needs no privilege and touches no one else's cache. Whether
@@ -235,11 +235,14 @@ LIMIT_READ_BYTES = 2**20
 
 
 def limit_restore(path: pathlib.Path, target: dict[str, Any]) -> dict[str, Any]:
-    """The restore limit: each array's stored shards read with plain preads into one
-    aligned buffer per array, then jax.device_put onto the target's sharding.
+    """The restore limit: for each device block of the target sharding, the stored shard
+    with the same index range read with plain preads into an aligned buffer of its own;
+    then jax.device_put of the blocks onto their devices, assembled into the sharding.
 
-    Only the layout (a few KiB) is read through fcir, for the shards' offsets. Stored
-    shards must be blocks of leading-dimension rows, as the saved sharding here makes.
+    Only the layout (a few KiB) is read through fcir, for the shards' offsets; the
+    target must be the saved sharding. One buffer per block, not per array: in this
+    benchmark's process, reads into one 256 MiB buffer per array were erratic (1.1-9.4 s
+    for 1 GiB where per-block buffers took 0.6-0.8 s), which would flatter fcir.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -252,26 +255,30 @@ def limit_restore(path: pathlib.Path, target: dict[str, Any]) -> dict[str, Any]:
             for name, leaf in target.get(item.name, {}).items():
                 record = records[name]
                 shape, dtype = tuple(record.shape), np.dtype(record.dtype)
-                buf = aligned_empty(sum(s.length for s in record.shards))
-                row_bytes = math.prod(shape[1:]) * dtype.itemsize
-                for shard in record.shards:
-                    full_rows = all(
-                        (r.start, r.stop) == (0, n)
-                        for r, n in zip(shard.index[1:], shape[1:])
-                    )
-                    if not full_rows:
-                        raise ValueError("the limit reads only shards of whole rows")
-                    at = shard.index[0].start * row_bytes if shape else 0
+                stored = {tuple((r.start, r.stop) for r in s.index): s for s in record.shards}
+                blocks: dict[tuple, list] = {}
+                for device, index in leaf.sharding.addressable_devices_indices_map(shape).items():
+                    box = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+                    blocks.setdefault(box, []).append(device)
+                hosts, devices = [], []
+                for box, devs in blocks.items():
+                    shard = stored[box]  # KeyError: not the saved sharding
+                    buf = aligned_empty(shard.length)
                     for o in range(0, shard.length, LIMIT_READ_BYTES):
-                        n = min(LIMIT_READ_BYTES, shard.length - o)
-                        view = memoryview(buf)[at + o : at + o + n]
+                        view = memoryview(buf)[o : o + LIMIT_READ_BYTES]
                         reads.append((fds[shard.file], view, shard.offset + o))
-                puts.append((item.name, name, buf.view(dtype).reshape(shape), leaf.sharding))
+                    host = buf.view(dtype).reshape([b - a for a, b in box])
+                    hosts += [host] * len(devs)
+                    devices += devs
+                puts.append((item.name, name, shape, leaf.sharding, hosts, devices))
         with ThreadPoolExecutor(parallel.THREADS) as pool:
             list(pool.map(lambda r: _pread_all(*r), reads))
         out: dict[str, Any] = {}
-        for item_name, name, host, sharding in puts:
-            out.setdefault(item_name, {})[name] = jax.device_put(host, sharding)
+        for item_name, name, shape, sharding, hosts, devices in puts:
+            singles = jax.device_put(hosts, devices)
+            out.setdefault(item_name, {})[name] = jax.make_array_from_single_device_arrays(
+                shape, sharding, singles
+            )
         return out
     finally:
         for fd in fds:
