@@ -66,7 +66,7 @@ def cost_report(exe, *args) -> dict:
     server_flops = _own_flops(module, module.main.body)
     accounted = server_flops + sum(lv.members * lv.flops_per_member for lv in levels.values())
 
-    return {
+    report = {
         "module": module.name,
         "devices": devices,
         "mesh": None if exe.mesh is None else {str(k): int(v) for k, v in exe.mesh.shape.items()},
@@ -81,6 +81,11 @@ def cost_report(exe, *args) -> dict:
         "flops_accounted": accounted,
         "notes": notes,
     }
+    if getattr(exe, "streaming", None) is not None:  # xla.compile(..., clients_per_step=)
+        from .budget import memory_stats
+
+        report["streaming"] = {**exe.streaming, "memory": memory_stats(exe.compiled(*args))}
+    return report
 
 
 @dataclasses.dataclass
@@ -266,4 +271,17 @@ def format_cost(cost: dict) -> str:
         f"{_num(cost['hlo_flops'])} in the unoptimized HLO"
     )
     lines.extend(f"  note: {n}" for n in cost.get("notes", []))
+    stream = cost.get("streaming")
+    if stream:
+        mem = stream["memory"]
+        lines.append(
+            f"streaming: {stream['clients_per_step']} members per step and device "
+            f"({stream['mode']}); XLA predicts a peak of {_bytes(mem['peak_bytes'])} per "
+            f"device ({_bytes(mem['temp_bytes'])} temporaries)"
+            + (
+                f", limit {_bytes(stream['memory_limit_bytes'])}"
+                if "memory_limit_bytes" in stream
+                else ""
+            )
+        )
     return "\n".join(lines)

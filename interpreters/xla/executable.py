@@ -35,8 +35,19 @@ __all__ = ["Executable", "compile", "default_sharding", "placement_spec"]
 DIALECTS = ("stablehlo", "hlo", "optimized_hlo")
 
 
-def compile(module: Module, mesh: Mesh | None = None) -> Executable:
+def compile(
+    module: Module,
+    mesh: Mesh | None = None,
+    clients_per_step: int | str | None = None,
+    *,
+    memory_limit: int | None = None,
+) -> Executable:
     """``module`` as a jit-compiled executable; placement axes sharded over ``mesh``.
+
+    ``clients_per_step=k`` streams every ``fed.map``: ``k`` members at a time per device,
+    reductions as running accumulators (``fcir.interpreters.xla.streaming``); ``"auto"``
+    picks ``k`` from ``memory_limit`` bytes (default: the device's memory) with XLA's
+    memory analysis (``fcir.interpreters.xla.budget``).
 
     ``exe(*args)`` takes and returns pytrees like ``reference.run``;
     ``exe.as_text("hlo" | "stablehlo")`` and ``exe.cost()`` need no arguments. The
@@ -51,6 +62,10 @@ def compile(module: Module, mesh: Mesh | None = None) -> Executable:
         )
     if mesh is not None and mesh.empty:
         mesh = None
+    if clients_per_step is not None or memory_limit is not None:
+        from .budget import streaming_executable
+
+        return streaming_executable(module, mesh, clients_per_step, memory_limit)
     return Executable(module, mesh)
 
 
@@ -80,12 +95,14 @@ class Executable:
     """A compiled Module. Call it like the program; inspect it with :meth:`as_text`,
     :meth:`cost`, :meth:`lower`."""
 
-    def __init__(self, module: Module, mesh: Mesh | None):
+    def __init__(self, module: Module, mesh: Mesh | None, interpreter=XlaInterpreter):
         self.module = module
         self.mesh = mesh
+        # Set by xla.compile(..., clients_per_step=...): the budget and how it was chosen.
+        self.streaming: dict | None = None
         self._params = list(module.main.body.params)
         self._types = [runtime_type(v.type, module.cardinality) for v in self._params]
-        self._jitted, self._rebuild = _program(module, mesh)
+        self._jitted, self._rebuild = _program(module, mesh, interpreter)
         self._devices = None if mesh is None else set(mesh.devices.flat)
         self._lowered: dict[Any, jax.stages.Lowered] = {}
         self._compiled: dict[Any, jax.stages.Compiled] = {}
@@ -195,8 +212,9 @@ class Executable:
         return cost_report(self, *args)
 
 
-def _program(module: Module, mesh: Mesh | None):
-    """(``main`` on flat argument leaves under jit, structure to rebuild outside or None)."""
+def _program(module: Module, mesh: Mesh | None, interpreter=XlaInterpreter):
+    """(``main`` on flat argument leaves under jit, structure to rebuild outside or None).
+    ``interpreter(mesh)`` makes the interpreter that traces ``main``."""
     structure = module.main.result_structure
     n = len(module.main.body.results)
     # Results leave jit in the program's flatten order, so the HLO's results are those
@@ -207,7 +225,7 @@ def _program(module: Module, mesh: Mesh | None):
     ) == list(range(n))
 
     def program(*leaves):
-        interp = XlaInterpreter(mesh)
+        interp = interpreter(mesh)
         interp.module = module
         outs = interp.run_region(module.main.body, leaves)
         return structure.unflatten(outs) if inside else tuple(outs)
