@@ -380,8 +380,10 @@ class StreamingInterpreter(XlaInterpreter):
         accs0 = [_acc_init(op, shapes) for op in s.reductions]
         bufs0 = [_zeros((n, *shapes[v].shape[1:]), shapes[v].dtype) for v in s.materialized]
 
-        def step(carry, i):
-            accs, bufs = carry
+        def step(carry, _):
+            # The step number is carried, not scanned over: nothing in the loop's
+            # state grows with the number of steps.
+            i, accs, bufs = carry
             start = jnp.minimum(i * k, n - k) if ragged else i * k
             vals = chunk_values(start)
             valid = (start + jnp.arange(k)) >= i * k if ragged else None
@@ -392,12 +394,13 @@ class StreamingInterpreter(XlaInterpreter):
                 if valid is not None:
                     x = _select(valid, x, lax.dynamic_slice_in_dim(buf, start, k, 0))
                 new_bufs.append(lax.dynamic_update_slice_in_dim(buf, x, start, 0))
-            return (accs, new_bufs), None
+            return (i + 1, accs, new_bufs), None
 
+        init = (jnp.zeros((), jnp.int32), accs0, bufs0)
         if steps == 1:
-            (accs, bufs), _ = step((accs0, bufs0), 0)
+            (_, accs, bufs), _ = step(init, None)
         else:
-            (accs, bufs), _ = lax.scan(step, (accs0, bufs0), jnp.arange(steps))
+            (_, accs, bufs), _ = lax.scan(step, init, None, length=steps)
         return accs, bufs
 
 
