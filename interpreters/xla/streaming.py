@@ -316,20 +316,25 @@ class StreamingInterpreter(XlaInterpreter):
 
             def local(batched, unbatched):
                 accs, bufs = self._stream_local(s, batched, unbatched, s.n // devices)
-                return [_combine(op, a, axis) for op, a in zip(s.reductions, accs)], bufs
+                return [[a[None] for a in acc] for acc in accs], bufs
 
-            specs_b = [PartitionSpec(axis)] * len(batched)
-            specs_u = [PartitionSpec()] * len(unbatched)
-            accs, bufs = jax.shard_map(
+            # Each device returns its partial accumulators along the mesh axis; they are
+            # combined outside (XLA's all-reduce), so no collective sits inside the
+            # shard_map and its transpose stays plain. The interpreter binds primitives
+            # directly (no automatic pvary), hence check_vma=False.
+            member = PartitionSpec(axis)
+            partial, bufs = jax.shard_map(
                 local,
                 mesh=self.mesh,
-                in_specs=(specs_b, specs_u),
+                in_specs=([member] * len(batched), [PartitionSpec()] * len(unbatched)),
                 out_specs=(
-                    [[PartitionSpec()] * len(_acc_parts(op)) for op in s.reductions],
-                    [PartitionSpec(axis)] * len(s.materialized),
+                    [[member] * len(_acc_parts(op)) for op in s.reductions],
+                    [member] * len(s.materialized),
                 ),
                 axis_names={axis},
+                check_vma=False,
             )(batched, unbatched)
+            accs = [_combine(op, acc) for op, acc in zip(s.reductions, partial)]
         return [_finish(op, a, s.n) for op, a in zip(s.reductions, accs)] + list(bufs)
 
     def _mesh_axis(self, s: Stream) -> str | None:
@@ -471,15 +476,11 @@ def _acc_step(op: Op, acc: list, vals: dict, valid) -> list:
     return [acc[0] + jnp.sum(masked(x.astype(dt), 0), axis=0, dtype=dt)]
 
 
-def _combine(op: Op, acc: list, axis: str) -> list:
-    """Partial accumulators of each device combined over the mesh axis."""
+def _combine(op: Op, partial: list) -> list:
+    """Per-device partial accumulators (stacked on a leading axis) folded into one."""
     if op.name in ("fed.min", "fed.max"):
-        (a,) = acc
-        reduce = lax.pmin if op.name == "fed.min" else lax.pmax
-        if a.dtype == np.bool_:
-            return [reduce(a.astype(jnp.int32), axis).astype(np.bool_)]
-        return [reduce(a, axis)]
-    return [lax.psum(a, axis) for a in acc]
+        return [(jnp.min if op.name == "fed.min" else jnp.max)(partial[0], axis=0)]
+    return [jnp.sum(a, axis=0, dtype=a.dtype) for a in partial]
 
 
 def _finish(op: Op, acc: list, n: int):
