@@ -223,12 +223,12 @@ def free_bytes() -> int:
 
 
 def versions() -> dict:
+    from importlib.metadata import version
+
     import drjax  # noqa: F401
     import jax
     import jaxlib
     import numpy
-
-    from importlib.metadata import version
 
     return {
         "jax": jax.__version__,
@@ -262,8 +262,10 @@ def table(results: dict, pair: dict | None, cfg_params: int) -> str:
                 f"{n:>7}  {r['label']:<16} {gib(m['temp_bytes']):>12} {gib(m['peak_bytes']):>12} "
                 f"{gib(m['total_bytes']):>10} {gib(r.get('peak_rss_bytes')):>9} {ms:>9}  {note}"
             )
-    lines.append("(memory in GiB; XLA figures from Compiled.memory_analysis(), per device; "
-                 "total = 8 devices; peak RSS = ru_maxrss of the config's own process)")
+    lines.append(
+        "(memory in GiB; XLA figures from Compiled.memory_analysis(), per device; "
+        "total = 8 devices; peak RSS = ru_maxrss of the config's own process)"
+    )
     fc = [r["fcir"] for r in results.values() if r["fcir"].get("ran")]
     if len(fc) >= 2:
         a, b = fc[0], fc[-1]
@@ -292,7 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, nargs="*", help="cohorts (default 256 1024 4096)")
     p.add_argument("--pair-clients", type=int, help="cohort of the side-by-side timing (64)")
     p.add_argument("--reps", type=int, help="timed rounds per configuration (default 5)")
-    p.add_argument("--max-gib", type=float, default=8.0, help="never run a predicted total over this")
+    p.add_argument(
+        "--max-gib", type=float, default=8.0, help="never run a predicted total over this"
+    )
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--worker", nargs=2, metavar=("PROGRAM", "N"), help=argparse.SUPPRESS)
     p.add_argument("--pair-worker", type=int, metavar="N", help=argparse.SUPPRESS)
@@ -333,10 +337,14 @@ def main(argv=None) -> int:
             r = spawn([*flags, "--worker", which, str(n), *extra], 3600)
             r["label"] = f"fcir k={cfg['k']}/dev" if which == "fcir" else "drjax (unchunked)"
             results[n][which] = r
-            print(f"  {n} {which}: {json.dumps({k: v for k, v in r.items() if k != 'samples_s'})}",
-                  file=sys.stderr)
+            print(
+                f"  {n} {which}: {json.dumps({k: v for k, v in r.items() if k != 'samples_s'})}",
+                file=sys.stderr,
+            )
     pair = spawn([*flags, "--pair-worker", str(pair_n)], 3600)
-    params = cfg["d_in"] * cfg["hidden"] + cfg["hidden"] + cfg["hidden"] * cfg["d_out"] + cfg["d_out"]
+    params = (
+        cfg["d_in"] * cfg["hidden"] + cfg["hidden"] + cfg["hidden"] * cfg["d_out"] + cfg["d_out"]
+    )
     text = table(results, pair, params)
     print(text)
     record = {

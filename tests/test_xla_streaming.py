@@ -102,6 +102,13 @@ def test_corpus_program_streams_like_unchunked(name):
         assert_streamed_equal(got, want, exact=name in EXACT, what=f"{name} k={k}")
 
 
+# Gradient programs are the largest (compile time); all three budgets run for two of
+# them, the others run the budget that exercises the most (the chunk loop and the
+# masked last chunk): k = 1 and k = cohort are the same loop without a mask and the
+# same code without a loop, both covered by every forward program above.
+ALL_BUDGETS_GRADIENTS = {"fedsgd_linreg", "minmax_agg"}
+
+
 @in_main_process
 @pytest.mark.parametrize(
     "name", [_param(c.name) for c in CASES if c.grad_argnums and c.loss and c.name not in SLOW]
@@ -112,6 +119,8 @@ def test_corpus_gradient_streams_like_unchunked(name):
     grad = jax.grad(lambda *a: c.loss(c.fn(*a)), argnums=c.grad_argnums)
     module = fcir.capture(grad, *args)
     ks = budgets(module)
+    if name not in ALL_BUDGETS_GRADIENTS:
+        ks = ks[1:-1] or ks
     want, outs = run_budgets(module, args, ks)
     for k, got in zip(ks, outs):
         assert_streamed_equal(got, want, exact=False, what=f"grad {name} k={k}")
@@ -120,12 +129,12 @@ def test_corpus_gradient_streams_like_unchunked(name):
 @in_main_process
 def test_grad_of_a_streamed_round_matches_the_oracle():
     """Reverse mode through the chunk loop (scan) and the masked last chunk."""
-    c = case("fedavg_weighted")  # weighted mean: weight sums accumulate too
+    c = case("fedsgd_linreg")
     args = c.make_args()
     module = fcir.capture(c.fn, *args)
 
     def streamed(*a):
-        return StreamingInterpreter(clients_per_step=4).run(module, *a)  # 6 clients: 4 + 2
+        return StreamingInterpreter(clients_per_step=3).run(module, *a)  # 8 clients: 3+3+2
 
     got = jax.jit(jax.grad(lambda *a: c.loss(streamed(*a)), argnums=c.grad_argnums))(*args)
     want = jax.grad(lambda *a: c.loss(c.oracle(*a)), argnums=c.grad_argnums)(*args)
@@ -348,7 +357,7 @@ def test_mesh_hierarchical_program_streams():
     c = case("hierarchical_fedavg")
     args = c.make_args()
     module = fcir.capture(c.fn, *args)
-    mesh = jax.make_mesh((2, 4), ("silos", "clients"))
+    mesh = jax.make_mesh((2, 4), ("silos", "clients"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     want = xla.compile(module, mesh=mesh)(*args)
     got = xla.compile(module, mesh=mesh, clients_per_step=2)(*args)
     assert_streamed_equal(got, want, exact=False, what="hierarchical on a mesh")
