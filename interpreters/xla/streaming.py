@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 
 import jax
 import jax.numpy as jnp
@@ -518,8 +517,3 @@ def _select(valid, new, old):
         mask = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
         return jax.random.wrap_key_data(jnp.where(mask, a, b), impl=impl)
     return jnp.where(mask, new, old)
-
-
-def chunks(n: int, k: int) -> int:
-    """Steps a stream of ``n`` members takes ``k`` at a time."""
-    return math.ceil(n / min(k, n))
