@@ -8,8 +8,9 @@ boolean and key leaves, and for the programs whose results are minima, maxima, s
 sums or integer counts (``EXACT``). The three budgets and the unchunked program are
 traced into one ``jax.jit`` and compiled once, cheaply (XLA's backend optimizations
 off; the comparison is between programs compiled alike), because compile time is what
-these tests cost. The transformer runs only k = 1 and k = cohort (its id ends in
-"-slow": minutes of compile time). ``jax.grad`` through a streamed round is compared
+these tests cost. The transformer (ids ending in "-slow", ~25 s of CPU together) runs
+k = 1 and k = cohort forward, and its gradient the ragged k only, like the other large
+gradients (see ``ALL_BUDGETS_GRADIENTS``). ``jax.grad`` through a streamed round is compared
 with the plain-JAX oracle's gradient, and the 8-device tests (a cohort of 24, three
 members per device, k = 2 so every device's last chunk is partial) run in a
 subprocess as in test_xla_mesh.py.
@@ -111,7 +112,7 @@ ALL_BUDGETS_GRADIENTS = {"fedsgd_linreg", "minmax_agg"}
 
 @in_main_process
 @pytest.mark.parametrize(
-    "name", [_param(c.name) for c in CASES if c.grad_argnums and c.loss and c.name not in SLOW]
+    "name", [_param(c.name) for c in CASES if c.grad_argnums and c.loss]
 )
 def test_corpus_gradient_streams_like_unchunked(name):
     c = case(name)
