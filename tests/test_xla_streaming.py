@@ -111,9 +111,7 @@ ALL_BUDGETS_GRADIENTS = {"fedsgd_linreg", "minmax_agg"}
 
 
 @in_main_process
-@pytest.mark.parametrize(
-    "name", [_param(c.name) for c in CASES if c.grad_argnums and c.loss]
-)
+@pytest.mark.parametrize("name", [_param(c.name) for c in CASES if c.grad_argnums and c.loss])
 def test_corpus_gradient_streams_like_unchunked(name):
     c = case(name)
     args = c.make_args()
