@@ -159,6 +159,11 @@ def cmd_show(a) -> int:
     module = load_module(a.FILE, a.args)
     if a.format == "text":
         sys.stdout.write(module.to_text(full_constants=a.full_constants, locations=False))
+        from fcir.privacy import format_round_cost, round_cost
+
+        # As comments, so the output still parses as IR.
+        for line in format_round_cost(round_cost(module)):
+            sys.stdout.write(f"// {line}\n")
         return 0
     from fcir import dot
 
@@ -326,6 +331,9 @@ def _register_plugins(sub) -> None:
         production_cli = None
     if production_cli is not None:
         production_cli.register(sub)
+    from fcir.interpreters.flower import cli as flower_cli  # imports flwr only when run
+
+    flower_cli.register(sub)
     try:
         from fcir.checkpoint import inspect as ckpt_inspect
     except ImportError:

@@ -13,7 +13,7 @@ import numpy as np
 from fcir.errors import InterpreterError
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Module
-from fcir.primitives import mean_result_dtype, sum_result_dtype
+from fcir.primitives import clip_member, dp_noise, mean_result_dtype, sum_result_dtype
 
 
 def _members(x) -> list:
@@ -91,6 +91,29 @@ class ReferenceInterpreter(Interpreter):
             total = (total + m) % modulus
         return jnp.asarray(np.asarray(total).astype(x.dtype))
 
+    @impl("fed.dp_sum")
+    def dp_sum(self, op, *args):
+        return self._dp(op, args, mean=False)
+
+    @impl("fed.dp_mean")
+    def dp_mean(self, op, *args):
+        return self._dp(op, args, mean=True)
+
+    def _dp(self, op, args, *, mean: bool):
+        """Clip each member on its own, add the members in member order, then add the
+        noise once: the Gaussian mechanism as the op's definition states it."""
+        *xs, key = args
+        clip, z = op.attrs["clip_norm"], op.attrs["noise_multiplier"]
+        n = xs[0].shape[0]
+        totals = None
+        for i in range(n):
+            clipped = clip_member([x[i] for x in xs], clip)
+            totals = clipped if totals is None else [t + c for t, c in zip(totals, clipped)]
+        out = []
+        for i, t in enumerate(totals):
+            noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
+            out.append(noisy / n if mean else noisy)
+        return out
 
     # Layout ops change where a value lives, never what it is: the oracle ignores them,
     # so a module captured under a mesh runs without one.

@@ -62,8 +62,14 @@ def streaming_executable(module, mesh, clients_per_step, memory_limit) -> Execut
     return exe
 
 
+@functools.cache
+def _interpreter(k: int):
+    """One factory per k: executables of a module with the same budget share a trace."""
+    return functools.partial(StreamingInterpreter, clients_per_step=k)
+
+
 def _build(module, mesh, k: int) -> Executable:
-    return Executable(module, mesh, functools.partial(StreamingInterpreter, clients_per_step=k))
+    return Executable(module, mesh, _interpreter(k))
 
 
 def predicted_peak(compiled) -> int:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Module, Op, Region
+from fcir.privacy import format_round_cost, round_cost
 from fcir.traffic import transfers
 from fcir.types import runtime_type
 
@@ -85,6 +86,9 @@ def cost_report(exe, *args) -> dict:
         from .budget import memory_stats
 
         report["streaming"] = {**exe.streaming, "memory": memory_stats(exe.compiled(*args))}
+    privacy = round_cost(module)
+    if privacy is not None:  # a module with DP aggregates: see fcir.privacy
+        report["privacy"] = privacy
     return report
 
 
@@ -284,4 +288,7 @@ def format_cost(cost: dict) -> str:
                 else ""
             )
         )
+    privacy = format_round_cost(cost.get("privacy"))
+    if privacy:
+        lines.extend(["", *privacy])
     return "\n".join(lines)
