@@ -53,8 +53,19 @@ __all__ = ["Executable", "compile", "default_sharding", "placement_spec", "trace
 DIALECTS = ("stablehlo", "hlo", "optimized_hlo")
 
 
-def compile(module: Module, mesh: Mesh | None = None) -> Executable:
+def compile(
+    module: Module,
+    mesh: Mesh | None = None,
+    clients_per_step: int | str | None = None,
+    *,
+    memory_limit: int | None = None,
+) -> Executable:
     """``module`` as a jit-compiled executable; placement axes sharded over ``mesh``.
+
+    ``clients_per_step=k`` streams every ``fed.map``: ``k`` members at a time per device,
+    reductions as running accumulators (``fcir.interpreters.xla.streaming``); ``"auto"``
+    picks ``k`` from ``memory_limit`` bytes (default: the device's memory) with XLA's
+    memory analysis (``fcir.interpreters.xla.budget``).
 
     ``exe(*args)`` takes and returns pytrees like ``reference.run``;
     ``exe.as_text("hlo" | "stablehlo")`` and ``exe.cost()`` need no arguments. The
@@ -69,6 +80,10 @@ def compile(module: Module, mesh: Mesh | None = None) -> Executable:
         )
     if mesh is not None and mesh.empty:
         mesh = None
+    if clients_per_step is not None or memory_limit is not None:
+        from .budget import streaming_executable
+
+        return streaming_executable(module, mesh, clients_per_step, memory_limit)
     return Executable(module, mesh)
 
 
@@ -98,12 +113,14 @@ class Executable:
     """A compiled Module. Call it like the program; inspect it with :meth:`as_text`,
     :meth:`cost`, :meth:`lower`."""
 
-    def __init__(self, module: Module, mesh: Mesh | None):
+    def __init__(self, module: Module, mesh: Mesh | None, interpreter=None):
         self.module = module
         self.mesh = mesh
+        # Set by xla.compile(..., clients_per_step=...): the budget and how it was chosen.
+        self.streaming: dict | None = None
         self._params = list(module.main.body.params)
         self._types = [runtime_type(v.type, module.cardinality) for v in self._params]
-        self._program = _program(module, mesh)
+        self._program = _program(module, mesh, interpreter)
         self._jitted, self._rebuild = self._program.jitted, self._program.rebuild
         # Explicit axes type values by the mesh in context: calls and lowerings run in it.
         self._context = mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types
@@ -307,7 +324,7 @@ class _Program:
     Traced on a cache miss only: that is where the arguments are checked, so a warm
     call is JAX's C++ dispatch alone. ``traces`` counts the traces (tests pin reuse)."""
 
-    def __init__(self, module: Module, mesh: Mesh | None):
+    def __init__(self, module: Module, mesh: Mesh | None, interpreter=None):
         func = module.main
         params = list(func.body.params)
         types = [runtime_type(v.type, module.cardinality) for v in params]
@@ -329,10 +346,11 @@ class _Program:
             # Without a mesh the interpreter rebuilds exactly the captured jaxpr: when
             # the module is capture's, unchanged, take that jaxpr instead of tracing
             # every op again (checked at each trace).
-            closed = captured.captured_jaxpr(module) if mesh is None else None
+            plain = mesh is None and interpreter is None
+            closed = captured.captured_jaxpr(module) if plain else None
             if closed is not None:
                 return inside(core.jaxpr_as_fun(closed)(*leaves))
-            interp = XlaInterpreter(mesh)
+            interp = (interpreter or XlaInterpreter)(mesh)
             interp.module = module
             return inside(interp.run_region(module.main.body, leaves))
 
@@ -363,14 +381,16 @@ def _result_builder(func):
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _program(module: Module, mesh: Mesh | None) -> _Program:
-    """The one _Program of (``module``, ``mesh``): Executables of a module share traces,
-    unless the module was edited in place since (its traces would be stale)."""
+def _program(module: Module, mesh: Mesh | None, interpreter=None) -> _Program:
+    """The one _Program of (``module``, ``mesh``, ``interpreter``): Executables of a
+    module share traces, unless the module was edited in place since (its traces would
+    be stale). ``interpreter(mesh)`` (a hashable factory; None: XlaInterpreter) makes
+    the interpreter that traces ``main``."""
     per_mesh = _PROGRAMS.setdefault(module, {})
-    program, parts = per_mesh.get(mesh, (None, None))
+    program, parts = per_mesh.get((mesh, interpreter), (None, None))
     if program is None or not captured.unchanged(module, parts):
-        program = _Program(module, mesh)
-        per_mesh[mesh] = (program, captured.snapshot(module))
+        program = _Program(module, mesh, interpreter)
+        per_mesh[(mesh, interpreter)] = (program, captured.snapshot(module))
     return program
 
 
@@ -378,7 +398,7 @@ def trace_count(module: Module, mesh: Mesh | None = None) -> int:
     """How many times ``module`` was traced for ``mesh`` in this process (once per
     argument signature; compiling again or emitting more formats does not trace)."""
     per_mesh = _PROGRAMS.get(module, {})
-    return per_mesh[mesh][0].traces if mesh in per_mesh else 0
+    return per_mesh[(mesh, None)][0].traces if (mesh, None) in per_mesh else 0
 
 
 def _signature(leaves) -> tuple:
