@@ -4,7 +4,9 @@ exchange (a phase), each split by the production export.
 An aggregate that is broadcast again (a mean, then a variance around the broadcast
 mean) makes a second exchange, which no DistributeAggregateForm holds. Every value gets
 a *level*: how many exchanges it waits for (a reduction's result is one more than its
-operands; any other op takes the highest of its operands). Phase k computes the
+operands; any other op takes the highest of its operands). A DP aggregate
+(``fed.dp_sum`` / ``fed.dp_mean``) is a reduction too: it stays whole in its phase,
+whose production split decomposes it (clip at the clients, sum, noise at the server). Phase k computes the
 reductions of level k; it takes the round's arguments plus the results of the
 reductions of lower levels (*carried* from earlier phases, as server arguments) and
 returns its own reductions' results, the last phase the round's results.
@@ -19,10 +21,14 @@ from __future__ import annotations
 import dataclasses
 
 from fcir.ir import Func, Module, Region, Value
+from fcir.privacy import DP_OPS
 from fcir.types import Structure
 
 from ..production.rewrite import clone_op, named
 from ..production.splitting import INTRINSICS
+
+# The ops that end an exchange: the aggregation intrinsics and the DP aggregates.
+REDUCTIONS = frozenset(INTRINSICS) | frozenset(DP_OPS)
 
 
 @dataclasses.dataclass
@@ -37,7 +43,7 @@ def levels(module: Module) -> dict[Value, int]:
     level = {v: 0 for v in main.body.params}
     for op in main.body.ops:
         lv = max((level[v] for v in op.operands), default=0)
-        if op.name in INTRINSICS:
+        if op.name in REDUCTIONS:
             lv += 1
         for r in op.results:
             level[r] = lv
@@ -49,7 +55,7 @@ def split_phases(module: Module) -> list[Phase]:
     main = module.main
     ops = main.body.ops
     level = levels(module)
-    reductions = [op for op in ops if op.name in INTRINSICS]
+    reductions = [op for op in ops if op.name in REDUCTIONS]
     last = max((level[op.results[0]] for op in reductions), default=0)
     if last <= 1:
         return [Phase(module, [], [])]

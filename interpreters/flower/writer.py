@@ -7,7 +7,8 @@ Layout of APPDIR::
         server_app.py        ServerApp: server parts, sampling, aggregation, checkpoints
         client_app.py        ClientApp: client work from its jax.export artifact
         runtime.py           shared by both: artifacts, arrays on the wire, aggregations
-        plan.json            the round's phases: which part runs where, on which values
+        plan.json            the round's phases: which part runs where, on which values;
+                             for a round with DP ops, its privacy parameters
         artifacts.json       the parts' jax.export artifacts (base64, sha256)
         inputs.json          the server's initial inputs, when given at export
 
@@ -154,7 +155,35 @@ def build_plan(module) -> tuple[dict, dict[str, bytes]]:
         "output_order": order,
         "steps": steps,
     }
+    privacy = _privacy(module)
+    if privacy is not None:
+        doc["privacy"] = privacy
     return doc, artifacts
+
+
+def _privacy(module) -> dict | None:
+    """plan.json's ``privacy``: the production manifest's entry for the round as written
+    (every phase's DP ops compose into one round's epsilon), and what a dp_mean divides
+    by when clients drop out (docs/flower.md, Participation)."""
+    from ..production import dp
+
+    entry = dp.manifest_entry(module)
+    if entry is None:
+        return None
+    n = module.placements[0][1] if module.placements else 0
+    return {
+        **entry,
+        "mechanism": "Gaussian: each client's update clipped in client_work (on the "
+        "device), summed by the ServerApp over the replies, noise added in server_result; "
+        "client-level DP (add or remove one client)",
+        # The noise is calibrated to the sum's sensitivity (one client's clip_norm). A
+        # divisor fixed at export keeps the guarantee; dividing by the number of replies
+        # would make the released value depend on who dropped out.
+        "dp_mean_divisor": n,
+        "participation": f"dp_mean divides the noised sum by the declared cardinality "
+        f"({n}) however many sampled clients reply; epsilon_per_round assumes every client "
+        "takes part and claims no amplification by sampling",
+    }
 
 
 def _pyproject(name: str) -> str:

@@ -1,0 +1,176 @@
+"""Private rounds (fcir.dp_mean / dp_sum) exported to Flower and run in-process
+(tests/flowerlib/inprocess.py): clients clip on the device, the ServerApp sums and adds
+the noise in server_result, plan.json states the privacy parameters, and the numbers are
+the production bundle's and the reference interpreter's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from corpus.compare import assert_trees_match
+from fcir.interpreters import flower, production, reference
+from flowerlib import inprocess, rounds
+
+import fcir
+
+pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
+
+N = rounds.NODES
+CLIP, Z = 0.5, 1.1
+KEY = jax.random.key_data(jax.random.key(3))  # production wire types carry raw key bits
+
+
+def private_fedavg(dp):
+    @fcir.program(placements={"clients": N}, private=True)
+    def round_(w, b, key, x, y):
+        def local(w, b, x, y):
+            def loss(p):
+                return jnp.mean(jnp.square(x @ p[0] + p[1] - y))
+
+            gw, gb = jax.grad(loss)((w, b))
+            return {"b": -0.5 * gb, "w": -0.5 * gw}
+
+        upd = fcir.map_fn(local, (fcir.broadcast(w), fcir.broadcast(b), x, y))
+        d = dp(upd, CLIP, Z, key)
+        return w + d["w"], b + d["b"]
+
+    return round_
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    w, b = jnp.zeros((4, 2), jnp.float32), jnp.full((2,), 0.1, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(N, 5, 4)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(N, 5, 2)) * 3, jnp.float32)
+    y = y.at[0].multiply(0.01)  # client 0's update stays inside the clip ball
+    return w, b, x, y
+
+
+class RecordingGrid(inprocess.Grid):
+    """The in-process grid, keeping every message sent and every reply's values."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.messages, self.replies = [], []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        self.messages += list(messages)
+        replies = super().send_and_receive(messages, timeout=timeout)
+        self.replies += [r for r in replies if not r.has_error()]
+        return replies
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    """inprocess.run hands its messages to a RecordingGrid."""
+    monkeypatch.setattr(inprocess, "Grid", RecordingGrid)
+
+
+def _payload(msg) -> int:
+    return sum(len(a.data) for a in msg.content["values"].values())
+
+
+def _outputs(path) -> list:
+    with np.load(path) as f:
+        return [f[f"arr_{i}"] for i in range(len(f.files))]
+
+
+def _nodes(tmp_path, *client_arrays) -> dict:
+    nodes = {}
+    for i in range(N):
+        np.savez(tmp_path / f"n{i}.npz", *(np.asarray(a[i]) for a in client_arrays))
+        nodes[10 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
+    return nodes
+
+
+def test_private_fedavg_clips_on_the_device_and_noises_in_server_result(tmp_path, recording):
+    w, b, x, y = _data()
+    module = fcir.capture(private_fedavg(fcir.dp_mean), w, b, KEY, x, y)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(b), KEY])
+    plan = rounds.plan_of(app)
+
+    # plan.json states what the production manifest states, and the dropout rule.
+    bundle = production.export(module).write(tmp_path / "bundle")
+    manifest = production.Bundle(bundle).manifest
+    privacy = plan["privacy"]
+    for k in ("releases", "delta", "epsilon_per_round", "accountant", "private_program_checked"):
+        assert privacy[k] == manifest["privacy"][k], k
+    assert privacy["releases"] == [
+        {"op": "fed.dp_mean", "clip_norm": CLIP, "noise_multiplier": Z, "count": 1}
+    ]
+    assert privacy["epsilon_per_round"] == fcir.privacy.epsilon(module, 1, 1e-5)
+    assert privacy["private_program_checked"] is True and privacy["dp_mean_divisor"] == N
+    # The exchange only sums; the key stays at the server (the server sends the model).
+    (exchange,) = [s for s in plan["steps"] if s["kind"] == "exchange"]
+    assert [a["fed_op"] for a in exchange["aggregations"]] == ["fed.sum", "fed.sum"]
+
+    nodes = _nodes(tmp_path, x, y)
+    grid = inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
+    model_bytes = w.nbytes + b.nbytes
+    for msg in grid.messages:
+        assert _payload(msg) == model_bytes
+    # Only clipped updates leave a device: client 0's as computed, the others scaled to
+    # the clip norm exactly (up to rounding).
+    norms = {}
+    for reply in grid.replies:
+        leaves = grid.app.server.runtime.from_record(reply.content["values"])  # the app's decoder
+        sq = sum(float(np.sum(np.square(a.astype(np.float64)))) for a in leaves.values())
+        norms[reply.metadata.src_node_id] = np.sqrt(sq)
+    assert sorted(norms) == sorted(nodes)
+    assert norms[10] < 0.5 * CLIP
+    for node in (11, 12):
+        assert norms[node] == pytest.approx(CLIP, rel=1e-5)
+
+    got = _outputs(tmp_path / "o.npz")
+    want = production.run_bundle(bundle, w, b, KEY, x, y)
+    assert [g.tobytes() for g in got] == [np.asarray(v).tobytes() for v in want]
+    ref = reference.run(module, w, b, KEY, x, y)
+    assert_trees_match(got, [np.asarray(v) for v in ref], rtol=1e-5, atol=1e-5)
+
+    # A client drops out: the two replies' clipped sum gets the same noise and is divided
+    # by the declared cardinality (3), not by the 2 that replied.
+    inprocess.run(app, nodes, {"output": str(tmp_path / "o2.npz"), "timeout": 1.0}, silent={12})
+    got2 = _outputs(tmp_path / "o2.npz")
+    two = [w, b, KEY, x[:2], y[:2]]
+    sum_round = rounds.rebind(fcir.capture(private_fedavg(fcir.dp_sum), w, b, KEY, x, y), 2)
+    noised_sum = [np.asarray(v) - np.asarray(p) for v, p in zip(reference.run(sum_round, *two), (w, b))]
+    expected = [np.asarray(p) + s / N for p, s in zip((w, b), noised_sum)]
+    assert_trees_match(got2, expected, rtol=1e-5, atol=1e-5)
+    per_replier = np.asarray(w) + noised_sum[0] / 2  # the reference dp_mean on the 2 alone
+    assert not np.allclose(got2[0], per_replier, rtol=1e-3, atol=1e-3)
+
+
+@fcir.program(placements={"clients": N}, private=True)
+def private_mean_then_spread(scale, key, x):
+    """Two exchanges, each released through a DP mean: the second broadcasts the first."""
+    mean = fcir.dp_mean(
+        fcir.map_fn(lambda s, x: s * jnp.mean(x, axis=0), (fcir.broadcast(scale), x)),
+        1.0, 1.0, jax.random.fold_in(key, 0),
+    )
+    spread = fcir.dp_mean(
+        fcir.map_fn(lambda m, x: jnp.mean(jnp.square(x - m), axis=0), (fcir.broadcast(mean), x)),
+        2.0, 1.5, jax.random.fold_in(key, 1),
+    )
+    return mean, spread
+
+
+def test_dp_aggregates_end_phases_and_their_costs_compose(tmp_path):
+    scale = jnp.float32(2.0)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(N, 5, 4)), jnp.float32)
+    module = fcir.capture(private_mean_then_spread, scale, KEY, x)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(scale), KEY])
+    plan = rounds.plan_of(app)
+    assert [s["kind"] for s in plan["steps"]] == ["server", "exchange", "server"] * 2
+    for step in plan["steps"]:
+        if step["kind"] == "exchange":
+            assert [a["fed_op"] for a in step["aggregations"]] == ["fed.sum"]
+    privacy = plan["privacy"]
+    assert [(r["clip_norm"], r["noise_multiplier"]) for r in privacy["releases"]] == [
+        (1.0, 1.0), (2.0, 1.5)
+    ]
+    assert privacy["epsilon_per_round"] == fcir.privacy.epsilon(module, 1, 1e-5)
+    inprocess.run(app, _nodes(tmp_path, x), {"output": str(tmp_path / "o.npz")})
+    expected = [np.asarray(v) for v in reference.run(module, scale, KEY, x)]
+    assert_trees_match(_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-5)
