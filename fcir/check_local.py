@@ -33,6 +33,7 @@ tests/test_soundness.py):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -75,6 +76,18 @@ _CACHE_LIMIT = 1 << 16
 
 def clear_cache() -> None:
     _CACHE.clear()
+
+
+def _typed(v):
+    """``v`` with every scalar tagged by its type, for the cache key: ``True == 1 ==
+    1.0`` in Python, but ``weak_type=1`` is an error where ``weak_type=True`` is not."""
+    if isinstance(v, tuple):
+        return tuple([_typed(x) for x in v])
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return (type(v), tuple([_typed(getattr(v, f.name)) for f in dataclasses.fields(v)]))
+    if isinstance(v, (bool, int, float, complex, np.generic)):
+        return (type(v), v)
+    return v
 
 
 class _Failure(Exception):
@@ -162,7 +175,8 @@ def result_types_problem(types: Types, op: Op) -> tuple[str, str] | None:
         if None in region_sigs:
             return None
     attrs = op.attrs
-    key = (op.name, tuple(sorted(attrs.items())) if attrs else (), operand_types, region_sigs)
+    key = (op.name, _typed(tuple(sorted(attrs.items()))) if attrs else (), operand_types,
+           region_sigs)
     try:
         cached = _CACHE.get(key)
     except TypeError:  # an attribute that is not hashable (none is, when well formed)

@@ -291,6 +291,17 @@ def test_fuzz_base_checks_and_runs():
     reference.run(m, np.ones((2, 3), np.float32), np.ones(3, np.float32), np.int32(2))
 
 
+def test_check_cache_tells_true_from_one():
+    # True == 1 in Python: a derivation cached for weak_type=1 (an error) must not be
+    # what weak_type=true gets, in either order.
+    bad = FUZZ_BASE.replace("weak_type=false", "weak_type=1")
+    good = FUZZ_BASE.replace("weak_type=false", "weak_type=true")
+    for _ in range(2):
+        with pytest.raises(FcirError, match="weak_type must be true or false, got 1"):
+            fcir.check(fcir.parse(bad))
+        fcir.check(fcir.parse(good))
+
+
 # --- defect 3: one cardinality per placement ------------------------------------------------
 
 
