@@ -14,12 +14,18 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
 * ``local/C3``: no collective over a placement axis inside a region.
 * ``region/C1``: ops in a region use only values defined earlier in that region
   (regions are isolated from above); ``region/C2``: each value is defined once.
+* ``flow/C1`` .. ``flow/C4``: a control-flow op (``jax.scan``, ``jax.while``,
+  ``jax.cond``) or call (``jax.pjit``, ...) hands its operands to its regions' parameters
+  and their results back (``fcir.control_flow``); when those types fit, the op itself
+  reads nothing, so it may pass placed values. Its regions run where the op runs and are
+  checked op by op like any other region.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from fcir import control_flow as CF
 from fcir.capture import ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError
 from fcir.ir import Module, Op, Region, describe, value_numbering
@@ -128,9 +134,87 @@ class _Checker:
             self.report("op/C0", f"op/C0: unknown op {op.name}: ops are fed.*, jax.* or "
                         "fcir.constant", path, op, False)
             return
-        self.local(op, ctx, path)
+        if not self.region_bindings(op, ctx, path):
+            self.local(op, ctx, path)
         for r, sub in enumerate(op.regions):
             self.region(sub, ctx, (*path, r), set())
+
+    def region_bindings(self, op: Op, ctx, path: tuple) -> bool:
+        """For a control-flow or call op: checks each operand against the region
+        parameter it binds to, each yielded value against the op result (or the carried
+        parameter) it becomes, and that branch indices and loop conditions are local.
+        True when the op is one of these and everything fits: then the op only passes
+        values on, placed or not, and local/C1 does not apply to the op itself."""
+        prim = op.name.removeprefix("jax.")
+        if not op.regions or not (prim in CF.PRIMITIVES or prim in CF.CALLS):
+            return False
+        try:
+            bindings = CF.bindings(prim, op.attrs, len(op.operands), len(op.results),
+                                   len(op.regions))
+        except CF.BindingError as e:
+            self.report("flow/C1", f"flow/C1: {op.name}: {e}", path, op, False)
+            return False
+        ok = True
+
+        def fail(code, text, a, b):
+            nonlocal ok
+            ok = False
+            self.report(code, f"{code}: {op.name}: {text}", path, op,
+                        CF.is_placed(a) or CF.is_placed(b))
+
+        length = op.attrs.get("length")
+        for b in bindings:
+            sub = op.regions[b.region]
+            if len(sub.params) != len(b.params) or len(sub.results) != len(b.results):
+                fail("flow/C1", f"region ^{b.region} has {len(sub.params)} parameters and "
+                     f"{len(sub.results)} results, the op binds {len(b.params)} and "
+                     f"{len(b.results)}", None, None)
+                continue
+            for k, (i, sliced) in enumerate(b.params):
+                t = op.operands[i].type
+                if sliced:
+                    t = CF.unstack(t) if _leading(t) == length else None
+                if t is None or not CF.assignable(t, sub.params[k].type):
+                    what = "one slice of operand" if sliced else "operand"
+                    fail("flow/C2", f"{what} {i} ({op.operands[i].type}) does not fit "
+                         f"parameter {k} ({sub.params[k].type}) of region ^{b.region}",
+                         op.operands[i].type, sub.params[k].type)
+            for j, (kind, k) in enumerate(b.results):
+                y = sub.results[j].type
+                if kind == "predicate":
+                    if not (ctx.is_local(y) and ctx.member_of_local(y) == TensorType("bool", ())):
+                        fail("flow/C4", f"the loop condition yields {y}; it must be a bool[] "
+                             f"local to '{ctx.here}'", y, None)
+                    continue
+                res = op.results[j].type
+                if kind == "stacked":
+                    stacked = CF.stack(y, length) if isinstance(length, int) else None
+                    if stacked is None or not CF.assignable(stacked, res):
+                        fail("flow/C3", f"result {j} ({res}) is not {length} stacked values "
+                             f"of yielded value {j} ({y}) of region ^{b.region}", res, y)
+                    continue
+                targets = [res]
+                if kind == "carry":
+                    # The carry enters as the operand, and each iteration's yield feeds
+                    # every parameter bound to that operand on the next iteration.
+                    operand = b.params[k][0]
+                    targets += [
+                        op.regions[bb.region].params[kk].type
+                        for bb in bindings for kk, (i, _) in enumerate(bb.params)
+                        if i == operand and len(op.regions[bb.region].params) == len(bb.params)
+                    ]
+                    if not CF.assignable(op.operands[operand].type, res):
+                        fail("flow/C3", f"result {j} ({res}) does not fit operand {operand} "
+                             f"({op.operands[operand].type}) it is after no iteration",
+                             res, op.operands[operand].type)
+                for target in targets:
+                    if not CF.assignable(y, target):
+                        fail("flow/C3", f"yielded value {j} ({y}) of region ^{b.region} does "
+                             f"not fit {target}", y, target)
+        if prim == "cond" and op.operands and not ctx.is_local(op.operands[0].type):
+            fail("flow/C4", f"the branch index ({op.operands[0].type}) must be local to "
+                 f"'{ctx.here}'", op.operands[0].type, None)
+        return ok
 
     def local(self, op: Op, ctx: Context, path: tuple) -> None:
         prim = op.name.removeprefix("jax.")
@@ -185,6 +269,12 @@ class _Checker:
             and r.type.member.shape == placed[0].member.shape
             for r in op.results
         )
+
+
+def _leading(t) -> int | None:
+    """Leading dimension of a tensor, or of a placed value's member tensor."""
+    member = t.member if isinstance(t, PlacedType) else t
+    return member.shape[0] if isinstance(member, TensorType) and member.shape else None
 
 
 def verify(module: Module) -> list[Diagnostic]:

@@ -24,6 +24,7 @@ import numpy as np
 from jax._src import core
 
 from fcir import attrs as A
+from fcir import control_flow
 from fcir import primitives as P
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.ir import Module, Op, Region, describe, walk
@@ -211,6 +212,21 @@ class Interpreter:
     def secure_sum(self, op, x):
         return self._reduce(P.secure_sum_p, op, x, bitwidth=op.attrs["bitwidth"])
 
+    @impl("jax.scan")
+    def scan(self, op: Op, *args):
+        """JAX's scan, with placed ``xs``/``ys`` moved between the IR layout (member axis
+        first, ``fcir.control_flow``) and JAX's (scan axis first)."""
+        xs, ys = control_flow.scan_slices(op.attrs, len(op.operands), len(op.results))
+        args = [
+            _swap(a) if i in xs and is_placed(op.operands[i].type) else a
+            for i, a in enumerate(args)
+        ]
+        outs = self.local(op, *args)
+        return [
+            _swap(o) if j in ys and is_placed(op.results[j].type) else o
+            for j, o in enumerate(outs)
+        ]
+
     @impl("jax.custom_jvp_call")
     def custom_jvp_call(self, op, *args):
         # Derivative rules are not kept in the IR; the primal is the region, inlined as
@@ -304,6 +320,10 @@ def _multiple(op: Op) -> bool:
         return jax_primitive(op.name.removeprefix("jax.")).multiple_results
     except UnsupportedError:
         return False
+
+
+def _swap(x):
+    return jax.numpy.swapaxes(x, 0, 1)
 
 
 def is_placed(t) -> bool:

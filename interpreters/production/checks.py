@@ -11,6 +11,7 @@ ops to parts; the structural ones are found here first.
 from __future__ import annotations
 
 from fcir.check import verify
+from fcir.control_flow import is_placed
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, describe, value_numbering, walk
 
@@ -39,6 +40,17 @@ def check_structure(module: Module) -> None:
     ops_by_path = {}
     for path, op in walk(main.body):
         ops_by_path[path] = op
+        if len(path) == 1 and op.regions and op.name.startswith("jax.") and any(
+            is_placed(v.type) for v in [*op.operands, *op.results]
+        ):
+            raise fail(
+                module,
+                describe(module, path, op, names),
+                CONTROL_FLOW,
+                f"{op.name} carries values placed at the clients through its regions; a "
+                "production round is straight-line federated code: decide at the server "
+                "before the round, or export one round per branch",
+            )
         if not op.name.startswith("fed.") or len(path) == 1:
             continue
         parent = ops_by_path[path[:-2]]
