@@ -143,8 +143,8 @@ class _Checker:
         """For a control-flow or call op: checks each operand against the region
         parameter it binds to, each yielded value against the op result (or the carried
         parameter) it becomes, and that branch indices and loop conditions are local.
-        True when the op is one of these and everything fits: then the op only passes
-        values on, placed or not, and local/C1 does not apply to the op itself."""
+        True when the op is one of these: it only passes values on, placed or not, so
+        local/C1 does not apply to the op itself (any misfit is reported here)."""
         prim = op.name.removeprefix("jax.")
         if not op.regions or not (prim in CF.PRIMITIVES or prim in CF.CALLS):
             return False
@@ -153,12 +153,9 @@ class _Checker:
                                    len(op.regions))
         except CF.BindingError as e:
             self.report("flow/C1", f"flow/C1: {op.name}: {e}", path, op, False)
-            return False
-        ok = True
+            return True
 
         def fail(code, text, a, b):
-            nonlocal ok
-            ok = False
             self.report(code, f"{code}: {op.name}: {text}", path, op,
                         CF.is_placed(a) or CF.is_placed(b))
 
@@ -207,14 +204,14 @@ class _Checker:
                         fail("flow/C3", f"result {j} ({res}) does not fit operand {operand} "
                              f"({op.operands[operand].type}) it is after no iteration",
                              res, op.operands[operand].type)
-                for target in targets:
-                    if not CF.assignable(y, target):
-                        fail("flow/C3", f"yielded value {j} ({y}) of region ^{b.region} does "
-                             f"not fit {target}", y, target)
+                bad = next((t for t in targets if not CF.assignable(y, t)), None)
+                if bad is not None:
+                    fail("flow/C3", f"yielded value {j} ({y}) of region ^{b.region} does "
+                         f"not fit {bad}", y, bad)
         if prim == "cond" and op.operands and not ctx.is_local(op.operands[0].type):
             fail("flow/C4", f"the branch index ({op.operands[0].type}) must be local to "
                  f"'{ctx.here}'", op.operands[0].type, None)
-        return ok
+        return True
 
     def local(self, op: Op, ctx: Context, path: tuple) -> None:
         prim = op.name.removeprefix("jax.")
