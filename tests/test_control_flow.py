@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fcir.interpreters import production, reference, xla
 
 import fcir
 from fcir.check import verify
 from fcir.errors import ExportError, PlacementError
-from fcir.interpreters import production, reference, xla
 from fcir.types import PlacedType, TensorType
 
 N = 3
