@@ -178,11 +178,14 @@ class _Converter:
             )
         return p
 
-    def param_types(self, jx: core.Jaxpr, level: int, out_req=None) -> list[Type]:
+    def param_types(self, jx: core.Jaxpr, level: int, out_req=None, *,
+                    inlined: bool = False) -> list[Type]:
         """Types a region's parameters must have, from their uses (backwards).
 
         ``out_req`` are types required of the region's results (None where any will do):
-        a loop carry or a call's result that is used as placed data later.
+        a loop carry or a call's result that is used as placed data later. ``inlined``:
+        ``jx`` is a call's body that capture inlines, so its parameters are the caller's
+        values, which may be stacked per-round client values.
         """
         req: dict[core.Var, Type] = {}
 
@@ -218,16 +221,18 @@ class _Converter:
                     require(v, t)
             elif name in _INLINE_IF_FEDERATED:
                 sub = _open(eqn.params[_INLINE_IF_FEDERATED[name]])
-                inner = self.param_types(sub, level, [req.get(o) for o in eqn.outvars])
+                inner = self.param_types(sub, level, [req.get(o) for o in eqn.outvars],
+                                         inlined=True)
                 consts = len(sub.invars) - len(eqn.invars)
                 for v, t in zip(eqn.invars, inner[consts:] if consts >= 0 else inner):
-                    if CF.is_placed(t):
+                    if CF.is_placed(t) or isinstance(t, _Stacked):
                         require(v, t)
         for v in jx.invars:
-            if isinstance(req.get(v), _Stacked):
+            if isinstance(req.get(v), _Stacked) and not inlined:
                 raise PlacementError(req[v].message(v))
         return [
-            req[v] if CF.is_placed(req.get(v)) else self.local(tensor_of(v.aval), level)
+            req[v] if CF.is_placed(req.get(v)) or isinstance(req.get(v), _Stacked)
+            else self.local(tensor_of(v.aval), level)
             for v in jx.invars
         ]
 
@@ -377,6 +382,8 @@ class _Converter:
     def check_swapped(self, eqn, operands) -> None:
         """Stacked placed values (scan ``ys``) may only be scanned over again."""
         name = eqn.primitive.name
+        if name in _INLINE_IF_FEDERATED:
+            return  # a placed operand inlines the call: its body's uses are checked
         xs = range(0)
         if name == "scan":
             xs = range(eqn.params["num_consts"] + eqn.params["num_carry"], len(operands))

@@ -235,6 +235,16 @@ def test_variants_and_their_gradients(fn):
     assert_runs_everywhere(jax.grad(_loss(fn), (0, 1)), W, X, Y)
 
 
+def test_stacked_residuals_cross_a_jit_boundary():
+    # Forward and backward scans in separate jits: the per-round client residuals enter
+    # the backward jit as arguments of an inlined call, still stacked member-first.
+    def split(w, x, y):
+        out, vjp = jax.vjp(jax.jit(lambda w: tanh_rounds(w, x, y)), w)
+        return jax.jit(vjp)(out)
+
+    assert_runs_everywhere(split, W, X, Y)
+
+
 # --- what is rejected, and why -----------------------------------------------------------
 
 
