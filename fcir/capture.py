@@ -22,7 +22,15 @@ from fcir import control_flow as CF
 from fcir import primitives as P
 from fcir.errors import FcirError, PlacementError, UnsupportedError
 from fcir.ir import Func, Module, Op, Region, Value
-from fcir.types import SERVER, PlacedType, TensorType, Type, structure_of, tensor_of
+from fcir.types import (
+    SERVER,
+    PlacedType,
+    TensorType,
+    Type,
+    runtime_type,
+    structure_of,
+    tensor_of,
+)
 
 # Primitives applied elementwise: on values placed at one placement they stay
 # per-member computations, so capture keeps the placement instead of flagging them.
@@ -179,13 +187,13 @@ class _Converter:
         return p
 
     def param_types(self, jx: core.Jaxpr, level: int, out_req=None, *,
-                    inlined: bool = False) -> list[Type]:
+                    stacked_ok: bool = False) -> list[Type]:
         """Types a region's parameters must have, from their uses (backwards).
 
         ``out_req`` are types required of the region's results (None where any will do):
-        a loop carry or a call's result that is used as placed data later. ``inlined``:
-        ``jx`` is a call's body that capture inlines, so its parameters are the caller's
-        values, which may be stacked per-round client values.
+        a loop carry or a call's result that is used as placed data later.
+        ``stacked_ok``: ``jx`` is the body of an inlined call or of a fed.map, whose
+        parameters may be stacked per-round client values (a gradient's residuals).
         """
         req: dict[core.Var, Type] = {}
 
@@ -200,9 +208,9 @@ class _Converter:
             name = eqn.primitive.name
             if name == "fed_map":
                 p = self.child(level, eqn)
-                inner = self.param_types(eqn.params["body"].jaxpr, level + 1)
+                inner = self.param_types(eqn.params["body"].jaxpr, level + 1, stacked_ok=True)
                 for v, t in zip(eqn.invars, inner):
-                    require(v, PlacedType(t, p))
+                    require(v, t if isinstance(t, _Stacked) else PlacedType(t, p))
             elif name in FED_OP_NAMES and name != "fed_broadcast":
                 p = self.child(level, eqn)
                 for v in eqn.invars:
@@ -222,13 +230,13 @@ class _Converter:
             elif name in _INLINE_IF_FEDERATED:
                 sub = _open(eqn.params[_INLINE_IF_FEDERATED[name]])
                 inner = self.param_types(sub, level, [req.get(o) for o in eqn.outvars],
-                                         inlined=True)
+                                         stacked_ok=True)
                 consts = len(sub.invars) - len(eqn.invars)
                 for v, t in zip(eqn.invars, inner[consts:] if consts >= 0 else inner):
                     if CF.is_placed(t) or isinstance(t, _Stacked):
                         require(v, t)
         for v in jx.invars:
-            if isinstance(req.get(v), _Stacked) and not inlined:
+            if isinstance(req.get(v), _Stacked) and not stacked_ok:
                 raise PlacementError(req[v].message(v))
         return [
             req[v] if CF.is_placed(req.get(v)) or isinstance(req.get(v), _Stacked)
@@ -295,11 +303,15 @@ class _Converter:
 
     # -- conversion -----------------------------------------------------------------------
 
-    def convert_closed(self, closed, level: int, label: str, param_types=None) -> Region:
+    def convert_closed(self, closed, level: int, label: str, param_types=None,
+                       swapped=()) -> Region:
+        """``swapped[i]``: parameter i is a stacked per-round placed value (only a
+        fed.map body gets those, and only a fed.map body may yield them)."""
         jx = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
         consts = closed.consts if isinstance(closed, core.ClosedJaxpr) else ()
         types = param_types if param_types is not None else self.param_types(jx, level)
         params = [Value(t) for t in types]
+        self.swapped.update(v for v, s in zip(params, swapped) if s)
         region = Region(params, [], [], label)
         env: dict[core.Var, Value] = dict(zip(jx.invars, params))
         for var, val in zip(jx.constvars, consts):
@@ -307,7 +319,7 @@ class _Converter:
         self.convert_eqns(jx, env, region, level)
         region.results = [self.read(env, v, region, level) for v in jx.outvars]
         for v in region.results:
-            if v in self.swapped:
+            if v in self.swapped and label != "member":
                 raise PlacementError(_swapped_message(f"the region {label}", v, "yields"))
         return region
 
@@ -382,8 +394,8 @@ class _Converter:
     def check_swapped(self, eqn, operands) -> None:
         """Stacked placed values (scan ``ys``) may only be scanned over again."""
         name = eqn.primitive.name
-        if name in _INLINE_IF_FEDERATED:
-            return  # a placed operand inlines the call: its body's uses are checked
+        if name in _INLINE_IF_FEDERATED or name == "fed_map":
+            return  # passed on unchanged: the body's uses are checked
         xs = range(0)
         if name == "scan":
             xs = range(eqn.params["num_consts"] + eqn.params["num_carry"], len(operands))
@@ -503,8 +515,8 @@ class _Converter:
         return results
 
     def promotions(self, body: Region, carried) -> dict[int, PlacedType]:
-        """Loop-carried parameters (indices in ``carried``) typed at the server that the
-        body combines elementwise with per-member values of their own runtime shape: they
+        """Loop-carried parameters (indices in ``carried``) typed as local values that
+        the body combines elementwise with placed values of their own runtime type: they
         are per-member accumulators (JAX's cotangents of client data), so the carry is
         placed. Returns parameter index -> the placed type."""
         out: dict[int, PlacedType] = {}
@@ -512,38 +524,52 @@ class _Converter:
         for op in body.ops:
             if op.name.removeprefix("jax.") not in ELEMENTWISE:
                 continue
-            placed = next((o.type for o in op.operands if _is_placed(o.type)), None)
+            placed = next((o.type for o in op.operands if CF.is_placed(o.type)), None)
             if placed is None:
                 continue
-            n = self.sizes[placed.placement]
+            runtime = runtime_type(placed, self.sizes.get)
             for o in op.operands:
                 i = index.get(o)
-                if i is not None and not CF.is_placed(o.type) and _member_of(o.type) == \
-                        TensorType(placed.member.dtype, (n, *placed.member.shape)):
+                if i is not None and not CF.is_placed(o.type) and _member_of(o.type) == runtime:
                     out[i] = PlacedType(placed.member, placed.placement)
         return out
 
     def splat_at(self, region: Region, v: Value, want: Type, level: int) -> Value | None:
-        """``v``, a local splat of one scalar shaped like ``want`` at run time, remade as
-        the all-equal placed value ``want`` needs (appended to ``region``); else None."""
-        if not CF.is_placed(want) or not isinstance(want.member, TensorType):
+        """``v``, a local splat of one scalar with the runtime type of placed type
+        ``want``, remade as an all-equal placed value that fits ``want`` (ops appended to
+        ``region``: the member splat, broadcast down each level); else None."""
+        if not CF.is_placed(want):
             return None
         producer = next((op for op in region.ops if v in op.results), None)
         if producer is None or producer.name != "jax.broadcast_in_dim":
             return None
         (scalar,) = producer.operands
-        n = self.sizes.get(want.placement)
-        if (_member_of(scalar.type) != TensorType(want.member.dtype, ())
+        member = CF.innermost(want)
+        if (member is None or _member_of(scalar.type) != TensorType(member.dtype, ())
                 or producer.attrs.get("broadcast_dimensions") != ()
-                or _member_of(v.type).shape != (n, *want.member.shape)):
+                or _member_of(v.type) != runtime_type(want, self.sizes.get)):
             return None
-        member = Value(self.local(want.member, level))
-        attrs = {**producer.attrs, "shape": tuple(want.member.shape)}
-        region.ops.append(Op("jax.broadcast_in_dim", [scalar], [member], attrs,
+        tensor = Value(self.local(member, level))
+        attrs = {**producer.attrs, "shape": tuple(member.shape)}
+        region.ops.append(Op("jax.broadcast_in_dim", [scalar], [tensor], attrs,
                              location=producer.location))
-        out = Value(PlacedType(want.member, want.placement, True))
-        region.ops.append(Op("fed.broadcast", [member], [out], {"to": want.placement},
-                             location=producer.location))
+        return self.broadcast_down(region, tensor, want, producer.location)
+
+    def broadcast_down(self, region: Region, tensor: Value, want: PlacedType,
+                       location: str) -> Value:
+        """``tensor`` (local) sent to every member of ``want``'s placements, outermost
+        first: ``T@p!``, or for nested ``{{T}@q}@p`` a map over p broadcasting to q."""
+        member = CF.innermost(want)
+        top = Value(PlacedType(member, want.placement, True))
+        region.ops.append(Op("fed.broadcast", [tensor], [top], {"to": want.placement},
+                             location=location))
+        if isinstance(want.member, TensorType):
+            return top
+        param = Value(member)
+        body = Region([param], [], [], "member")
+        body.results = [self.broadcast_down(body, param, want.member, location)]
+        out = Value(PlacedType(body.results[0].type, want.placement))
+        region.ops.append(Op("fed.map", [top], [out], {}, [body], location=location))
         return out
 
     def fed_op(self, eqn, operands, region: Region, level: int) -> list[Value]:
@@ -561,8 +587,11 @@ class _Converter:
                 raise UnsupportedError("fed.map over no placed values: give map_fn an argument")
             inner = [_member_of(o.type) for o in operands]
             # A broadcast (all-equal) operand is one value per member inside the region.
-            sub = self.convert_closed(body, level + 1, "member", param_types=inner)
+            sub = self.convert_closed(body, level + 1, "member", param_types=inner,
+                                      swapped=[o in self.swapped for o in operands])
             out = [Value(PlacedType(r.type, p)) for r in sub.results]
+            # A stacked value passes through the map unchanged (member axis first).
+            self.swapped.update(v for v, r in zip(out, sub.results) if r in self.swapped)
             op = Op("fed.map", operands, out, {}, [sub], location=loc)
         else:
             attrs = {"bitwidth": int(eqn.params["bitwidth"])} if name == "fed_secure_sum" else {}

@@ -269,9 +269,10 @@ class _Checker:
 
 
 def _leading(t) -> int | None:
-    """Leading dimension of a tensor, or of a placed value's member tensor."""
-    member = t.member if isinstance(t, PlacedType) else t
-    return member.shape[0] if isinstance(member, TensorType) and member.shape else None
+    """Leading dimension of a tensor, or of a placed value's innermost member tensor
+    (where a scan slices it)."""
+    member = CF.innermost(t)
+    return member.shape[0] if member is not None and member.shape else None
 
 
 def verify(module: Module) -> list[Diagnostic]:

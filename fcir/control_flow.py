@@ -56,11 +56,13 @@ def is_placed(t) -> bool:
 
 def join(a: Type, b: Type) -> Type | None:
     """The one type both ``a`` and ``b`` fit (None if there is none): equal types, or an
-    all-equal and a per-member value of the same placement and member type."""
+    all-equal and a per-member value of the same placement and joined member types."""
     if a == b:
         return a
-    if is_placed(a) and is_placed(b) and a.placement == b.placement and a.member == b.member:
-        return PlacedType(a.member, a.placement, a.all_equal and b.all_equal)
+    if is_placed(a) and is_placed(b) and a.placement == b.placement:
+        member = join(a.member, b.member)
+        if member is not None:
+            return PlacedType(member, a.placement, a.all_equal and b.all_equal)
     return None
 
 
@@ -70,21 +72,38 @@ def assignable(src: Type, dst: Type) -> bool:
 
 
 def stack(t: Type, length: int) -> Type | None:
-    """The type of ``length`` values of type ``t`` stacked by a scan (None: cannot)."""
+    """The type of ``length`` values of type ``t`` stacked by a scan (None: cannot).
+    Placed values stack inside their members, at every level: member axes first."""
     if isinstance(t, TensorType):
         return TensorType(t.dtype, (length, *t.shape))
-    if isinstance(t, PlacedType) and isinstance(t.member, TensorType):
-        return PlacedType(stack(t.member, length), t.placement, t.all_equal)
+    if isinstance(t, PlacedType):
+        member = stack(t.member, length)
+        return None if member is None else PlacedType(member, t.placement, t.all_equal)
     return None
 
 
 def unstack(t: Type) -> Type | None:
-    """The type of one slice of a scanned-over value (None: it has no leading axis)."""
+    """The type of one slice of a scanned-over value (None: it has no scan axis)."""
     if isinstance(t, TensorType):
         return TensorType(t.dtype, t.shape[1:]) if t.shape else None
-    if isinstance(t, PlacedType) and isinstance(t.member, TensorType) and t.member.shape:
-        return PlacedType(unstack(t.member), t.placement, t.all_equal)
+    if isinstance(t, PlacedType):
+        member = unstack(t.member)
+        return None if member is None else PlacedType(member, t.placement, t.all_equal)
     return None
+
+
+def scan_axis(t: Type) -> int:
+    """Where a scan stacks values of type ``t`` at run time: after its member axes (the
+    placements it is nested in, server excluded); JAX's own scan stacks at axis 0."""
+    if isinstance(t, PlacedType):
+        return scan_axis(t.member) + (t.placement != SERVER)
+    return 0
+
+
+def innermost(t: Type) -> TensorType | None:
+    while isinstance(t, PlacedType):
+        t = t.member
+    return t if isinstance(t, TensorType) else None
 
 
 @dataclasses.dataclass

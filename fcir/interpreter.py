@@ -217,13 +217,14 @@ class Interpreter:
         """JAX's scan, with placed ``xs``/``ys`` moved between the IR layout (member axis
         first, ``fcir.control_flow``) and JAX's (scan axis first)."""
         xs, ys = control_flow.scan_slices(op.attrs, len(op.operands), len(op.results))
+        axis = control_flow.scan_axis
         args = [
-            _swap(a) if i in xs and is_placed(op.operands[i].type) else a
+            jax.numpy.moveaxis(a, axis(op.operands[i].type), 0) if i in xs else a
             for i, a in enumerate(args)
         ]
         outs = self.local(op, *args)
         return [
-            _swap(o) if j in ys and is_placed(op.results[j].type) else o
+            jax.numpy.moveaxis(o, 0, axis(op.results[j].type)) if j in ys else o
             for j, o in enumerate(outs)
         ]
 
@@ -320,10 +321,6 @@ def _multiple(op: Op) -> bool:
         return jax_primitive(op.name.removeprefix("jax.")).multiple_results
     except UnsupportedError:
         return False
-
-
-def _swap(x):
-    return jax.numpy.swapaxes(x, 0, 1)
 
 
 def is_placed(t) -> bool:

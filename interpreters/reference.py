@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fcir.control_flow import scan_axis
 from fcir.errors import InterpreterError
 from fcir.interpreter import Interpreter, impl, is_placed
 from fcir.ir import Module, Op, walk
@@ -104,11 +105,12 @@ class ReferenceInterpreter(Interpreter):
         length = int(op.attrs["length"])
         body = op.regions[op.attrs["jaxpr"].index]
         consts, carry, xs = list(args[:nc]), list(args[nc:nc + nk]), args[nc + nk:]
-        placed = [is_placed(v.type) for v in op.operands[nc + nk:]]
+        # A placed xs is stacked inside its members (fcir.control_flow.scan_axis).
+        axes = [scan_axis(v.type) for v in op.operands[nc + nk:]]
         ys: list = [None] * length
         steps = range(length - 1, -1, -1) if op.attrs.get("reverse") else range(length)
         for t in steps:
-            sliced = [x[:, t] if p else x[t] for x, p in zip(xs, placed)]
+            sliced = [jnp.take(x, t, axis=a) for x, a in zip(xs, axes)]
             outs = self.run_region(body, consts + carry + sliced)
             carry, ys[t] = list(outs[:nk]), outs[nk:]
         stacked = []
@@ -117,7 +119,7 @@ class ReferenceInterpreter(Interpreter):
                 rt = runtime_type(v.type, self.module.cardinality)
                 stacked.append(jnp.zeros(rt.shape, rt.np_dtype))
             else:
-                stacked.append(jnp.stack([y[j] for y in ys], axis=1 if is_placed(v.type) else 0))
+                stacked.append(jnp.stack([y[j] for y in ys], axis=scan_axis(v.type)))
         return carry + stacked
 
     @impl("jax.while")
