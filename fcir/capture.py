@@ -5,7 +5,10 @@ top of the program), ``i`` is inside a ``fed.map`` over the members of placement
 Unplaced values at the server are typed ``T@server``; inside a map region they are
 plain ``T``. Region parameters take the type their uses require (an operand of a
 nested ``fed.map`` or of a reduction is placed), propagated backwards through
-elementwise ops; results then follow forwards from the op type rules.
+elementwise ops, calls and control flow; results then follow forwards from the op type
+rules. Server control flow (``scan``, ``while``, ``cond``) whose regions hold fed ops or
+get placed values has its regions typed from its operands, to a fixed point through the
+loop carry (``fcir.control_flow``, docs/control_flow.md).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ How each op binds operands to region parameters (``bindings``):
   consts, the carry and one slice of each ``xs``; it yields the new carry and one slice of
   each ``ys``. A placed ``xs``/``ys`` is *stacked per member*: ``{f32[T,4]}@clients`` holds
   each member's T slices, so the body sees ``{f32[4]}@clients``. At run time the member
-  axis stays first (``[n, T, 4]``), where JAX's own scan stacks along axis 0 (``[T, n,
-  4]``); the interpreters swap the two axes around the scan (:func:`to_scan_layout`).
+  axes stay first (``[n, T, 4]``), where JAX's own scan stacks along axis 0 (``[T, n,
+  4]``); the interpreters move the scan axis around the scan (:func:`scan_axis`).
 * ``jax.while`` (operands ``cond consts, body consts, init carry``): the condition gets
   its consts and the carry and yields a server ``bool[]``; the body gets its consts and the
   carry and yields the new carry.
@@ -111,10 +111,10 @@ class Binding:
     """How one region of a control-flow op is fed and what it yields.
 
     ``params[i]`` is ``(operand index, sliced)``: region parameter i is that operand, or
-    one slice of it (scan ``xs``). ``results[j]`` is ``(kind, index)``: ``("carry", k)``
-    feeds region parameter k on the next iteration and is op result ``out``; ``("result",
-    k)`` is op result k; ``("stacked", k)`` is a slice of op result k (scan ``ys``);
-    ``("predicate", 0)`` is a while condition.
+    one slice of it (scan ``xs``). ``results[j]`` is ``(kind, k)``: ``("carry", k)`` feeds
+    region parameter k on the next iteration and is op result j after the last one;
+    ``("result", k)`` is op result k (= j); ``("stacked", k)`` is one slice of op result k
+    (= j, scan ``ys``); ``("predicate", 0)`` is a while loop's condition.
     """
 
     region: int
