@@ -1,7 +1,8 @@
 """FedAvg round benchmark: fcir's XLA backend vs DrJAX vs hand-written jit(vmap).
 
     python bench/round.py            # full run: 8 and 64 clients, 15 repetitions
-    python bench/round.py --quick    # smoke mode (tiny model, 8 clients, one repetition)
+    python bench/round.py --quick    # smoke mode (tiny model, 8 clients, one repetition;
+                                     # --smoke is the same, as in bench/scale.py)
 
 Part 1, on 8 simulated CPU devices with the clients sharded over a ``clients`` mesh
 axis: one FedAvg round of the small transformer language model of
@@ -18,6 +19,13 @@ All three get the same arguments, already laid out (model replicated, client tok
 sharded over ``clients``), and run as ahead-of-time compiled executables. Reported:
 median times, and the median, min/max and IQR of the per-repetition ratios
 fcir/drjax (goal <= 1.0) and fcir/limit (goal <= 1.02).
+
+Part 1b, the call path (what a user calls, not an AOT executable): per-call time of
+``exe(*args)`` vs ``jax.jit`` of the DrJAX round vs ``jax.jit`` of the fcir program
+itself, each warmed up, called in blocks (the three blocks back to back per
+repetition, rotating which goes first; median of >= 5 repetitions, ratios per
+repetition). Measured on the tiny round of issue 13 (8 clients, f32[4], one device,
+2,000 calls per block) and on the transformer rounds of part 1 on the mesh.
 
 Part 2: the fcir round with 16 clients on 2 processes × 4 devices (``jax.distributed``
 on localhost, gloo collectives) vs 1 process × 8 devices: persistent worker processes
@@ -212,6 +220,114 @@ def bench_single_process(
     return out
 
 
+# --- part 1b: the call path --------------------------------------------------------------
+
+
+def tiny_programs():
+    """The tiny round (8 clients, f32[4]) three ways, as a user calls them, one device."""
+    import drjax
+    import jax
+    import jax.numpy as jnp
+    from fcir.interpreters import xla
+
+    import fcir
+
+    def make(api):
+        @api.program(placements={"clients": 8})
+        def tiny_round(w, x):
+            deltas = api.map_fn(lambda w, x: w * x - 1.0, (api.broadcast(w), x))
+            return w + api.reduce_mean(deltas)
+
+        return tiny_round
+
+    args = (jnp.arange(4, dtype=jnp.float32), jnp.ones((8, 4), jnp.float32))
+    programs = {
+        "fcir": xla.compile(fcir.capture(make(fcir), *args)),
+        "drjax_jit": jax.jit(make(drjax)),
+        "fcir_jit": jax.jit(make(fcir)),
+    }
+    return programs, args
+
+
+def call_programs(num_clients: int, cfg: dict, mesh, args):
+    """The transformer round as a user calls it: the executable and two jax.jit's."""
+    import drjax
+    import jax
+    from corpus import transformer
+    from fcir.interpreters import xla
+
+    import fcir
+
+    lr, heads = transformer.LR, cfg["heads"]
+    fcir_round = transformer.make_round(num_clients, lr=lr, num_heads=heads, api=fcir)
+    drjax_round = transformer.make_round(num_clients, lr=lr, num_heads=heads, api=drjax)
+    return {
+        "fcir": xla.compile(fcir.capture(fcir_round, *args), mesh=mesh),
+        "drjax_jit": jax.jit(drjax_round),
+        "fcir_jit": jax.jit(fcir_round),
+    }
+
+
+def time_calls(programs: dict, args, calls: int, reps: int, warmup: int) -> dict:
+    """Seconds per call, wall and CPU: a block of ``calls`` calls per program per
+    repetition (results awaited at the end of the block), rotating the first."""
+    import jax
+
+    names = list(programs)
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    for name in names:  # compile and warm the C++ caches
+        jax.block_until_ready(programs[name](*args))
+    for r in range(warmup + reps):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = programs[name]
+            w0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            dw, dc = time.perf_counter() - w0, time.process_time() - c0
+            if r >= warmup:
+                wall[name].append(dw / calls)
+                cpu[name].append(dc / calls)
+    return {
+        "calls_per_block": calls,
+        "samples_s": wall,
+        "cpu_samples_s": cpu,
+        "fcir/drjax_jit": ratio_stats(wall["fcir"], wall["drjax_jit"]),
+        "fcir/fcir_jit": ratio_stats(wall["fcir"], wall["fcir_jit"]),
+        "cpu fcir/drjax_jit": ratio_stats(cpu["fcir"], cpu["drjax_jit"]),
+        "cpu fcir/fcir_jit": ratio_stats(cpu["fcir"], cpu["fcir_jit"]),
+    }
+
+
+def bench_call_path(clients: list[int], cfg: dict, reps: int, warmup: int, quick: bool) -> dict:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    out = {}
+    programs, args = tiny_programs()
+    out["tiny (8 clients, f32[4], 1 device)"] = time_calls(
+        programs, args, 50 if quick else 2000, reps, warmup
+    )
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
+    from corpus import transformer
+
+    for n in clients:
+        params, tokens = transformer.make_args(
+            n, **{k: cfg[k] for k in ("vocab", "seq", "d", "layers", "local_steps", "batch")}
+        )
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+        tokens = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec("clients")))
+        args = (params, tokens)
+        # DrJAX's jit adds its constraints for the mesh in context: all three run in it.
+        with jax.set_mesh(mesh):
+            programs = call_programs(n, cfg, mesh, args)
+            out[f"transformer, {n} clients, 8 devices"] = time_calls(
+                programs, args, 1 if quick else 5, reps, warmup
+            )
+    return out
+
+
 # --- part 2: processes -------------------------------------------------------------------
 
 
@@ -372,7 +488,35 @@ def _ratio(s: dict) -> str:
     )
 
 
-def report(single: dict, procs: dict | None, reps: int) -> str:
+def _us(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1e6:10.1f}"
+
+
+def report_calls(calls: dict, reps: int) -> list[str]:
+    lines = [
+        "",
+        f"call path: exe(*args) vs jax.jit (median of >= {reps} blocks, us per call; "
+        "ratios per block: median [min, max; IQR])",
+        f"  {'round':38} {'fcir exe':>10} {'drjax jit':>10} {'fcir jit':>10}   "
+        f"{'fcir/drjax_jit (goal <= 1.1)':<46} fcir/fcir_jit",
+    ]
+    for name, row in calls.items():
+        s = row["samples_s"]
+        lines.append(
+            f"  {name:38} {_us(s['fcir'])} {_us(s['drjax_jit'])} {_us(s['fcir_jit'])}   "
+            f"{_ratio(row['fcir/drjax_jit']):<46} {_ratio(row['fcir/fcir_jit'])}"
+        )
+    lines.append("  CPU time of this process, same blocks:")
+    for name, row in calls.items():
+        s = row["cpu_samples_s"]
+        lines.append(
+            f"  {name:38} {_us(s['fcir'])} {_us(s['drjax_jit'])} {_us(s['fcir_jit'])}   "
+            f"{_ratio(row['cpu fcir/drjax_jit']):<46} {_ratio(row['cpu fcir/fcir_jit'])}"
+        )
+    return lines
+
+
+def report(single: dict, procs: dict | None, reps: int, calls: dict | None = None) -> str:
     lines = [
         (
             f"FedAvg round, transformer LM, 8 CPU devices, clients sharded "
@@ -404,6 +548,8 @@ def report(single: dict, procs: dict | None, reps: int) -> str:
             f"{', '.join(same) or 'none'}; max |output - fcir| "
             + ", ".join(f"{k} {v:.1e}" for k, v in diff.items() if k != "fcir")
         )
+    if calls:
+        lines += report_calls(calls, reps)
     if procs is not None:
         s = procs["samples_s"]
         lines += [
@@ -424,13 +570,16 @@ def report(single: dict, procs: dict | None, reps: int) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, 8 clients, one repetition")
+    ap.add_argument(
+        "--quick", "--smoke", action="store_true", help="tiny model, 8 clients, one repetition"
+    )
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--budget", type=float, default=20.0, help="seconds of timing per client count")
     ap.add_argument("--clients", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--process-clients", type=int, default=16)
     ap.add_argument("--no-processes", action="store_true", help="skip part 2")
+    ap.add_argument("--no-calls", action="store_true", help="skip part 1b (the call path)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -449,9 +598,14 @@ def main(argv=None) -> int:
     reps, warmup = (1, 1) if a.quick else (a.reps, a.warmup)
     clients = [8] if a.quick else a.clients
     started = time.time()
+    load = [os.getloadavg()]
     single = bench_single_process(clients, cfg, reps, warmup, 0.0 if a.quick else a.budget)
+    call_reps = reps if a.quick else max(reps, 5)
+    calls = None if a.no_calls else bench_call_path(clients, cfg, call_reps, warmup, a.quick)
     procs = None if a.no_processes else bench_processes(a.process_clients, cfg, reps, warmup)
-    print(report(single, procs, reps))
+    load.append(os.getloadavg())
+    print(report(single, procs, reps, calls))
+    print(f"load average (1, 5, 15 min) before: {load[0]}, after: {load[1]}")
 
     import drjax
 
@@ -464,7 +618,9 @@ def main(argv=None) -> int:
             "budget_s": a.budget,
         },
         "single_process": single,
+        "call_path": calls,
         "processes": procs,
+        "load_average": load,
         "versions": {
             "jax": jax.__version__,
             "jaxlib": getattr(jax.lib, "__version__", None) or _dist_version("jaxlib"),

@@ -1,8 +1,11 @@
 """fcir: a compiler and interpreter toolkit for federated computations written in JAX."""
 
 from fcir import autodiff as _autodiff  # noqa: F401  (registers AD rules)
+from fcir import privacy
 from fcir.api import (
     broadcast,
+    dp_mean,
+    dp_sum,
     map_fn,
     program,
     reduce_max,
@@ -22,6 +25,7 @@ from fcir.errors import (
     IRTypeError,
     ParseError,
     PlacementError,
+    PrivacyError,
     UnsupportedError,
     VersionError,
 )

@@ -33,6 +33,8 @@ _source_info.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
 __all__ = [
     "Placements",
     "broadcast",
+    "dp_mean",
+    "dp_sum",
     "map_fn",
     "program",
     "reduce_max",
@@ -124,14 +126,22 @@ class _pushed:
         _CONTEXT.stack.pop()
 
 
-def program(*, placements: Mapping[str, int], mesh=None) -> Callable[[Callable], Callable]:
+def program(
+    *, placements: Mapping[str, int], mesh=None, private: bool = False
+) -> Callable[[Callable], Callable]:
     """Declares a federated program's placements, outermost first.
 
     ``@fcir.program(placements={"clients": 8})`` or, for a hierarchy,
     ``placements={"silos": 4, "clients": 16}``. The decorated function is an ordinary
     JAX function: ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``fcir.capture`` apply.
+
+    ``private=True`` marks the captured Module private: ``fcir.check`` then rejects
+    every path by which client data reaches the server other than through
+    ``fcir.dp_sum`` / ``fcir.dp_mean`` (see ``fcir.privacy``).
     """
     spec = Placements.from_mapping(placements)
+    if not isinstance(private, bool):
+        raise PlacementError(f"fcir.program: private must be True or False, got {private!r}")
 
     def decorate(fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -140,6 +150,7 @@ def program(*, placements: Mapping[str, int], mesh=None) -> Callable[[Callable],
                 return fn(*args, **kwargs)
 
         run.fcir_placements = spec
+        run.fcir_private = private
         return run
 
     return decorate
@@ -322,3 +333,49 @@ def reduce_weighted_mean(x, w):
         P.weighted_mean_p.bind(leaf, wl, placement=name, n=n) for leaf, wl in zip(leaves, w_leaves)
     ]
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _dp_static(what: str, name: str, value, low: float, strict: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise PlacementError(
+            f"{what}: {name} must be a Python number known when the program is traced "
+            f"(the accountant reads it from the IR), got {type(value).__name__}"
+        )
+    v = float(value)
+    if not np.isfinite(v) or v < low or (strict and v == low):
+        bound = f"> {low}" if strict else f">= {low}"
+        raise PlacementError(f"{what}: {name} must be finite and {bound}, got {value!r}")
+    return v
+
+
+def _dp(prim, what: str, x, clip_norm, noise_multiplier, key):
+    frame = _current(what)
+    name, n = frame.child(what)
+    clip = _dp_static(what, "clip_norm", clip_norm, 0.0, True)
+    z = _dp_static(what, "noise_multiplier", noise_multiplier, 0.0, False)
+    leaves, tree = _flatten(x)
+    if not leaves:
+        raise PlacementError(f"{what}: x has no array leaves")
+    _check_placed(leaves, name, n, what)
+    key = jax.numpy.asarray(key) if not isinstance(key, (jax.Array, core.Tracer)) else key
+    out = prim.bind(*leaves, key, placement=name, n=n, clip_norm=clip, noise_multiplier=z)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def dp_sum(x, clip_norm, noise_multiplier, key):
+    """Differentially private sum: ``{T}@child -> T@p`` for a placed pytree ``x``.
+
+    Each member's pytree is scaled by ``min(1, clip_norm / norm)`` (``norm`` its global
+    L2 norm over all leaves; a zero member stays zero), the clipped members are summed,
+    and where the result lives leaf ``i`` gets
+    ``noise_multiplier * clip_norm * jax.random.normal(jax.random.fold_in(key, i), ...)``.
+    ``key`` is a PRNG key at the server (the current placement). ``clip_norm`` and
+    ``noise_multiplier`` are Python numbers: they are attributes of the op, read by
+    ``fcir.privacy.epsilon``. Gradients treat the noise as a constant.
+    """
+    return _dp(P.dp_sum_p, "fcir.dp_sum", x, clip_norm, noise_multiplier, key)
+
+
+def dp_mean(x, clip_norm, noise_multiplier, key):
+    """``fcir.dp_sum`` divided by the cardinality of the placement (noise included)."""
+    return _dp(P.dp_mean_p, "fcir.dp_mean", x, clip_norm, noise_multiplier, key)

@@ -5,6 +5,20 @@ records below. Nothing here is pickled or ``eval``-ed: enums and records name a 
 class by its qualified name, and decoding only looks that name up among classes that
 JAX's own modules define. Sub-jaxprs are not attributes but regions of the op; the
 param refers to them with :class:`RegionRef`.
+
+Three params hold Python objects of other kinds, each written as plain data:
+
+* a primitive (``select_and_scatter_add``'s ``select_prim``, from the gradient of max
+  pooling): ``#Primitive.ge``, decoded only from :data:`PARAM_PRIMITIVES`;
+* a PyTreeDef (``debug_print``'s ``in_tree``): ``#PyTreeDef<root=...>``, its tuple,
+  list, dict and None nodes as records; a custom node (a namedtuple, a dataclass) would
+  need its class back, so it is an UnsupportedError;
+* a traced Python function next to its jaxpr (``reduce``'s ``computation``): the
+  region is what lowers and differentiates, so the function is ``#Omitted.computation``.
+
+A Python callback (``jax.debug.callback``, ``jax.pure_callback``) cannot be plain data;
+capture refuses it. ``jax.debug.print`` is no callback: it is kept as its format string
+and prints again wherever the module runs.
 """
 
 from __future__ import annotations
@@ -139,6 +153,21 @@ OMITTED_PARAMS = {
     "custom_jvp_call": ("jvp_jaxpr_fun",),
     "custom_vjp_call": ("fwd_jaxpr_thunk", "bwd", "out_trees"),
 }
+# The Python function a reduction's region was traced from: JAX lowers, batches and
+# differentiates the region (``jaxpr``), so the IR keeps that and omits the function.
+OMITTED_COMPUTATIONS = {"reduce": ("computation",)}
+
+# Primitives JAX passes as params, by name: select_and_scatter_add and
+# select_and_gather_add compare with one of these. Decoding looks names up here only.
+PARAM_PRIMITIVES = ("ge", "gt", "le", "lt")
+
+# Primitives whose params hold a Python function to call at run time: no plain-data
+# form exists, so capture names the limit instead of failing on an unknown param.
+_CALLBACKS = {
+    "debug_callback": "jax.debug.callback",
+    "pure_callback": "jax.pure_callback",
+    "io_callback": "jax.experimental.io_callback",
+}
 
 
 def _qualname(cls) -> str:
@@ -231,7 +260,48 @@ def _encode_special(value, prim, key, add_region):
         return Enum("checkpoint_policy", "custom")
     if prim in OMITTED_PARAMS and key in OMITTED_PARAMS[prim]:
         return Enum("Omitted", "derivative_rule")
+    if prim in OMITTED_COMPUTATIONS and key in OMITTED_COMPUTATIONS[prim]:
+        return Enum("Omitted", "computation")
+    if prim in _CALLBACKS and callable(value):
+        raise UnsupportedError(
+            f"jax.{prim}: param {key} is the Python function {_CALLBACKS[prim]} calls, which "
+            "the IR cannot hold as plain data (modules are never pickled); use "
+            "jax.debug.print, which is kept as its format string, or call the function "
+            "outside the captured program"
+        )
+    from jax._src import core
+
+    if isinstance(value, core.Primitive):
+        if value.name not in PARAM_PRIMITIVES:
+            raise UnsupportedError(
+                f"jax.{prim}: param {key} is the primitive {value.name}; fcir encodes only "
+                f"{', '.join(PARAM_PRIMITIVES)} as a param"
+            )
+        return Enum("Primitive", value.name)
+    if isinstance(value, jax.tree_util.PyTreeDef):
+        return Record("PyTreeDef", (("root", _encode_treedef(value, prim, key)),))
     return None
+
+
+def _encode_treedef(td, prim: str, key: str):
+    """A PyTreeDef's nodes as records; leaves are ``#PyTreeDef.LEAF``."""
+    data = td.node_data()
+    if data is None:
+        return Enum("PyTreeDef", "LEAF")
+    node_type, aux = data
+    kids = tuple(_encode_treedef(c, prim, key) for c in td.children())
+    if node_type is type(None):
+        return Enum("PyTreeDef", "NONE")
+    if node_type is tuple or node_type is list:
+        return Record(f"PyTreeDef.{node_type.__name__}", (("items", kids),))
+    if node_type is dict and all(type(k) in (str, int) for k in aux):
+        return Record("PyTreeDef.dict", (("keys", tuple(aux)), ("items", kids)))
+    raise UnsupportedError(
+        f"jax.{prim}: param {key} holds a pytree node of class "
+        f"{getattr(node_type, '__qualname__', node_type)}; fcir writes only tuple, list, "
+        "dict (str or int keys) and None nodes, since rebuilding another class would mean "
+        "loading a class named by the IR: pass its leaves or a dict instead"
+    )
 
 
 def _encode_spec(spec) -> tuple:
@@ -316,7 +386,16 @@ def _decode_enum(attr: Enum):
     if attr.type_name == "checkpoint_policy":
         return getattr(jax.checkpoint_policies, attr.member, None)
     if attr.type_name == "Omitted":
-        return _OmittedFun()
+        return _OMITTED_COMPUTATION if attr.member == "computation" else _OmittedFun()
+    if attr.type_name == "Primitive":
+        if attr.member not in PARAM_PRIMITIVES:
+            raise ParseError(
+                f"#Primitive.{attr.member}: only {', '.join(PARAM_PRIMITIVES)} are primitives "
+                "an attribute may name"
+            )
+        from jax import lax
+
+        return getattr(lax, f"{attr.member}_p")
     if attr.type_name == "AxisType":
         return jax.sharding.AxisType[attr.member]
     if attr.type_name == "PartitionSpec" and attr.member == "UNCONSTRAINED":
@@ -335,6 +414,42 @@ class _OmittedFun:
 
     def call_wrapped(self, *args, **kwargs):
         _omitted_rule()
+
+
+class _OmittedComputation:
+    """Stands for a reduction's Python function; JAX uses the region (``jaxpr``) only.
+    One instance, so that equal ops give equal (cacheable) params."""
+
+    def __call__(self, *args, **kwargs):
+        raise UnsupportedError(
+            "the Python function of a jax.reduce is not kept in the fcir IR; its region "
+            "(the jaxpr param) is the computation"
+        )
+
+
+_OMITTED_COMPUTATION = _OmittedComputation()
+
+
+def _decode_treedef(node):
+    import jax
+
+    def skeleton(n):
+        if isinstance(n, Enum) and n.type_name == "PyTreeDef" and n.member in ("LEAF", "NONE"):
+            return 0 if n.member == "LEAF" else None
+        if isinstance(n, Record) and n.type_name in ("PyTreeDef.tuple", "PyTreeDef.list"):
+            kids = [skeleton(k) for k in n.get("items", ())]
+            return tuple(kids) if n.type_name == "PyTreeDef.tuple" else kids
+        if isinstance(n, Record) and n.type_name == "PyTreeDef.dict":
+            keys, items = n.get("keys", ()), n.get("items", ())
+            if len(keys) != len(items) or any(type(k) not in (str, int) for k in keys):
+                raise ParseError("#PyTreeDef.dict needs as many str or int keys as items")
+            return dict(zip(keys, (skeleton(k) for k in items)))
+        raise ParseError(f"not a PyTreeDef node: {n!r}")
+
+    try:
+        return jax.tree_util.tree_structure(skeleton(node))
+    except (TypeError, ValueError) as e:  # e.g. int and str keys in one dict
+        raise ParseError(f"#PyTreeDef: {e}") from None
 
 
 def _decode_spec(entries):
@@ -375,6 +490,8 @@ def _concrete(mesh):
 def _decode_record(attr: Record, get_region):
     import jax
 
+    if attr.type_name == "PyTreeDef":
+        return _decode_treedef(attr.get("root"))
     if attr.type_name == "AbstractMesh":
         return _decode_mesh(attr)
     if attr.type_name == "Mesh":

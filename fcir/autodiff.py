@@ -52,6 +52,12 @@ Per primitive
 ``fed.secure_sum``  integer-only (modular arithmetic): the tangent is always a
                     symbolic zero (``float0``); it is never linear, so it has no
                     transpose.
+``fed.dp_sum/mean`` the noise is a constant (it depends on the key only), so the
+                    tangent is the sum of the members' clip tangents:
+                    ``fed.sum(map(jvp(clip)))`` (divided by n for the mean, on the
+                    server). The map region is linear in the tangents, so partial
+                    evaluation splits it like weighted_mean's and the VJP is a broadcast
+                    followed by a member-wise map (clipping differentiated per member).
 ``fed.map``         higher-order: JVP maps the body's JVP (``ad.jvp_jaxpr``); direct
                     linearization maps ``ad.linearize_jaxpr``'s primal jaxpr and its
                     tangent jaxpr; partial evaluation (``JaxprTrace`` and the
@@ -72,6 +78,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import ad_util, api_util, core, dtypes, source_info_util
 from jax._src import linear_util as lu
@@ -82,6 +90,9 @@ from jax.sharding import PartitionSpec
 
 from fcir.primitives import (
     broadcast_p,
+    clip_member,
+    dp_mean_p,
+    dp_sum_p,
     map_p,
     max_p,
     mean_p,
@@ -329,6 +340,42 @@ ad.primitive_jvps[weighted_mean_p] = _weighted_mean_jvp
 # Integer-only modular sum: never differentiable, the tangent is a symbolic zero.
 
 ad.defjvp_zero(secure_sum_p)
+
+
+# --- fed.dp_sum / fed.dp_mean ---------------------------------------------------------------
+
+
+def _clip_tangent_region(clip_norm: float, nonzero: tuple[bool, ...]):
+    def clip_tangent(*args):
+        k = len(nonzero)
+        xs, given = list(args[:k]), iter(args[k:])
+        ts = [next(given) if nz else jnp.zeros_like(x) for x, nz in zip(xs, nonzero)]
+        _, out = jax.jvp(lambda *m: clip_member(m, clip_norm), xs, ts)
+        return list(out)
+
+    return clip_tangent
+
+
+def _dp_jvp(prim, primals, tangents, *, placement, n, clip_norm, noise_multiplier):
+    *xs, _ = primals
+    params = dict(placement=placement, n=n, clip_norm=clip_norm,
+                  noise_multiplier=noise_multiplier)
+    ys = prim.bind(*primals, **params)
+    nonzero = tuple(not _is_zero(t) for t in tangents[:-1])
+    if not any(nonzero):
+        return ys, [ad_util.p2tz(y) for y in ys]
+    ts = [t for t, nz in zip(tangents, nonzero) if nz]
+    clipped = member_map(
+        _clip_tangent_region, (clip_norm, nonzero), placement, n, *xs, *ts
+    )
+    out = [sum_p.bind(c, placement=placement, n=n) for c in clipped]
+    if prim is dp_mean_p:
+        out = [o / n for o in out]
+    return ys, out
+
+
+ad.primitive_jvps[dp_sum_p] = functools.partial(_dp_jvp, dp_sum_p)
+ad.primitive_jvps[dp_mean_p] = functools.partial(_dp_jvp, dp_mean_p)
 
 
 # --- fed.map: JVP ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import numpy as np
 from jax._src import core, source_info_util
 
 from fcir import attrs as A
+from fcir import captured, pytrees
 from fcir import control_flow as CF
 from fcir import primitives as P
 from fcir.errors import FcirError, PlacementError, UnsupportedError
@@ -63,7 +64,11 @@ FED_OP_NAMES = {
     "fed_max": "fed.max",
     "fed_weighted_mean": "fed.weighted_mean",
     "fed_secure_sum": "fed.secure_sum",
+    "fed_dp_sum": "fed.dp_sum",
+    "fed_dp_mean": "fed.dp_mean",
 }
+# DP aggregates take the PRNG key, a value where the result lives, as their last operand.
+_DP = frozenset({"fed_dp_sum", "fed_dp_mean"})
 
 
 def capture(fn, *args, name: str | None = None, locations: bool = False, **kwargs) -> Module:
@@ -88,11 +93,12 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
     return from_jaxpr(
         closed, in_tree, out_tree, name=name or _name_of(fn),
         placements=_placements(fn, closed.jaxpr), locations=locations,
+        private=_private(fn),
     )
 
 
 def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="program",
-               placements=None, locations: bool = False) -> Module:
+               placements=None, locations: bool = False, private: bool = False) -> Module:
     """Converts an already traced jaxpr (unchecked). ``in_tree``/``out_tree`` are the
     PyTreeDefs of the flat arguments and results; placements default to those the
     jaxpr's federated ops use."""
@@ -104,7 +110,24 @@ def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="p
     # In this process, results come back with the program's own pytree classes (optax
     # states, dataclasses); a deserialized module rebuilds them from the Structure.
     main.result_treedef = out_tree
-    return Module(name, placements, [main])
+    pytrees.remember(main.result_structure, out_tree)
+    module = Module(name, placements, [main], private=private)
+    # Backends that only need this very jaxpr back take it instead of tracing the IR.
+    captured.remember(module, closed)
+    return module
+
+
+def _private(fn) -> bool:
+    """True if ``fn`` (or what it wraps) is an ``fcir.program(private=True)``."""
+    seen = fn
+    for _ in range(16):
+        flag = getattr(seen, "fcir_private", None)
+        if flag is not None:
+            return bool(flag)
+        seen = getattr(seen, "__wrapped__", None) or getattr(seen, "func", None)
+        if seen is None:
+            break
+    return False
 
 
 def _name_of(fn) -> str:
@@ -216,7 +239,7 @@ class _Converter:
                     require(v, t if isinstance(t, _Stacked) else PlacedType(t, p))
             elif name in FED_OP_NAMES and name != "fed_broadcast":
                 p = self.child(level, eqn)
-                for v in eqn.invars:
+                for v in eqn.invars[:-1] if name in _DP else eqn.invars:
                     if isinstance(v, core.Var):
                         require(v, PlacedType(self.member_type(v.aval), p))
             elif name in ELEMENTWISE:
@@ -596,6 +619,10 @@ class _Converter:
             # A stacked value passes through the map unchanged (member axis first).
             self.swapped.update(v for v, r in zip(out, sub.results) if r in self.swapped)
             op = Op("fed.map", operands, out, {}, [sub], location=loc)
+        elif name in _DP:
+            attrs = {k: float(eqn.params[k]) for k in ("clip_norm", "noise_multiplier")}
+            out = [Value(self.local(tensor_of(v.aval), level)) for v in eqn.outvars]
+            op = Op(FED_OP_NAMES[name], operands, out, attrs, location=loc)
         else:
             attrs = {"bitwidth": int(eqn.params["bitwidth"])} if name == "fed_secure_sum" else {}
             av = eqn.outvars[0].aval

@@ -11,7 +11,9 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
 * ``local/C2``: the exception is an elementwise op whose operands are all placed at one
   placement with one member shape (scalar constants may join); it is a per-member
   computation and its results are placed there too.
-* ``local/C3``: no collective over a placement axis inside a region.
+* ``local/C3``: no collective over a placement axis. A collective whose axes are array
+  dimensions (``psum(r, "batch")`` under a ``vmap`` in client code becomes
+  ``psum[axes=(0,)]``) or another named axis is local computation and is allowed.
 * ``region/C1``: ops in a region use only values defined earlier in that region
   (regions are isolated from above); ``region/C2``: each value is defined once.
 * ``flow/C1`` .. ``flow/C4``: a control-flow op (``jax.scan``, ``jax.while``,
@@ -19,6 +21,9 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
   and their results back (``fcir.control_flow``); when those types fit, the op itself
   reads nothing, so it may pass placed values. Its regions run where the op runs and are
   checked op by op like any other region.
+
+A private module (``@fcir.program(..., private=True)``) also gets the leak check of
+``fcir.privacy`` (``privacy/C1``-``C3``, raised as PrivacyError).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import dataclasses
 
 from fcir import control_flow as CF
 from fcir.capture import ELEMENTWISE
-from fcir.errors import IRTypeError, PlacementError
+from fcir.errors import IRTypeError, PlacementError, PrivacyError
 from fcir.ir import Module, Op, Region, describe, value_numbering
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
@@ -77,6 +82,11 @@ class _Checker:
         for v in main.body.params + main.body.results:
             self.check_type_placements(v.type, (), None)
         self.region(main.body, Context(m.placements, -1), (), set())
+        if m.private and not self.diags:  # the leak check needs a well-formed module
+            from fcir.privacy import leaks
+
+            for leak in leaks(m):
+                self.report(leak.code, leak.message, leak.path, leak.op, True)
         return self.diags
 
     def check_type_placements(self, t, path, op):
@@ -215,13 +225,16 @@ class _Checker:
 
     def local(self, op: Op, ctx: Context, path: tuple) -> None:
         prim = op.name.removeprefix("jax.")
-        if ctx.level >= 0 and prim in COLLECTIVES:
-            self.report(
-                "local/C3",
-                f"local/C3: collective {prim} inside a fed.map region would communicate "
-                "between members; aggregate with fed ops instead",
-                path, op, True,
-            )
+        if prim in COLLECTIVES:
+            over = sorted(placement_axes(op, self.module.placements))
+            if over:
+                self.report(
+                    "local/C3",
+                    f"local/C3: collective {prim} over the placement axis "
+                    f"{', '.join(map(repr, over))} would communicate between members; "
+                    "aggregate with fed ops instead",
+                    path, op, True,
+                )
         operands_local = all(ctx.is_local(v.type) for v in op.operands)
         results_local = all(ctx.is_local(v.type) for v in op.results)
         if operands_local and results_local:
@@ -275,6 +288,25 @@ def _leading(t) -> int | None:
     return member.shape[0] if member is not None and member.shape else None
 
 
+def placement_axes(op: Op, placements) -> set[str]:
+    """The placement names among a collective's axes. Only those are communication:
+    positional axes (ints) are dimensions of the member's own arrays."""
+    names = {p for p, _ in placements}
+    found: set[str] = set()
+
+    def visit(a) -> None:
+        if isinstance(a, str):
+            if a in names:
+                found.add(a)
+        elif isinstance(a, tuple):
+            for x in a:
+                visit(x)
+
+    for key in ("axes", "axis_name"):
+        visit(op.attrs.get(key))
+    return found
+
+
 def verify(module: Module) -> list[Diagnostic]:
     """Every diagnostic for ``module`` (empty when it checks)."""
     return _Checker(module).run()
@@ -290,4 +322,6 @@ def check(module: Module) -> Module:
         str(d) for d in diags if d is not first
     )
     cls = PlacementError if first.placement else IRTypeError
+    if first.code.startswith("privacy/"):
+        cls = PrivacyError
     raise cls(str(first) + more)

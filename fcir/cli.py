@@ -159,6 +159,11 @@ def cmd_show(a) -> int:
     module = load_module(a.FILE, a.args)
     if a.format == "text":
         sys.stdout.write(module.to_text(full_constants=a.full_constants, locations=False))
+        from fcir.privacy import format_round_cost, round_cost
+
+        # As comments, so the output still parses as IR.
+        for line in format_round_cost(round_cost(module)):
+            sys.stdout.write(f"// {line}\n")
         return 0
     from fcir import dot
 

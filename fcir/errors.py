@@ -15,6 +15,11 @@ class PlacementError(FcirError):
     """A value is used at the wrong placement, or with the wrong cardinality."""
 
 
+class PrivacyError(PlacementError):
+    """In a private program, a value derived from client data reaches the server other
+    than through fcir.dp_sum / fcir.dp_mean (see fcir.privacy)."""
+
+
 class IRTypeError(FcirError):
     """An op's operands or results violate its type rule."""
 

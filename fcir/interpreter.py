@@ -24,7 +24,7 @@ import numpy as np
 from jax._src import core
 
 from fcir import attrs as A
-from fcir import control_flow
+from fcir import control_flow, pytrees
 from fcir import primitives as P
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.ir import Module, Op, Region, describe, walk
@@ -109,11 +109,7 @@ class Interpreter:
                 )
         self._record = {} if intermediates else None
         outs = self.run_region(func.body, leaves)
-        structure = func.result_structure
-        if func.result_treedef is not None and func.result_treedef.num_leaves == len(outs):
-            result = jax.tree_util.tree_unflatten(func.result_treedef, outs)
-        else:
-            result = structure.unflatten(outs) if structure is not None else tuple(outs)
+        result = pytrees.unflatten_results(func, outs)
         if intermediates:
             names = value_numbering(func)
             return result, {names[v]: val for v, val in self._record.items()}
@@ -152,7 +148,7 @@ class Interpreter:
             raise self._locate(e, op) from e
         except Exception as e:  # an op failed while running: attach the op, like torch.fx
             raise self._locate(InterpreterError(f"{type(e).__name__}: {e}"), op) from e
-        if len(op.results) == 1 and not (op.name == "fed.map" or _multiple(op)):
+        if len(op.results) == 1 and not (op.name in _MULTI_RESULT_FED or _multiple(op)):
             return [out]
         return list(out)
 
@@ -228,6 +224,21 @@ class Interpreter:
             for j, o in enumerate(outs)
         ]
 
+    def _dp(self, prim, op, *args):
+        p = op.operands[0].type.placement
+        return prim.bind(
+            *args, placement=p, n=self.module.cardinality(p),
+            clip_norm=op.attrs["clip_norm"], noise_multiplier=op.attrs["noise_multiplier"],
+        )
+
+    @impl("fed.dp_sum")
+    def dp_sum(self, op, *args):
+        return self._dp(P.dp_sum_p, op, *args)
+
+    @impl("fed.dp_mean")
+    def dp_mean(self, op, *args):
+        return self._dp(P.dp_mean_p, op, *args)
+
     @impl("jax.custom_jvp_call")
     def custom_jvp_call(self, op, *args):
         # Derivative rules are not kept in the IR; the primal is the region, inlined as
@@ -297,6 +308,8 @@ class Interpreter:
 
 
 _REMAT = ("remat2", "checkpoint")
+# Fed ops whose impls return a list of results even when there is one.
+_MULTI_RESULT_FED = frozenset({"fed.map", "fed.dp_sum", "fed.dp_mean"})
 
 
 def _collect_impls(cls) -> None:

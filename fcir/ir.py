@@ -68,6 +68,9 @@ class Module:
     placements: list[tuple[str, int]]
     funcs: list[Func]
     ir_version: int = IR_VERSION
+    # @fcir.program(private=True): client data reaches the server only through the DP
+    # aggregates (checked by fcir.check, see fcir.privacy).
+    private: bool = False
 
     @property
     def main(self) -> Func:

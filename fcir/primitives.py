@@ -29,6 +29,10 @@ __all__ = [
     "max_p",
     "weighted_mean_p",
     "secure_sum_p",
+    "dp_sum_p",
+    "dp_mean_p",
+    "clip_member",
+    "dp_noise",
     "REDUCTIONS",
     "FEDERATED_PRIMITIVES",
     "mean_result_dtype",
@@ -245,6 +249,126 @@ mlir.register_lowering(secure_sum_p, mlir.lower_fun(_secure_sum_impl, multiple_r
 batching.primitive_batchers[secure_sum_p] = _secure_sum_batch
 
 
+# --- fed.dp_sum / fed.dp_mean ---------------------------------------------------------------
+#
+# The Gaussian mechanism over one pytree: operands are the placed leaves of the pytree
+# followed by the PRNG key (a value local to the current placement, the server at the
+# top). One primitive for the whole pytree, not one per leaf, because the clip norm is
+# the global L2 norm over every leaf of a member: the leaves are coupled.
+
+
+def _norm_dtype(dtypes) -> np.dtype:
+    """Accumulation dtype of the squared norm: at least f32 (bf16/f16 leaves would
+    overflow or lose the small leaves' contribution), f64 if a leaf is f64."""
+    return np.dtype(jnp.result_type(*dtypes, jnp.float32))
+
+
+def clip_member(leaves, clip_norm: float) -> list:
+    """One member's leaves scaled by ``min(1, clip_norm / norm)``, ``norm`` their global
+    L2 norm; an all-zero member stays zero (scale 1).
+
+    The ``where`` on the squared norm keeps the gradient finite at zero: sqrt's
+    derivative at 0 is infinite, and the untaken branch must not see it.
+    """
+    acc = _norm_dtype([leaf.dtype for leaf in leaves])
+    sq = None
+    for leaf in leaves:
+        term = jnp.sum(jnp.square(leaf.astype(acc)))
+        sq = term if sq is None else sq + term
+    positive = sq > 0
+    norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
+    scale = jnp.where(positive, jnp.minimum(jnp.ones_like(sq), clip_norm / norm),
+                      jnp.ones_like(sq))
+    return [leaf * scale.astype(leaf.dtype) for leaf in leaves]
+
+
+def dp_noise(key, i: int, shape, dtype, clip_norm: float, noise_multiplier: float):
+    """The noise added to leaf ``i``: ``noise_multiplier * clip_norm * N(0, 1)`` drawn
+    with ``fold_in(key, i)``, so every leaf gets independent noise from one key."""
+    return noise_multiplier * clip_norm * jax.random.normal(
+        jax.random.fold_in(key, i), shape, dtype
+    )
+
+
+def _dp_impl(*args, placement, n, clip_norm, noise_multiplier, mean):
+    del placement
+    *xs, key = args
+    clipped = jax.vmap(lambda *m: clip_member(m, clip_norm))(*xs)
+    out = []
+    for i, c in enumerate(clipped):
+        total = jnp.sum(c, axis=0) + dp_noise(
+            key, i, c.shape[1:], c.dtype, clip_norm, noise_multiplier
+        )
+        out.append(total / n if mean else total)
+    return out
+
+
+def _is_key(aval) -> bool:
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        return aval.shape == ()
+    return aval.dtype == np.uint32 and aval.shape == (2,)  # a raw (legacy) threefry key
+
+
+def _dp_abstract_eval(*avals, placement, n, clip_norm, noise_multiplier, mean):
+    what = "fed.dp_mean" if mean else "fed.dp_sum"
+    *xs, key = avals
+    if not xs:
+        raise IRTypeError(f"{what}/C1: needs at least one value leaf before the key")
+    if not _is_key(key):
+        raise IRTypeError(
+            f"{what}/C3: the key must be a PRNG key (jax.random.key(...) or a raw uint32[2] "
+            f"key), got {key.str_short()}"
+        )
+    out = []
+    for i, x in enumerate(xs):
+        member = _member_aval(x, placement, n, f"{what} operand {i}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise IRTypeError(
+                f"{what}/C4: operand {i} must be a floating-point tensor, got {x.dtype}: "
+                "cast it (x.astype(jnp.float32)) before the DP aggregate"
+            )
+        out.append(member.update(weak_type=False))
+    return out
+
+
+def _dp_batch(prim):
+    def batch(args, dims, **params):
+        # Unrolled over the batch axis: the clip couples all leaves of one member, so a
+        # batch element cannot ride along on the members' axis.
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        per = []
+        for b in range(size):
+            sliced = [
+                a if d is None else jax.lax.index_in_dim(a, b, d, keepdims=False)
+                for a, d in zip(args, dims)
+            ]
+            per.append(prim.bind(*sliced, **params))
+        return [jnp.stack(list(outs)) for outs in zip(*per)], [0] * len(per[0])
+
+    return batch
+
+
+def _make_dp(name: str, mean: bool):
+    prim = core.Primitive(name)
+    prim.multiple_results = True
+
+    def impl(*args, **params):
+        return _dp_impl(*args, mean=mean, **params)
+
+    def abstract_eval(*avals, **params):
+        return _dp_abstract_eval(*avals, mean=mean, **params)
+
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    batching.primitive_batchers[prim] = _dp_batch(prim)
+    return prim
+
+
+dp_sum_p = _make_dp("fed_dp_sum", mean=False)
+dp_mean_p = _make_dp("fed_dp_mean", mean=True)
+
+
 # --- fed.map --------------------------------------------------------------------------------
 #
 # A higher-order primitive: ``body`` is a ClosedJaxpr over one member's values. Every
@@ -306,5 +430,7 @@ REDUCTIONS = {
     "fed_max": max_p,
     "fed_weighted_mean": weighted_mean_p,
     "fed_secure_sum": secure_sum_p,
+    "fed_dp_sum": dp_sum_p,
+    "fed_dp_mean": dp_mean_p,
 }
 FEDERATED_PRIMITIVES = {"fed_broadcast": broadcast_p, "fed_map": map_p, **REDUCTIONS}

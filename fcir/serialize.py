@@ -55,7 +55,7 @@ def _producer() -> str:
 
 
 def to_proto(module: Module) -> pb.Module:
-    out = pb.Module(ir_version=module.ir_version, name=module.name)
+    out = pb.Module(ir_version=module.ir_version, name=module.name, private=module.private)
     for name, n in module.placements:
         out.placements.add(name=name, cardinality=n)
     for f in module.funcs:
@@ -199,7 +199,7 @@ def from_proto(msg: pb.Module) -> Module:
         funcs.append(Func(f.name, body, arg_s, res_s))
     if not any(f.name == "main" for f in funcs):
         raise ParseError(f"module @{msg.name} has no func @main")
-    return Module(msg.name, placements, funcs, msg.ir_version)
+    return Module(msg.name, placements, funcs, msg.ir_version, private=msg.private)
 
 
 class _Reader:

@@ -56,9 +56,16 @@ def load_function(target: str):
         mod_name = "_fcir_target_" + "".join(c if c.isalnum() else "_" for c in path.stem)
         spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(spec)
+        # Registered before it runs, as `import` does: @dataclass (and typing under
+        # `from __future__ import annotations`) looks the defining module up in
+        # sys.modules while the file executes.
+        sys.modules[mod_name] = module
         sys.path.insert(0, str(path.resolve().parent))
         try:
             spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(mod_name, None)
+            raise
         finally:
             sys.path.pop(0)
     else:

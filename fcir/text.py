@@ -133,6 +133,7 @@ class _Printer:
         places = ", ".join(f"{p}:{n}" for p, n in m.placements)
         self.lines.append(
             f"fcir.module @{m.name} ir_version={m.ir_version} placements=[{places}]"
+            + (" private" if m.private else "")
         )
         for f in m.funcs:
             self.func(f)
@@ -342,6 +343,7 @@ class _Parser:
                 raise self.error(f"placement name '{p}' is reserved or repeated")
             placements.append((p, n))
         self.placements = dict(placements)
+        private = self.accept("private")
         funcs = []
         while self.tok[0] != "eof":
             tok = self.peek()
@@ -350,7 +352,7 @@ class _Parser:
                 raise self.error(f"func @{funcs[-1].name} is defined twice", tok)
         if not funcs:
             raise self.error("expected a func")
-        return Module(name, placements, funcs, version)
+        return Module(name, placements, funcs, version, private=private)
 
     def func(self) -> Func:
         self.expect("func")

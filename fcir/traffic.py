@@ -32,7 +32,8 @@ __all__ = [
 ]
 
 REDUCTIONS = frozenset(
-    ["fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum"]
+    ["fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum",
+     "fed.dp_sum", "fed.dp_mean"]
 )
 
 
@@ -88,7 +89,11 @@ def _transfers(module: Module, region: Region, members: int, repeats: int):
             yield Transfer(op, "broadcast", to, (size,), members * module.cardinality(to), repeats)
         elif op.name in REDUCTIONS:
             p = op.operands[0].type.placement
-            sizes = tuple(nbytes(module, _member(o.type)) for o in op.operands)
+            # The DP aggregates' last operand is the server's key: it is not sent.
+            sizes = tuple(
+                nbytes(module, _member(o.type)) for o in op.operands
+                if isinstance(o.type, PlacedType) and o.type.placement == p
+            )
             yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
         elif op.name == "fed.map":
             n = module.cardinality(op.operands[0].type.placement)

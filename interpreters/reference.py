@@ -14,7 +14,7 @@ from fcir.control_flow import scan_axis
 from fcir.errors import InterpreterError
 from fcir.interpreter import Interpreter, impl, is_placed
 from fcir.ir import Module, Op, walk
-from fcir.primitives import mean_result_dtype, sum_result_dtype
+from fcir.primitives import clip_member, dp_noise, mean_result_dtype, sum_result_dtype
 from fcir.types import runtime_type
 
 
@@ -93,6 +93,29 @@ class ReferenceInterpreter(Interpreter):
             total = (total + m) % modulus
         return jnp.asarray(np.asarray(total).astype(x.dtype))
 
+    @impl("fed.dp_sum")
+    def dp_sum(self, op, *args):
+        return self._dp(op, args, mean=False)
+
+    @impl("fed.dp_mean")
+    def dp_mean(self, op, *args):
+        return self._dp(op, args, mean=True)
+
+    def _dp(self, op, args, *, mean: bool):
+        """Clip each member on its own, add the members in member order, then add the
+        noise once: the Gaussian mechanism as the op's definition states it."""
+        *xs, key = args
+        clip, z = op.attrs["clip_norm"], op.attrs["noise_multiplier"]
+        n = xs[0].shape[0]
+        totals = None
+        for i in range(n):
+            clipped = clip_member([x[i] for x in xs], clip)
+            totals = clipped if totals is None else [t + c for t, c in zip(totals, clipped)]
+        out = []
+        for i, t in enumerate(totals):
+            noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
+            out.append(noisy / n if mean else noisy)
+        return out
 
     # Control flow whose regions hold fed ops or placed values runs eagerly, region by
     # region, so that the fed ops inside keep their per-member semantics; local control

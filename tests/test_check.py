@@ -528,6 +528,43 @@ CASES = [
 ]
 
 
+# fed.dp_sum / fed.dp_mean: ({T..}@child, key) -> (T..), from canonical text.
+DP_TEXT = """\
+fcir.module @dp ir_version=1 placements=[clients:3]
+func @main(%0: {f32[2]}@clients, %1: {f32[]}@clients, %2: u32[2]@server, %3: f32[2]@server) \
+-> (f32[2]@server, f32[]@server) {
+  %4: f32[2]@server, %5: f32[]@server = OP %0, %1, %2 {clip_norm=1.0, noise_multiplier=1.1}
+  return %4, %5
+}
+"""
+
+
+def _int_dp_operand(op):
+    def mutate(m):
+        retype(param(m, 1), placed(t("i32")))
+        retype(op_named(m, op).results[1], server(t("i32")))
+
+    return mutate
+
+
+def dp_cases(op: str) -> list:
+    text = DP_TEXT.replace("OP", op)
+    return [
+        Case(op, "C1", text, add_result(op), "more results than values"),
+        Case(op, "C1", text, lambda m: op_named(m, op).operands.clear(), "no operands"),
+        Case(op, "C2", text, set_operand(op, 0, lambda m: param(m, 3)), "server value"),
+        Case(op, "C3", text, set_operand(op, 2, lambda m: param(m, 3)), "f32 key"),
+        Case(op, "C3", text, set_operand(op, 2, lambda m: param(m, 0)), "placed key"),
+        Case(op, "C4", text, _int_dp_operand(op), "integer values"),
+        Case(op, "C5", text, set_attr(op, "clip_norm", 0.0), "zero clip norm"),
+        Case(op, "C5", text, set_attr(op, "noise_multiplier", -1.0), "negative noise"),
+        Case(op, "C5", text, set_attr(op, "clip_norm", 1), "int clip norm"),
+        Case(op, "C6", text, retype_result(op, server(t("f32", 3))), "result shape"),
+    ]
+
+
+CASES += dp_cases("fed.dp_sum") + dp_cases("fed.dp_mean")
+
 def build(case: Case) -> Module:
     if case.program in ("flat", "hier"):
         m = fresh(case.program)

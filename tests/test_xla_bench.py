@@ -34,3 +34,8 @@ def test_slow_round_benchmark_quick_mode(tmp_path):
     # The three programs compute the same round.
     assert max(row["max_abs_diff_from_fcir"].values()) < 1e-5
     assert len(data["processes"]["samples_s"]["2x4"]) == 1
+    # The call path: the executable, DrJAX's jit and fcir's jit, as users call them.
+    assert "call path" in result.stdout
+    calls = data["call_path"]
+    assert {"tiny (8 clients, f32[4], 1 device)", "transformer, 8 clients, 8 devices"} <= set(calls)
+    assert all(set(row["samples_s"]) == {"fcir", "drjax_jit", "fcir_jit"} for row in calls.values())

@@ -208,8 +208,9 @@ def test_arguments_keep_their_own_sharding():
     for a, b in zip(jax.tree.leaves(exe(params, x, y)), jax.tree.leaves(c.fn(*args))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     compiled = exe.compiled(params, x, y)
-    assert compiled.input_shardings[0][4].is_equivalent_to(chosen, x.ndim)
-    assert compiled.input_shardings[0][5].is_equivalent_to(
+    shardings = jax.tree.leaves(compiled.input_shardings[0])  # a pytree like the arguments
+    assert shardings[4].is_equivalent_to(chosen, x.ndim)
+    assert shardings[5].is_equivalent_to(
         jax.sharding.NamedSharding(mesh, PartitionSpec("clients")), y.ndim
     )
 

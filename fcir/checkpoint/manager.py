@@ -123,6 +123,7 @@ class CheckpointManager:
         *,
         items: Iterable[str] | None = None,
         progress: bool | None = None,
+        cast: bool = False,
     ) -> dict[str, Any]:
         """Restores `step` (default: the latest); see `fcir.checkpoint.restore`."""
         self._settle(wait=True)
@@ -132,7 +133,9 @@ class CheckpointManager:
                 raise CheckpointError(f"no committed checkpoint in {self.directory}")
         elif step not in self.all_steps():
             raise CheckpointError(f"step {step} is not a committed checkpoint in {self.directory}")
-        return _restore(self.directory / str(step), target, items=items, progress=progress)
+        return _restore(
+            self.directory / str(step), target, items=items, progress=progress, cast=cast
+        )
 
     def wait_until_finished(self) -> None:
         """Blocks until the last save is committed; raises its error if it failed."""

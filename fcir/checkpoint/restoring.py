@@ -46,6 +46,7 @@ def restore(
     *,
     items: Iterable[str] | None = None,
     progress: bool | None = None,
+    cast: bool = False,
 ) -> dict[str, Any]:
     """Restores a checkpoint's items; returns a dict of item name to value.
 
@@ -56,6 +57,12 @@ def restore(
     Items without a target come back as host numpy arrays in nested dicts and lists.
     `items` restores only those items (default: the target's items, else all).
     `progress` shows a progress bar (None: on a terminal).
+
+    A target leaf's dtype must be the saved one, as its shape must: a different dtype is
+    a CheckpointError naming the array, unless `cast=True` asks to convert every leaf
+    to its target's dtype (numpy's `astype`: restoring float32 into bfloat16 rounds,
+    float into int truncates). Python scalar targets need a saved value of their kind
+    (bool, integer, floating, complex).
     """
     directory = pathlib.Path(path)
     layout = read_layout(directory)
@@ -93,7 +100,7 @@ def restore(
             if sub is None:
                 builders[name] = _plan_host_item(plan, name, item.arrays.arrays)
             else:
-                builders[name] = _plan_target_item(plan, name, records, sub)
+                builders[name] = _plan_target_item(plan, name, records, sub, cast)
         try:
             parallel.run_tasks(plan.tasks)
         finally:
@@ -133,7 +140,7 @@ def _plan_host_item(plan: _Plan, item: str, records: Iterable[pb.ArrayRecord]) -
 
 
 def _plan_target_item(
-    plan: _Plan, item: str, records: dict[tuple[Any, ...], pb.ArrayRecord], sub: Any
+    plan: _Plan, item: str, records: dict[tuple[Any, ...], pb.ArrayRecord], sub: Any, cast: bool
 ) -> Callable[[], Any]:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(sub)
     finishers = []
@@ -146,11 +153,13 @@ def _plan_target_item(
             raise CheckpointError(
                 f"array {name!r} of the target is not in the checkpoint (it has: {known})"
             )
-        finishers.append(_plan_leaf(plan, record, name, leaf))
+        finishers.append(_plan_leaf(plan, record, name, leaf, cast))
     return lambda: jax.tree_util.tree_unflatten(treedef, [f() for f in finishers])
 
 
-def _plan_leaf(plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any) -> Callable[[], Any]:
+def _plan_leaf(
+    plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any, cast: bool
+) -> Callable[[], Any]:
     saved_shape = tuple(record.shape)
     saved_dtype = dtype_from_name(record.dtype)
     full = (tuple(0 for _ in saved_shape), saved_shape)
@@ -159,6 +168,7 @@ def _plan_leaf(plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any) -> Cal
     if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
         shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
         _check_shape(name, shape, saved_shape)
+        _check_dtype(name, dtype, saved_dtype, cast)
         sharding = getattr(leaf, "sharding", None)
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -169,6 +179,7 @@ def _plan_leaf(plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any) -> Cal
         return _plan_device_leaf(plan, record, name, shape, dtype, sharding)
     if isinstance(leaf, (np.ndarray, np.generic)):
         _check_shape(name, tuple(np.shape(leaf)), saved_shape)
+        _check_dtype(name, leaf.dtype, saved_dtype, cast)
         out = np.empty(saved_shape, saved_dtype)
         plan.read(record, name, [(full, out)])
         if isinstance(leaf, np.generic):
@@ -176,6 +187,7 @@ def _plan_leaf(plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any) -> Cal
         return lambda: out.astype(leaf.dtype, copy=False)
     if isinstance(leaf, _SCALARS):
         _check_shape(name, (), saved_shape)
+        _check_scalar_kind(name, leaf, saved_dtype, cast)
         out = np.empty(saved_shape, saved_dtype)
         plan.read(record, name, [(full, out)])
         return lambda: type(leaf)(out.item())
@@ -190,6 +202,30 @@ def _check_shape(name: str, shape: tuple[int, ...], saved: tuple[int, ...]) -> N
     if shape != saved:
         raise CheckpointError(
             f"array {name!r}: target shape {shape} but the checkpoint has {saved}"
+        )
+
+
+def _check_dtype(name: str, dtype: np.dtype, saved: np.dtype, cast: bool) -> None:
+    # A silent conversion would hide a mismatched target (a bfloat16 model restored from
+    # float32 loses precision, float into int truncates), so it has to be asked for.
+    if not cast and np.dtype(dtype) != saved:
+        raise CheckpointError(
+            f"array {name!r}: target dtype {np.dtype(dtype).name} but the checkpoint has "
+            f"{saved.name}; pass cast=True to restore to convert it"
+        )
+
+
+# A Python scalar target holds any saved value of its kind: an int any integer width, a
+# float float32 or float64 exactly. A bool is an int, so it is looked up first.
+_SCALAR_KINDS = ((bool, "b"), (int, "iu"), (float, "f"), (complex, "c"))
+
+
+def _check_scalar_kind(name: str, leaf: Any, saved: np.dtype, cast: bool) -> None:
+    kinds = next(k for t, k in _SCALAR_KINDS if isinstance(leaf, t))
+    if not cast and saved.kind not in kinds:
+        raise CheckpointError(
+            f"array {name!r}: target is a Python {type(leaf).__name__} but the checkpoint "
+            f"has {saved.name}; pass cast=True to restore to convert it"
         )
 
 

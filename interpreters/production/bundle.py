@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 import fcir
+from fcir import pytrees
 from fcir.errors import FcirError
 from fcir.ir import Module
 from fcir.types import dtype_name, runtime_type
@@ -181,6 +182,8 @@ def write(plan, directory) -> pathlib.Path:
         "parts": parts,
         "files": {},
     }
+    if plan.split.privacy is not None:  # the DP parameters of the round as written
+        manifest["privacy"] = plan.split.privacy
     for rel, data in sorted(files.items()):
         (out / rel).write_bytes(data)
         manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
@@ -291,5 +294,5 @@ def run_bundle(directory, *args):
     """
     bundle = Bundle(directory)
     outs = bundle.run_flat(jax.tree_util.tree_leaves(args))
-    structure = bundle.round().main.result_structure
-    return structure.unflatten(outs) if structure is not None else tuple(outs)
+    # In the process that captured the round, its own pytree classes (fcir.pytrees).
+    return pytrees.unflatten_results(bundle.round().main, outs)

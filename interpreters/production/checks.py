@@ -25,6 +25,10 @@ SECOND_EXCHANGE = "more than one broadcast/aggregate exchange"
 UNSUPPORTED_DTYPE = "unsupported dtype"
 CLIENT_RESULT = "round result placed at the clients"
 ILL_TYPED = "ill-typed round"
+HOST_PRINT = "host print"
+
+# Ops that call back into the Python host that runs them: a production runtime has none.
+_HOST_OPS = frozenset({"jax.debug_print"})
 
 
 def fail(module: Module, where: str, reason: str, detail: str) -> ExportError:
@@ -40,6 +44,12 @@ def check_structure(module: Module) -> None:
     ops_by_path = {}
     for path, op in walk(main.body):
         ops_by_path[path] = op
+        if op.name in _HOST_OPS:
+            raise fail(
+                module, describe(module, path, op, names), HOST_PRINT,
+                "a production round runs without a Python host to print to; remove "
+                "jax.debug.print before exporting (reference and xla run it)",
+            )
         if not op.name.startswith("fed.") or len(path) == 1:
             continue
         parent = ops_by_path[path[:-2]]

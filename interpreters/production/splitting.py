@@ -89,6 +89,11 @@ OP_RULES = {
     "fed.broadcast": "server_to_client_broadcast: federated_broadcast",
     "fed.map": "client_work: federated_map",
     **{op: f"client_to_server_aggregation: {uri}" for op, uri in INTRINSICS.items()},
+    # Decomposed before the split (interpreters/production/dp.py).
+    "fed.dp_sum": "client_work: clip; client_to_server_aggregation: federated_sum; "
+    "server_result: Gaussian noise",
+    "fed.dp_mean": "client_work: clip; client_to_server_aggregation: federated_sum; "
+    "server_result: Gaussian noise, divided by the cardinality",
 }
 
 
@@ -114,12 +119,20 @@ class Split:
     server_args: list[int]  # round argument leaves that form S, in S's order
     client_args: list[int]  # round argument leaves that form D, in D's order
     aggregations: list[Aggregation]
+    privacy: dict | None = None  # the DP parameters (fcir.privacy.round_cost), if any
 
 
 def split(module: Module) -> Split:
-    """Splits ``module`` (one round) into its five parts; ExportError if it cannot."""
+    """Splits ``module`` (one round) into its five parts; ExportError if it cannot.
+    DP aggregates are decomposed first (``dp.decompose``)."""
+    from . import dp
+
+    privacy = dp.manifest_entry(module)
+    module = dp.decompose(module)
     checks.check_structure(module)
-    return _Splitter(module).run()
+    out = _Splitter(module).run()
+    out.privacy = privacy
+    return out
 
 
 def _is_client(t) -> bool:

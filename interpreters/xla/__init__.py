@@ -18,7 +18,10 @@ bitwise what ``jax.jit(f)(*args)`` computes, with the same HLO and the same flop
 the sharding constraints of ``fcir.sharding`` when a mesh is given; every other op
 falls back to the base class. That is the pattern for any backend that maps the IR
 onto JAX (``interpreter.py``); :mod:`.executable` wraps it in ``jax.jit`` and
-:mod:`.cost` reads XLA's cost analysis, per program and per fed.map region.
+:mod:`.cost` reads XLA's cost analysis, per program and per fed.map region. Without a
+mesh, a module straight from ``fcir.capture`` (unedited) skips the rebuild and reuses
+the captured jaxpr (``fcir.captured``). A warm ``exe(*args)`` is JAX's C++ dispatch
+alone; the argument checks run when the program is traced (``.executable``).
 
 Sharding (DrJAX's rules): a value placed at ``p`` has its member axis sharded along
 the mesh axis named ``p``; ``Auto`` axes get ``with_sharding_constraint`` with the
@@ -30,7 +33,7 @@ starting from the arguments' shardings (see :func:`default_sharding`).
 """
 
 from .cost import cost_report, format_cost
-from .executable import Executable, compile, default_sharding, placement_spec
+from .executable import Executable, compile, default_sharding, placement_spec, trace_count
 from .interpreter import XlaInterpreter
 
 __all__ = [
@@ -41,4 +44,5 @@ __all__ = [
     "default_sharding",
     "format_cost",
     "placement_spec",
+    "trace_count",
 ]

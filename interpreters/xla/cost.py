@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Module, Op, Region
+from fcir.privacy import format_round_cost, round_cost
 from fcir.traffic import transfers
 from fcir.types import runtime_type
 
@@ -66,7 +67,7 @@ def cost_report(exe, *args) -> dict:
     server_flops = _own_flops(module, module.main.body)
     accounted = server_flops + sum(lv.members * lv.flops_per_member for lv in levels.values())
 
-    return {
+    report = {
         "module": module.name,
         "devices": devices,
         "mesh": None if exe.mesh is None else {str(k): int(v) for k, v in exe.mesh.shape.items()},
@@ -81,6 +82,10 @@ def cost_report(exe, *args) -> dict:
         "flops_accounted": accounted,
         "notes": notes,
     }
+    privacy = round_cost(module)
+    if privacy is not None:  # a module with DP aggregates: see fcir.privacy
+        report["privacy"] = privacy
+    return report
 
 
 @dataclasses.dataclass
@@ -266,4 +271,7 @@ def format_cost(cost: dict) -> str:
         f"{_num(cost['hlo_flops'])} in the unoptimized HLO"
     )
     lines.extend(f"  note: {n}" for n in cost.get("notes", []))
+    privacy = format_round_cost(cost.get("privacy"))
+    if privacy:
+        lines.extend(["", *privacy])
     return "\n".join(lines)

@@ -11,26 +11,43 @@ its sharding; anything else (numpy arrays, arrays on other devices) is placed wi
 default layout, :func:`default_sharding`: placed values sharded along their
 placements' mesh axes (``{{T}@clients}@silos`` over ``("silos", "clients")``), server
 values replicated. Inside the program the layout is the constraints' and XLA's.
+
+The call path: ``exe(*args)`` goes straight to one ``jax.jit`` function over the
+argument pytree, so JAX's C++ dispatch runs a warm call without entering Python, as
+fast as ``jax.jit`` of the original program. The argument checks (leaf count, shapes,
+dtypes, members per placement) run where that function is traced, i.e. only on a
+cache miss, and raise the same InterpreterError / PlacementError as before. Whatever
+JAX itself rejects before tracing (an abstract ``ShapeDtypeStruct``, arrays on devices
+outside the mesh) goes to the slow path, which checks and lays out the arguments in
+Python. On a mesh, leaves that are not jax.Arrays on its devices take the slow path too
+(one look at each leaf's sharding per call), so they get the default layout.
+
+One jitted function per (module, mesh), shared by every Executable of the module:
+compiling a module twice, or asking it for several formats, traces it once per
+argument signature (:func:`trace_count`).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fcir import captured, pytrees
 from fcir.check import check
-from fcir.errors import InterpreterError, PlacementError
+from fcir.errors import FcirError, InterpreterError, PlacementError
 from fcir.ir import Module
 from fcir.types import PlacedType, Type, dtype_name, runtime_type
 
 from .interpreter import XlaInterpreter
 
-__all__ = ["Executable", "compile", "default_sharding", "placement_spec"]
+__all__ = ["Executable", "compile", "default_sharding", "placement_spec", "trace_count"]
 
 DIALECTS = ("stablehlo", "hlo", "optimized_hlo")
 
@@ -85,8 +102,14 @@ class Executable:
         self.mesh = mesh
         self._params = list(module.main.body.params)
         self._types = [runtime_type(v.type, module.cardinality) for v in self._params]
-        self._jitted, self._rebuild = _program(module, mesh)
+        self._program = _program(module, mesh)
+        self._jitted, self._rebuild = self._program.jitted, self._program.rebuild
+        # Explicit axes type values by the mesh in context: calls and lowerings run in it.
+        self._context = mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types
         self._devices = None if mesh is None else set(mesh.devices.flat)
+        self._mesh_shardings: set = set()  # shardings seen on the mesh's devices
+        # No mesh, results in jit's own pytree, no mesh context: straight to jit.
+        self._direct = mesh is None and self._rebuild is None
         self._lowered: dict[Any, jax.stages.Lowered] = {}
         self._compiled: dict[Any, jax.stages.Compiled] = {}
 
@@ -120,12 +143,7 @@ class Executable:
         for i, (x, v, t) in enumerate(zip(leaves, self._params, self._types)):
             if not hasattr(x, "dtype"):
                 x = jax.numpy.asarray(x)
-            shape = tuple(np.shape(x))
-            if shape != t.shape or dtype_name(x.dtype) != t.dtype:
-                raise InterpreterError(
-                    f"@{self.module.name} argument leaf {i} (%{i}: {v.type}) needs an array "
-                    f"of {t}, got {dtype_name(x.dtype)}{list(shape)}"
-                )
+            _check_leaf(self.module, i, v, t, tuple(np.shape(x)), x.dtype)
             if isinstance(x, jax.ShapeDtypeStruct):
                 if not abstract_ok:
                     raise InterpreterError(
@@ -146,33 +164,86 @@ class Executable:
     # -- running --------------------------------------------------------------------------
 
     def __call__(self, *args):
+        # The fast path: no Python between here and JAX's C++ dispatch but this frame.
+        if self._direct:
+            try:
+                return self._jitted(*args)
+            except FcirError:
+                raise  # a check failed while tracing: already the clear message
+            except Exception as e:  # noqa: BLE001  JAX rejected the arguments as given
+                return self._call_slow(args, e)
+        return self._call_on_mesh(args)
+
+    def _call_on_mesh(self, args):
+        """The fast path on a mesh: one look at each leaf's sharding first."""
+        if self._rebuild is None and not self._context and self._laid_out(args):
+            try:
+                return self._jitted(*args)
+            except FcirError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                return self._call_slow(args, e)
+        return self._call_slow(args, None)
+
+    def _laid_out(self, args) -> bool:
+        """On a mesh, whether every leaf is a jax.Array on the mesh's devices: anything
+        else (numpy, host values in a multi-process run, arrays on one device) gets the
+        default layout on the slow path, not the layout jax.jit would pick."""
+        if self.mesh is None:
+            return True
+        seen = self._mesh_shardings
+        for x in jax.tree_util.tree_leaves(args):
+            sh = getattr(x, "sharding", None)
+            if sh not in seen:
+                if not (isinstance(x, jax.Array) and self._on_mesh(x)):
+                    return False
+                seen.add(sh)
+        return True
+
+    def _call_slow(self, args, error: Exception | None):
+        """Checks the arguments in Python (raising the clear FcirError) and moves those
+        that are not on the mesh; then calls. ``error`` is what the fast path raised:
+        raised again when the checks pass and no argument needed moving."""
         leaves = self._flat_args(args, abstract_ok=False)
-        out = self._compile(leaves)(*leaves)
+        if error is not None and all(a is b for a, b in zip(leaves, jax.tree.leaves(args))):
+            raise error
+        laid_out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), leaves)
+        with _mesh_context(self.mesh if self._context else None):
+            out = self._jitted(*laid_out)
         return out if self._rebuild is None else self._rebuild.unflatten(list(out))
 
     def lower(self, *args) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for ``args`` (arrays or ``ShapeDtypeStruct``s), or for
         :attr:`in_specs` when no arguments are given."""
-        return self._lower(self._flat_args(args, abstract_ok=True) if args else self.in_specs)
+        if not args:
+            return self._lower(self.in_specs)
+        leaves = self._flat_args(args, abstract_ok=True)
+        return self._lower(leaves, jax.tree_util.tree_structure(args))
 
     def compiled(self, *args) -> jax.stages.Compiled:
         """``jax.stages.Compiled`` for ``args`` (or :attr:`in_specs`); calls, ``as_text``
         and ``cost`` with the same argument types share one compilation."""
-        return self._compile(self._flat_args(args, abstract_ok=True) if args else self.in_specs)
+        if not args:
+            return self._compile(self.in_specs)
+        leaves = self._flat_args(args, abstract_ok=True)
+        return self._compile(leaves, jax.tree_util.tree_structure(args))
 
-    def _lower(self, leaves) -> jax.stages.Lowered:
+    def _lower(self, leaves, treedef=None) -> jax.stages.Lowered:
+        """Lowered for flat ``leaves`` passed as the pytree ``treedef`` (flat when None):
+        the same pytree as the calls' shares their trace."""
         key = _signature(leaves)
         lowered = self._lowered.get(key)
         if lowered is None:
-            with _mesh_context(self.mesh):
-                lowered = self._lowered[key] = self._jitted.lower(*leaves)
+            args = leaves if treedef is None else jax.tree_util.tree_unflatten(treedef, leaves)
+            with _mesh_context(self.mesh if self._context else None):
+                lowered = self._lowered[key] = self._jitted.lower(*args)
         return lowered
 
-    def _compile(self, leaves) -> jax.stages.Compiled:
+    def _compile(self, leaves, treedef=None) -> jax.stages.Compiled:
         key = _signature(leaves)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = self._lower(leaves).compile()
+            compiled = self._compiled[key] = self._lower(leaves, treedef).compile()
         return compiled
 
     # -- inspecting -----------------------------------------------------------------------
@@ -195,26 +266,113 @@ class Executable:
         return cost_report(self, *args)
 
 
-def _program(module: Module, mesh: Mesh | None):
-    """(``main`` on flat argument leaves under jit, structure to rebuild outside or None)."""
-    structure = module.main.result_structure
-    n = len(module.main.body.results)
-    # Results leave jit in the program's flatten order, so the HLO's results are those
-    # of jax.jit(original). A structure that flattens in another order (a custom node
-    # rebuilt as a dict with unsorted keys) is rebuilt outside jit instead.
-    inside = structure is not None and jax.tree_util.tree_leaves(
+def _check_leaf(module: Module, i: int, v, t, shape: tuple, dtype) -> None:
+    """Raises the clear error for argument leaf ``i`` (parameter ``v`` of runtime type
+    ``t``) given as ``dtype[shape]``: PlacementError when only the members per
+    placement differ, InterpreterError otherwise."""
+    if shape == t.shape and dtype_name(dtype) == t.dtype:
+        return
+    got = f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"  # the IR's type syntax
+    levels = _placement_levels(v.type)
+    if levels and dtype_name(dtype) == t.dtype and shape[len(levels):] == t.shape[len(levels):]:
+        wanted = ", ".join(f"{module.cardinality(p)} {p}" for p in levels)
+        raise PlacementError(
+            f"@{module.name} argument leaf {i} (%{i}: {v.type}) is placed: it needs one "
+            f"member per {' per '.join(levels)} ({wanted}), an array of {t}, got {got}; "
+            "capture the program again for the new number of members"
+        )
+    raise InterpreterError(
+        f"@{module.name} argument leaf {i} (%{i}: {v.type}) needs an array of {t}, got {got}"
+    )
+
+
+def _placement_levels(t: Type) -> list[str]:
+    levels = []
+    while isinstance(t, PlacedType):
+        if t.placement != "server":
+            levels.append(t.placement)
+        t = t.member
+    return levels
+
+
+class _Program:
+    """``main`` under one ``jax.jit`` over the argument pytree, for one (module, mesh).
+
+    Traced on a cache miss only: that is where the arguments are checked, so a warm
+    call is JAX's C++ dispatch alone. ``traces`` counts the traces (tests pin reuse)."""
+
+    def __init__(self, module: Module, mesh: Mesh | None):
+        func = module.main
+        params = list(func.body.params)
+        types = [runtime_type(v.type, module.cardinality) for v in params]
+        inside, self.rebuild = _result_builder(func)
+        self.traces = 0
+        # The module holds its programs (weakly keyed): the program holds it weakly.
+        ref = weakref.ref(module)
+
+        def program(*args):
+            self.traces += 1
+            module = ref()
+            leaves = jax.tree_util.tree_leaves(args)
+            if len(leaves) != len(params):
+                raise InterpreterError(
+                    f"@{module.name} takes {len(params)} array leaves, got {len(leaves)}"
+                )
+            for i, (x, v, t) in enumerate(zip(leaves, params, types)):
+                _check_leaf(module, i, v, t, tuple(x.shape), x.dtype)
+            # Without a mesh the interpreter rebuilds exactly the captured jaxpr: when
+            # the module is capture's, unchanged, take that jaxpr instead of tracing
+            # every op again (checked at each trace).
+            closed = captured.captured_jaxpr(module) if mesh is None else None
+            if closed is not None:
+                return inside(core.jaxpr_as_fun(closed)(*leaves))
+            interp = XlaInterpreter(mesh)
+            interp.module = module
+            return inside(interp.run_region(module.main.body, leaves))
+
+        # The jit name becomes the HLO module's name: jit_<program>, as for jax.jit(program).
+        program.__name__ = program.__qualname__ = module.name
+        self.jitted = jax.jit(program)
+
+
+def _result_builder(func):
+    """(``outs -> results`` applied inside jit, Structure to rebuild outside or None).
+
+    Results leave jit in the program's flatten order, so the HLO's results are those
+    of jax.jit(original). A structure that flattens in another order (a custom node
+    rebuilt as a dict with unsorted keys) is rebuilt outside jit instead. In the
+    capturing process the program's own treedef rebuilds its classes (fcir.pytrees)."""
+    treedef = pytrees.result_treedef(func)
+    if treedef is not None:
+        return treedef.unflatten, None
+    structure = func.result_structure
+    n = len(func.body.results)
+    if structure is not None and jax.tree_util.tree_leaves(
         structure.unflatten(list(range(n)))
-    ) == list(range(n))
+    ) == list(range(n)):
+        return structure.unflatten, None
+    return tuple, structure
 
-    def program(*leaves):
-        interp = XlaInterpreter(mesh)
-        interp.module = module
-        outs = interp.run_region(module.main.body, leaves)
-        return structure.unflatten(outs) if inside else tuple(outs)
 
-    # The jit name becomes the HLO module's name: jit_<program>, as for jax.jit(program).
-    program.__name__ = program.__qualname__ = module.name
-    return jax.jit(program), (None if inside else structure)
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _program(module: Module, mesh: Mesh | None) -> _Program:
+    """The one _Program of (``module``, ``mesh``): Executables of a module share traces,
+    unless the module was edited in place since (its traces would be stale)."""
+    per_mesh = _PROGRAMS.setdefault(module, {})
+    program, parts = per_mesh.get(mesh, (None, None))
+    if program is None or not captured.unchanged(module, parts):
+        program = _Program(module, mesh)
+        per_mesh[mesh] = (program, captured.snapshot(module))
+    return program
+
+
+def trace_count(module: Module, mesh: Mesh | None = None) -> int:
+    """How many times ``module`` was traced for ``mesh`` in this process (once per
+    argument signature; compiling again or emitting more formats does not trace)."""
+    per_mesh = _PROGRAMS.get(module, {})
+    return per_mesh[mesh][0].traces if mesh in per_mesh else 0
 
 
 def _signature(leaves) -> tuple:

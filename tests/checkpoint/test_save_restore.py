@@ -189,11 +189,32 @@ def test_shape_dtype_struct_without_sharding_lands_on_the_first_local_device(tmp
     assert isinstance(got, jax.Array) and got.devices() == {jax.local_devices()[0]}
 
 
-def test_target_dtype_differs_casts(tmp_path):
-    checkpoint.save(tmp_path / "c", {"x": np.arange(4, dtype=np.float32)})
+def test_target_dtype_differs_is_an_error_unless_cast(tmp_path):
+    # Issue 10 defect 12: a dtype change was a silent cast while a shape change is an error.
+    x = np.arange(4, dtype=np.float32)
+    checkpoint.save(tmp_path / "c", {"st": {"x": x, "s": np.float32(1.5), "n": 3}})
+
+    def restore(key, leaf, **kw):
+        return checkpoint.restore(tmp_path / "c", {"st": {key: leaf}}, **kw)["st"][key]
+
     sds = jax.ShapeDtypeStruct((4,), jnp.bfloat16, sharding=SingleDeviceSharding(jax.devices()[0]))
-    got = checkpoint.restore(tmp_path / "c", {"x": sds})["x"]
-    assert got.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got, np.float32), np.arange(4))
+    for key, leaf in [("x", sds), ("x", np.zeros(4, np.float64)), ("s", np.float16(0))]:
+        with pytest.raises(CheckpointError, match=rf"'st/{key}': .*has float32; pass cast=True"):
+            restore(key, leaf)
+        got = restore(key, leaf, cast=True)
+        assert got.dtype == leaf.dtype and got.shape == leaf.shape
+        assert np.array_equal(np.asarray(got, np.float32), x if key == "x" else np.float32(1.5))
+    # Python scalars hold any width of their kind, but not another kind.
+    assert restore("n", 0) == 3 and restore("s", 0.0) == 1.5
+    with pytest.raises(CheckpointError, match=r"'st/n': target is a Python float .*int64"):
+        restore("n", 0.0)
+    assert type(restore("n", 0.0, cast=True)) is float
+    mgr = checkpoint.CheckpointManager(tmp_path / "run", save_interval_steps=1)
+    mgr.save(0, {"x": x})
+    with pytest.raises(CheckpointError, match="pass cast=True"):
+        mgr.restore(0, {"x": sds})
+    assert mgr.restore(0, {"x": sds}, cast=True)["x"].dtype == jnp.bfloat16
+    mgr.close()
 
 
 def test_partial_restore_by_item_reads_only_that_item(tmp_path, monkeypatch, mesh8):

@@ -1,0 +1,362 @@
+"""FAX-scale benchmark: capture + lower of a 368M-parameter FedAvg round, and the cost
+of a round at the FAX paper's three configurations.
+
+    python bench/scale.py            # full: 4 pairs of fresh processes, FAX-sized models
+    python bench/scale.py --smoke    # tiny model, one pair (CI: seconds)
+
+Part 1, capture + lower, first call in a fresh process. The round is the FedAvg round
+of ``tests/corpus/transformer.py`` (24 layers, d=1024, ff=4096, vocab 32,000, seq 256:
+368M parameters) over 2,048 clients, on abstract ``jax.ShapeDtypeStruct`` arguments,
+so nothing is allocated or run. Each sample is one fresh Python process that imports
+everything, then times
+
+- ``fcir``: ``m = fcir.capture(round, *specs)`` then ``xla.compile(m).lower(*specs)``;
+- ``drjax``: the same round on ``drjax`` 0.2.1: ``jax.make_jaxpr(round)(*specs)`` then
+  ``jax.jit(round).lower(*specs)``.
+
+Pairs of processes run one after the other, alternating which goes first. Reported:
+wall and CPU seconds per side, and per pair the ratio fcir/drjax (goal <= 1.2):
+median [min, max] over the pairs, for the total and for the lowering step alone.
+
+Part 2, one round's cost at the FAX paper's configurations (2,048 clients with a
+~350M model, 512 with ~1B, 128 with ~8B; 16,384 tokens per client = 16 local steps of
+4 sequences of 256 tokens). FLOPs per round, each defined:
+
+- ``6·N·tokens``: the usual training estimate, 2 FLOPs per parameter per token forward
+  and 4 backward (N counts every parameter, embeddings included);
+- ``XLA``: XLA's cost analysis (HLO before optimization, 2 FLOPs per multiply-add,
+  attention included) of one local step, lowered on abstract arguments with the layer
+  loop unrolled (XLA counts a loop body once), times steps and clients, plus the
+  server's mean and update from the fcir cost report's server part (lowered, not
+  compiled: nothing runs);
+- the paper's own figures (3.355e7 tokens, 2.293e13 FLOPs; 8.389e6, 1.638e13; 2.097e6,
+  3.277e13). Those FLOPs equal 2·N·tokens/1024 for N = 350M, 1B, 8B exactly, i.e. the
+  forward FLOPs of one token per 1,024; the table prints that identity next to them.
+
+Results: a table on stdout and JSON with every raw sample, versions, the core count
+and the load average in bench/results/scale[-smoke]-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+TOKENS_PER_CLIENT = 16_384
+STEPS, BATCH = 16, 4  # local steps x sequences per step x SEQ = TOKENS_PER_CLIENT
+
+# name: model (vocab, d, layers, ff, heads, seq) and clients per round.
+FAX_350M = {"vocab": 32_000, "d": 1024, "layers": 24, "ff": 4096, "heads": 16, "seq": 256}
+CONFIGS = {
+    "350M": {"model": FAX_350M, "clients": 2048},
+    "1B": {"model": {**FAX_350M, "d": 2048, "layers": 18, "ff": 8192}, "clients": 512},
+    "8B": {
+        "model": {**FAX_350M, "d": 4096, "layers": 38, "ff": 16384, "heads": 32},
+        "clients": 128,
+    },
+}
+# The FAX paper's per-round figures: (nominal parameters, tokens, FLOPs).
+PAPER = {"350M": (350e6, 3.355e7, 2.293e13), "1B": (1e9, 8.389e6, 1.638e13),
+         "8B": (8e9, 2.097e6, 3.277e13)}  # fmt: skip
+
+SMOKE_MODEL = {"vocab": 64, "d": 16, "layers": 2, "ff": 32, "heads": 2, "seq": 8}
+SMOKE = {
+    "350M": {"model": SMOKE_MODEL, "clients": 8},
+    "1B": {"model": {**SMOKE_MODEL, "d": 32, "ff": 64}, "clients": 4},
+    "8B": {"model": {**SMOKE_MODEL, "d": 64, "ff": 128}, "clients": 2},
+}
+SMOKE_STEPS, SMOKE_BATCH = 2, 2
+
+
+# --- the round on abstract arguments -----------------------------------------------------
+
+
+def param_specs(model: dict) -> dict:
+    """ShapeDtypeStructs of ``transformer.init_params`` at this size (nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+
+    v, d, n, f, s = (model[k] for k in ("vocab", "d", "layers", "ff", "seq"))
+
+    def spec(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    return {
+        "embed": spec(v, d),
+        "pos": spec(s, d),
+        "layers": {
+            "ln1_scale": spec(n, d), "ln1_bias": spec(n, d), "wqkv": spec(n, d, 3 * d),
+            "wo": spec(n, d, d), "ln2_scale": spec(n, d), "ln2_bias": spec(n, d),
+            "w_in": spec(n, d, f), "b_in": spec(n, f), "w_out": spec(n, f, d), "b_out": spec(n, d),
+        },  # fmt: skip
+        "ln_f_scale": spec(d),
+        "ln_f_bias": spec(d),
+        "unembed": spec(d, v),
+    }
+
+
+def round_specs(model: dict, clients: int, steps: int, batch: int):
+    import jax
+    import jax.numpy as jnp
+
+    tokens = jax.ShapeDtypeStruct((clients, steps, batch, model["seq"] + 1), jnp.int32)
+    return param_specs(model), tokens
+
+
+def num_params(model: dict) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(np.prod(s.shape) for s in jax.tree.leaves(param_specs(model))))
+
+
+# --- part 1: one fresh process per sample ------------------------------------------------
+
+
+def worker(side: str, model: dict, clients: int, steps: int, batch: int) -> dict:
+    """Times capture and lower on ``side`` in this (fresh) process; imports come first."""
+    import drjax
+    import jax
+    from corpus import transformer
+    from fcir.interpreters import xla
+
+    import fcir
+
+    api = fcir if side == "fcir" else drjax
+    specs = round_specs(model, clients, steps, batch)
+    fn = transformer.make_round(clients, lr=transformer.LR, num_heads=model["heads"], api=api)
+    w0, c0 = time.perf_counter(), time.process_time()
+    if side == "fcir":
+        module = fcir.capture(fn, *specs)
+    else:
+        jax.make_jaxpr(fn)(*specs)
+    w1, c1 = time.perf_counter(), time.process_time()
+    if side == "fcir":
+        xla.compile(module).lower(*specs)
+    else:
+        jax.jit(fn).lower(*specs)
+    w2, c2 = time.perf_counter(), time.process_time()
+    return {
+        "capture_s": w1 - w0, "lower_s": w2 - w1, "total_s": w2 - w0,
+        "capture_cpu_s": c1 - c0, "lower_cpu_s": c2 - c1, "total_cpu_s": c2 - c0,
+    }  # fmt: skip
+
+
+def run_worker(side: str, model: dict, clients: int, steps: int, batch: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    config = json.dumps({"model": model, "clients": clients, "steps": steps, "batch": batch})
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", side, "--config", config],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    for line in out.stdout.splitlines():
+        if line.startswith("FCIR-SCALE "):
+            return json.loads(line.removeprefix("FCIR-SCALE "))
+    raise RuntimeError(f"{side} worker failed (code {out.returncode}):\n{out.stderr[-3000:]}")
+
+
+def bench_lowering(model: dict, clients: int, steps: int, batch: int, pairs: int) -> dict:
+    samples: dict[str, list[dict]] = {"fcir": [], "drjax": []}
+    for i in range(pairs):
+        for side in ("fcir", "drjax") if i % 2 == 0 else ("drjax", "fcir"):
+            samples[side].append(run_worker(side, model, clients, steps, batch))
+    ratios = {}
+    for key in ("total_s", "lower_s", "capture_s", "total_cpu_s", "lower_cpu_s"):
+        ratios[key] = ratio_stats(
+            [s[key] for s in samples["fcir"]], [s[key] for s in samples["drjax"]]
+        )
+    return {"samples": samples, "fcir/drjax": ratios}
+
+
+def ratio_stats(num: list[float], den: list[float]) -> dict:
+    ratios = [a / b for a, b in zip(num, den)]
+    return {"ratios": ratios, "median": statistics.median(ratios), "min": min(ratios),
+            "max": max(ratios)}  # fmt: skip
+
+
+# --- part 2: cost of a round -------------------------------------------------------------
+
+
+def step_flops(model: dict, batch: int) -> float:
+    """XLA's flops of one SGD step of one client, the layer loop unrolled."""
+    import jax
+    from corpus import transformer
+
+    heads = model["heads"]
+
+    def loss(params, tokens):
+        x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[-1] - 1]
+        for i in range(model["layers"]):  # unrolled: XLA counts a loop body once
+            x = transformer.block(x, jax.tree.map(lambda w: w[i], params["layers"]), heads)
+        x = transformer.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"])
+        logp = jax.nn.log_softmax(x @ params["unembed"], axis=-1)
+        return -jax.numpy.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+    def step(params, tokens):
+        grads = jax.grad(loss)(params, tokens)
+        return jax.tree.map(lambda w, g: w - transformer.LR * g, params, grads)
+
+    params, tokens = round_specs(model, 1, 1, batch)
+    one = jax.ShapeDtypeStruct(tokens.shape[2:], tokens.dtype)
+    return float(_flops(jax.jit(step).lower(params, one).cost_analysis()))
+
+
+def server_flops(model: dict, clients: int) -> float:
+    """The server's part of the fcir round (mean of the deltas, the update), from the
+    fcir cost report's lowering of ``main`` with its ``fed.map`` replaced by zeros."""
+    from corpus import transformer
+    from fcir.interpreters.xla import cost
+
+    import fcir
+
+    specs = round_specs(model, clients, 1, 1)
+    fn = transformer.make_round(clients, lr=transformer.LR, num_heads=model["heads"], api=fcir)
+    module = fcir.capture(fn, *specs)
+    return float(cost._own_flops(module, module.main.body))
+
+
+def _flops(analysis) -> float:
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0]
+    return analysis.get("flops", 0.0)
+
+
+def cost_table(configs: dict, steps: int, batch: int) -> list[dict]:
+    rows = []
+    for name, c in configs.items():
+        model, clients = c["model"], c["clients"]
+        n = num_params(model)
+        tokens_per_client = steps * batch * model["seq"]
+        tokens = clients * tokens_per_client
+        xla_flops = clients * steps * step_flops(model, batch) + server_flops(model, clients)
+        paper_n, paper_tokens, paper_flops = PAPER[name]
+        rows.append({
+            "config": name, "clients": clients, "params": n, "model": model,
+            "tokens_per_client": tokens_per_client, "tokens": tokens,
+            "flops_6nd": 6.0 * n * tokens, "flops_xla": xla_flops,
+            "paper_tokens": paper_tokens, "paper_flops": paper_flops,
+            "paper_2nd_over_1024": 2.0 * paper_n * paper_tokens / 1024,
+        })  # fmt: skip
+    return rows
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def _ratio(s: dict) -> str:
+    return f"{s['median']:.3f} [min {s['min']:.3f}, max {s['max']:.3f}]"
+
+
+def report(lowering: dict, table: list[dict], pairs: int, load: list) -> str:
+    s, r = lowering["samples"], lowering["fcir/drjax"]
+
+    def med(side, key):
+        return statistics.median(x[key] for x in s[side])
+
+    lines = [
+        f"capture + lower, first call in a fresh process ({pairs} pairs, alternating order; "
+        "seconds, median; fcir/drjax per pair: median [min, max])",
+        f"  {'':8} {'capture':>8} {'lower':>8} {'total':>8} {'CPU total':>10}",
+    ]
+    for side in ("fcir", "drjax"):
+        lines.append(
+            f"  {side:8} {med(side, 'capture_s'):8.3f} {med(side, 'lower_s'):8.3f} "
+            f"{med(side, 'total_s'):8.3f} {med(side, 'total_cpu_s'):10.3f}"
+        )
+    lines += [
+        f"  fcir/drjax total {_ratio(r['total_s'])}  (goal <= 1.2)",
+        f"  fcir/drjax lower {_ratio(r['lower_s'])}, capture {_ratio(r['capture_s'])}",
+        f"  fcir/drjax CPU   total {_ratio(r['total_cpu_s'])}, lower {_ratio(r['lower_cpu_s'])}",
+        f"  load average (1, 5, 15 min) before: {load[0]}, after: {load[1]}",
+        "",
+        "one round (tokens per round; FLOPs: 6NT = 6 x params x tokens, XLA = cost analysis",
+        "of the lowered local step x steps x clients + server; paper = FAX's figure, which",
+        "equals 2 x N_nominal x tokens / 1024)",
+        f"  {'config':6} {'clients':>7} {'params':>9} {'tokens':>10} {'paper tok':>10} "
+        f"{'6NT':>10} {'XLA':>10} {'paper':>10} {'2NT/1024':>10}",
+    ]
+    for row in table:
+        lines.append(
+            f"  {row['config']:6} {row['clients']:7d} {row['params']:9.3e} {row['tokens']:10.3e} "
+            f"{row['paper_tokens']:10.3e} {row['flops_6nd']:10.3e} {row['flops_xla']:10.3e} "
+            f"{row['paper_flops']:10.3e} {row['paper_2nd_over_1024']:10.3e}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny models, one pair (CI)")
+    ap.add_argument("--pairs", type=int, default=4, help="pairs of fresh processes (>= 4)")
+    ap.add_argument("--no-table", action="store_true", help="skip part 2")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--worker", choices=("fcir", "drjax"), help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        c = json.loads(a.config)
+        result = worker(a.worker, c["model"], c["clients"], c["steps"], c["batch"])
+        print("FCIR-SCALE " + json.dumps(result), flush=True)
+        return 0
+
+    configs = SMOKE if a.smoke else CONFIGS
+    steps, batch = (SMOKE_STEPS, SMOKE_BATCH) if a.smoke else (STEPS, BATCH)
+    pairs = 1 if a.smoke else a.pairs
+    big = configs["350M"]
+    started = time.time()
+    load = [os.getloadavg()]
+    lowering = bench_lowering(big["model"], big["clients"], steps, batch, pairs)
+    load.append(os.getloadavg())
+    table = [] if a.no_table else cost_table(configs, steps, batch)
+    print(report(lowering, table, pairs, [tuple(round(x, 2) for x in v) for v in load]))
+
+    import drjax
+    import jax
+    import numpy as np
+
+    result = {
+        "config": {"configs": configs, "steps": steps, "batch": batch, "pairs": pairs},
+        "lowering": lowering,
+        "cost_table": table,
+        "load_average": load,
+        "versions": {
+            "jax": jax.__version__,
+            "jaxlib": _dist_version("jaxlib"),
+            "numpy": np.__version__,
+            "drjax": _dist_version("drjax") or getattr(drjax, "__version__", None),
+            "python": platform.python_version(),
+        },
+        "cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "smoke": a.smoke,
+        "wall_s": time.time() - started,
+    }
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = pathlib.Path(a.out_dir) / f"scale{'-smoke' if a.smoke else ''}-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nraw samples: {path}")
+    return 0
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

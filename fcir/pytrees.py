@@ -1,0 +1,52 @@
+"""Results with the program's own pytree classes, in the process that captured it.
+
+The IR records a result pytree as a :class:`fcir.types.Structure`: plain data, so a
+module read from disk rebuilds dicts, tuples and stand-in namedtuples, never the
+program's classes (that would mean importing classes named by a file). In the process
+that captured the program the real ``PyTreeDef`` is known: capture keeps it on
+``Func.result_treedef`` and here, keyed by the Structure, so a module that went through
+text, protobuf or a production bundle in the same process still returns an equinox
+model, an optax state or a dict with int keys, exactly as ``jax.jit`` of the program.
+
+Two captures whose results have one Structure but different treedefs (``{1: x}`` and
+``{"1": x}``) make that Structure ambiguous; such modules, once deserialized, fall back
+to the Structure's containers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fcir.types import Structure
+
+_AMBIGUOUS = object()
+_BY_STRUCTURE: dict[Structure, Any] = {}
+
+
+def remember(structure: Structure | None, treedef) -> None:
+    """Records the treedef capture flattened a program's results with."""
+    if structure is None or treedef is None:
+        return
+    known = _BY_STRUCTURE.get(structure, treedef)
+    _BY_STRUCTURE[structure] = treedef if known == treedef else _AMBIGUOUS
+
+
+def result_treedef(func) -> Any:
+    """The PyTreeDef that rebuilds ``func``'s results with the program's own classes, or
+    None when this process did not capture it (rebuild from the Structure then)."""
+    treedef = getattr(func, "result_treedef", None)
+    if treedef is None and func.result_structure is not None:
+        treedef = _BY_STRUCTURE.get(func.result_structure)
+    if treedef is None or treedef is _AMBIGUOUS:
+        return None
+    return treedef if treedef.num_leaves == len(func.body.results) else None
+
+
+def unflatten_results(func, outs: Sequence) -> Any:
+    """``func``'s flat results as the pytree the program returns."""
+    treedef = result_treedef(func)
+    if treedef is not None:
+        return treedef.unflatten(list(outs))
+    structure = func.result_structure
+    return structure.unflatten(list(outs)) if structure is not None else tuple(outs)

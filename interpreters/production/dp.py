@@ -1,0 +1,124 @@
+"""The DP aggregates for production: ``fed.dp_sum`` / ``fed.dp_mean`` decomposed into
+what a DistributeAggregateForm round runs where.
+
+One DP op becomes
+
+* a ``fed.map`` that clips each client's pytree (``fcir.primitives.clip_member``):
+  client_work;
+* one ``fed.sum`` per leaf: client_to_server_aggregation, as ``federated_sum``;
+* server ops drawing ``noise_multiplier * clip_norm * normal(fold_in(key, i))`` per leaf,
+  added to the sums (and the division by the cardinality for ``dp_mean``):
+  server_result, the key reaching it as temporary state.
+
+The decomposition is traced from JAX (``fcir.capture``) with the very functions the
+primitive's rules use, so it computes what the op computes. The privacy check runs on
+the round as written (one op per release); the decomposed round is the same program
+in plain ops and is not itself marked private (its ``fed.sum`` of clipped updates is
+exactly what the check forbids outside a DP op). ``fcir.privacy.round_cost`` of the
+original round goes into the manifest.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from fcir.errors import ExportError
+from fcir.ir import Module, Op, Region, Value
+from fcir.privacy import DP_OPS
+from fcir.types import runtime_type
+
+from .rewrite import clone_op
+
+__all__ = ["decompose", "has_dp", "manifest_entry"]
+
+
+def has_dp(module: Module) -> bool:
+    return any(op.name in DP_OPS for op in module.main.body.ops)
+
+
+def decompose(module: Module) -> Module:
+    """``module`` with every top-level DP op replaced by clip map, sums and server noise
+    (the module itself if it has none). ExportError for a DP op inside a region."""
+    from fcir.ir import walk
+
+    for path, op in walk(module.main.body):
+        if op.name in DP_OPS and len(path) > 1:
+            raise ExportError(
+                f"{op.name} (op {'/'.join(map(str, path))}) sits inside a region; the "
+                "production export decomposes DP aggregates of the round's top level only: "
+                "move it out of the map or loop"
+            )
+    if not has_dp(module):
+        return module
+    main = module.main
+    body = main.body
+    env: dict[Value, Value] = {v: Value(v.type) for v in body.params}
+    new = Region([env[v] for v in body.params], [], [], body.label)
+    for op in body.ops:
+        if op.name not in DP_OPS:
+            new.ops.append(clone_op(op, env))
+            continue
+        outs = _splice(module, op, new, [env[v] for v in op.operands])
+        env.update(zip(op.results, outs))
+    new.results = [env[v] for v in body.results]
+    from fcir.check import check
+    from fcir.ir import Func
+
+    func = Func(main.name, new, main.arg_structure, main.result_structure)
+    func.result_treedef = main.result_treedef
+    return check(Module(module.name, list(module.placements), [func], module.ir_version))
+
+
+def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> list[Value]:
+    import fcir
+    from fcir.capture import capture
+    from fcir.primitives import clip_member, dp_noise
+
+    placement = op.operands[0].type.placement
+    n = module.cardinality(placement)
+    clip, z = op.attrs["clip_norm"], op.attrs["noise_multiplier"]
+    mean = op.name == "fed.dp_mean"
+
+    @fcir.program(placements={placement: n})
+    def decomposed(key, *xs):
+        clipped = fcir.map_fn(lambda *m: tuple(clip_member(list(m), clip)), tuple(xs))
+        totals = fcir.reduce_sum(list(clipped))
+        out = []
+        for i, t in enumerate(totals):
+            noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
+            out.append(noisy / n if mean else noisy)
+        return out
+
+    *xs, key = op.operands
+    specs = [
+        jax.ShapeDtypeStruct(rt.shape, rt.np_dtype)
+        for rt in (runtime_type(v.type, module.cardinality) for v in (key, *xs))
+    ]
+    traced = capture(decomposed, *specs).main.body
+    *x_vs, key_v = operands
+    env = dict(zip(traced.params, [key_v, *x_vs]))
+    for sub in traced.ops:
+        region.ops.append(clone_op(sub, env))
+    outs = [env[v] for v in traced.results]
+    for old, new in zip(op.results, outs):
+        if new.type != old.type:  # the op's type rule and the traced ops must agree
+            raise ExportError(f"{op.name}: decomposed result {new.type}, expected {old.type}")
+    return outs
+
+
+def manifest_entry(module: Module) -> dict | None:
+    """The privacy parameters the manifest states (None without DP ops)."""
+    from fcir.privacy import round_cost
+
+    cost = round_cost(module)
+    if cost is None:
+        return None
+    return {
+        **cost,
+        "private_program_checked": bool(module.private),
+        "mechanism": "Gaussian: each client's update clipped in client_work, summed with "
+        "federated_sum, noise added in server_result; client-level DP (add or remove one "
+        "client)",
+    }
+
+
