@@ -7,7 +7,8 @@ Part 1 times, side by side in one run (A, B, A, B ... after a warm-up), ``jax.ma
 alone and ``fcir.capture`` (trace + convert + check) on the FedAvg transformer round,
 and reports (capture - trace) / trace, the convert+check overhead (goal <= 0.5).
 Part 2 builds programs of 1e3, 1e4 and 1e5 ops and times capture, print, parse and
-serialize at each size, reporting each step's growth per 10x ops (goal <= 11x).
+serialize at each size, reporting each step's growth per 10x ops (goal <= 11x) and
+parse/print, paired within each repetition (goal <= 2 at 1e5 ops).
 Results: a table on stdout and JSON with every raw sample in bench/results/.
 """
 
@@ -133,6 +134,12 @@ def main(argv=None) -> int:
             growth = {s: meds[s] / prev[s] for s in steps}
             print(f"  {'growth':>8} " + " ".join(f"{growth[s]:>9.2f}x" for s in steps))
         prev = meds
+    print("\nparse/print, pairwise in each repetition (goal <= 2 at 1e5 ops):")
+    for n in sizes:
+        ratios = [pa / pr for pa, pr in zip(scale[n]["parse"], scale[n]["print"])]
+        scale[n]["parse_over_print"] = ratios
+        print(f"  {scale[n]['ops']:>8} ops: median {statistics.median(ratios):.2f}  "
+              f"[min {min(ratios):.2f}, max {max(ratios):.2f}]")
 
     result = {
         "overhead": over,

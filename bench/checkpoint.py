@@ -8,7 +8,15 @@ contenders back to back (rotating their order, with a rest before each write, si
 cloud disks throttle a writer that follows another), and a figure is the ratio of the
 medians. Prints a table with every goal of docs/design checkpoint.md and writes every
 raw sample, the versions and the core count to bench/results/checkpoint-*.json.
-Restores run right after the saves, so both libraries read from the page cache.
+
+Restores onto the saved sharding are also compared with the restore *limit*: the same
+stored bytes read with plain `os.pread`, 1 MiB at a time on as many threads as fcir
+uses, into one 64-byte aligned numpy buffer per device block, then `jax.device_put`
+onto the devices of the same sharding; no checksums, no planning. Each restore runs warm (right after the saves,
+from the page cache) and cold: before a cold one the checkpoint's files are dropped
+from the page cache with posix_fadvise(POSIX_FADV_DONTNEED) per file (clean pages: the
+saves were synced), which needs no privilege and touches no one else's cache. Whether
+the drop worked is checked with RWF_NOWAIT reads and reported.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from fcir import checkpoint
+from fcir.checkpoint import parallel
+from fcir.checkpoint.layout import read_layout
 
 RESULTS = REPO / "bench" / "results"
 N_BIG = 4  # large float32 leaves, sharded over all devices
@@ -204,6 +214,158 @@ def orbax_restore(ckptr: Any, path: pathlib.Path, target: dict[str, Any]) -> flo
     return t
 
 
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """Uninitialized bytes at a 64-byte aligned address (jax adopts them without a copy)."""
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = (-raw.ctypes.data) % 64
+    return raw[start : start + nbytes]
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise OSError(f"short read at byte {offset}")
+        view, offset = view[n:], offset + n
+
+
+#: The limit's read size: of 256 KiB to 32 MiB, 1 MiB read fastest here; one read per
+#: 32 MiB stored shard was erratic and up to 7x slower, which would flatter fcir.
+LIMIT_READ_BYTES = 2**20
+
+
+def limit_restore(path: pathlib.Path, target: dict[str, Any]) -> dict[str, Any]:
+    """The restore limit: for each device block of the target sharding, the stored shard
+    with the same index range read with plain preads into an aligned buffer of its own;
+    then jax.device_put of the blocks onto their devices, assembled into the sharding.
+
+    Only the layout (a few KiB) is read through fcir, for the shards' offsets; the
+    target must be the saved sharding. One buffer per block, not per array: in this
+    benchmark's process, reads into one 256 MiB buffer per array were erratic (1.1-9.4 s
+    for 1 GiB where per-block buffers took 0.6-0.8 s), which would flatter fcir.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout = read_layout(path)
+    fds = [os.open(path / f.name, os.O_RDONLY) for f in layout.files]
+    try:
+        reads, puts = [], []
+        for item in layout.items:
+            records = {r.path[-1].name: r for r in item.arrays.arrays}
+            for name, leaf in target.get(item.name, {}).items():
+                record = records[name]
+                shape, dtype = tuple(record.shape), np.dtype(record.dtype)
+                stored = {tuple((r.start, r.stop) for r in s.index): s for s in record.shards}
+                blocks: dict[tuple, list] = {}
+                for device, index in leaf.sharding.addressable_devices_indices_map(shape).items():
+                    box = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+                    blocks.setdefault(box, []).append(device)
+                hosts, devices = [], []
+                for box, devs in blocks.items():
+                    shard = stored[box]  # KeyError: not the saved sharding
+                    buf = aligned_empty(shard.length)
+                    for o in range(0, shard.length, LIMIT_READ_BYTES):
+                        view = memoryview(buf)[o : o + LIMIT_READ_BYTES]
+                        reads.append((fds[shard.file], view, shard.offset + o))
+                    host = buf.view(dtype).reshape([b - a for a, b in box])
+                    hosts += [host] * len(devs)
+                    devices += devs
+                puts.append((item.name, name, shape, leaf.sharding, hosts, devices))
+        with ThreadPoolExecutor(parallel.THREADS) as pool:
+            list(pool.map(lambda r: _pread_all(*r), reads))
+        out: dict[str, Any] = {}
+        for item_name, name, shape, sharding, hosts, devices in puts:
+            singles = jax.device_put(hosts, devices)
+            out.setdefault(item_name, {})[name] = jax.make_array_from_single_device_arrays(
+                shape, sharding, singles
+            )
+        return out
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def check_limit(path: pathlib.Path, tree: dict[str, Any], target: dict[str, Any]) -> None:
+    got = limit_restore(path, target)
+    for name, want in tree["params"].items():
+        have = got["params"][name]
+        if have.sharding != want.sharding or not np.array_equal(have, want):
+            raise AssertionError(f"the restore limit read {name} wrong")
+
+
+def timed_limit(path: pathlib.Path, target: dict[str, Any]) -> float:
+    def run() -> None:
+        jax.block_until_ready(limit_restore(path, target))
+
+    t = timed(run)
+    gc.collect()
+    return t
+
+
+def _files(directory: pathlib.Path) -> list[str]:
+    return [os.path.join(root, f) for root, _, names in os.walk(directory) for f in names]
+
+
+def drop_page_cache(directory: pathlib.Path) -> None:
+    """Evicts the files under `directory` from the page cache (they must be clean)."""
+    for name in _files(directory):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def cached_fraction(directory: pathlib.Path) -> float | None:
+    """Share of the files' pages in the page cache, from mincore(2) on a mapping of each
+    (which, unlike a probing read, starts no readahead). None where it cannot be asked."""
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for name in _files(directory):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                continue
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                pages = -(-size // page)
+                vec = ctypes.create_string_buffer(pages)
+                if libc.mincore(addr, size, vec) != 0:
+                    return None
+                resident += sum(b & 1 for b in vec.raw)
+                total += pages
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return resident / total if total else 0.0
+
+
+def cold(directory: pathlib.Path, restore: Callable[[], float], left: list[float]) -> float:
+    """`restore()` after dropping `directory` from the page cache (untimed); records in
+    `left` the share still cached after the drop."""
+    drop_page_cache(directory)
+    share = cached_fraction(directory)
+    if share is not None:
+        left.append(share)
+    return restore()
+
+
 # --- peak memory of a restore, in a fresh process -------------------------------------------
 
 
@@ -279,6 +441,27 @@ GOALS = [
         ">=",
     ),
     (
+        "restore onto the saved sharding: fcir / limit",
+        "fcir_restore_saved",
+        "limit_restore",
+        1.2,
+        "<=",
+    ),
+    (
+        "cold restore onto the saved sharding: orbax / fcir",
+        "orbax_restore_cold",
+        "fcir_restore_saved_cold",
+        2.0,
+        ">=",
+    ),
+    (
+        "cold restore onto the saved sharding: fcir / limit",
+        "fcir_restore_saved_cold",
+        "limit_restore_cold",
+        1.2,
+        "<=",
+    ),
+    (
         "restore onto mesh (4,2) P('a','b') / onto saved",
         "fcir_restore_other",
         "fcir_restore_saved",
@@ -307,6 +490,7 @@ def run(args: argparse.Namespace) -> int:
     targets = {kind: abstract_tree(shape, kind) for kind in ("saved", "other", "columns")}
     ckptr = orbax_checkpointer()
     samples: dict[str, list[float]] = {}
+    still_cached: list[float] = []  # after each drop from the page cache
     print(
         f"tree: {N_BIG} x f32{list(shape)} over 8 devices + {N_SMALL} replicated f32[{shape[1]}]"
         f" = {nbytes / 2**20:.1f} MiB; {warmup} warm-up + {reps} repetition(s); dir {work};"
@@ -328,14 +512,32 @@ def run(args: argparse.Namespace) -> int:
         for write in rotated(writes, rep):
             time.sleep(args.settle)  # the disk may throttle a writer right after another
             got.update(write())
+        saved = targets["saved"]
+        # orbax restores run last: on this machine the restore that follows an orbax
+        # restore in the same process was 5-10x slower (fcir 0.6 s -> 5-7 s, even after
+        # 6 s idle), whoever it was; rotating orbax among the others made the limit,
+        # which always came next, look 7x slower than fcir.
         restores = [
-            ("fcir_restore_saved", lambda: fcir_restore(f_path, targets["saved"])),
-            ("orbax_restore", lambda: orbax_restore(ckptr, o_path, targets["saved"])),
+            ("fcir_restore_saved", lambda: fcir_restore(f_path, saved)),
+            ("limit_restore", lambda: timed_limit(f_path, saved)),
             ("fcir_restore_other", lambda: fcir_restore(f_path, targets["other"])),
             ("fcir_restore_columns", lambda: fcir_restore(f_path, targets["columns"])),
         ]
+        if args.quick and rep == 0:  # the limit must read the right bytes (untimed)
+            check_limit(f_path, tree, saved)
+        # Warm restores first (the files are cached since the saves), then cold ones.
         for name, restore in rotated(restores, rep):
             got[name] = restore()
+        colds = [
+            ("fcir_restore_saved_cold", lambda: fcir_restore(f_path, saved)),
+            ("limit_restore_cold", lambda: timed_limit(f_path, saved)),
+        ]
+        for name, restore in rotated(colds, rep):
+            got[name] = cold(f_path, restore, still_cached)
+        got["orbax_restore"] = orbax_restore(ckptr, o_path, saved)
+        got["orbax_restore_cold"] = cold(
+            o_path, lambda: orbax_restore(ckptr, o_path, saved), still_cached
+        )
         memory = None
         if rep == warmup + reps - 1:  # fresh processes, once, on the last checkpoints
             memory = {
@@ -381,6 +583,13 @@ def run(args: argparse.Namespace) -> int:
             f"{figure:<52} {a:>7.3f}{unit[0]:>2} {b:>7.3f}{unit[0]:>2} {ratio:>7.3f}  {goal:<7} "
             f"{'yes' if ok else 'NO'}"
         )
+    if still_cached:
+        print(
+            f"(cold restores: after each drop, {max(still_cached):.0%} at most of the "
+            "checkpoint's pages were still cached)"
+        )
+    else:
+        print("(cold restores: could not check that the page cache was dropped)")
     if "orbax" in memory:
         om = memory["orbax"]
         print(
@@ -411,6 +620,7 @@ def run(args: argparse.Namespace) -> int:
         "cpu_count": os.cpu_count(),
         "samples_s": samples,
         "memory_bytes": memory,
+        "cached_after_drop": still_cached,
         "figures": [
             {"figure": f, "a": a, "b": b, "ratio": r, "goal": g, "ok": ok}
             for f, a, b, r, g, ok in rows

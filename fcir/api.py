@@ -27,6 +27,7 @@ from jax._src import source_info_util as _source_info
 from fcir import primitives as P
 from fcir import sharding
 from fcir.errors import PlacementError
+from fcir.ir import is_name
 
 _source_info.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
 
@@ -64,10 +65,10 @@ class Placements:
             )
         names, sizes = [], []
         for name, size in placements.items():
-            if not isinstance(name, str) or not name.isidentifier() or name == SERVER:
+            if not is_name(name) or name == SERVER:
                 raise PlacementError(
-                    f"fcir.program: placement name {name!r} must be an identifier other "
-                    f"than '{SERVER}'"
+                    f"fcir.program: placement name {name!r} must be an ASCII identifier "
+                    f"([A-Za-z_][A-Za-z0-9_]*) other than '{SERVER}'"
                 )
             if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
                 raise PlacementError(

@@ -24,8 +24,8 @@ from fcir import attrs as A
 from fcir import captured, pytrees
 from fcir import control_flow as CF
 from fcir import primitives as P
-from fcir.errors import FcirError, PlacementError, UnsupportedError
-from fcir.ir import Func, Module, Op, Region, Value
+from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
+from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
 from fcir.types import (
     SERVER,
     PlacedType,
@@ -87,6 +87,11 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
                       **kwargs) -> Module:
     """Like :func:`capture` but returns the Module even when it does not check, so that
     ``fcir check`` can report every problem with its op."""
+    if name is not None and not is_name(name):
+        raise IRTypeError(
+            f"capture(name={name!r}): a module name is an ASCII identifier "
+            f"([A-Za-z_][A-Za-z0-9_]*), e.g. {sanitize_name(name)!r}"
+        )
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     _, in_tree = jax.tree_util.tree_flatten((args, kwargs) if kwargs else args)
     _, out_tree = jax.tree_util.tree_flatten(out_shape)
@@ -134,7 +139,7 @@ def _name_of(fn) -> str:
     while isinstance(fn, functools.partial):
         fn = fn.func
     name = getattr(fn, "__name__", None) or type(fn).__name__
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "program"
+    return sanitize_name(name) if isinstance(name, str) and name else "program"
 
 
 def _placements(fn, jaxpr: core.Jaxpr) -> list[tuple[str, int]]:
@@ -171,6 +176,21 @@ def _placements(fn, jaxpr: core.Jaxpr) -> list[tuple[str, int]]:
             "several placements at one nesting depth; declare them with @fcir.program"
         )
     return [(p, n) for p, (_, n) in by_depth]
+
+
+def _check_cardinality(eqn, declared: int) -> None:
+    """A module has one cardinality per placement, which every backend runs each fed op
+    with; a fed op traced with another (a program calling a program declared with other
+    cardinalities) would compute other numbers than jax.jit does, so it is refused."""
+    n = eqn.params["n"]
+    if n != declared:
+        p = eqn.params["placement"]
+        raise PlacementError(
+            f"{FED_OP_NAMES[eqn.primitive.name]}: traced with '{p}' of cardinality {n}, but "
+            f"the captured program declares {p}:{declared}; a module has one cardinality "
+            f"per placement: declare the programs it calls with placements={{'{p}': "
+            f"{declared}}} (or capture the called program on its own)"
+        )
 
 
 def _contains_federated(jx: core.Jaxpr) -> bool:
@@ -210,6 +230,7 @@ class _Converter:
                 f"'{here}', but the placement below '{here}' is "
                 f"{self.names[level + 1] if level + 1 < len(self.names) else 'none'!r}"
             )
+        _check_cardinality(eqn, self.sizes[p])
         return p
 
     def param_types(self, jx: core.Jaxpr, level: int, out_req=None, *,

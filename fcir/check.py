@@ -21,6 +21,11 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
   and their results back (``fcir.control_flow``); when those types fit, the op itself
   reads nothing, so it may pass placed values. Its regions run where the op runs and are
   checked op by op like any other region.
+* ``module/C5``: module, func and placement names are ASCII identifiers.
+
+Local ops' result types and attributes, and the size of every value, are checked by
+``fcir.check_local`` (its docstring lists those constraints, its tests are in
+tests/test_soundness.py).
 
 A private module (``@fcir.program(..., private=True)``) also gets the leak check of
 ``fcir.privacy`` (``privacy/C1``-``C3``, raised as PrivacyError).
@@ -30,10 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from fcir import check_local
 from fcir import control_flow as CF
 from fcir.capture import ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError, PrivacyError
-from fcir.ir import Module, Op, Region, describe, value_numbering
+from fcir.ir import Module, Op, Region, Value, describe, is_name, value_numbering
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
 
@@ -54,6 +60,7 @@ class _Checker:
         self.module = module
         self.diags: list[Diagnostic] = []
         self.names = None
+        self.types = check_local.Types(module.placements)
 
     def report(self, code, message, path, op, placement):
         if op is None:
@@ -74,6 +81,13 @@ class _Checker:
             if not isinstance(n, int) or n < 1:
                 self.report("module/C2", f"module/C2: cardinality of '{p}' must be positive",
                             (), None, True)
+        named = [("module", m.name), *(("placement", p) for p in names),
+                 *(("func", f.name) for f in m.funcs)]
+        for what, name in named:
+            if not is_name(name):
+                self.report("module/C5", f"module/C5: {what} name {name!r} must be an ASCII "
+                            "identifier ([A-Za-z_][A-Za-z0-9_]*) to print and parse", (), None,
+                            False)
         try:
             main = m.main
         except IRTypeError as e:
@@ -81,6 +95,7 @@ class _Checker:
             return self.diags
         for v in main.body.params + main.body.results:
             self.check_type_placements(v.type, (), None)
+        self.check_sizes(main.body.params, (), None)
         self.region(main.body, Context(m.placements, -1), (), set())
         if m.private and not self.diags:  # the leak check needs a well-formed module
             from fcir.privacy import leaks
@@ -123,9 +138,17 @@ class _Checker:
                 self.report("region/C1", "region/C1: yielded value is not defined in this "
                             "region", path, None, False)
 
+    def check_sizes(self, values, path, op) -> None:
+        for v in values:
+            problem = self.types.size_problem(v.type)
+            if problem is not None:
+                self.report("value/C1", problem, path, op, False)
+                return
+
     def op(self, op: Op, ctx: Context, path: tuple) -> None:
         for v in op.results:
             self.check_type_placements(v.type, path, op)
+        self.check_sizes(op.results, path, op)
         rule = FED_OPS.get(op.name)
         if rule is not None:
             try:
@@ -144,8 +167,17 @@ class _Checker:
             self.report("op/C0", f"op/C0: unknown op {op.name}: ops are fed.*, jax.* or "
                         "fcir.constant", path, op, False)
             return
+        before = len(self.diags)
         if not self.region_bindings(op, ctx, path):
             self.local(op, ctx, path)
+        new = self.diags[before:]
+        if not any(d.placement for d in new):  # placement holds: now the types
+            problem = check_local.result_types_problem(self.types, self.as_bound(op))
+            if problem is not None:
+                # A binding that does not fit in shape or dtype is what the primitive's
+                # own type rule rejects too; its words (fcir.check_local) are the ones.
+                del self.diags[before:]
+                self.report(problem[0], problem[1], path, op, False)
         for r, sub in enumerate(op.regions):
             self.region(sub, ctx, (*path, r), set())
 
@@ -222,6 +254,29 @@ class _Checker:
             fail("flow/C4", f"the branch index ({op.operands[0].type}) must be local to "
                  f"'{ctx.here}'", op.operands[0].type, None)
         return True
+
+    def as_bound(self, op: Op) -> Op:
+        """``op`` with the types JAX binds it with, for check_local: a jax.scan's placed
+        ``xs``/``ys`` have the scan axis first there (``fcir.control_flow.scan_axis``);
+        every other op is bound as typed."""
+        if op.name != "jax.scan":
+            return op
+        try:
+            xs, ys = CF.scan_slices(op.attrs, len(op.operands), len(op.results))
+        except (KeyError, TypeError, ValueError):
+            return op  # attributes check_local rejects itself
+
+        def view(v: Value, sliced: bool) -> Value:
+            rt = self.types.runtime(v.type)
+            axis = CF.scan_axis(v.type)
+            if not sliced or axis == 0 or rt is None:
+                return v
+            shape = list(rt[1])
+            return Value(TensorType(rt[0], (shape.pop(axis), *shape)))
+
+        return Op(op.name, [view(v, i in xs) for i, v in enumerate(op.operands)],
+                  [view(v, j in ys) for j, v in enumerate(op.results)], op.attrs, op.regions,
+                  location=op.location)
 
     def local(self, op: Op, ctx: Context, path: tuple) -> None:
         prim = op.name.removeprefix("jax.")

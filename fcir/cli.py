@@ -93,7 +93,7 @@ def cmd_compile(a) -> int:
     if any(e in emit for e in ("hlo", "stablehlo", "cost")):
         from fcir.interpreters import xla
 
-        exe = xla.compile(module, mesh=mesh)
+        exe = xla.compile(module, mesh=mesh, clients_per_step=a.clients_per_step)
     if not a.output:
         if "ir" in emit:
             sys.stdout.write(module.to_text())
@@ -228,6 +228,8 @@ def cmd_diff(a) -> int:
 def cmd_run(a) -> int:
     from fcir.targets import load_module
 
+    if a.clients_per_step is not None and a.backend != "xla":
+        raise _Usage("--clients-per-step streams members on the xla backend: add --backend xla")
     module = load_module(a.FILE, a.args)
     leaves = _load_inputs(a.inputs)
     args = _unflatten_args(module, leaves)
@@ -238,13 +240,31 @@ def cmd_run(a) -> int:
     else:
         from fcir.interpreters import xla
 
-        outputs = xla.compile(module)(*args)
+        outputs = xla.compile(module, clients_per_step=a.clients_per_step)(*args)
     _write_outputs(outputs, a.output)
     return 0
 
 
 class _Usage(Exception):
     pass
+
+
+def _clients_per_step(text: str):
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {text!r}")
+    return k
+
+
+def _add_clients_per_step(p) -> None:
+    p.add_argument("--clients-per-step", metavar="K", type=_clients_per_step, default=None,
+                   help="xla: stream each fed.map K members at a time per device, reductions "
+                   "as running sums ('auto': K from the device's memory)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -264,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emit", default="ir,hlo,stablehlo,cost",
                    help="comma-separated: ir, hlo, stablehlo, cost (default: all)")
     p.add_argument("--mesh", metavar="AXES", help="device mesh, e.g. clients=8 (default: none)")
+    _add_clients_per_step(p)
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("show", help="print IR as text, or draw it (dot/svg)",
@@ -295,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("reference", "xla"), default="reference")
     p.add_argument("--inputs", required=True, metavar="IN.npz")
     p.add_argument("-o", "--output", metavar="OUT.npz")
+    _add_clients_per_step(p)
     p.set_defaults(func=cmd_run)
 
     _register_plugins(sub)
@@ -309,6 +331,9 @@ def _register_plugins(sub) -> None:
         production_cli = None
     if production_cli is not None:
         production_cli.register(sub)
+    from fcir.interpreters.flower import cli as flower_cli  # imports flwr only when run
+
+    flower_cli.register(sub)
     try:
         from fcir.checkpoint import inspect as ckpt_inspect
     except ImportError:

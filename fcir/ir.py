@@ -9,12 +9,49 @@ results, attributes (plain data, see ``fcir.attrs``) and nested regions.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from typing import Any
 
 from fcir.types import Structure, Type
 
 IR_VERSION = 1  # major version of the fcir.v1 Module format this fcir reads and writes
+
+# Module, func and placement names: ASCII identifiers. The canonical text writes them
+# bare (``@name``, ``clients:8``, ``{T}@clients``), so a name must be one token of the
+# text grammar in any tokenizer: no spaces, newlines, quotes or non-ASCII letters.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def is_name(name) -> bool:
+    """Whether ``name`` is a valid module, func or placement name (an ASCII identifier)."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+
+
+def check_names(module: Module) -> None:
+    """Raises IRTypeError unless the module's, its funcs' and placements' names are
+    names (:func:`is_name`): the printer and serializer refuse to write what the parser
+    and deserializer would not read back."""
+    from fcir.errors import IRTypeError
+
+    bad = [("module", module.name)] if not is_name(module.name) else []
+    bad += [("func", f.name) for f in module.funcs if not is_name(f.name)]
+    bad += [("placement", p) for p, _ in module.placements if not is_name(p)]
+    if bad:
+        what, name = bad[0]
+        raise IRTypeError(
+            f"{what} name {name!r} is not an ASCII identifier ([A-Za-z_][A-Za-z0-9_]*), so "
+            f"it could not be read back from text or protobuf: use e.g. {sanitize_name(name)!r}"
+        )
+
+
+def sanitize_name(name: str) -> str:
+    """``name`` with every character outside [A-Za-z0-9_] replaced by '_' (and a leading
+    '_' before a digit): a valid name derived from a Python function's name."""
+    out = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in str(name))
+    if not out or out[0].isdigit():
+        out = "_" + out
+    return out
 
 
 class Value:

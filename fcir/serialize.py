@@ -21,7 +21,9 @@ from fcir.ir import (
     Op,
     Region,
     Value,
+    check_names,
     check_structure,
+    is_name,
     value_numbering,
 )
 from fcir.types import SERVER, PlacedType, Structure, TensorType, Type, dtype_from_name
@@ -55,6 +57,7 @@ def _producer() -> str:
 
 
 def to_proto(module: Module) -> pb.Module:
+    check_names(module)
     out = pb.Module(ir_version=module.ir_version, name=module.name, private=module.private)
     for name, n in module.placements:
         out.placements.add(name=name, cardinality=n)
@@ -174,11 +177,11 @@ def from_proto(msg: pb.Module) -> Module:
         )
     if msg.ir_version < 1:
         raise ParseError("serialized module has no ir_version (is this an fcir.v1.Module?)")
-    if not msg.name.isidentifier():
+    if not is_name(msg.name):
         raise ParseError(f"module name {msg.name!r} is not an identifier")
     placements = []
     for p in msg.placements:
-        if not p.name.isidentifier() or p.name == SERVER or p.name in dict(placements):
+        if not is_name(p.name) or p.name == SERVER or p.name in dict(placements):
             raise ParseError(f"bad placement name {p.name!r}")
         if p.cardinality < 1:
             raise ParseError(f"placement '{p.name}' has cardinality {p.cardinality}")
@@ -186,7 +189,7 @@ def from_proto(msg: pb.Module) -> Module:
     reader = _Reader({p for p, _ in placements})
     funcs = []
     for f in msg.funcs:
-        if not f.name.isidentifier() or any(g.name == f.name for g in funcs):
+        if not is_name(f.name) or any(g.name == f.name for g in funcs):
             raise ParseError(f"bad or repeated func name {f.name!r}")
         reader.values = {}
         body = reader.region(f.body)

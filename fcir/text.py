@@ -31,13 +31,25 @@ import numpy as np
 
 from fcir import attrs as A
 from fcir.errors import ParseError
-from fcir.ir import IR_VERSION, Func, Module, Op, Region, Value, check_structure, value_numbering
+from fcir.ir import (
+    IR_VERSION,
+    Func,
+    Module,
+    Op,
+    Region,
+    Value,
+    check_names,
+    check_structure,
+    is_name,
+    value_numbering,
+)
 from fcir.types import SERVER, PlacedType, Structure, TensorType, Type
 
 INLINE_LIMIT = 16
 _DIGEST_CHARS = 16
 _MAX_NESTING = 100  # types, attributes, structures and regions; deeper input is rejected
 _INT64 = 1 << 63
+_MAX_INT_DIGITS = 40  # a 64-bit integer has at most 20 digits; leave room for leading zeros
 
 
 # --- printing -------------------------------------------------------------------------------
@@ -130,6 +142,7 @@ class _Printer:
 
     def run(self) -> str:
         m = self.module
+        check_names(m)
         places = ", ".join(f"{p}:{n}" for p, n in m.placements)
         self.lines.append(
             f"fcir.module @{m.name} ir_version={m.ir_version} placements=[{places}]"
@@ -195,6 +208,28 @@ def _gc_paused():
             gc.enable()
 
 
+@contextlib.contextmanager
+def _tenured():
+    """Pauses the cyclic garbage collector while a module is built, then moves the objects
+    made meanwhile (and any other young ones) straight into the oldest generation.
+
+    A parsed module is 5-6 acyclic, long-lived objects per op. Left young, the first
+    allocation after the parse triggers a collection that scans all of them, which cost
+    a quarter of parsing time at 1e5 ops; they would then be scanned again as middle-aged.
+    gc.freeze() + gc.unfreeze() tenures them without a scan. That would also release
+    objects someone else froze (e.g. a pre-fork server), so then it is skipped."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
 def print_module(module: Module, *, full_constants: bool = False, locations: bool = False) -> str:
     with _gc_paused():
         return _Printer(module, full_constants, locations).run()
@@ -223,23 +258,35 @@ _TOKEN = re.compile(
 )
 
 
-# A token is a plain tuple (kind, text, offset): the tokenizer makes 100k+ of them.
+# A token is a plain tuple (kind, text, offset).
 _Tok = tuple
 
-
-def _tokenize(text: str) -> list[_Tok]:
-    toks = []
-    append = toks.append
-    for m in _TOKEN.finditer(text):
-        kind = m.lastgroup
-        if kind == "ws":
-            continue
-        if kind == "bad":
-            line, col = _line_col(text, m.start())
-            raise ParseError(f"line {line}, column {col}: unexpected character {m.group()!r}")
-        append((kind, m.group(), m.start()))
-    append(("eof", "", len(text)))
-    return toks
+# The fast path: one match reads a whole op line of the canonical shape,
+#   %7: f32[8], %8: {f32[8]}@clients = jax.add %5, %6 {key=value, ...}
+# with no regions, no location and no comment. Its types and attribute dicts repeat a lot,
+# so each distinct one is parsed once, by the token parser (so errors and corner cases are
+# the token parser's), and looked up afterwards. Anything the pattern does not cover, or
+# that looks wrong, falls back to the token parser, which then reports the error.
+_FAST_TYPE = r"\{?(?:key<\w+>|[A-Za-z_]\w*)\[[0-9,]*\]\}?(?:@[A-Za-z_]\w*!?)?"
+_FAST_RESULT = re.compile(rf"(%\d+): ({_FAST_TYPE})")
+_FAST_OP = re.compile(
+    # Possessive quantifiers (*+, ++): a line that does not match fails without
+    # backtracking, and runs of plain characters are taken in one step.
+    r"[ \t\r\n]*+"
+    # groups: 1 first result, 2 its type, 3 more results, 4 op name, 5 operands, 6 attrs
+    rf"(?:(%\d+): ({_FAST_TYPE})((?:, %\d+: {_FAST_TYPE})*+) = )?"
+    r"([A-Za-z_][\w.]*+(?:-\w[\w.]*+)*+)"
+    r"(?: (%\d+(?:, %\d+)*+))?"
+    r'(?: (\{[A-Za-z_](?:[^{}"\n]++|"(?:[^"\\\n]++|\\.)*+")*+\}))?'
+    # The op ends at the line's end, and what follows starts the next op (or return,
+    # yield): not a region, attribute dict or location continuing it on the next line.
+    r"[ \t\r]*+\n[ \t\r\n]*+(?=%|[A-Za-z_])(?!loc[ \t\r\n]*\()"
+)
+# Cached types and attribute dicts were read with this many nesting levels to spare, so
+# the fast path runs only where that many are left under _MAX_NESTING.
+_FAST_NESTING = 10
+_CACHE_LIMIT = 1000  # longer attribute dicts (big hex constants) are not kept as keys
+_MISS = object()  # cached: the token parser rejected this text, so always fall back
 
 
 def _line_col(text: str, pos: int) -> tuple[int, int]:
@@ -248,11 +295,17 @@ def _line_col(text: str, pos: int) -> tuple[int, int]:
 
 
 class _Parser:
-    def __init__(self, text: str):
+    def __init__(self, text: str, fast: bool = True):
         self.text = text
-        self.toks = _tokenize(text)
-        self.i = 0
+        # Tokens are read a line at a time, on demand: the fast path reads most lines
+        # straight from the text and never tokenizes them.
+        self.toks: list[_Tok] = []
+        self.i = 0  # index of the current token in toks
+        self.pos = 0  # text offset where the next line to tokenize starts
         self.depth = 0
+        self.fast = fast
+        self.types: dict[str, object] = {}  # type text -> Type, or _MISS
+        self.attr_dicts: dict[str, object] = {}  # '{k=v, ...}' -> dict, or _MISS
 
     def enter(self) -> None:
         """Counts one level of nesting; without a bound, deep input is a RecursionError."""
@@ -261,16 +314,48 @@ class _Parser:
             raise self.error(f"nested more than {_MAX_NESTING} levels deep")
 
     # -- token helpers --
+    def lex_line(self) -> None:
+        """Appends the tokens of the next line that has any (or the eof token).
+
+        No token spans a newline (strings and comments stop at one), so lines can be
+        tokenized one by one, starting from any token's start."""
+        toks, text = self.toks, self.text
+        n = len(toks)
+        while len(toks) == n:
+            pos = self.pos
+            if pos >= len(text):
+                toks.append(("eof", "", len(text)))
+                return
+            end = text.find("\n", pos) + 1 or len(text)
+            for m in _TOKEN.finditer(text, pos, end):
+                kind = m.lastgroup
+                if kind == "ws":
+                    continue
+                if kind == "bad":
+                    line, col = _line_col(text, m.start())
+                    raise ParseError(
+                        f"line {line}, column {col}: unexpected character {m.group()!r}"
+                    )
+                toks.append((kind, m.group(), m.start()))
+            self.pos = end
+
     @property
     def tok(self) -> _Tok:
+        if self.i == len(self.toks):
+            self.lex_line()
         return self.toks[self.i]
 
     def peek(self, k: int = 1) -> _Tok:
-        return self.toks[min(self.i + k, len(self.toks) - 1)]
+        toks = self.toks
+        while self.i + k >= len(toks) and (not toks or toks[-1][0] != "eof"):
+            self.lex_line()
+        return toks[min(self.i + k, len(toks) - 1)]
 
     def error(self, msg: str, tok: _Tok | None = None) -> ParseError:
         tok = tok or self.tok
         got = tok[1] or "end of input"
+        if len(got) > 60:  # a 5000-digit number or a long string: its start says enough
+            got = got[:57] + "..."
         line, col = _line_col(self.text, tok[2])
         return ParseError(f"line {line}, column {col}: {msg} (found {got!r})")
 
@@ -281,7 +366,8 @@ class _Parser:
         return t
 
     def accept(self, text: str) -> bool:
-        if self.tok[1] == text and self.tok[0] != "string":
+        t = self.tok
+        if t[1] == text and t[0] != "string":
             self.i += 1
             return True
         return False
@@ -300,21 +386,32 @@ class _Parser:
         t = self.expect_kind("number", "an integer")
         if not re.fullmatch(r"[-+]?\d+", t[1]):
             raise self.error("expected an integer", t)
-        return int(t[1])
+        return self.to_int(t[1], t)
 
-    def identifier(self, kind: str, what: str) -> str:
+    def to_int(self, text: str, tok: _Tok) -> int:
+        """``int(text)`` for a run of digits, refusing more than any 64-bit value has:
+        Python itself refuses strings of over 4300 digits with a ValueError."""
+        digits = text.lstrip("+-")
+        if len(digits) > _MAX_INT_DIGITS or not digits.isdecimal():
+            raise self.error("integer out of range (every integer in the IR fits 64 bits)", tok)
+        return int(text)
+
+    def identifier(self, kind: str, what: str, ir_name: bool = False) -> str:
         """A name token that must also be a Python identifier (as the protobuf reader
-        requires), without its ``@`` sigil."""
+        requires), without its ``@`` sigil; module, func and placement names
+        (``ir_name``) must be ASCII identifiers (``fcir.ir.is_name``)."""
         t = self.expect_kind(kind, what)
         name = t[1][1:] if kind == "sym" else t[1]
-        if not name.isidentifier():
-            raise self.error(f"expected {what} that is an identifier", t)
+        if not (is_name(name) if ir_name else name.isidentifier()):
+            raise self.error(
+                f"expected {what} that is {'an ASCII' if ir_name else 'an'} identifier", t
+            )
         return name
 
     # -- module --
     def module(self) -> Module:
         self.expect("fcir.module")
-        name = self.identifier("sym", "@module_name")
+        name = self.identifier("sym", "@module_name", ir_name=True)
         self.expect("ir_version")
         self.expect("=")
         version = self.integer()
@@ -334,7 +431,7 @@ class _Parser:
         while not self.accept("]"):
             if placements:
                 self.expect(",")
-            p = self.identifier("ident", "a placement name")
+            p = self.identifier("ident", "a placement name", ir_name=True)
             self.expect(":")
             n = self.integer()
             if not 1 <= n < _INT64:
@@ -356,7 +453,7 @@ class _Parser:
 
     def func(self) -> Func:
         self.expect("func")
-        name = self.identifier("sym", "@func_name")
+        name = self.identifier("sym", "@func_name", ir_name=True)
         self.env: dict[str, Value] = {}
         self.expect("(")
         params = self.params(")")
@@ -383,11 +480,7 @@ class _Parser:
                 check_structure(s, count, f"func @{name} {which}")
             except ParseError as e:
                 raise self.error(str(e), tok) from None
-        ops = []
-        while self.tok[1] != "return":
-            if self.tok[0] == "eof":
-                raise self.error("expected 'return'")
-            ops.append(self.op())
+        ops = self.ops("return")
         self.expect("return")
         results = self.uses()
         self.expect("}")
@@ -477,7 +570,7 @@ class _Parser:
         t = self.tok
         if t[0] == "leaf":
             self.next()
-            return Structure("leaf", leaf=int(t[1][1:]))
+            return Structure("leaf", leaf=self.to_int(t[1][1:], t))
         if self.accept("none"):
             return Structure("none")
         self.enter()
@@ -525,6 +618,114 @@ class _Parser:
         return s
 
     # -- ops --
+    def ops(self, end: str) -> list[Op]:
+        """The ops of a func or region body, up to its ``end`` keyword."""
+        ops = []
+        fast = self.fast_op
+        while True:
+            op = fast()
+            if op is None:
+                t = self.tok
+                if t[1] == end:
+                    return ops
+                if t[0] == "eof":
+                    raise self.error(f"expected {end!r}")
+                op = self.op()
+            ops.append(op)
+
+    def fast_op(self) -> Op | None:
+        """The op at the current token if it has the canonical one-line shape and is
+        well formed (see _FAST_OP), else None, having consumed nothing."""
+        if not self.fast or self.depth > _MAX_NESTING - _FAST_NESTING:
+            return None
+        text, toks, env = self.text, self.toks, self.env
+        m = _FAST_OP.match(text, toks[self.i][2] if self.i < len(toks) else self.pos)
+        if m is None:
+            return None
+        first, first_type, more, name, args, attrs = m.groups()
+        if "." not in name:
+            return None
+        if first is not None:
+            types = self.types
+            if not more:  # the common case: one result
+                pending = ((first, types.get(first_type) or self.learn_types(m, first_type)),)
+            else:
+                pending = [
+                    (n, types.get(t) or self.learn_types(m, t))
+                    for n, t in _FAST_RESULT.findall(text, m.start(1), m.end(3))
+                ]
+                if len({n for n, _ in pending}) < len(pending):
+                    return None
+            for n, t in pending:
+                if t is _MISS or n in env:
+                    return None
+        if args is not None:
+            try:
+                operands = [env[a] for a in args.split(", ")]
+            except KeyError:
+                return None
+        elif attrs is None and text[m.end()] == "%":
+            return None  # the next line's %N would be read as this op's operand
+        else:
+            operands = []
+        if attrs is not None:
+            cached = self.attr_dicts.get(attrs)
+            if cached is None:
+                cached = self.sub_parse(m.start(6), m.end(6), self.attr_dict)
+                if len(attrs) <= _CACHE_LIMIT:
+                    self.attr_dicts[attrs] = cached
+            if cached is _MISS:
+                return None
+            attrs = dict(cached)  # the values are immutable and shared; the dict is not
+        else:
+            attrs = {}
+        results = []
+        if first is not None:
+            for n, t in pending:
+                v = env[n] = Value(t)
+                results.append(v)
+        self.toks, self.i, self.pos = [], 0, m.end()
+        return Op(name, operands, results, attrs, [], "")
+
+    def learn_types(self, m: re.Match, type_text: str):
+        """Parses and caches ``type_text``, a result type of the op line ``m``."""
+        for r in _FAST_RESULT.finditer(self.text, m.start(1), m.end(3)):
+            if r.group(2) == type_text:
+                t = self.types[type_text] = self.sub_parse(r.start(2), r.end(2), self.type)
+                return t
+        raise AssertionError("unreachable: the type is on the line")
+
+    def sub_parse(self, start: int, end: int, parse):
+        """``parse()`` run by the token parser on text[start:end], with _FAST_NESTING
+        levels of nesting allowed; _MISS if it fails or reads a different extent. The
+        parser's position is left as it was."""
+        saved = self.toks, self.i, self.pos, self.depth
+        self.toks, self.i, self.pos = [], 0, start
+        self.depth = _MAX_NESTING - _FAST_NESTING
+        try:
+            value = parse()
+            last = self.toks[self.i - 1]
+            if last[2] + len(last[1]) != end:
+                value = _MISS
+        except Exception:  # noqa: BLE001  (the token parser will report it in context)
+            value = _MISS
+        finally:
+            self.toks, self.i, self.pos, self.depth = saved
+        return value
+
+    def attr_dict(self) -> dict:
+        self.expect("{")
+        attrs = {}
+        while not self.accept("}"):
+            if attrs:
+                self.expect(",")
+            key = self.identifier("ident", "an attribute name")
+            if key in attrs:
+                raise self.error(f"attribute {key} repeated")
+            self.expect("=")
+            attrs[key] = self.attr()
+        return attrs
+
     def op(self) -> Op:
         results = []
         if self.tok[0] == "value":
@@ -541,18 +742,13 @@ class _Parser:
         name_tok = self.expect_kind("ident", "an op name")
         if "." not in name_tok[1]:
             raise self.error("op names are namespaced, e.g. fed.map or jax.add", name_tok)
-        operands = self.uses()
+        # An op without operands may be followed by the next op's "%N: type =": newlines
+        # are plain whitespace, so a value followed by ':' is a definition, not an operand.
+        no_operands = self.tok[0] == "value" and self.peek()[1] == ":"
+        operands = [] if no_operands else self.uses()
         attrs = {}
         if self.tok[1] == "{" and self.peek()[0] != "region":
-            self.next()
-            while not self.accept("}"):
-                if attrs:
-                    self.expect(",")
-                key = self.identifier("ident", "an attribute name")
-                if key in attrs:
-                    raise self.error(f"attribute {key} repeated")
-                self.expect("=")
-                attrs[key] = self.attr()
+            attrs = self.attr_dict()
         location = ""
         if self.tok[1] == "loc" and self.peek()[1] == "(":
             self.next()
@@ -585,11 +781,7 @@ class _Parser:
         self.expect("(")
         params = self.params(")")
         self.expect(":")
-        ops = []
-        while self.tok[1] != "yield":
-            if self.tok[0] == "eof":
-                raise self.error("expected 'yield'")
-            ops.append(self.op())
+        ops = self.ops("yield")
         self.expect("yield")
         return Region(params, ops, self.uses(), label)
 
@@ -599,7 +791,7 @@ class _Parser:
         if t[0] == "number":
             self.next()
             if re.fullmatch(r"[-+]?\d+", t[1]):
-                v = int(t[1])
+                v = self.to_int(t[1], t)
                 if not -_INT64 <= v < _INT64:
                     raise self.error("integer attributes must fit in 64 bits", t)
                 return v
@@ -608,7 +800,9 @@ class _Parser:
             return self.string()
         if t[0] == "region":
             self.next()
-            if not t[1][1:].isdigit() or int(t[1][1:]) >= 1 << 32:
+            if not (t[1][1:].isascii() and t[1][1:].isdigit()) or self.to_int(
+                t[1][1:], t
+            ) >= 1 << 32:
                 raise self.error("expected a region reference ^N", t)
             closed = True
             if self.tok[1] == ":" and self.peek()[1] == "open":
@@ -725,7 +919,7 @@ class _Parser:
         t = self.next()
         if t[0] == "number":
             if re.fullmatch(r"[-+]?\d+", t[1]):
-                return int(t[1])
+                return self.to_int(t[1], t)
             return float(t[1])
         if t[1] in ("true", "false"):
             return t[1] == "true"
@@ -738,5 +932,5 @@ def parse(text: str) -> Module:
     """Canonical text -> Module. Raises ParseError (or VersionError) with line/column."""
     if not isinstance(text, str):
         raise ParseError(f"fcir.parse expects text (str), got {type(text).__name__}")
-    with _gc_paused():
+    with _tenured():
         return _Parser(text).module()

@@ -91,7 +91,13 @@ class ReferenceInterpreter(Interpreter):
         total = 0
         for m in _members(np.asarray(x).astype(object)):
             total = (total + m) % modulus
-        return jnp.asarray(np.asarray(total).astype(x.dtype))
+        total = np.asarray(total, dtype=object)
+        width = np.dtype(x.dtype).itemsize * 8
+        if bits == width and jnp.issubdtype(x.dtype, jnp.signedinteger):
+            # A full-width sum wraps in two's complement (as jit's int add does): the
+            # residue r in [0, 2**bits) is the signed value r - 2**bits from 2**(bits-1).
+            total = np.where(total >= modulus >> 1, total - modulus, total)
+        return jnp.asarray(np.asarray(total, dtype=object).astype(x.dtype))
 
     @impl("fed.dp_sum")
     def dp_sum(self, op, *args):

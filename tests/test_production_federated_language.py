@@ -1,19 +1,16 @@
 """The Computation bytes against the real federated_language package.
 
-federated_language needs protobuf < 7, so it runs in its own virtual environment
-(``.venv-fl/``, created on first use by tests/production/fl_venv.py: about a minute,
-then reused). The test skips only when the package index cannot be reached.
+federated_language 0.5.4 installs beside fcir (both on protobuf 6.x; it is in the
+``test`` extra), so it is imported in-process. Its protos live in their own package
+(``federated_language.proto``), ours in ``fcir.compat.federated_language``: the two descriptor pools
+never clash, and ``fl_check`` reads the bytes with federated_language's classes only.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-
-import pytest
 from fcir.interpreters.production import computation as C
 from fcir.interpreters.production import wire_types as W
-from production import cases, fl_venv
+from production import cases, fl_check
 
 from fcir._proto import computation_pb2 as pb
 
@@ -36,36 +33,9 @@ ROUNDS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fl_python():
-    try:
-        return str(fl_venv.ensure())
-    except fl_venv.Unreachable as e:
-        pytest.skip(f"federated_language cannot be installed (package index unreachable): {e}")
-
-
-def _run(python, *args) -> list[dict]:
-    proc = subprocess.run(
-        [python, str(fl_venv.ROOT / "tests/production/fl_check.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]
-
-
-def test_federated_language_builds_and_type_checks_every_round(fl_python, tmp_path):
-    files = {}
+def test_federated_language_builds_and_type_checks_every_round():
     for name, mode in ROUNDS:
-        path = tmp_path / f"{name.replace(':', '_')}.{mode}.pb"
-        path.write_bytes(cases.plan(name, mode).to_computation_bytes())
-        files[str(path)] = (name, mode)
-    results = _run(fl_python, *files)
-    assert len(results) == len(ROUNDS)
-    for got in results:
-        name, mode = files[got["file"]]
+        got = fl_check.summarize(cases.plan(name, mode).to_computation_bytes())
         ours = pb.Computation.FromString(cases.plan(name, mode).to_computation_bytes())
         assert got["kind"] == "Lambda", name
         assert got["reserialized_equal"], name
@@ -84,8 +54,8 @@ def test_federated_language_builds_and_type_checks_every_round(fl_python, tmp_pa
             ]
 
 
-def test_compat_schema_matches_federated_language_field_for_field(fl_python):
-    (theirs,) = _run(fl_python, "--descriptors")
+def test_compat_schema_matches_federated_language_field_for_field():
+    theirs = fl_check.descriptors()
     ours = {}
 
     def visit(desc, prefix):

@@ -8,7 +8,7 @@ import zipfile
 
 from fcir.errors import FcirError
 
-TARGETS = ("production",)
+TARGETS = ("production", "flower")
 
 
 def register(subparsers) -> None:
@@ -27,7 +27,8 @@ def register(subparsers) -> None:
         "--target",
         choices=TARGETS,
         required=True,
-        help="what to export for (only 'production': TFF / federated_language)",
+        help="what to export for: 'production' (TFF / federated_language bundle) or "
+        "'flower' (a Flower app directory that 'flwr run APPDIR FEDERATION' runs)",
     )
     p.add_argument(
         "IN",
@@ -39,7 +40,13 @@ def register(subparsers) -> None:
         "--output",
         required=True,
         metavar="DIR",
-        help="directory to write the bundle into (created if missing)",
+        help="directory to write the bundle (or the Flower app) into",
+    )
+    p.add_argument(
+        "--inputs",
+        metavar="IN.npz",
+        help="--target flower: the server's initial inputs (server argument leaves, "
+        "arr_0, arr_1, ... in leaf order), embedded in the app",
     )
     p.add_argument(
         "--args",
@@ -85,6 +92,12 @@ def cmd_export(a) -> int:
     from . import export
 
     module = load_module(a.IN, a.args)
+    if a.target == "flower":
+        from fcir.interpreters.flower.cli import cmd_export_flower
+
+        return cmd_export_flower(module, a)
+    if a.inputs:
+        raise FcirError("--inputs goes with --target flower; a production bundle takes none")
     plan = export(module, aggregate_with=a.aggregate_with)
     out = plan.write(a.output)
     print(f"@{module.name}: {plan.round_signature()}")

@@ -5,6 +5,7 @@
     from fcir.interpreters import xla
 
     exe = xla.compile(module, mesh=None)      # mesh: jax.sharding.Mesh or None
+    exe = xla.compile(module, mesh, clients_per_step=k)  # or "auto": members k at a time
     exe(*args)                                # pytree in, pytree out (like reference.run)
     exe.as_text("stablehlo"); exe.as_text("hlo"); exe.as_text("optimized_hlo")
     report = exe.cost()                       # XLA cost analysis + per-round report
@@ -22,6 +23,10 @@ onto JAX (``interpreter.py``); :mod:`.executable` wraps it in ``jax.jit`` and
 mesh, a module straight from ``fcir.capture`` (unedited) skips the rebuild and reuses
 the captured jaxpr (``fcir.captured``). A warm ``exe(*args)`` is JAX's C++ dispatch
 alone; the argument checks run when the program is traced (``.executable``).
+
+Streaming (``clients_per_step``): :mod:`.streaming` plans each ``fed.map`` with the
+reductions it feeds into a loop over chunks of ``k`` members per device with running
+accumulators; :mod:`.budget` validates ``k`` or picks it from XLA's memory analysis.
 
 Sharding (DrJAX's rules): a value placed at ``p`` has its member axis sharded along
 the mesh axis named ``p``; ``Auto`` axes get ``with_sharding_constraint`` with the

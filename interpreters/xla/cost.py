@@ -82,6 +82,10 @@ def cost_report(exe, *args) -> dict:
         "flops_accounted": accounted,
         "notes": notes,
     }
+    if getattr(exe, "streaming", None) is not None:  # xla.compile(..., clients_per_step=)
+        from .budget import memory_stats
+
+        report["streaming"] = {**exe.streaming, "memory": memory_stats(exe.compiled(*args))}
     privacy = round_cost(module)
     if privacy is not None:  # a module with DP aggregates: see fcir.privacy
         report["privacy"] = privacy
@@ -271,6 +275,19 @@ def format_cost(cost: dict) -> str:
         f"{_num(cost['hlo_flops'])} in the unoptimized HLO"
     )
     lines.extend(f"  note: {n}" for n in cost.get("notes", []))
+    stream = cost.get("streaming")
+    if stream:
+        mem = stream["memory"]
+        lines.append(
+            f"streaming: {stream['clients_per_step']} members per step and device "
+            f"({stream['mode']}); XLA predicts a peak of {_bytes(mem['peak_bytes'])} per "
+            f"device ({_bytes(mem['temp_bytes'])} temporaries)"
+            + (
+                f", limit {_bytes(stream['memory_limit_bytes'])}"
+                if "memory_limit_bytes" in stream
+                else ""
+            )
+        )
     privacy = format_round_cost(cost.get("privacy"))
     if privacy:
         lines.extend(["", *privacy])

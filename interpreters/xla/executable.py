@@ -29,6 +29,7 @@ argument signature (:func:`trace_count`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Sequence
@@ -52,8 +53,19 @@ __all__ = ["Executable", "compile", "default_sharding", "placement_spec", "trace
 DIALECTS = ("stablehlo", "hlo", "optimized_hlo")
 
 
-def compile(module: Module, mesh: Mesh | None = None) -> Executable:
+def compile(
+    module: Module,
+    mesh: Mesh | None = None,
+    clients_per_step: int | str | None = None,
+    *,
+    memory_limit: int | None = None,
+) -> Executable:
     """``module`` as a jit-compiled executable; placement axes sharded over ``mesh``.
+
+    ``clients_per_step=k`` streams every ``fed.map``: ``k`` members at a time per device,
+    reductions as running accumulators (``fcir.interpreters.xla.streaming``); ``"auto"``
+    picks ``k`` from ``memory_limit`` bytes (default: the device's memory) with XLA's
+    memory analysis (``fcir.interpreters.xla.budget``).
 
     ``exe(*args)`` takes and returns pytrees like ``reference.run``;
     ``exe.as_text("hlo" | "stablehlo")`` and ``exe.cost()`` need no arguments. The
@@ -68,6 +80,10 @@ def compile(module: Module, mesh: Mesh | None = None) -> Executable:
         )
     if mesh is not None and mesh.empty:
         mesh = None
+    if clients_per_step is not None or memory_limit is not None:
+        from .budget import streaming_executable
+
+        return streaming_executable(module, mesh, clients_per_step, memory_limit)
     return Executable(module, mesh)
 
 
@@ -97,12 +113,14 @@ class Executable:
     """A compiled Module. Call it like the program; inspect it with :meth:`as_text`,
     :meth:`cost`, :meth:`lower`."""
 
-    def __init__(self, module: Module, mesh: Mesh | None):
+    def __init__(self, module: Module, mesh: Mesh | None, interpreter=None):
         self.module = module
         self.mesh = mesh
+        # Set by xla.compile(..., clients_per_step=...): the budget and how it was chosen.
+        self.streaming: dict | None = None
         self._params = list(module.main.body.params)
         self._types = [runtime_type(v.type, module.cardinality) for v in self._params]
-        self._program = _program(module, mesh)
+        self._program = _program(module, mesh, interpreter)
         self._jitted, self._rebuild = self._program.jitted, self._program.rebuild
         # Explicit axes type values by the mesh in context: calls and lowerings run in it.
         self._context = mesh is not None and jax.sharding.AxisType.Explicit in mesh.axis_types
@@ -206,9 +224,10 @@ class Executable:
         raised again when the checks pass and no argument needed moving."""
         leaves = self._flat_args(args, abstract_ok=False)
         if error is not None and all(a is b for a, b in zip(leaves, jax.tree.leaves(args))):
-            raise error
+            with _xla_errors(self.module, "run"):
+                raise error
         laid_out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), leaves)
-        with _mesh_context(self.mesh if self._context else None):
+        with _xla_errors(self.module, "run"), _mesh_context(self.mesh if self._context else None):
             out = self._jitted(*laid_out)
         return out if self._rebuild is None else self._rebuild.unflatten(list(out))
 
@@ -235,7 +254,9 @@ class Executable:
         lowered = self._lowered.get(key)
         if lowered is None:
             args = leaves if treedef is None else jax.tree_util.tree_unflatten(treedef, leaves)
-            with _mesh_context(self.mesh if self._context else None):
+            with _xla_errors(self.module, "lower"), _mesh_context(
+                self.mesh if self._context else None
+            ):
                 lowered = self._lowered[key] = self._jitted.lower(*args)
         return lowered
 
@@ -243,7 +264,9 @@ class Executable:
         key = _signature(leaves)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = self._lower(leaves, treedef).compile()
+            lowered = self._lower(leaves, treedef)
+            with _xla_errors(self.module, "compile"):
+                compiled = self._compiled[key] = lowered.compile()
         return compiled
 
     # -- inspecting -----------------------------------------------------------------------
@@ -301,7 +324,7 @@ class _Program:
     Traced on a cache miss only: that is where the arguments are checked, so a warm
     call is JAX's C++ dispatch alone. ``traces`` counts the traces (tests pin reuse)."""
 
-    def __init__(self, module: Module, mesh: Mesh | None):
+    def __init__(self, module: Module, mesh: Mesh | None, interpreter=None):
         func = module.main
         params = list(func.body.params)
         types = [runtime_type(v.type, module.cardinality) for v in params]
@@ -323,10 +346,11 @@ class _Program:
             # Without a mesh the interpreter rebuilds exactly the captured jaxpr: when
             # the module is capture's, unchanged, take that jaxpr instead of tracing
             # every op again (checked at each trace).
-            closed = captured.captured_jaxpr(module) if mesh is None else None
+            plain = mesh is None and interpreter is None
+            closed = captured.captured_jaxpr(module) if plain else None
             if closed is not None:
                 return inside(core.jaxpr_as_fun(closed)(*leaves))
-            interp = XlaInterpreter(mesh)
+            interp = (interpreter or XlaInterpreter)(mesh)
             interp.module = module
             return inside(interp.run_region(module.main.body, leaves))
 
@@ -357,14 +381,16 @@ def _result_builder(func):
 _PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _program(module: Module, mesh: Mesh | None) -> _Program:
-    """The one _Program of (``module``, ``mesh``): Executables of a module share traces,
-    unless the module was edited in place since (its traces would be stale)."""
+def _program(module: Module, mesh: Mesh | None, interpreter=None) -> _Program:
+    """The one _Program of (``module``, ``mesh``, ``interpreter``): Executables of a
+    module share traces, unless the module was edited in place since (its traces would
+    be stale). ``interpreter(mesh)`` (a hashable factory; None: XlaInterpreter) makes
+    the interpreter that traces ``main``."""
     per_mesh = _PROGRAMS.setdefault(module, {})
-    program, parts = per_mesh.get(mesh, (None, None))
+    program, parts = per_mesh.get((mesh, interpreter), (None, None))
     if program is None or not captured.unchanged(module, parts):
-        program = _Program(module, mesh)
-        per_mesh[mesh] = (program, captured.snapshot(module))
+        program = _Program(module, mesh, interpreter)
+        per_mesh[(mesh, interpreter)] = (program, captured.snapshot(module))
     return program
 
 
@@ -372,7 +398,7 @@ def trace_count(module: Module, mesh: Mesh | None = None) -> int:
     """How many times ``module`` was traced for ``mesh`` in this process (once per
     argument signature; compiling again or emitting more formats does not trace)."""
     per_mesh = _PROGRAMS.get(module, {})
-    return per_mesh[mesh][0].traces if mesh in per_mesh else 0
+    return per_mesh[(mesh, None)][0].traces if (mesh, None) in per_mesh else 0
 
 
 def _signature(leaves) -> tuple:
@@ -387,6 +413,24 @@ def _signature(leaves) -> tuple:
         )
         for x in leaves
     )
+
+
+@contextlib.contextmanager
+def _xla_errors(module: Module, step: str):
+    """Turns what JAX or XLA raises while lowering, compiling or running a checked module
+    (a lowering rule refusing an attribute, memory exhausted) into an InterpreterError
+    that names the program; errors the interpreter raised while tracing an op already
+    name that op and pass through."""
+    try:
+        yield
+    except FcirError:
+        raise
+    except Exception as e:
+        text = str(e).strip()
+        raise InterpreterError(
+            f"@{module.name}: XLA could not {step} the program: {type(e).__name__}: "
+            f"{text[:2000]}"
+        ) from e
 
 
 class _NoMesh:

@@ -28,8 +28,10 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "save until committed: orbax / fcir" in done.stdout
+    assert "cold restore onto the saved sharding: fcir / limit" in done.stdout
     (result,) = (tmp_path / "results").glob("checkpoint-quick-*.json")
     doc = json.loads(result.read_text())
     assert doc["cpu_count"] and doc["versions"]["jax"] and doc["versions"]["numpy"]
     assert doc["versions"]["jaxlib"] and doc["samples_s"]["fcir_save"]
-    assert len(doc["figures"]) == 7
+    assert len(doc["figures"]) == 10
+    assert doc["samples_s"]["limit_restore"] and doc["samples_s"]["limit_restore_cold"]

@@ -1,28 +1,21 @@
-"""Runs inside the federated_language virtual environment (never imports fcir).
+"""The real federated_language package's view of Computation bytes (never uses fcir's
+own protos, so what it reports is federated_language's reading, not ours).
 
-    python fl_check.py ROUND.computation.pb [...]   # one JSON line per file
-    python fl_check.py --descriptors                # federated_language's proto fields
-
-For each file: parses the bytes with federated_language's own computation_pb2 and
+``summarize(data)`` parses the bytes with federated_language's own computation_pb2 and
 builds its building blocks, which checks every intrinsic's concrete type against the
 intrinsic's definition and every call's argument against its function's parameter.
 Prints the round's type, every intrinsic use and every Xla piece, all in
 federated_language's own notation.
 """
 
-import json
 import sys
 import warnings
 
-warnings.simplefilter("ignore", DeprecationWarning)  # FieldDescriptor.label in protobuf 6
 
-
-def summarize(path):
+def summarize(data: bytes) -> dict:
     from federated_language.compiler import building_blocks
     from federated_language.proto import computation_pb2
 
-    with open(path, "rb") as f:
-        data = f.read()
     proto = computation_pb2.Computation.FromString(data)
     comp = building_blocks.ComputationBuildingBlock.from_proto(proto)
     intrinsics, xla = [], []
@@ -45,7 +38,6 @@ def summarize(path):
 
     visit(comp)
     return {
-        "file": path,
         "kind": type(comp).__name__,
         "type": str(comp.type_signature),
         "intrinsics": intrinsics,
@@ -68,22 +60,12 @@ def descriptors():
         for nested in desc.nested_types:
             visit(nested, name + ".")
 
-    for desc in computation_pb2.DESCRIPTOR.message_types_by_name.values():
-        visit(desc, "")
-    array = sys.modules["federated_language.proto.array_pb2"]
-    for desc in array.DESCRIPTOR.message_types_by_name.values():
-        visit(desc, "")
+    with warnings.catch_warnings():  # FieldDescriptor.label is deprecated in protobuf 6
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for desc in computation_pb2.DESCRIPTOR.message_types_by_name.values():
+            visit(desc, "")
+        array = sys.modules["federated_language.proto.array_pb2"]
+        for desc in array.DESCRIPTOR.message_types_by_name.values():
+            visit(desc, "")
     return out
 
-
-def main(argv):
-    if argv == ["--descriptors"]:
-        print(json.dumps(descriptors()))
-        return 0
-    for path in argv:
-        print(json.dumps(summarize(path)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""FedAvg on a two-layer MLP, written by hand for Flower (the benchmark baseline)."""

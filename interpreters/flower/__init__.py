@@ -1,0 +1,36 @@
+"""Export a round as a Flower app: ``fcir export --target flower ROUND -o APPDIR``.
+
+::
+
+    from fcir.interpreters import flower
+
+    flower.export(module, "app/", inputs=server_leaves)   # ExportError if not exportable
+    # then: flwr run app/ FEDERATION --run-config 'rounds=3 output="/abs/out.npz"'
+
+The app's ServerApp runs the round's server parts (jax.export artifacts of the
+production split), samples SuperNodes, aggregates their replies and checkpoints the
+training state; each ClientApp runs client work from its artifact on the node's own
+``.npz`` (node config ``data-path``). See docs/flower.md.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from fcir.errors import ExportError
+from fcir.ir import Module
+
+from .writer import RUN_CONFIG, write_app
+
+__all__ = ["RUN_CONFIG", "ExportError", "export"]
+
+
+def export(module: Module, directory, *, inputs: list | None = None) -> pathlib.Path:
+    """Writes the Flower app of ``module`` (one round) to ``directory``.
+
+    ``inputs``: the server's initial inputs (the server argument leaves, in leaf order),
+    embedded in the app; without them ``flwr run`` needs run config ``inputs=FILE``.
+    Raises ExportError naming the op when the round cannot run on Flower. Nothing is
+    written unless the whole app is.
+    """
+    return write_app(module, directory, inputs=inputs)

@@ -1,0 +1,253 @@
+"""What the ServerApp and the ClientApp share: the plan, the parts' jax.export artifacts,
+arrays on the wire, and the aggregations.
+
+This package is copied verbatim into every exported app, so it imports only jax, numpy
+and flwr (a device installs those, never fcir nor the program's source).
+
+The artifacts ride inside the app bundle itself, base64 in ``artifacts.json``: Flower's
+app bundle (FAB) takes only text files, and a JSON file is text. The FAB is hashed,
+shipped once per run to the SuperLink and every SuperNode, and installed by Flower, so
+the code needs no per-round bytes (messages) and no out-of-band copy onto each device
+(staging). Each artifact's sha256 is checked before it is loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import json
+import pathlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+PLAN_FILE = "plan.json"
+ARTIFACTS_FILE = "artifacts.json"
+INPUTS_FILE = "inputs.json"
+RAW = "fcir.raw"  # Array.stype of our arrays: C-order bytes, little endian, dtype by name
+
+
+class AppError(RuntimeError):
+    """The app, its data or its configuration is wrong; the message says what to fix."""
+
+
+@functools.cache
+def plan() -> dict:
+    return json.loads((HERE / PLAN_FILE).read_text())
+
+
+@functools.cache
+def app_digest() -> str:
+    """sha256 over the app's plan, artifacts and embedded inputs: what a checkpoint of
+    this app must have been written by."""
+    h = hashlib.sha256()
+    for name in (PLAN_FILE, ARTIFACTS_FILE, INPUTS_FILE):
+        p = HERE / name
+        h.update(p.read_bytes() if p.is_file() else b"-")
+    return h.hexdigest()
+
+
+@functools.cache
+def _artifacts() -> dict:
+    return json.loads((HERE / ARTIFACTS_FILE).read_text())
+
+
+@functools.cache
+def exported(key: str):
+    """The ``jax.export.Exported`` stored under ``key``, its sha256 checked."""
+    entry = _artifacts()[key]
+    data = base64.b64decode(entry["base64"])
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise AppError(f"artifact {key}: sha256 mismatch (corrupt or modified app)")
+    return jax.export.deserialize(bytearray(data))
+
+
+_COMPILED: dict = {}
+_LOCKS: dict = {}
+_LOCKS_LOCK = threading.Lock()
+
+
+def compiled(key: str):
+    """The artifact under ``key`` compiled for its own argument shapes, once: a caller
+    that finds a background thread compiling it waits for that compile."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _COMPILED:
+            exp = exported(key)
+            specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
+            _COMPILED[key] = jax.jit(exp.call).lower(*specs).compile()
+        return _COMPILED[key]
+
+
+def precompile(keys) -> None:
+    """Compiles ``keys`` in a background thread: the server compiles the parts it runs
+    after an exchange while it waits for the clients (polling leaves the CPU idle)."""
+    def work():
+        for key in keys:
+            try:
+                compiled(key)
+            except Exception:  # noqa: BLE001  (the foreground call reports it)
+                return
+
+    threading.Thread(target=work, daemon=True).start()
+
+
+def call(part: dict, env: dict) -> None:
+    """Runs ``part`` (a plan entry: artifact, params, results) on ``env``'s values."""
+    args = [env[tuple(p)] for p in part["params"]]
+    if not part["results"]:
+        return
+    outs = compiled(part["artifact"])(*args)
+    env.update(zip((tuple(r) for r in part["results"]), outs))
+
+
+def np_dtype(name: str) -> np.dtype:
+    return np.dtype(jnp.dtype(name))  # jnp knows bfloat16, float8_* (ml_dtypes)
+
+
+def describe(dtype, shape) -> str:
+    return f"{np.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
+
+
+def check_leaf(x, spec: dict, what: str) -> np.ndarray:
+    """``x`` as an array of ``spec``'s dtype and shape; AppError naming ``what`` if not."""
+    x = np.asarray(x)
+    want = describe(np_dtype(spec["dtype"]), spec["shape"])
+    got = describe(x.dtype, x.shape)
+    if got != want:
+        raise AppError(f"{what}: needs an array of {want}, got {got}")
+    return x
+
+
+# --- arrays on the wire -------------------------------------------------------------------
+
+
+def to_array(x):
+    from flwr.app import Array
+
+    x = np.asarray(x, order="C")  # (np.ascontiguousarray would make 0-d arrays 1-d)
+    dt = x.dtype.newbyteorder("<") if x.dtype.byteorder == ">" else x.dtype
+    return Array(dtype=dt.name, shape=tuple(x.shape), stype=RAW, data=x.astype(dt).tobytes())
+
+
+def from_array(a) -> np.ndarray:
+    if a.stype != RAW:
+        return a.numpy()
+    return np.frombuffer(a.data, dtype=np_dtype(a.dtype)).reshape(a.shape)
+
+
+def to_record(values: dict):
+    from flwr.app import ArrayRecord
+
+    return ArrayRecord({k: to_array(v) for k, v in values.items()})
+
+
+def from_record(record) -> dict:
+    return {k: from_array(v) for k, v in record.items()}
+
+
+def record_bytes(record) -> int:
+    return sum(len(a.data) for a in record.values())
+
+
+# --- npz files (the layout of ``fcir run-plan``: arr_0, arr_1, ...) -----------------------
+
+
+def read_leaves(path: str, what: str) -> list[np.ndarray]:
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise AppError(f"{what}: no such file {path}")
+    try:
+        with np.load(p, allow_pickle=False) as data:
+            keys = sorted(data.files, key=lambda k: (len(k), k))
+            if keys != [f"arr_{i}" for i in range(len(keys))]:
+                raise AppError(
+                    f"{what}: {path} must hold arr_0, arr_1, ... as np.savez(*leaves) writes "
+                    f"them, found {sorted(data.files)}"
+                )
+            return [data[k] for k in keys]
+    except AppError:
+        raise
+    except Exception as e:  # noqa: BLE001  (np.load raises assorted errors on bad files)
+        raise AppError(f"{what}: cannot read {path}: {type(e).__name__}: {e}") from None
+
+
+def load_leaves(path: str, specs: list[dict], what: str) -> list[np.ndarray]:
+    leaves = read_leaves(path, what)
+    if len(leaves) != len(specs):
+        raise AppError(
+            f"{what}: {path} holds {len(leaves)} array(s); the round takes {len(specs)} "
+            f"({', '.join(describe(np_dtype(s['dtype']), s['shape']) for s in specs)})"
+        )
+    return [check_leaf(x, s, f"{what}: {path} arr_{i}") for i, (x, s) in enumerate(zip(leaves, specs))]
+
+
+def embedded_inputs() -> list[np.ndarray] | None:
+    p = HERE / INPUTS_FILE
+    if not p.is_file():
+        return None
+    entries = json.loads(p.read_text())
+    return [
+        np.frombuffer(base64.b64decode(e["base64"]), np_dtype(e["dtype"])).reshape(tuple(e["shape"]))
+        for e in entries
+    ]
+
+
+# --- aggregation over the clients that replied --------------------------------------------
+#
+# The same jnp calls as fcir's primitives (fcir/primitives.py), over a leading axis of
+# the k replies instead of the round's static client count: with every client replying,
+# the result is bit for bit the bundle's aggregation part.
+
+
+def _mean_dtype(dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    return dtype if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(np.float32)
+
+
+def _reduce(x, w, *, op: str, bitwidth: int | None):
+    if op == "fed.sum":
+        dt = np.dtype(np.int32) if x.dtype == np.bool_ else x.dtype
+        return jnp.sum(x, axis=0, dtype=dt)
+    if op == "fed.mean":
+        dt = _mean_dtype(x.dtype)
+        return jnp.mean(x.astype(dt) if x.dtype != dt else x, axis=0)
+    if op == "fed.weighted_mean":
+        dt = _mean_dtype(x.dtype)
+        x = x.astype(dt)
+        w = w.astype(dt).reshape(w.shape + (1,) * (x.ndim - w.ndim))
+        return jnp.sum(x * w, axis=0) / jnp.sum(w, axis=0)
+    if op == "fed.min":
+        return jnp.min(x, axis=0)
+    if op == "fed.max":
+        return jnp.max(x, axis=0)
+    if op == "fed.secure_sum":
+        total = jnp.sum(x, axis=0, dtype=x.dtype)
+        if bitwidth < np.dtype(x.dtype).itemsize * 8:
+            total = jnp.bitwise_and(total, jnp.asarray((1 << bitwidth) - 1, x.dtype))
+        return total
+    raise AppError(f"no aggregation {op}")
+
+
+@functools.partial(jax.jit, static_argnames=("ops",))
+def _reduce_all(stacked, *, ops):
+    return [_reduce(x, w, op=op, bitwidth=bw) for (x, w), (op, bw) in zip(stacked, ops)]
+
+
+def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
+    """The plan's aggregations over the replies' client outputs, compiled as one
+    function (one compile per exchange, not one per aggregation): output name -> value."""
+    stacked, ops = [], []
+    for agg in aggregations:
+        names = agg["inputs"]
+        x = np.stack([r[names[0]] for r in replies])
+        w = np.stack([r[names[1]] for r in replies]) if len(names) > 1 else None
+        stacked.append((x, w))
+        ops.append((agg["fed_op"], agg["bitwidth"]))
+    outs = _reduce_all(stacked, ops=tuple(ops))
+    return {agg["output"]: y for agg, y in zip(aggregations, outs)}

@@ -1,0 +1,266 @@
+"""The ServerApp: the round's server parts, participation, aggregation and training loop.
+
+Run config (declared in pyproject.toml, overridden with ``flwr run --run-config``):
+
+``rounds=N``            run the round N times (default 1)
+``inputs=FILE``         the server's inputs, an ``.npz`` in ``fcir run-plan --inputs``
+                        layout with the server leaves only; default: the app's inputs.json
+``output=FILE``         where to write the final outputs (``fcir run-plan -o`` layout)
+``state="I=O,..."``     after each round, output ``arr_O`` becomes server input ``arr_I``
+                        for the next (positions in the output and inputs files)
+``metrics="O,..."``     outputs logged each round (default: every scalar output that is
+                        not state)
+``checkpoint-dir=DIR``  save the server inputs of the next round after each round with
+                        fcir.checkpoint; a run started again resumes from the newest one
+``fraction=F``, ``clients=K``, ``min-clients=M``
+                        sample K nodes (or a fraction F of the online ones), at least M
+``timeout=T``           seconds to wait for the replies of one exchange
+
+Aggregations run over the clients that replied (an error reply or no reply within
+``timeout`` leaves a client out); fewer than ``min-clients`` replies fail the round
+before anything of it is saved.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import ServerApp
+
+from . import runtime
+from .runtime import AppError
+
+app = ServerApp()
+
+
+def _pairs(text: str, n_in: int, n_out: int) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for item in text.replace(";", ",").split(","):
+        if not item.strip():
+            continue
+        left, eq, right = item.partition("=")
+        try:
+            i, o = int(left), int(right)
+        except ValueError:
+            i = o = -1
+        if not eq or not (0 <= i < n_in) or not (0 <= o < n_out) or i in out:
+            raise AppError(
+                f"run config state={text!r}: write 'I=O,...' with I a server input position "
+                f"(0..{n_in - 1}) and O an output position (0..{n_out - 1}), each I once"
+            )
+        out[i] = o
+    return out
+
+
+class Config:
+    def __init__(self, rc: dict, plan: dict):
+        def get(key, kind):
+            try:
+                return kind(rc[key])
+            except (KeyError, TypeError, ValueError):
+                raise AppError(f"run config {key}={rc.get(key)!r}: expected {kind.__name__}") from None
+
+        self.rounds = get("rounds", int)
+        self.output = get("output", str)
+        self.inputs = get("inputs", str)
+        self.checkpoint_dir = get("checkpoint-dir", str)
+        self.fraction = get("fraction", float)
+        self.clients = get("clients", int)
+        self.min_clients = max(1, get("min-clients", int))
+        self.timeout = get("timeout", float)
+        n_in, n_out = len(plan["server_inputs"]), len(plan["outputs"])
+        self.state = _pairs(get("state", str), n_in, n_out)
+        for i, o in self.state.items():
+            si, so = plan["server_inputs"][i], plan["outputs"][plan["output_order"][o]]
+            if (si["dtype"], si["shape"]) != (so["dtype"], so["shape"]):
+                raise AppError(
+                    f"run config state: output arr_{o} ({so['type']}) cannot feed server "
+                    f"input arr_{i} ({si['type']})"
+                )
+        metrics = get("metrics", str)
+        if metrics.strip():
+            self.metrics = [int(m) for m in metrics.replace(";", ",").split(",") if m.strip()]
+        else:
+            outs = [plan["outputs"][j] for j in plan["output_order"]]
+            used = set(self.state.values())
+            self.metrics = [
+                o for o, s in enumerate(outs) if o not in used and math.prod(s["shape"]) == 1
+            ]
+        if self.rounds < 1 or not 0 < self.fraction <= 1 or self.timeout <= 0:
+            raise AppError("run config: rounds >= 1, 0 < fraction <= 1 and timeout > 0")
+
+
+def initial_inputs(cfg: Config, plan: dict) -> list:
+    specs = plan["server_inputs"]
+    if cfg.inputs:
+        return runtime.load_leaves(cfg.inputs, specs, "run config inputs")
+    embedded = runtime.embedded_inputs()
+    if embedded is None:
+        if specs:
+            raise AppError(
+                f"@{plan['round']} takes {len(specs)} server input(s) "
+                f"({', '.join(s['type'] for s in specs)}): give them with --run-config "
+                "'inputs=\"/abs/path/inputs.npz\"' or export with --inputs"
+            )
+        return []
+    return [runtime.check_leaf(x, s, f"inputs.json arr_{i}") for i, (x, s) in enumerate(zip(embedded, specs))]
+
+
+def sample(grid, cfg: Config, rnd: int) -> list[int]:
+    """The nodes of round ``rnd``: waits up to ``timeout`` for ``min-clients`` online."""
+    deadline = time.monotonic() + cfg.timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= cfg.min_clients:
+            break
+        if time.monotonic() > deadline:
+            raise AppError(
+                f"round {rnd}: {len(nodes)} node(s) online after {cfg.timeout:g} s, "
+                f"min-clients={cfg.min_clients}: start more SuperNodes or lower min-clients"
+            )
+        time.sleep(1.0)
+    want = cfg.clients if cfg.clients > 0 else math.ceil(cfg.fraction * len(nodes))
+    want = min(len(nodes), max(want, cfg.min_clients))
+    return sorted(random.Random(rnd).sample(nodes, want))
+
+
+def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats: dict) -> None:
+    values = {f"{dst[0]}/{dst[1]}": env[tuple(src)] for src, dst in step["send"]}
+    record = runtime.to_record(values)
+    nodes = sample(grid, cfg, rnd)
+    messages = []
+    for node in nodes:
+        content = RecordDict(
+            {"values": record, "fcir": ConfigRecord({"step": step_index, "round": rnd})}
+        )
+        messages.append(Message(content, dst_node_id=node, message_type="train.fcir"))
+    stats["sent"] += runtime.record_bytes(record) * len(nodes)
+    replies, errors = [], []
+    for reply in grid.send_and_receive(messages, timeout=cfg.timeout):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            errors.append(f"node {node}: {reply.error.reason}")
+            continue
+        record = reply.content["values"]
+        stats["received"] += runtime.record_bytes(record)
+        out = {}
+        for key, x in runtime.from_record(record).items():
+            out[key.partition("/")[2]] = x
+        order = (int(reply.content["fcir"]["partition"]), node)
+        replies.append((order, out))
+    # Floating-point sums depend on their order: aggregate in partition-id order (node
+    # id among equals), not in the order replies happen to arrive.
+    replies = [out for _, out in sorted(replies, key=lambda r: r[0])]
+    silent = len(nodes) - len(replies) - len(errors)
+    stats["sampled"] += len(nodes)
+    stats["exchanges"] += 1
+    stats["replied"] += len(replies)
+    for e in errors:
+        print(f"[fcir] round {rnd}: client failed, left out: {e}", flush=True)
+    if len(replies) < cfg.min_clients:
+        why = "; ".join(errors) + (f"; {silent} did not answer in {cfg.timeout:g} s" if silent else "")
+        raise AppError(
+            f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, "
+            f"min-clients={cfg.min_clients}: {why.strip('; ')}"
+        )
+    for name, value in runtime.aggregate(step["aggregations"], replies).items():
+        env[(step.get("aggregated", "aggregated"), name)] = value
+
+
+def run_round(grid, cfg: Config, plan: dict, inputs: list, rnd: int, stats: dict) -> list:
+    env = {("arg", str(s["leaf"])): x for s, x in zip(plan["server_inputs"], inputs)}
+    later = [s["part"]["artifact"] for s in plan["steps"][1:] if s["kind"] == "server"]
+    runtime.precompile(later)
+    for i, step in enumerate(plan["steps"]):
+        if step["kind"] == "server":
+            runtime.call(step["part"], env)
+        else:
+            exchange(grid, cfg, i, step, env, rnd, stats)
+    outs = [np.asarray(env[("output", str(j))]) for j in range(len(plan["outputs"]))]
+    return [outs[j] for j in plan["output_order"]]
+
+
+class Checkpoints:
+    """The server inputs of the next round, saved after each round (fcir.checkpoint)."""
+
+    def __init__(self, directory: str):
+        try:  # the server (not a device) has fcir: checkpoints are fcir.checkpoint's
+            from fcir.checkpoint import CheckpointManager
+        except ImportError as e:
+            raise AppError(f"checkpoint-dir needs fcir installed beside the SuperLink: {e}") from None
+
+        self.manager = CheckpointManager(directory, max_to_keep=2)
+        self.app = runtime.app_digest()
+
+    def resume(self, plan: dict):
+        step = self.manager.latest_step()
+        if step is None:
+            return 0, None, None
+        tree = self.manager.restore(step)
+        if tree["meta"]["app"] != self.app:
+            raise AppError(
+                f"checkpoint {step} was written by another app (or another export of it): "
+                "give a fresh checkpoint-dir"
+            )
+        state, outs = tree["state"], tree["outputs"]
+        return (
+            step,
+            [np.asarray(state[f"arr_{i}"]) for i in range(len(state))],
+            [np.asarray(outs[f"arr_{i}"]) for i in range(len(outs))],
+        )
+
+    def save(self, rnd: int, inputs: list, outputs: list) -> None:
+        tree = {
+            "state": {f"arr_{i}": np.asarray(x) for i, x in enumerate(inputs)},
+            "outputs": {f"arr_{i}": np.asarray(x) for i, x in enumerate(outputs)},
+            "meta": {"app": self.app, "round": rnd},
+        }
+        self.manager.save(rnd, tree, blocking=True, force=True)
+
+
+def _metric(x) -> str:
+    x = np.asarray(x).reshape(-1)
+    return np.array2string(x[0], precision=6) if x.size == 1 else f"{x.dtype}{list(x.shape)}"
+
+
+@app.main()
+def main(grid, context) -> None:
+    plan = runtime.plan()
+    cfg = Config(dict(context.run_config), plan)
+    inputs = initial_inputs(cfg, plan)
+    ckpt = Checkpoints(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    done, outputs = 0, None
+    if ckpt is not None:
+        done, restored, outputs = ckpt.resume(plan)
+        if restored is not None:
+            inputs = restored
+            print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
+    for rnd in range(done + 1, cfg.rounds + 1):
+        stats = dict.fromkeys(("sent", "received", "sampled", "replied", "exchanges"), 0)
+        start = time.perf_counter()
+        outputs = run_round(grid, cfg, plan, inputs, rnd, stats)
+        inputs = list(inputs)
+        for i, o in cfg.state.items():
+            inputs[i] = outputs[o]
+        metrics = " ".join(f"arr_{o}={_metric(outputs[o])}" for o in cfg.metrics)
+        who = f"{stats['replied']}/{stats['sampled']} clients replied"
+        if stats["exchanges"] > 1:
+            who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
+        print(
+            f"[fcir] round {rnd}/{cfg.rounds}: {who}, sent {stats['sent']} B, received {stats['received']} B, "
+            f"{time.perf_counter() - start:.1f} s {metrics}".rstrip(),
+            flush=True,
+        )
+        if ckpt is not None:
+            ckpt.save(rnd, inputs, outputs)
+    if cfg.output:
+        # Written under a temporary name and renamed: a reader never sees half a file.
+        tmp = f"{cfg.output}.tmp-{os.getpid()}.npz"
+        np.savez(tmp, *outputs)
+        os.replace(tmp, cfg.output)
+        print(f"[fcir] wrote {len(outputs)} output array(s) to {cfg.output}", flush=True)

@@ -1,0 +1,265 @@
+"""A Flower deployment on localhost: one SuperLink and N SuperNodes, each its own process
+with its own free port and its own FLWR_HOME, stopped by PID.
+
+Used by ``fcir flower up`` and by the tests. ``flwr run APPDIR local`` reaches it with
+``FLWR_HOME`` set to ``cli_home`` (whose config.toml names the SuperLink).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pathlib
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from fcir.errors import FcirError
+
+FEDERATION = "local"
+
+
+class DeploymentError(FcirError):
+    """A SuperLink or SuperNode did not start, or flwr is not installed."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin_dir() -> pathlib.Path:
+    """A folder of Flower's commands bound to this Python.
+
+    The SuperLink and SuperNodes start flower-superexec, flwr-serverapp and
+    flwr-clientapp by name: whichever comes first on PATH runs the apps. A shim or
+    another environment there would run the ServerApp without this fcir (and its
+    checkpoints), so every Flower command of the deployment is a wrapper that runs
+    its entry point with ``sys.executable``.
+    """
+    from importlib.metadata import entry_points
+
+    scripts = [e for e in entry_points(group="console_scripts") if e.value.startswith("flwr")]
+    if not scripts:
+        raise DeploymentError(
+            "Flower is not installed beside fcir: pip install 'fcir[flower]' (flwr==1.42.0)"
+        )
+    folder = pathlib.Path(tempfile.gettempdir()) / f"fcir-flower-bin-{os.getuid()}-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    atexit.register(shutil.rmtree, folder, True)
+    for e in scripts:
+        module, _, func = e.value.partition(":")
+        path = folder / e.name
+        path.write_text(
+            "#!/bin/sh\n"
+            f"exec {shlex.quote(sys.executable)} -c "
+            f"{shlex.quote(f'import sys; from {module} import {func} as f; sys.argv[0] = {e.name!r}; sys.exit(f())')}"
+            ' "$@"\n'
+        )
+        path.chmod(0o755)
+    return folder
+
+
+_BIN: pathlib.Path | None = None
+
+
+def _bin(name: str) -> str:
+    global _BIN
+    if _BIN is None:
+        _BIN = _bin_dir()
+    return str(_BIN / name)
+
+
+def env_for(home: pathlib.Path, jax_cache: pathlib.Path | None = None) -> dict:
+    env = dict(os.environ)
+    if jax_cache is not None:
+        # Every message starts a fresh ClientApp process that compiles client work
+        # again; a persistent compilation cache shared by the local processes makes
+        # that a read from disk after the first time.
+        env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    env["FLWR_HOME"] = str(home)
+    env["FLWR_TELEMETRY_ENABLED"] = "0"
+    env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    env["PATH"] = f"{pathlib.Path(_bin('flwr')).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+class Deployment:
+    """``nodes`` SuperNodes; ``data[i]`` (optional) is node i's ``data-path``."""
+
+    def __init__(self, root, nodes: int, data: list | None = None):
+        self.root = pathlib.Path(root).resolve()
+        self.nodes = nodes
+        self.data = list(data) if data is not None else [None] * nodes
+        self.port = free_port()
+        self.node_ports = [free_port() for _ in range(nodes)]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.cli_home = self.root / "home-cli"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        home = self.root / f"home-{name}"
+        home.mkdir(parents=True, exist_ok=True)
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (the child owns it)
+        try:
+            self.procs[name] = subprocess.Popen(
+                cmd, env=env_for(home, self.root / "jax-cache"), stdout=log, stderr=subprocess.STDOUT, cwd=home,
+                start_new_session=True,  # Ctrl-C in a terminal reaches only us; we stop them
+            )
+        finally:
+            log.close()
+
+    def start_superlink(self, timeout: float = 60) -> None:
+        self._spawn(
+            "superlink",
+            [
+                _bin("flower-superlink"),
+                "--insecure",
+                "--disable-runtime-dependency-installation",
+                "--host", "127.0.0.1",
+                "--port", str(self.port),
+            ],
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/health", timeout=2):
+                    return
+            except OSError:
+                pass
+            proc = self.procs["superlink"]
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise DeploymentError(
+                    f"the SuperLink on {self.address} did not come up: {self.log_tail('superlink')}"
+                )
+            time.sleep(0.3)
+
+    def start_supernode(self, i: int) -> None:
+        config = f"partition-id={i} num-partitions={self.nodes}"
+        if self.data[i] is not None:
+            config += f' data-path="{pathlib.Path(self.data[i]).resolve()}"'
+        self._spawn(
+            f"supernode-{i}",
+            [
+                _bin("flower-supernode"),
+                "--insecure",
+                "--superlink", self.address,
+                "--port", str(self.node_ports[i]),
+                "--node-config", config,
+            ],
+        )
+
+    def start(self) -> Deployment:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cli_home.mkdir(parents=True, exist_ok=True)
+        (self.cli_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{FEDERATION}"\n\n'
+            f'[superlink.{FEDERATION}]\naddress = "{self.address}"\ninsecure = true\n'
+        )
+        try:
+            self.start_superlink()
+            for i in range(self.nodes):
+                self.start_supernode(i)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop_one(self, name: str, grace: float = 10) -> None:
+        """SIGTERM to ``name``'s process (and its children, its session), then SIGKILL."""
+        proc = self.procs.pop(name, None)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(5)
+
+    def kill_one(self, name: str) -> None:
+        """SIGKILL, as a crash: nothing gets to clean up."""
+        proc = self.procs.pop(name)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)
+
+    def restart(self) -> None:
+        """A SuperLink restarted after a crash, and its SuperNodes. The SuperLink keeps
+        its state in memory, so the SuperNodes of flwr 1.42 it forgot keep retrying with
+        ids it no longer knows: they are restarted to register afresh."""
+        self.stop_one("superlink")
+        self.start_superlink()
+        for i in range(self.nodes):
+            self.stop_one(f"supernode-{i}")
+            self.start_supernode(i)
+
+    def stop(self, grace: float = 10) -> None:
+        """SIGTERM to every process at once, then SIGKILL whatever is left after
+        ``grace`` seconds. Only the processes this deployment started are touched."""
+        procs, self.procs = self.procs, {}
+        for proc in procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for proc in procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(5)
+
+    def __enter__(self) -> Deployment:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        p = self.root / f"{name}.log"
+        text = p.read_text(errors="replace") if p.is_file() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def run_command(self, appdir, run_config: str = "") -> list[str]:
+        cmd = [_bin("flwr"), "run", str(appdir), FEDERATION, "--stream"]
+        if run_config:
+            cmd += ["--run-config", run_config]
+        return cmd
+
+    def run(self, appdir, run_config: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+        """``flwr run APPDIR local --stream``: waits for the run to end, returns its output."""
+        return subprocess.run(
+            self.run_command(appdir, run_config),
+            env=env_for(self.cli_home),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )

@@ -1,0 +1,267 @@
+"""A production Plan -> a Flower app directory (ServerApp + ClientApp + pyproject.toml).
+
+Layout of APPDIR::
+
+    pyproject.toml           the Flower app: components, dependencies, run config defaults
+    fcir_app/                the app's package (copied from fcir.interpreters.flower.app)
+        server_app.py        ServerApp: server parts, sampling, aggregation, checkpoints
+        client_app.py        ClientApp: client work from its jax.export artifact
+        runtime.py           shared by both: artifacts, arrays on the wire, aggregations
+        plan.json            the round's phases: which part runs where, on which values
+        artifacts.json       the parts' jax.export artifacts (base64, sha256)
+        inputs.json          the server's initial inputs, when given at export
+
+The directory is written next to its destination under a temporary name and renamed
+into place, so a failed export leaves nothing behind, and an existing APPDIR is
+replaced only by a complete app.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+
+from fcir.errors import ExportError
+from fcir.types import runtime_type
+
+from ..production.bundle import _interface
+from ..production.rewrite import member_type
+from ..production.splitting import PARTS
+
+APP_PACKAGE = "fcir_app"
+FORMAT = "fcir.flower.app"
+FORMAT_VERSION = 1
+FAB_LIMIT = 10 * 1024 * 1024  # flwr.common.constant.FAB_MAX_SIZE
+SOURCES = ("__init__.py", "runtime.py", "server_app.py", "client_app.py")
+
+# Run config keys and their defaults (flwr run --run-config overrides only declared keys).
+RUN_CONFIG = {
+    "rounds": 1,
+    "output": "",
+    "inputs": "",
+    "state": "",
+    "metrics": "",
+    "checkpoint-dir": "",
+    "fraction": 1.0,
+    "clients": 0,
+    "min-clients": 1,
+    "timeout": 600.0,
+}
+
+
+def _spec(t, index) -> dict:
+    return {"leaf": index, "type": str(t), "dtype": t.np_dtype.name, "shape": list(t.shape)}
+
+
+def _phase_steps(plan, phase, k: int, multi: bool) -> tuple[list, dict[str, bytes]]:
+    """Phase ``k``'s steps (server_prepare, the exchange, server_result) and artifacts.
+
+    With several phases, each phase's groups are prefixed ``<k>.`` (its own values),
+    carried values are ``("carry", name)`` and the round's arguments stay ``("arg", i)``.
+    """
+    sp = plan.split
+    interface = _interface(plan)
+    stablehlo = plan.stablehlo_artifacts()
+    n_args = len(phase.module.main.body.params) - len(phase.carried_in)
+
+    def key(pair):
+        g, n = pair
+        if g == "arg":
+            i = int(n)
+            return ["arg", n] if i < n_args else ["carry", phase.carried_in[i - n_args]]
+        if g == "output" and phase.carried_out:
+            return ["carry", phase.carried_out[int(n)]]
+        if g == "output" or not multi:
+            return [g, n]
+        return [f"{k}.{g}", n]
+
+    def art(name):
+        return f"{k}.{name}" if multi else name
+
+    def part(name):
+        ps, rs = interface[name]
+        return {"artifact": art(name), "params": [key(x) for x in ps], "results": [key(x) for x in rs]}
+
+    sends = [key(src) for src in interface["server_to_client_broadcast"][0]]
+    steps = [
+        {"kind": "server", "part": part("server_prepare")},
+        {
+            "kind": "exchange",
+            # broadcast_input -> broadcast_output is the identity (the transport).
+            "send": [[src, key(("broadcast_output", src[1]))] for src in sends],
+            "client": part("client_work"),
+            "aggregations": [
+                {"fed_op": a.fed_op, "inputs": list(a.inputs), "output": a.output,
+                 "bitwidth": a.bitwidth}
+                for a in sp.aggregations
+            ],
+            "aggregated": f"{k}.aggregated" if multi else "aggregated",
+        },
+        {"kind": "server", "part": part("server_result")},
+    ]
+    artifacts = {
+        art(name): stablehlo[name][0] for name in PARTS if name != "server_to_client_broadcast"
+    }
+    return steps, artifacts
+
+
+def build_plan(module) -> tuple[dict, dict[str, bytes]]:
+    """The app's plan.json and its artifacts (key -> bytes) for a round: one phase per
+    broadcast/aggregate exchange, each split by the production export."""
+    from ..production import export as production_export
+    from .phases import split_phases
+
+    phases = split_phases(module)
+    multi = len(phases) > 1
+    steps, artifacts, plans = [], {}, []
+    for k, phase in enumerate(phases, 1):
+        plan = production_export(phase.module)
+        plans.append(plan)
+        s, a = _phase_steps(plan, phase, k, multi)
+        steps += s
+        artifacts.update(a)
+    first = plans[0].split
+    params = module.main.body.params
+    member = first.client_member.main.body.params
+    client_inputs = [
+        _spec(member_type(member[k].type), leaf) for k, leaf in enumerate(first.client_args)
+    ]
+    server_inputs = [
+        _spec(runtime_type(params[i].type, module.cardinality), i)
+        for i in sorted(first.server_args)
+        if i < len(params)
+    ]
+    results = module.main.body.results
+    outputs = [_spec(runtime_type(v.type, module.cardinality), i) for i, v in enumerate(results)]
+    structure = module.main.result_structure
+    order = structure.leaves() if structure is not None else list(range(len(results)))
+    doc = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "round": module.name,
+        "signature": plans[-1].round_signature() if not multi else f"{len(phases)} phases",
+        "bundle_clients": module.placements[0][1] if module.placements else 0,
+        "server_inputs": server_inputs,
+        "client_inputs": client_inputs,
+        "outputs": outputs,
+        "output_order": order,
+        "steps": steps,
+    }
+    return doc, artifacts
+
+
+def _pyproject(name: str) -> str:
+    def value(v):
+        return json.dumps(v) if isinstance(v, str) else repr(v)
+
+    config = "\n".join(f'"{k}" = {value(v)}' for k, v in RUN_CONFIG.items())
+    return f"""# A Flower app exported by fcir (fcir export --target flower). Run it with
+#   flwr run . FEDERATION --run-config 'rounds=3 output="/abs/out.npz"'
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "{name}"
+version = "1.0.0"
+description = "fcir round @{name} as a Flower app"
+license = "Apache-2.0"
+# A device needs jax and flwr, never fcir: client work is a jax.export artifact.
+dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0"]
+
+[tool.hatch.build.targets.wheel]
+packages = ["."]
+
+[tool.flwr.app]
+publisher = "fcir"
+
+[tool.flwr.app.components]
+serverapp = "{APP_PACKAGE}.server_app:app"
+clientapp = "{APP_PACKAGE}.client_app:app"
+
+[tool.flwr.app.config]
+{config}
+"""
+
+
+def write_app(module, directory, *, inputs: list | None = None) -> pathlib.Path:
+    """Writes the Flower app of ``module`` to ``directory`` atomically (see the module doc).
+
+    ``inputs``: the server's initial inputs (server leaves, in leaf order), embedded
+    as ``inputs.json``; without them the run config ``inputs=FILE`` must name them.
+    """
+    doc, artifacts = build_plan(module)
+    if inputs is not None:
+        specs = doc["server_inputs"]
+        if len(inputs) != len(specs):
+            raise ExportError(
+                f"export --target flower: the inputs hold {len(inputs)} array(s); "
+                f"@{doc['round']} takes {len(specs)} server input(s) "
+                f"({', '.join(s['type'] for s in specs) or 'none'}): pass the server leaves only"
+            )
+        embedded = []
+        for i, (x, s) in enumerate(zip(inputs, specs)):
+            x = np.asarray(x)
+            if x.dtype.name != s["dtype"] or list(x.shape) != s["shape"]:
+                raise ExportError(
+                    f"export --target flower: input arr_{i} is {x.dtype.name}{list(x.shape)}; "
+                    f"server input leaf {s['leaf']} is {s['type']}"
+                )
+            embedded.append(
+                {
+                    "dtype": s["dtype"],
+                    "shape": s["shape"],
+                    "base64": base64.b64encode(np.ascontiguousarray(x).tobytes()).decode(),
+                }
+            )
+    files: dict[str, str] = {
+        "plan.json": json.dumps(doc, indent=1) + "\n",
+        "artifacts.json": json.dumps(
+            {
+                k: {"sha256": hashlib.sha256(v).hexdigest(), "base64": base64.b64encode(v).decode()}
+                for k, v in artifacts.items()
+            }
+        )
+        + "\n",
+    }
+    if inputs is not None:
+        files["inputs.json"] = json.dumps(embedded) + "\n"
+    size = sum(len(v) for v in files.values())
+    if size > FAB_LIMIT:
+        raise ExportError(
+            f"export --target flower: @{doc['round']}'s artifacts and inputs take "
+            f"{size / 2**20:.1f} MiB as text, over Flower's 10 MiB app bundle limit: move large "
+            "constants out of the program into its arguments"
+        )
+    out = pathlib.Path(directory).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pkg = tmp / APP_PACKAGE
+        pkg.mkdir()
+        src = pathlib.Path(__file__).resolve().parent / "app"
+        for name in SOURCES:
+            shutil.copyfile(src / name, pkg / name)
+        for name, text in files.items():
+            (pkg / name).write_text(text)
+        project = "fcir-" + doc["round"].replace("_", "-").lower()
+        (tmp / "pyproject.toml").write_text(_pyproject(project))
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

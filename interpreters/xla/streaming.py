@@ -1,0 +1,519 @@
+"""Streaming client maps: members processed ``k`` at a time, reductions as running sums.
+
+The unchunked XLA program (``XlaInterpreter``) runs ``fed.map`` as one batched
+computation over every member, as DrJAX does, so every member's results exist at once:
+a FedAvg round holds one model copy per client before the mean. With
+``xla.compile(module, mesh, clients_per_step=k)`` the program is planned per region
+(:func:`plan_region`) into *streams*, and :class:`StreamingInterpreter` runs each
+stream as a loop over chunks of ``k`` members:
+
+- a stream is one ``fed.map``, the per-member elementwise ops applied to its results
+  afterwards (``y * 2``, ``jnp.abs(y)``: ``ELEMENTWISE``), and the reductions of those
+  values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``);
+- each step slices ``k`` members out of the per-member operands, runs the map region
+  ``jax.vmap``-ed over them (broadcast values go in unbatched, as the server's one copy)
+  and folds the results into running accumulators: sums (in the reduction's result
+  dtype; a weighted mean keeps the weighted sum and the weight sum; a secure sum wraps
+  in its integer dtype, which is exact modulo ``2**bitwidth``), minima and maxima;
+  means divide by the cohort size once, at the end;
+- values needed per member afterwards (returned, or used by a later op) are written
+  chunk by chunk into a preallocated array of the full shape, in member order.
+
+``k`` need not divide the cohort: the last chunk starts at ``n - k`` (it overlaps the
+previous one) and a mask drops the members already counted, so sums, means, minima and
+maxima see each member exactly once and no padding value is ever read. On a mesh whose
+axis is named like the placement (and divides it), the stream runs under
+``jax.shard_map``: each device loops over its own ``n / devices`` members, ``k`` at a
+time, and the partial accumulators are combined with ``psum``/``pmin``/``pmax``.
+
+Ops are reordered only as data dependencies allow (the IR is pure): a stream runs
+once all its inputs exist, before the first op that reads one of its outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from fcir import primitives as P
+from fcir.errors import InterpreterError
+from fcir.ir import Op, Region, Value
+from fcir.types import PlacedType, runtime_type
+
+from .interpreter import XlaInterpreter
+
+__all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "plan_region"]
+
+# Ops applied member by member to values placed at the map's placement: their params
+# name no axis, so running them on one member's value means the same as on all.
+ELEMENTWISE = frozenset(
+    "jax." + n
+    for n in (
+        "abs add and atan2 cbrt ceil clamp convert_element_type copy cos cosh div eq exp "
+        "exp2 expm1 floor ge gt imag integer_pow is_finite le log log1p logistic lt max "
+        "min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt "
+        "select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor"
+    ).split()
+)
+
+REDUCTIONS = frozenset(
+    ("fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum")
+)
+
+
+@dataclasses.dataclass(eq=False)
+class Stream:
+    """One ``fed.map`` and what runs with it, member by member, ``k`` at a time."""
+
+    map_op: Op
+    placement: str
+    n: int
+    absorbed: list[Op]  # per-member elementwise ops run right after the map region
+    reductions: list[Op]  # reductions of the stream's values: running accumulators
+    batched: list[Value]  # per-member inputs, sliced k members at a time
+    unbatched: list[Value]  # inputs every member sees whole (broadcast sources, scalars)
+    materialized: list[Value]  # stream values needed with their member axis afterwards
+    source: dict[Value, Value]  # a broadcast result -> the value it broadcasts
+
+    @property
+    def inputs(self) -> list[Value]:
+        return self.batched + self.unbatched
+
+    @property
+    def outputs(self) -> list[Value]:
+        return [op.results[0] for op in self.reductions] + self.materialized
+
+
+def plan_region(region: Region, cardinality) -> list[Stream]:
+    """The streams of ``region``: one per ``fed.map`` at its top level."""
+    producer: dict[Value, Op] = {}
+    users: dict[Value, list[Op]] = {}
+    for op in region.ops:
+        for v in op.results:
+            producer[v] = op
+        for v in op.operands:
+            users.setdefault(v, []).append(op)
+    results = set(region.results)
+    streams = []
+    for i, op in enumerate(region.ops):
+        if op.name == "fed.map":
+            streams.append(_plan_map(region, i, op, producer, users, results, cardinality))
+    return streams
+
+
+def _broadcast_source(v: Value, placement: str, producer) -> Value | None:
+    op = producer.get(v)
+    if op is not None and op.name == "fed.broadcast" and op.attrs.get("to") == placement:
+        return op.operands[0]
+    return None
+
+
+def _placed_at(v: Value, placement: str) -> bool:
+    return isinstance(v.type, PlacedType) and v.type.placement == placement
+
+
+def _plan_map(region, index, map_op, producer, users, results, cardinality) -> Stream:
+    placement = map_op.operands[0].type.placement
+    group: set[Value] = set(map_op.results)
+    # Values computed from the stream's outputs: an op reading one cannot feed the
+    # stream (that would be a cycle), so it is never absorbed.
+    tainted: set[Value] = set(map_op.results)
+    absorbed: list[Op] = []
+    reductions: list[Op] = []
+    source: dict[Value, Value] = {}
+
+    def member_operand(v: Value) -> bool:
+        """Can ``v`` be read per member by an absorbed op, without depending on the map?"""
+        if v in group:
+            return True
+        if v in tainted:
+            return False
+        if _broadcast_source(v, placement, producer) is not None:
+            return True
+        if _placed_at(v, placement):
+            return True  # read a chunk at a time, like the map's operands
+        # A server scalar (a literal like the 2.0 of ``y * 2.0``) applies to each member.
+        unplaced = not isinstance(v.type, PlacedType) or v.type.placement == "server"
+        return unplaced and len(runtime_type(v.type, cardinality).shape) == 0
+
+    for op in region.ops[index + 1 :]:
+        touches = any(v in tainted for v in op.operands)
+        if not touches:
+            continue
+        if (
+            op.name in ELEMENTWISE
+            and not op.regions
+            and all(_placed_at(r, placement) for r in op.results)
+            and any(v in group for v in op.operands)
+            and all(member_operand(v) for v in op.operands)
+        ):
+            absorbed.append(op)
+            group.update(op.results)
+            tainted.update(op.results)
+            continue
+        if (
+            op.name in REDUCTIONS
+            and op.operands[0] in group
+            and all(
+                v in group or (_placed_at(v, placement) and v not in tainted)
+                for v in op.operands[1:]
+            )
+        ):
+            reductions.append(op)
+        tainted.update(op.results)
+
+    stream_ops = [map_op, *absorbed]
+    defined = set(group)
+    batched: list[Value] = []
+    unbatched: list[Value] = []
+
+    def add_input(v: Value) -> None:
+        if v in defined:
+            return
+        src = _broadcast_source(v, placement, producer)
+        if src is not None:
+            source[v] = src
+            if src not in unbatched:
+                unbatched.append(src)
+        elif _placed_at(v, placement):
+            if v not in batched:
+                batched.append(v)
+        elif v not in unbatched:
+            unbatched.append(v)
+
+    for op in stream_ops:
+        for v in op.operands:
+            add_input(v)
+    for op in reductions:
+        for v in op.operands[1:]:  # a weight that is no stream value: read per chunk
+            if v not in defined and v not in batched:
+                batched.append(v)
+    inside = set(absorbed) | set(reductions) | {map_op}
+    materialized = [
+        v
+        for op in stream_ops
+        for v in op.results
+        if v in results or any(u not in inside for u in users.get(v, ()))
+    ]
+    return Stream(
+        map_op=map_op,
+        placement=placement,
+        n=cardinality(placement),
+        absorbed=absorbed,
+        reductions=reductions,
+        batched=batched,
+        unbatched=unbatched,
+        materialized=materialized,
+        source=source,
+    )
+
+
+class StreamingInterpreter(XlaInterpreter):
+    """An :class:`XlaInterpreter` that runs every ``fed.map`` as a stream of chunks of
+    ``clients_per_step`` members per device (see the module docstring)."""
+
+    def __init__(self, mesh=None, *, clients_per_step: int, verbose: bool = False):
+        super().__init__(mesh, verbose=verbose)
+        if isinstance(clients_per_step, bool) or not isinstance(clients_per_step, int):
+            raise InterpreterError(
+                f"clients_per_step must be a positive int, got {clients_per_step!r}"
+            )
+        if clients_per_step < 1:
+            raise InterpreterError(f"clients_per_step must be >= 1, got {clients_per_step}")
+        self.k = clients_per_step
+        self._plans: dict[int, tuple[Region, list[Stream]]] = {}
+        self._member_interp: StreamingInterpreter | None = None
+
+    # -- planning ------------------------------------------------------------------------
+
+    def _plan(self, region: Region) -> list[Stream]:
+        cached = self._plans.get(id(region))
+        if cached is not None and cached[0] is region:
+            return cached[1]
+        streams = plan_region(region, self.module.cardinality)
+        self._plans[id(region)] = (region, streams)
+        return streams
+
+    def run_region(self, region: Region, args) -> list:
+        streams = self._plan(region)
+        if not streams:
+            return super().run_region(region, args)
+        return self._run_scheduled(region, streams, args)
+
+    def _run_scheduled(self, region: Region, streams: list[Stream], args) -> list:
+        """Runs ops and streams in program order as far as data dependencies allow."""
+        env: dict = dict(zip(region.params, args))
+        position = {id(op): i for i, op in enumerate(region.ops)}
+        in_stream = {}
+        for s in streams:
+            for op in (s.map_op, *s.absorbed, *s.reductions):
+                in_stream[id(op)] = s
+        items: list = [op for op in region.ops if id(op) not in in_stream] + streams
+        key = {id(it): position[id(it.map_op if isinstance(it, Stream) else it)] for it in items}
+        produced_by: dict[Value, object] = {}
+        for it in items:
+            outs = it.outputs if isinstance(it, Stream) else it.results
+            for v in outs:
+                produced_by[v] = it
+        waiting: dict[int, int] = {}
+        dependents: dict[int, list] = {}
+        ready: list = []
+        for it in items:
+            needs = it.inputs if isinstance(it, Stream) else it.operands
+            deps = {id(produced_by[v]) for v in needs if v in produced_by}
+            waiting[id(it)] = len(deps)
+            for d in deps:
+                dependents.setdefault(d, []).append(it)
+            if not deps:
+                heapq.heappush(ready, (key[id(it)], id(it), it))
+        done = 0
+        while ready:
+            _, _, it = heapq.heappop(ready)
+            if isinstance(it, Stream):
+                env.update(zip(it.outputs, self._run_stream(it, env)))
+            else:
+                try:
+                    vals = [env[v] for v in it.operands]
+                except KeyError:
+                    raise InterpreterError(f"{it.name}: operand used before definition") from None
+                env.update(zip(it.results, self.run_op(it, vals)))
+            done += 1
+            for d in dependents.get(id(it), ()):
+                waiting[id(d)] -= 1
+                if waiting[id(d)] == 0:
+                    heapq.heappush(ready, (key[id(d)], id(d), d))
+        if done != len(items):  # the plan never absorbs an op that depends on its stream
+            raise InterpreterError(f"streaming plan of a region left {len(items) - done} ops unrun")
+        return [env[v] for v in region.results]
+
+    # -- running a stream ----------------------------------------------------------------
+
+    def _members(self) -> StreamingInterpreter:
+        """The interpreter for member regions: no mesh (inside shard_map and vmap the
+        member axis is the chunk's), same budget for nested placements."""
+        if self._member_interp is None:
+            self._member_interp = StreamingInterpreter(None, clients_per_step=self.k)
+            self._member_interp.module = self.module
+        return self._member_interp
+
+    def _run_stream(self, s: Stream, env: dict) -> list:
+        batched = [jnp.asarray(env[v]) for v in s.batched]
+        unbatched = [env[v] for v in s.unbatched]
+        axis = self._mesh_axis(s)
+        if axis is None:
+            accs, bufs = self._stream_local(s, batched, unbatched, s.n)
+            if self.mesh is not None:
+                bufs = [self.constrain(b, s.placement) for b in bufs]
+        else:
+            devices = self.mesh.shape[axis]
+
+            def local(batched, unbatched):
+                accs, bufs = self._stream_local(s, batched, unbatched, s.n // devices)
+                return [[a[None] for a in acc] for acc in accs], bufs
+
+            # Each device returns its partial accumulators along the mesh axis; they are
+            # combined outside (XLA's all-reduce), so no collective sits inside the
+            # shard_map and its transpose stays plain. The interpreter binds primitives
+            # directly (no automatic pvary), hence check_vma=False.
+            member = PartitionSpec(axis)
+            partial, bufs = jax.shard_map(
+                local,
+                mesh=self.mesh,
+                in_specs=([member] * len(batched), [PartitionSpec()] * len(unbatched)),
+                out_specs=(
+                    [[member] * len(_acc_parts(op)) for op in s.reductions],
+                    [member] * len(s.materialized),
+                ),
+                axis_names={axis},
+                check_vma=False,
+            )(batched, unbatched)
+            accs = [_combine(op, acc) for op, acc in zip(s.reductions, partial)]
+        return [_finish(op, a, s.n) for op, a in zip(s.reductions, accs)] + list(bufs)
+
+    def _mesh_axis(self, s: Stream) -> str | None:
+        mesh = self.mesh
+        if mesh is None or s.placement not in mesh.axis_names:
+            return None
+        return s.placement if s.n % mesh.shape[s.placement] == 0 else None
+
+    def _stream_local(self, s: Stream, batched, unbatched, n: int):
+        """Loops over ``n`` local members in chunks; (accumulators, full-shape outputs)."""
+        k = min(self.k, n)
+        steps = -(-n // k)
+        ragged = steps * k != n
+        inner = self._members()
+        region = s.map_op.regions[0]
+
+        def one_member(b_vals, u_vals):
+            env = dict(zip(s.batched, b_vals))
+            env.update(zip(s.unbatched, u_vals))
+            env.update({v: env[src] for v, src in s.source.items()})
+            env.update(
+                zip(s.map_op.results, inner.run_region(region, [env[v] for v in s.map_op.operands]))
+            )
+            for op in s.absorbed:
+                env.update(zip(op.results, inner.run_op(op, [env[v] for v in op.operands])))
+            return [env[v] for v in needed]
+
+        # Per-member values the step reads: reduction operands and materialized values
+        # (a list, in a fixed order: Values are not pytree keys).
+        needed = list(
+            dict.fromkeys(
+                v
+                for v in [*(u for op in s.reductions for u in op.operands), *s.materialized]
+                if v not in s.batched
+            )
+        )
+        vmapped = jax.vmap(one_member, in_axes=(0, None))
+
+        def chunk_values(start) -> dict:
+            b_chunk = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
+            vals = dict(zip(needed, vmapped(b_chunk, unbatched)))
+            vals.update(zip(s.batched, b_chunk))
+            return vals
+
+        chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
+        shapes = dict(zip(needed, jax.eval_shape(lambda b: vmapped(b, unbatched), chunk_specs)))
+        shapes.update(zip(s.batched, chunk_specs))
+        accs0 = [_acc_init(op, shapes) for op in s.reductions]
+        bufs0 = [_zeros((n, *shapes[v].shape[1:]), shapes[v].dtype) for v in s.materialized]
+
+        def step(carry, _):
+            # The step number is carried, not scanned over: nothing in the loop's
+            # state grows with the number of steps.
+            i, accs, bufs = carry
+            start = jnp.minimum(i * k, n - k) if ragged else i * k
+            vals = chunk_values(start)
+            valid = (start + jnp.arange(k)) >= i * k if ragged else None
+            accs = [_acc_step(op, a, vals, valid) for op, a in zip(s.reductions, accs)]
+            new_bufs = []
+            for v, buf in zip(s.materialized, bufs):
+                x = vals[v]
+                if valid is not None:
+                    x = _select(valid, x, lax.dynamic_slice_in_dim(buf, start, k, 0))
+                new_bufs.append(lax.dynamic_update_slice_in_dim(buf, x, start, 0))
+            return (i + 1, accs, new_bufs), None
+
+        init = (jnp.zeros((), jnp.int32), accs0, bufs0)
+        if steps == 1:
+            (_, accs, bufs), _ = step(init, None)
+        else:
+            (_, accs, bufs), _ = lax.scan(step, init, None, length=steps)
+        return accs, bufs
+
+
+# --- accumulators -----------------------------------------------------------------------
+
+
+def _acc_parts(op: Op) -> tuple:
+    return ("xw", "w") if op.name == "fed.weighted_mean" else ("x",)
+
+
+def _result_dtype(op: Op, dtype) -> np.dtype:
+    if op.name == "fed.sum":
+        return P.sum_result_dtype(dtype)
+    if op.name in ("fed.mean", "fed.weighted_mean"):
+        return P.mean_result_dtype(dtype)
+    return np.dtype(dtype)
+
+
+def _identity(op: Op, dtype):
+    """The value a masked-out member contributes: leaves the accumulator unchanged."""
+    dtype = np.dtype(dtype)
+    if op.name not in ("fed.min", "fed.max"):
+        return np.zeros((), dtype)
+    big = op.name == "fed.min"
+    if dtype == np.bool_:
+        return np.array(big)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.array(np.inf if big else -np.inf, dtype)
+    info = jnp.iinfo(dtype)
+    return np.array(info.max if big else info.min, dtype)
+
+
+def _weights(x, w):
+    dt = P.mean_result_dtype(x.dtype)
+    return x.astype(dt), w.astype(dt).reshape(w.shape + (1,) * (x.ndim - w.ndim))
+
+
+def _acc_init(op: Op, shapes) -> list:
+    x = shapes[op.operands[0]]
+    if op.name == "fed.weighted_mean":
+        dt = P.mean_result_dtype(x.dtype)
+        w = shapes[op.operands[1]]
+        w_shape = w.shape[1:] + (1,) * (len(x.shape) - len(w.shape))
+        return [jnp.zeros(x.shape[1:], dt), jnp.zeros(w_shape, dt)]
+    dt = _result_dtype(op, x.dtype)
+    return [jnp.full(x.shape[1:], _identity(op, dt), dt)]
+
+
+def _acc_step(op: Op, acc: list, vals: dict, valid) -> list:
+    x = vals[op.operands[0]]
+
+    def masked(y, fill):
+        if valid is None:
+            return y
+        return jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, fill)
+
+    if op.name == "fed.weighted_mean":
+        xs, ws = _weights(x, vals[op.operands[1]])
+        return [
+            acc[0] + jnp.sum(masked(xs * ws, 0), axis=0),
+            acc[1] + jnp.sum(masked(ws, 0), axis=0),
+        ]
+    if op.name in ("fed.min", "fed.max"):
+        part = masked(x, _identity(op, x.dtype))
+        fold, red = (jnp.minimum, jnp.min) if op.name == "fed.min" else (jnp.maximum, jnp.max)
+        return [fold(acc[0], red(part, axis=0))]
+    dt = acc[0].dtype
+    return [acc[0] + jnp.sum(masked(x.astype(dt), 0), axis=0, dtype=dt)]
+
+
+def _combine(op: Op, partial: list) -> list:
+    """Per-device partial accumulators (stacked on a leading axis) folded into one."""
+    if op.name in ("fed.min", "fed.max"):
+        return [(jnp.min if op.name == "fed.min" else jnp.max)(partial[0], axis=0)]
+    return [jnp.sum(a, axis=0, dtype=a.dtype) for a in partial]
+
+
+def _finish(op: Op, acc: list, n: int):
+    if op.name == "fed.mean":
+        return acc[0] / jnp.asarray(n, acc[0].dtype)
+    if op.name == "fed.weighted_mean":
+        return acc[0] / acc[1]
+    if op.name == "fed.secure_sum":
+        total, bits = acc[0], op.attrs["bitwidth"]
+        if bits < np.dtype(total.dtype).itemsize * 8:
+            total = jnp.bitwise_and(total, jnp.asarray((1 << bits) - 1, total.dtype))
+        return total
+    return acc[0]
+
+
+# --- arrays of any dtype (PRNG keys included) ---------------------------------------------
+
+
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _zeros(shape, dtype):
+    if _is_key(dtype):
+        data = jnp.zeros((*shape, *dtype._impl.key_shape), jnp.uint32)
+        return jax.random.wrap_key_data(data, impl=dtype._impl.name)
+    return jnp.zeros(shape, dtype)
+
+
+def _select(valid, new, old):
+    mask = valid.reshape((-1,) + (1,) * (new.ndim - 1))
+    if _is_key(new.dtype):
+        impl = new.dtype._impl.name
+        a, b = jax.random.key_data(new), jax.random.key_data(old)
+        mask = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
+        return jax.random.wrap_key_data(jnp.where(mask, a, b), impl=impl)
+    return jnp.where(mask, new, old)

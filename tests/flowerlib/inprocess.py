@@ -1,0 +1,81 @@
+"""An exported app run in this process: its ServerApp's ``main`` on a grid that hands
+each message straight to the app's ClientApp function (no network, no processes).
+
+It plays Flower's part honestly where the app can tell: every message to a node gets a
+reply built by the client function (an exception becomes an error reply, as the
+SuperNode makes it), and a node listed in ``silent`` never answers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import pathlib
+import sys
+import types
+
+from flwr.app import Context, Error, Message, RecordDict
+
+_COUNTER = itertools.count()
+
+
+def load_app(appdir) -> types.SimpleNamespace:
+    """The app's server_app and client_app modules, under a package name of their own."""
+    pkg_dir = pathlib.Path(appdir) / "fcir_app"
+    name = f"fcir_app_test_{next(_COUNTER)}"
+    spec = importlib.util.spec_from_file_location(
+        name, pkg_dir / "__init__.py", submodule_search_locations=[str(pkg_dir)]
+    )
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules[name] = pkg
+    spec.loader.exec_module(pkg)
+    server = importlib.import_module(f"{name}.server_app")
+    client = importlib.import_module(f"{name}.client_app")
+    return types.SimpleNamespace(server=server, client=client)
+
+
+class Grid:
+    def __init__(self, app, node_configs: dict[int, dict], silent=()):
+        self.app = app
+        self.contexts = {
+            node: Context(
+                run_id=1, node_id=node, node_config=cfg, state=RecordDict(), run_config={}
+            )
+            for node, cfg in node_configs.items()
+        }
+        self.silent = set(silent)
+        self.sent: list[int] = []
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            self.sent.append(node)
+            if node in self.silent:
+                continue
+            try:
+                reply = self.app.client.work(msg, self.contexts[node])
+            except Exception as e:  # noqa: BLE001  (the SuperNode turns it into an error reply)
+                reply = Message(Error(code=2, reason=f"{type(e)}:<'{e}'>"), reply_to=msg)
+            assert reply.metadata.src_node_id == node  # a reply comes from its addressee
+            replies.append(reply)
+        return replies
+
+
+def run(appdir, node_configs: dict[int, dict], run_config: dict, silent=()):
+    """Runs the app's ServerApp main; returns the grid (what was sent to whom)."""
+    from fcir.interpreters.flower.writer import RUN_CONFIG
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as flwr-serverapp
+    app = load_app(appdir)
+    grid = Grid(app, node_configs, silent)
+    context = Context(
+        run_id=1, node_id=0, node_config={}, state=RecordDict(),
+        run_config={**RUN_CONFIG, **run_config},
+    )
+    app.server.main(grid, context)
+    return grid
