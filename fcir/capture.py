@@ -5,11 +5,15 @@ top of the program), ``i`` is inside a ``fed.map`` over the members of placement
 Unplaced values at the server are typed ``T@server``; inside a map region they are
 plain ``T``. Region parameters take the type their uses require (an operand of a
 nested ``fed.map`` or of a reduction is placed), propagated backwards through
-elementwise ops; results then follow forwards from the op type rules.
+elementwise ops, calls and control flow; results then follow forwards from the op type
+rules. Server control flow (``scan``, ``while``, ``cond``) whose regions hold fed ops or
+get placed values has its regions typed from its operands, to a fixed point through the
+loop carry (``fcir.control_flow``, docs/control_flow.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,10 +22,19 @@ from jax._src import core, source_info_util
 
 from fcir import attrs as A
 from fcir import captured, pytrees
+from fcir import control_flow as CF
 from fcir import primitives as P
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
 from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
-from fcir.types import SERVER, PlacedType, TensorType, Type, structure_of, tensor_of
+from fcir.types import (
+    SERVER,
+    PlacedType,
+    TensorType,
+    Type,
+    runtime_type,
+    structure_of,
+    tensor_of,
+)
 
 # Primitives applied elementwise: on values placed at one placement they stay
 # per-member computations, so capture keeps the placement instead of flagging them.
@@ -38,18 +51,9 @@ ELEMENTWISE = frozenset(
 # the frontend adds them to placed values, which stay placed. add_any is how JAX's
 # backward pass sums the cotangents of a placed value used twice.)
 
-# Call-like primitives that are inlined when their body contains federated ops, so that
-# placements never hide inside a local call.
-_INLINE_IF_FEDERATED = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-}
+# Call-like primitives that are inlined when their body contains federated ops or they
+# are called on placed values, so that placements never hide inside a local call.
+_INLINE_IF_FEDERATED = CF.CALLS
 
 FED_OP_NAMES = {
     "fed_broadcast": "fed.broadcast",
@@ -208,6 +212,9 @@ class _Converter:
         self.sizes = dict(placements)
         self.locations = locations
         self.constants: set[Value] = set()
+        # Values a jax.scan stacked from per-iteration placed values: the IR keeps their
+        # member axis first, where the jaxpr has the scan axis first (control_flow.py).
+        self.swapped: set[Value] = set()
 
     # -- types ----------------------------------------------------------------------------
 
@@ -226,21 +233,31 @@ class _Converter:
         _check_cardinality(eqn, self.sizes[p])
         return p
 
-    def param_types(self, jx: core.Jaxpr, level: int) -> list[Type]:
-        """Types a region's parameters must have, from their uses (backwards)."""
+    def param_types(self, jx: core.Jaxpr, level: int, out_req=None, *,
+                    stacked_ok: bool = False) -> list[Type]:
+        """Types a region's parameters must have, from their uses (backwards).
+
+        ``out_req`` are types required of the region's results (None where any will do):
+        a loop carry or a call's result that is used as placed data later.
+        ``stacked_ok``: ``jx`` is the body of an inlined call or of a fed.map, whose
+        parameters may be stacked per-round client values (a gradient's residuals).
+        """
         req: dict[core.Var, Type] = {}
 
-        def require(v, t: Type) -> None:
-            if isinstance(v, core.Var) and v not in req:
+        def require(v, t) -> None:
+            if isinstance(v, core.Var) and v not in req and t is not None:
                 req[v] = t
 
+        for v, t in zip(jx.outvars, out_req or ()):
+            if CF.is_placed(t):
+                require(v, t)
         for eqn in reversed(jx.eqns):
             name = eqn.primitive.name
             if name == "fed_map":
                 p = self.child(level, eqn)
-                inner = self.param_types(eqn.params["body"].jaxpr, level + 1)
+                inner = self.param_types(eqn.params["body"].jaxpr, level + 1, stacked_ok=True)
                 for v, t in zip(eqn.invars, inner):
-                    require(v, PlacedType(t, p))
+                    require(v, t if isinstance(t, _Stacked) else PlacedType(t, p))
             elif name in FED_OP_NAMES and name != "fed_broadcast":
                 p = self.child(level, eqn)
                 for v in eqn.invars[:-1] if name in _DP else eqn.invars:
@@ -254,16 +271,78 @@ class _Converter:
                     for v in eqn.invars:
                         if isinstance(v, core.Var) and v.aval.shape == shape:
                             require(v, PlacedType(self.member_type(v.aval), p))
+            elif name in CF.PRIMITIVES:
+                for v, t in zip(eqn.invars, self.control_flow_requirements(eqn, req, level)):
+                    require(v, t)
             elif name in _INLINE_IF_FEDERATED:
-                sub = eqn.params[_INLINE_IF_FEDERATED[name]]
-                sub = sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub
-                if _contains_federated(sub):
-                    inner = self.param_types(sub, level)
-                    consts = len(sub.invars) - len(eqn.invars)
-                    for v, t in zip(eqn.invars, inner[consts:] if consts >= 0 else inner):
-                        if isinstance(t, PlacedType) and t.placement != SERVER:
-                            require(v, t)
-        return [req.get(v, self.local(tensor_of(v.aval), level)) for v in jx.invars]
+                sub = _open(eqn.params[_INLINE_IF_FEDERATED[name]])
+                inner = self.param_types(sub, level, [req.get(o) for o in eqn.outvars],
+                                         stacked_ok=True)
+                consts = len(sub.invars) - len(eqn.invars)
+                for v, t in zip(eqn.invars, inner[consts:] if consts >= 0 else inner):
+                    if CF.is_placed(t) or isinstance(t, _Stacked):
+                        require(v, t)
+        for v in jx.invars:
+            if isinstance(req.get(v), _Stacked) and not stacked_ok:
+                raise PlacementError(req[v].message(v))
+        return [
+            req[v] if CF.is_placed(req.get(v)) or isinstance(req.get(v), _Stacked)
+            else self.local(tensor_of(v.aval), level)
+            for v in jx.invars
+        ]
+
+    def control_flow_requirements(self, eqn, req, level: int) -> list:
+        """Placements a scan/while/cond needs of its operands, from its regions' uses and
+        from the uses of its results (a fixed point through the loop carry)."""
+        name, params = eqn.primitive.name, eqn.params
+        outs = [req.get(o) for o in eqn.outvars]
+        n = len(eqn.invars)
+        found: list = [None] * n
+
+        def merge(i, t):
+            if found[i] is None and (CF.is_placed(t) or isinstance(t, _Stacked)):
+                found[i] = t
+
+        if name == "cond":
+            for branch in params["branches"]:
+                for i, t in enumerate(self.param_types(branch.jaxpr, level, outs), 1):
+                    merge(i, t)
+            return found
+        if name == "scan":
+            nc, nk, length = params["num_consts"], params["num_carry"], params["length"]
+            body = params["jaxpr"].jaxpr
+            ys = [_unstacked_req(t) for t in outs[nk:]]
+            carry = outs[:nk]
+            for _ in range(nk + 1):
+                inner = self.param_types(body, level, carry + ys)
+                new = [c if CF.is_placed(c) else t for c, t in zip(carry, inner[nc:nc + nk])]
+                if new == carry:
+                    break
+                carry = new
+            for i, t in enumerate(inner[: nc + nk]):
+                merge(i, t)
+            for i in range(nc, nc + nk):
+                merge(i, carry[i - nc])
+            for i, t in enumerate(inner[nc + nk:], nc + nk):
+                if CF.is_placed(t):
+                    merge(i, _Stacked(t, length, eqn.invars[i]))
+            return found
+        # while: cond consts, body consts, carry
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        carry = outs
+        for _ in range(len(carry) + 1):
+            body = self.param_types(params["body_jaxpr"].jaxpr, level, carry)
+            cond = self.param_types(params["cond_jaxpr"].jaxpr, level)
+            new = [
+                next((x for x in (c, b, k) if CF.is_placed(x)), c)
+                for c, b, k in zip(carry, body[bn:], cond[cn:])
+            ]
+            if new == carry:
+                break
+            carry = new
+        for i, t in enumerate(cond[:cn] + body[:bn] + carry):
+            merge(i, t)
+        return found
 
     def member_type(self, aval) -> TensorType:
         t = tensor_of(aval)
@@ -271,17 +350,24 @@ class _Converter:
 
     # -- conversion -----------------------------------------------------------------------
 
-    def convert_closed(self, closed, level: int, label: str, param_types=None) -> Region:
+    def convert_closed(self, closed, level: int, label: str, param_types=None,
+                       swapped=()) -> Region:
+        """``swapped[i]``: parameter i is a stacked per-round placed value (only a
+        fed.map body gets those, and only a fed.map body may yield them)."""
         jx = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
         consts = closed.consts if isinstance(closed, core.ClosedJaxpr) else ()
         types = param_types if param_types is not None else self.param_types(jx, level)
         params = [Value(t) for t in types]
+        self.swapped.update(v for v, s in zip(params, swapped) if s)
         region = Region(params, [], [], label)
         env: dict[core.Var, Value] = dict(zip(jx.invars, params))
         for var, val in zip(jx.constvars, consts):
             env[var] = self.constant(region, val, level)
         self.convert_eqns(jx, env, region, level)
         region.results = [self.read(env, v, region, level) for v in jx.outvars]
+        for v in region.results:
+            if v in self.swapped and label != "member":
+                raise PlacementError(_swapped_message(f"the region {label}", v, "yields"))
         return region
 
     def constant(self, region: Region, value, level: int) -> Value:
@@ -314,13 +400,19 @@ class _Converter:
         for eqn in jx.eqns:
             name = eqn.primitive.name
             operands = [self.read(env, a, region, level) for a in eqn.invars]
+            self.check_swapped(eqn, operands)
+            placed = any(CF.is_placed(o.type) for o in operands)
             try:
                 if name in FED_OP_NAMES:
                     results = self.fed_op(eqn, operands, region, level)
-                elif name in _INLINE_IF_FEDERATED and _contains_federated(
+                elif name in _INLINE_IF_FEDERATED and (placed or _contains_federated(
                     _open(eqn.params[_INLINE_IF_FEDERATED[name]])
-                ):
+                )):
                     results = self.inline(eqn, operands, region, level)
+                elif name in CF.PRIMITIVES and (placed or any(
+                    _contains_federated(j) for j in core.jaxprs_in_params(eqn.params)
+                )):
+                    results = self.control_flow(eqn, operands, region, level)
                 else:
                     results = self.local_op(eqn, operands, region, level)
             except FcirError:
@@ -346,6 +438,187 @@ class _Converter:
         self.convert_eqns(jx, env, region, level)
         return [self.read(env, v, region, level) for v in jx.outvars]
 
+    def check_swapped(self, eqn, operands) -> None:
+        """Stacked placed values (scan ``ys``) may only be scanned over again."""
+        name = eqn.primitive.name
+        if name in _INLINE_IF_FEDERATED or name == "fed_map":
+            return  # passed on unchanged: the body's uses are checked
+        xs = range(0)
+        if name == "scan":
+            xs = range(eqn.params["num_consts"] + eqn.params["num_carry"], len(operands))
+        for i, o in enumerate(operands):
+            if o in self.swapped and i not in xs:
+                raise PlacementError(_swapped_message(f"jax.{name}", o, "reads"))
+
+    def control_flow(self, eqn, operands, region: Region, level: int) -> list[Value]:
+        """A scan/while/cond whose regions hold fed ops or get placed values: its regions
+        are typed from its operands, to a fixed point through the loop carry."""
+        name, params = eqn.primitive.name, eqn.params
+        types = [o.type for o in operands]
+        converted: list[tuple[object, Region]] = []
+
+        def convert(jx, types):
+            sub = self.convert_closed(jx, level, "r", param_types=list(types))
+            converted.append((jx, sub))
+            return sub
+
+        operands = list(operands)
+
+        def join(what, a, b, fix=None):
+            t = CF.join(a, b)
+            if t is None and fix is not None:
+                # A splat made at the server (JAX's zero cotangents) that the loop makes
+                # per-member: every member makes the same splat, so broadcast its member.
+                v = self.splat_at(region, operands[fix], b, level)
+                if v is not None:
+                    operands[fix], types[fix] = v, v.type
+                    t = CF.join(v.type, b)
+            if t is None:
+                raise PlacementError(
+                    f"jax.{name}: {what} is {a} on entry but {b} after an iteration or in "
+                    "another branch; a value has one placement through control flow: "
+                    "broadcast it (fcir.broadcast) or aggregate it before the loop"
+                )
+            return t
+
+        if name == "scan":
+            nc, nk, length = params["num_consts"], params["num_carry"], params["length"]
+            xs = []
+            for i in range(nc + nk, len(operands)):
+                if CF.is_placed(types[i]) and operands[i] not in self.swapped:
+                    raise PlacementError(
+                        f"jax.scan: scans along the leading axis of {types[i]}, which is "
+                        "its member axis: that reads one member per iteration. Scan over "
+                        "rounds inside fcir.map_fn or index the round there instead"
+                    )
+                xs.append(CF.unstack(types[i]))
+            carry = types[nc:nc + nk]
+            for _ in range(nk + 2):
+                converted.clear()
+                body = convert(params["jaxpr"], types[:nc] + carry + xs)
+                outs = [r.type for r in body.results]
+                new = [join(f"carry {k}", a, b, nc + k)
+                       for k, (a, b) in enumerate(zip(carry, outs))]
+                for i, t in self.promotions(body, range(nc, nc + nk)).items():
+                    new[i - nc] = join(f"carry {i - nc}", types[i], t, i)
+                if new == carry:
+                    break
+                carry = new
+            out_types = carry + [CF.stack(t, length) for t in outs[nk:]]
+            results = [Value(t) for t in out_types]
+            self.swapped.update(v for v in results[nk:] if CF.is_placed(v.type))
+        elif name == "while":
+            cn, bn = params["cond_nconsts"], params["body_nconsts"]
+            carry = types[cn + bn:]
+            for _ in range(len(carry) + 2):
+                converted.clear()
+                body = convert(params["body_jaxpr"], types[cn:cn + bn] + carry)
+                cond = convert(params["cond_jaxpr"], types[:cn] + carry)
+                new = [join(f"carry {k}", a, r.type, cn + bn + k)
+                       for k, (a, r) in enumerate(zip(carry, body.results))]
+                for i, t in self.promotions(body, range(bn, bn + len(carry))).items():
+                    new[i - bn] = join(f"carry {i - bn}", types[cn + i], t, cn + i)
+                if new == carry:
+                    break
+                carry = new
+            if CF.is_placed(cond.results[0].type):
+                raise PlacementError(
+                    f"jax.while: the loop condition is {cond.results[0].type}; it must be "
+                    "known where the loop runs: aggregate it first (e.g. fcir.reduce_max)"
+                )
+            results = [Value(t) for t in carry]
+        else:  # cond; lax.switch is a cond with several branches
+            if CF.is_placed(types[0]):
+                raise PlacementError(
+                    f"jax.cond: the branch index is {types[0]}; it must be known where the "
+                    "cond runs: aggregate it first (e.g. fcir.reduce_max)"
+                )
+            branches = [convert(b, types[1:]) for b in params["branches"]]
+            outs = [r.type for r in branches[0].results]
+            for k in range(len(outs)):
+                placed = next((s.results[k].type for s in branches
+                               if CF.is_placed(s.results[k].type)), None)
+                for sub in branches if placed is not None else ():
+                    y = sub.results[k]
+                    if CF.join(y.type, placed) is None:
+                        sub.results[k] = self.splat_at(sub, y, placed, level) or y
+                outs[k] = branches[0].results[k].type
+                for sub in branches[1:]:
+                    outs[k] = join(f"result {k}", outs[k], sub.results[k].type)
+            results = [Value(t) for t in outs]
+        regions: list[Region] = []
+
+        def add_region(jx, closed: bool) -> A.RegionRef:
+            k = next(k for k, (j, _) in enumerate(converted) if j is jx)
+            sub = converted.pop(k)[1]
+            sub.label = f"r{len(regions)}"
+            regions.append(sub)
+            return A.RegionRef(len(regions) - 1, closed)
+
+        attrs = {k: A.encode(v, name, k, add_region) for k, v in sorted(params.items())}
+        region.ops.append(
+            Op(f"jax.{name}", operands, results, attrs, regions, location=self.location(eqn))
+        )
+        return results
+
+    def promotions(self, body: Region, carried) -> dict[int, PlacedType]:
+        """Loop-carried parameters (indices in ``carried``) typed as local values that
+        the body combines elementwise with placed values of their own runtime type: they
+        are per-member accumulators (JAX's cotangents of client data), so the carry is
+        placed. Returns parameter index -> the placed type."""
+        out: dict[int, PlacedType] = {}
+        index = {body.params[i]: i for i in carried}
+        for op in body.ops:
+            if op.name.removeprefix("jax.") not in ELEMENTWISE:
+                continue
+            placed = next((o.type for o in op.operands if CF.is_placed(o.type)), None)
+            if placed is None:
+                continue
+            runtime = runtime_type(placed, self.sizes.get)
+            for o in op.operands:
+                i = index.get(o)
+                if i is not None and not CF.is_placed(o.type) and _member_of(o.type) == runtime:
+                    out[i] = PlacedType(placed.member, placed.placement)
+        return out
+
+    def splat_at(self, region: Region, v: Value, want: Type, level: int) -> Value | None:
+        """``v``, a local splat of one scalar with the runtime type of placed type
+        ``want``, remade as an all-equal placed value that fits ``want`` (ops appended to
+        ``region``: the member splat, broadcast down each level); else None."""
+        if not CF.is_placed(want):
+            return None
+        producer = next((op for op in region.ops if v in op.results), None)
+        if producer is None or producer.name != "jax.broadcast_in_dim":
+            return None
+        (scalar,) = producer.operands
+        member = CF.innermost(want)
+        if (member is None or _member_of(scalar.type) != TensorType(member.dtype, ())
+                or producer.attrs.get("broadcast_dimensions") != ()
+                or _member_of(v.type) != runtime_type(want, self.sizes.get)):
+            return None
+        tensor = Value(self.local(member, level))
+        attrs = {**producer.attrs, "shape": tuple(member.shape)}
+        region.ops.append(Op("jax.broadcast_in_dim", [scalar], [tensor], attrs,
+                             location=producer.location))
+        return self.broadcast_down(region, tensor, want, producer.location)
+
+    def broadcast_down(self, region: Region, tensor: Value, want: PlacedType,
+                       location: str) -> Value:
+        """``tensor`` (local) sent to every member of ``want``'s placements, outermost
+        first: ``T@p!``, or for nested ``{{T}@q}@p`` a map over p broadcasting to q."""
+        member = CF.innermost(want)
+        top = Value(PlacedType(member, want.placement, True))
+        region.ops.append(Op("fed.broadcast", [tensor], [top], {"to": want.placement},
+                             location=location))
+        if isinstance(want.member, TensorType):
+            return top
+        param = Value(member)
+        body = Region([param], [], [], "member")
+        body.results = [self.broadcast_down(body, param, want.member, location)]
+        out = Value(PlacedType(body.results[0].type, want.placement))
+        region.ops.append(Op("fed.map", [top], [out], {}, [body], location=location))
+        return out
+
     def fed_op(self, eqn, operands, region: Region, level: int) -> list[Value]:
         name = eqn.primitive.name
         p = self.child(level, eqn)
@@ -361,8 +634,11 @@ class _Converter:
                 raise UnsupportedError("fed.map over no placed values: give map_fn an argument")
             inner = [_member_of(o.type) for o in operands]
             # A broadcast (all-equal) operand is one value per member inside the region.
-            sub = self.convert_closed(body, level + 1, "member", param_types=inner)
+            sub = self.convert_closed(body, level + 1, "member", param_types=inner,
+                                      swapped=[o in self.swapped for o in operands])
             out = [Value(PlacedType(r.type, p)) for r in sub.results]
+            # A stacked value passes through the map unchanged (member axis first).
+            self.swapped.update(v for v, r in zip(out, sub.results) if r in self.swapped)
             op = Op("fed.map", operands, out, {}, [sub], location=loc)
         elif name in _DP:
             attrs = {k: float(eqn.params[k]) for k in ("clip_norm", "noise_multiplier")}
@@ -410,6 +686,38 @@ class _Converter:
         if len({(t.placement, t.member.shape) for t in placed}) != 1:
             return None
         return placed[0].placement, all(t.all_equal for t in placed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stacked:
+    """A requirement on a scan's ``xs``: per-iteration values placed at ``inner``'s
+    placement, stacked with the scan axis first (as JAX stacks them)."""
+
+    inner: PlacedType
+    length: int
+    var: object = dataclasses.field(compare=False)
+
+    def message(self, v) -> str:
+        return (
+            f"jax.scan: scans over {tensor_of(v.aval)} as {self.length} values of type "
+            f"{self.inner} (scan axis first, member axis second), but it enters the program "
+            "(or a region) from outside: fcir keeps the member axis of placed data first. "
+            f"Pass it as {{{CF.stack(self.inner.member, self.length)}}}@"
+            f"{self.inner.placement} and index the round inside fcir.map_fn (see "
+            "docs/control_flow.md)"
+        )
+
+
+def _unstacked_req(t):
+    return t.inner if isinstance(t, _Stacked) else None
+
+
+def _swapped_message(where: str, v: Value, verb: str) -> str:
+    return (
+        f"{where} {verb} a value of type {v.type} that jax.scan stacked from per-iteration "
+        "placed values: such values may only be scanned over by another jax.scan. "
+        "Aggregate them inside the loop (e.g. fcir.reduce_mean) or carry them instead"
+    )
 
 
 def _is_placed(t) -> bool:

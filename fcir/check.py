@@ -16,6 +16,11 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
   ``psum[axes=(0,)]``) or another named axis is local computation and is allowed.
 * ``region/C1``: ops in a region use only values defined earlier in that region
   (regions are isolated from above); ``region/C2``: each value is defined once.
+* ``flow/C1`` .. ``flow/C4``: a control-flow op (``jax.scan``, ``jax.while``,
+  ``jax.cond``) or call (``jax.pjit``, ...) hands its operands to its regions' parameters
+  and their results back (``fcir.control_flow``); when those types fit, the op itself
+  reads nothing, so it may pass placed values. Its regions run where the op runs and are
+  checked op by op like any other region.
 * ``module/C5``: module, func and placement names are ASCII identifiers.
 
 Local ops' result types and attributes, and the size of every value, are checked by
@@ -31,9 +36,10 @@ from __future__ import annotations
 import dataclasses
 
 from fcir import check_local
+from fcir import control_flow as CF
 from fcir.capture import ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError, PrivacyError
-from fcir.ir import Module, Op, Region, describe, is_name, value_numbering
+from fcir.ir import Module, Op, Region, Value, describe, is_name, value_numbering
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
 
@@ -162,13 +168,115 @@ class _Checker:
                         "fcir.constant", path, op, False)
             return
         before = len(self.diags)
-        self.local(op, ctx, path)
-        if len(self.diags) == before:  # placement holds: now the types (fcir.check_local)
-            problem = check_local.result_types_problem(self.types, op)
+        if not self.region_bindings(op, ctx, path):
+            self.local(op, ctx, path)
+        new = self.diags[before:]
+        if not any(d.placement for d in new):  # placement holds: now the types
+            problem = check_local.result_types_problem(self.types, self.as_bound(op))
             if problem is not None:
+                # A binding that does not fit in shape or dtype is what the primitive's
+                # own type rule rejects too; its words (fcir.check_local) are the ones.
+                del self.diags[before:]
                 self.report(problem[0], problem[1], path, op, False)
         for r, sub in enumerate(op.regions):
             self.region(sub, ctx, (*path, r), set())
+
+    def region_bindings(self, op: Op, ctx, path: tuple) -> bool:
+        """For a control-flow or call op: checks each operand against the region
+        parameter it binds to, each yielded value against the op result (or the carried
+        parameter) it becomes, and that branch indices and loop conditions are local.
+        True when the op is one of these: it only passes values on, placed or not, so
+        local/C1 does not apply to the op itself (any misfit is reported here)."""
+        prim = op.name.removeprefix("jax.")
+        if not op.regions or not (prim in CF.PRIMITIVES or prim in CF.CALLS):
+            return False
+        try:
+            bindings = CF.bindings(prim, op.attrs, len(op.operands), len(op.results),
+                                   len(op.regions))
+        except CF.BindingError as e:
+            self.report("flow/C1", f"flow/C1: {op.name}: {e}", path, op, False)
+            return True
+
+        def fail(code, text, a, b):
+            self.report(code, f"{code}: {op.name}: {text}", path, op,
+                        CF.is_placed(a) or CF.is_placed(b))
+
+        length = op.attrs.get("length")
+        for b in bindings:
+            sub = op.regions[b.region]
+            if len(sub.params) != len(b.params) or len(sub.results) != len(b.results):
+                fail("flow/C1", f"region ^{b.region} has {len(sub.params)} parameters and "
+                     f"{len(sub.results)} results, the op binds {len(b.params)} and "
+                     f"{len(b.results)}", None, None)
+                continue
+            for k, (i, sliced) in enumerate(b.params):
+                t = op.operands[i].type
+                if sliced:
+                    t = CF.unstack(t) if _leading(t) == length else None
+                if t is None or not CF.assignable(t, sub.params[k].type):
+                    what = "one slice of operand" if sliced else "operand"
+                    fail("flow/C2", f"{what} {i} ({op.operands[i].type}) does not fit "
+                         f"parameter {k} ({sub.params[k].type}) of region ^{b.region}",
+                         op.operands[i].type, sub.params[k].type)
+            for j, (kind, k) in enumerate(b.results):
+                y = sub.results[j].type
+                if kind == "predicate":
+                    if not (ctx.is_local(y) and ctx.member_of_local(y) == TensorType("bool", ())):
+                        fail("flow/C4", f"the loop condition yields {y}; it must be a bool[] "
+                             f"local to '{ctx.here}'", y, None)
+                    continue
+                res = op.results[j].type
+                if kind == "stacked":
+                    stacked = CF.stack(y, length) if isinstance(length, int) else None
+                    if stacked is None or not CF.assignable(stacked, res):
+                        fail("flow/C3", f"result {j} ({res}) is not {length} stacked values "
+                             f"of yielded value {j} ({y}) of region ^{b.region}", res, y)
+                    continue
+                targets = [res]
+                if kind == "carry":
+                    # The carry enters as the operand, and each iteration's yield feeds
+                    # every parameter bound to that operand on the next iteration.
+                    operand = b.params[k][0]
+                    targets += [
+                        op.regions[bb.region].params[kk].type
+                        for bb in bindings for kk, (i, _) in enumerate(bb.params)
+                        if i == operand and len(op.regions[bb.region].params) == len(bb.params)
+                    ]
+                    if not CF.assignable(op.operands[operand].type, res):
+                        fail("flow/C3", f"result {j} ({res}) does not fit operand {operand} "
+                             f"({op.operands[operand].type}) it is after no iteration",
+                             res, op.operands[operand].type)
+                bad = next((t for t in targets if not CF.assignable(y, t)), None)
+                if bad is not None:
+                    fail("flow/C3", f"yielded value {j} ({y}) of region ^{b.region} does "
+                         f"not fit {bad}", y, bad)
+        if prim == "cond" and op.operands and not ctx.is_local(op.operands[0].type):
+            fail("flow/C4", f"the branch index ({op.operands[0].type}) must be local to "
+                 f"'{ctx.here}'", op.operands[0].type, None)
+        return True
+
+    def as_bound(self, op: Op) -> Op:
+        """``op`` with the types JAX binds it with, for check_local: a jax.scan's placed
+        ``xs``/``ys`` have the scan axis first there (``fcir.control_flow.scan_axis``);
+        every other op is bound as typed."""
+        if op.name != "jax.scan":
+            return op
+        try:
+            xs, ys = CF.scan_slices(op.attrs, len(op.operands), len(op.results))
+        except (KeyError, TypeError, ValueError):
+            return op  # attributes check_local rejects itself
+
+        def view(v: Value, sliced: bool) -> Value:
+            rt = self.types.runtime(v.type)
+            axis = CF.scan_axis(v.type)
+            if not sliced or axis == 0 or rt is None:
+                return v
+            shape = list(rt[1])
+            return Value(TensorType(rt[0], (shape.pop(axis), *shape)))
+
+        return Op(op.name, [view(v, i in xs) for i, v in enumerate(op.operands)],
+                  [view(v, j in ys) for j, v in enumerate(op.results)], op.attrs, op.regions,
+                  location=op.location)
 
     def local(self, op: Op, ctx: Context, path: tuple) -> None:
         prim = op.name.removeprefix("jax.")
@@ -226,6 +334,13 @@ class _Checker:
             and r.type.member.shape == placed[0].member.shape
             for r in op.results
         )
+
+
+def _leading(t) -> int | None:
+    """Leading dimension of a tensor, or of a placed value's innermost member tensor
+    (where a scan slices it)."""
+    member = CF.innermost(t)
+    return member.shape[0] if member is not None and member.shape else None
 
 
 def placement_axes(op: Op, placements) -> set[str]:

@@ -24,8 +24,8 @@ import numpy as np
 from jax._src import core
 
 from fcir import attrs as A
+from fcir import control_flow, pytrees
 from fcir import primitives as P
-from fcir import pytrees
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.ir import Module, Op, Region, describe, walk
 from fcir.types import PlacedType, runtime_type
@@ -207,6 +207,22 @@ class Interpreter:
     @impl("fed.secure_sum")
     def secure_sum(self, op, x):
         return self._reduce(P.secure_sum_p, op, x, bitwidth=op.attrs["bitwidth"])
+
+    @impl("jax.scan")
+    def scan(self, op: Op, *args):
+        """JAX's scan, with placed ``xs``/``ys`` moved between the IR layout (member axis
+        first, ``fcir.control_flow``) and JAX's (scan axis first)."""
+        xs, ys = control_flow.scan_slices(op.attrs, len(op.operands), len(op.results))
+        axis = control_flow.scan_axis
+        args = [
+            jax.numpy.moveaxis(a, axis(op.operands[i].type), 0) if i in xs else a
+            for i, a in enumerate(args)
+        ]
+        outs = self.local(op, *args)
+        return [
+            jax.numpy.moveaxis(o, 0, axis(op.results[j].type)) if j in ys else o
+            for j, o in enumerate(outs)
+        ]
 
     def _dp(self, prim, op, *args):
         p = op.operands[0].type.placement

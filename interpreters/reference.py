@@ -10,10 +10,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fcir.control_flow import scan_axis
 from fcir.errors import InterpreterError
-from fcir.interpreter import Interpreter, impl
-from fcir.ir import Module
+from fcir.interpreter import Interpreter, impl, is_placed
+from fcir.ir import Module, Op, walk
 from fcir.primitives import clip_member, dp_noise, mean_result_dtype, sum_result_dtype
+from fcir.types import runtime_type
 
 
 def _members(x) -> list:
@@ -121,6 +123,55 @@ class ReferenceInterpreter(Interpreter):
             out.append(noisy / n if mean else noisy)
         return out
 
+    # Control flow whose regions hold fed ops or placed values runs eagerly, region by
+    # region, so that the fed ops inside keep their per-member semantics; local control
+    # flow binds its primitive as everywhere else.
+    @impl("jax.scan")
+    def scan(self, op, *args):
+        if not _federated(op):
+            return super().scan(op, *args)
+        nc, nk = int(op.attrs["num_consts"]), int(op.attrs["num_carry"])
+        length = int(op.attrs["length"])
+        body = op.regions[op.attrs["jaxpr"].index]
+        consts, carry, xs = list(args[:nc]), list(args[nc:nc + nk]), args[nc + nk:]
+        # A placed xs is stacked inside its members (fcir.control_flow.scan_axis).
+        axes = [scan_axis(v.type) for v in op.operands[nc + nk:]]
+        ys: list = [None] * length
+        steps = range(length - 1, -1, -1) if op.attrs.get("reverse") else range(length)
+        for t in steps:
+            sliced = [jnp.take(x, t, axis=a) for x, a in zip(xs, axes)]
+            outs = self.run_region(body, consts + carry + sliced)
+            carry, ys[t] = list(outs[:nk]), outs[nk:]
+        stacked = []
+        for j, v in enumerate(op.results[nk:]):
+            if length == 0:
+                rt = runtime_type(v.type, self.module.cardinality)
+                stacked.append(jnp.zeros(rt.shape, rt.np_dtype))
+            else:
+                stacked.append(jnp.stack([y[j] for y in ys], axis=scan_axis(v.type)))
+        return carry + stacked
+
+    @impl("jax.while")
+    def while_loop(self, op, *args):
+        if not _federated(op):
+            return self.local(op, *args)
+        cn, bn = int(op.attrs["cond_nconsts"]), int(op.attrs["body_nconsts"])
+        cond = op.regions[op.attrs["cond_jaxpr"].index]
+        body = op.regions[op.attrs["body_jaxpr"].index]
+        carry = list(args[cn + bn:])
+        while bool(self.run_region(cond, list(args[:cn]) + carry)[0]):
+            carry = list(self.run_region(body, list(args[cn:cn + bn]) + carry))
+        return carry
+
+    @impl("jax.cond")
+    def cond(self, op, index, *ops):
+        if not _federated(op):
+            return self.local(op, index, *ops)
+        branches = op.attrs["branches"]
+        # lax.switch clamps its index before the cond; the cond itself clamps too.
+        i = min(max(int(index), 0), len(branches) - 1)
+        return self.run_region(op.regions[branches[i].index], list(ops))
+
     # Layout ops change where a value lives, never what it is: the oracle ignores them,
     # so a module captured under a mesh runs without one.
     @impl("jax.sharding_constraint")
@@ -134,6 +185,13 @@ class ReferenceInterpreter(Interpreter):
     @impl("jax.mesh_cast")
     def mesh_cast(self, op, x):
         return x
+
+
+def _federated(op: Op) -> bool:
+    """Whether a control-flow op passes placed values or runs fed ops in its regions."""
+    if any(is_placed(v.type) for v in [*op.operands, *op.results]):
+        return True
+    return any(o.name.startswith("fed.") for sub in op.regions for _, o in walk(sub))
 
 
 def run(module: Module, *args, intermediates: bool = False):

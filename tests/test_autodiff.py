@@ -151,6 +151,19 @@ def _walk(jaxpr, placed_invars, where: str, errors: list[str]) -> list[bool]:
             if eqn.primitive is P.map_p:
                 _walk(eqn.params["body"], None, loc, errors)
                 placed.update(eqn.outvars)
+        elif name == "scan":
+            # Server control flow passes placed values to its body (docs/control_flow.md):
+            # a carry is placed if it enters placed or any iteration makes it placed.
+            nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+            sub_ins = list(ins)
+            for _ in range(nk + 1):
+                outs = _walk(eqn.params["jaxpr"], sub_ins, loc, [])
+                carry = [a or b for a, b in zip(sub_ins[nc : nc + nk], outs[:nk])]
+                if carry == sub_ins[nc : nc + nk]:
+                    break
+                sub_ins[nc : nc + nk] = carry
+            outs = _walk(eqn.params["jaxpr"], sub_ins, loc, errors)
+            placed.update(v for v, p in zip(eqn.outvars, carry + outs[nk:]) if p)
         elif name in _CALL_PARAMS and _CALL_PARAMS[name] in eqn.params:
             sub = _open(eqn.params[_CALL_PARAMS[name]])
             sub_ins = ins[len(ins) - len(sub.invars) :]

@@ -250,6 +250,38 @@ func @main(%0: {f32[2]}@clients, %1: f32[2]@server) -> ({f32[2]}@clients) {
 }
 """
 
+# Control flow (fcir/control_flow.py): a server cond choosing an aggregation, and a loop
+# carrying a per-member value. Each mutation below breaks one binding of the op.
+ROBUST_OR_MEAN = """\
+fcir.module @robust_or_mean ir_version=1 placements=[clients:3]
+func @main(%0: {f32[2]}@clients, %1: i32[]@server) -> (f32[2]@server) {
+  %2: f32[2]@server = jax.cond %1, %0 {branches=[^0, ^1]} {
+    ^r0(%3: {f32[2]}@clients):
+      %4: f32[2]@server = fed.mean %3
+      yield %4
+  }, {
+    ^r1(%5: {f32[2]}@clients):
+      %6: f32[2]@server = fed.max %5
+      yield %6
+  }
+  return %2
+}
+"""
+
+CARRY_LOOP = """\
+fcir.module @carry ir_version=1 placements=[clients:3]
+func @main(%0: {f32[2]}@clients) -> ({f32[2]}@clients) {
+  %1: {f32[2]}@clients = jax.scan %0 {jaxpr=^0, length=2, num_carry=1, num_consts=0, reverse=false, unroll=1} {
+    ^r0(%2: {f32[2]}@clients):
+      %3: f32[]@server = fcir.constant {value=dense<f32[]: 2.0>}
+      %4: {f32[2]}@clients = jax.mul %2, %3
+      yield %4
+  }
+  return %1
+}
+"""
+
+
 
 def _use_before_def(m):
     r = map_region(m)  # reduce_sum, constant, div, ...: div now reads the constant too early
@@ -496,6 +528,26 @@ CASES = [
         "unknown namespace",
         IRTypeError,
     ),
+    # control flow: operands -> region parameters, yields -> results
+    # A binding the attributes cannot describe is what the primitive's own type rule
+    # rejects too: fcir.check_local's local/C5 reports it in its stead.
+    Case("flow", "C1", ROBUST_OR_MEAN.replace("[^0, ^1]", "[^0, ^2]"), _noop,
+         "cond branch names no region", IRTypeError, reported="local/C5"),
+    Case("flow", "C1", CARRY_LOOP.replace("num_consts=0", "num_consts=2"), _noop,
+         "scan attributes disagree with its operands", IRTypeError, reported="local/C5"),
+    Case("flow", "C2", ROBUST_OR_MEAN.replace("%5: {f32[2]}@clients", "%5: f32[2]@clients!"),
+         _noop, "branch parameter typed all-equal", PlacementError),
+    Case("flow", "C3", ROBUST_OR_MEAN.replace("yield %6", "yield %5"), _noop,
+         "branch yields client data as a server result", PlacementError),
+    Case("flow", "C3", CARRY_LOOP.replace("yield %4", "yield %3"), _noop,
+         "loop yields a server scalar for a client carry", PlacementError),
+    Case("flow", "C4", ROBUST_OR_MEAN.replace("jax.cond %1, %0", "jax.cond %0, %0"), _noop,
+         "branch index placed at the clients", PlacementError),
+    Case("local", "C1", CARRY_LOOP.replace(
+        "      yield %4", "      %5: f32[2]@server = jax.reduce_sum %2 {axes=[0]}\n      yield %4"
+    ), _noop,
+         "server op in a loop body reads the carried client data", PlacementError,
+         reported="local/C1"),
 ]
 
 
@@ -571,7 +623,7 @@ def checker_codes() -> set[str]:
     """Every ``area/Cn`` code the checker reports or documents."""
     # fcir.check is also the name of the function; import the module itself.
     src = inspect.getsource(importlib.import_module("fcir.check"))
-    return set(re.findall(r"\b((?:local|region|module|fed|op)/C\d+)\b", src))
+    return set(re.findall(r"\b((?:local|region|module|fed|op|flow)/C\d+)\b", src))
 
 
 def test_every_constraint_has_a_negative_test():

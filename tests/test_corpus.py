@@ -61,7 +61,7 @@ def test_parsed_text_with_full_constants_runs_to_same_values(name):
 
 # The backward pass stays federated: the gradient of a round captures to fed.map regions
 # plus fed.broadcast/fed.sum-style ops, checks, and is pinned by a golden.
-GRADIENT_GOLDENS = ["fedavg_mlp", "fedavg_transformer", "diloco"]
+GRADIENT_GOLDENS = ["fedavg_mlp", "fedavg_transformer", "diloco", "scan_rounds"]
 
 
 def _grad_of(c):

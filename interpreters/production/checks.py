@@ -11,6 +11,7 @@ ops to parts; the structural ones are found here first.
 from __future__ import annotations
 
 from fcir.check import verify
+from fcir.control_flow import is_placed
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, describe, value_numbering, walk
 
@@ -69,6 +70,20 @@ def check_structure(module: Module) -> None:
             f"it sits in a region of {parent.name}; a production round is straight-line "
             "federated code: unroll the loop or export one round per iteration",
         )
+    for path, op in walk(main.body):
+        # Server control flow that only passes client values along (no fed op inside):
+        # still not one straight-line exchange.
+        if len(path) == 1 and op.regions and op.name.startswith("jax.") and any(
+            is_placed(v.type) for v in [*op.operands, *op.results]
+        ):
+            raise fail(
+                module,
+                describe(module, path, op, names),
+                CONTROL_FLOW,
+                f"{op.name} carries values placed at the clients through its regions; a "
+                "production round is straight-line federated code: decide at the server "
+                "before the round, or export one round per branch",
+            )
     diags = verify(module)
     if diags:
         first = next((d for d in diags if d.placement), diags[0])

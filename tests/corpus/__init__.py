@@ -22,6 +22,7 @@ from . import (
     hierarchical_fedavg,
     int_mean,
     minmax_agg,
+    scan_rounds,
     secure_histogram,
     temperature_sensors,
     transformer,
@@ -54,6 +55,7 @@ _MODULES = (
     client_rng,
     bf16_client,
     int_mean,
+    scan_rounds,
 )
 
 CASES: tuple[Case, ...] = tuple(m.CASE for m in _MODULES)

@@ -1,0 +1,294 @@
+"""Placed values through server control flow (issue 10, defects 1 and 2).
+
+Every program here is one that ``jax.jit`` runs and that communicates only through fcir
+ops: it must capture, check, print/parse, and give jit's numbers on the reference
+interpreter (1e-5) and on XLA (bitwise). Rejections name the op and say what to do.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fcir.interpreters import production, reference, xla
+
+import fcir
+from fcir.check import verify
+from fcir.errors import ExportError, PlacementError
+from fcir.types import PlacedType, TensorType
+
+N = 3
+clients = fcir.program(placements={"clients": N})
+_rng = np.random.default_rng(0)
+
+
+def _f(*shape):
+    return jnp.asarray(_rng.normal(size=shape), jnp.float32)
+
+
+W, X, Y = _f(2), _f(N, 4, 2), _f(N, 4)
+
+
+def client_step(w, x, y):
+    return w - 0.1 * jax.grad(lambda w: jnp.mean((jnp.tanh(x @ w) - y) ** 2))(w)
+
+
+def fed_round(w, x, y):
+    return fcir.reduce_mean(fcir.map_fn(client_step, (fcir.broadcast(w), x, y)))
+
+
+def _loss(fn):
+    return lambda *a: jnp.sum(fn(*a) ** 2)
+
+
+def assert_runs_everywhere(fn, *args):
+    """Captures ``fn``, round-trips its text and protobuf, and compares every backend
+    with jax.jit. The backends run the deserialized module: it has no captured jaxpr to
+    fall back on (``fcir.captured``), so XLA rebuilds the program from the IR."""
+    module = fcir.capture(fn, *args)
+    text = module.to_text()
+    assert fcir.parse(text).to_text() == text
+    loaded = fcir.Module.deserialize(module.serialize())
+    assert loaded.to_text() == text
+    want = jax.jit(fn)(*args)
+    ref = reference.run(loaded, *args)
+    got = xla.compile(loaded)(*args)
+    for w, r, g in zip(jax.tree.leaves(want), jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(r), np.asarray(w), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    return module
+
+
+# --- defect 1: client data used only inside a server loop --------------------------------
+
+
+@clients
+def rounds(w, x):
+    def body(w, _):
+        return w + fcir.reduce_mean(fcir.map_fn(lambda w, x: x @ w, (fcir.broadcast(w), x))), None
+
+    return jax.lax.scan(body, w, None, length=2)[0]
+
+
+def test_defect1_data_used_only_in_a_scan_is_client_data():
+    m = assert_runs_everywhere(rounds, jnp.ones(2), _f(N, 2, 2))
+    assert m.main.body.params[1].type == PlacedType(TensorType("f32", (2, 2)), "clients")
+    (scan,) = [op for op in m.main.body.ops if op.name == "jax.scan"]
+    assert scan.regions[0].params[0].type == m.main.body.params[1].type
+
+
+@fcir.program(placements={"silos": 2, "clients": 4})
+def silo_rounds(w, x):
+    def silo(w, x):
+        def body(w, _):
+            upd = fcir.map_fn(lambda w, x: x.T @ jnp.tanh(x @ w), (fcir.broadcast(w), x))
+            return w - 0.01 * fcir.reduce_mean(upd), None
+
+        return jax.lax.scan(body, w, None, length=2)[0]
+
+    return fcir.reduce_mean(fcir.map_fn(silo, (fcir.broadcast(w), x)))
+
+
+def test_defect1_silo_body_keeps_client_data_at_the_clients():
+    args = _f(3), _f(2, 4, 6, 3)
+    m = assert_runs_everywhere(silo_rounds, *args)
+    assert str(m.main.body.params[1].type) == "{{f32[6,3]}@clients}@silos"
+    # Its gradient: per-round client residuals stacked inside the silo body leave the
+    # forward fed.map and enter the backward one (member axes first at every level).
+    m = assert_runs_everywhere(jax.grad(_loss(silo_rounds), (0, 1)), *args)
+    stacked = {str(r.type) for _, op in fcir.ir.walk(m.main.body) for r in op.results}
+    assert "{{f32[2,6]}@clients}@silos" in stacked
+
+
+def test_defect1_client_data_typed_at_the_server_fails_check():
+    # The hole the defect left: a scan region parameter typed as client data fed by a
+    # server value, with no fed.broadcast. Hand-edited, it must not check.
+    text = fcir.capture(rounds, jnp.ones(2), _f(N, 2, 2)).to_text()
+    bad = text.replace("%1: {f32[2,2]}@clients", "%1: f32[3,2,2]@server", 1)
+    assert bad != text
+    assert "flow/C2" in [d.code for d in verify(fcir.parse(bad))]
+    with pytest.raises(PlacementError, match="jax.scan .*flow/C2"):
+        fcir.check(fcir.parse(bad))
+
+
+# --- defect 2: placed values through cond / switch / scan / while -------------------------
+
+
+@clients
+def robust_or_mean(x, robust):
+    u = fcir.map_fn(lambda v: 2.0 * v, x)
+    return jax.lax.cond(robust, fcir.reduce_max, fcir.reduce_mean, u)
+
+
+@clients
+def two_rounds(w, x, y):
+    def rnd(w, _):
+        new = fcir.map_fn(
+            lambda w, x, y: w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w - y) ** 2))(w),
+            (fcir.broadcast(w), x, y),
+        )
+        return fcir.reduce_mean(new), None
+
+    return jax.lax.scan(rnd, w, None, length=2)[0]
+
+
+@clients
+def tanh_rounds(w, x, y):
+    # Nonlinear: the backward scan reads per-round client residuals, stacked by the
+    # forward scan ({f32[2,4]}@clients, member axis first).
+    return jax.lax.scan(lambda w, _: (fed_round(w, x, y), None), w, None, length=2)[0]
+
+
+@clients
+def warm_up_then_scan(w, x, y):
+    w = fed_round(w, x, y)
+    return jax.lax.scan(lambda w, _: (fed_round(w, x, y), None), w, None, length=2)[0]
+
+
+@clients
+def second_exchange_if(w, x, y):
+    w = fed_round(w, x, y)
+    return jax.lax.cond(jnp.sum(w) > 0, lambda w: fed_round(w, x, y), lambda w: w, w)
+
+
+@clients
+def fori_rounds(w, x, y):
+    return jax.lax.fori_loop(0, 2, lambda i, w: fed_round(w, x, y), w)
+
+
+@clients
+def while_rounds(w, x, y, n):
+    return jax.lax.fori_loop(0, n, lambda i, w: fed_round(w, x, y), w)
+
+
+@clients
+def switch_aggregate(w, x, y, k):
+    u = fcir.map_fn(client_step, (fcir.broadcast(w), x, y))
+    return jax.lax.switch(
+        k, [fcir.reduce_mean, fcir.reduce_max, lambda u: fcir.reduce_sum(u) / N], u
+    )
+
+
+@clients
+def per_member_carry(x):
+    u = fcir.map_fn(lambda v: 2.0 * v, x)
+    u = jax.lax.fori_loop(0, 2, lambda i, u: u * 0.5, u)
+    return fcir.reduce_mean(u)
+
+
+def test_defect2_cond_chooses_the_aggregation():
+    x = jnp.arange(6.0).reshape(N, 2)
+    assert_runs_everywhere(robust_or_mean, x, True)
+    m = assert_runs_everywhere(robust_or_mean, x, False)
+    (cond,) = [op for op in m.main.body.ops if op.name == "jax.cond"]
+    assert [str(r.params[0].type) for r in cond.regions] == ["{f32[2]}@clients"] * 2
+
+
+def test_defect2_gradient_of_a_multi_round_scan():
+    assert_runs_everywhere(jax.grad(_loss(two_rounds)), W, X, Y)
+    # Stacked per-round residuals, and cotangents of client data carried as client data.
+    m = assert_runs_everywhere(jax.grad(_loss(tanh_rounds), (0, 1, 2)), W, X, Y)
+    stacked = [str(r.type) for op in m.main.body.ops if op.name == "jax.scan" for r in op.results]
+    assert "{f32[2,4]}@clients" in stacked
+
+
+@pytest.mark.parametrize(
+    "fn, args",
+    [
+        (warm_up_then_scan, (W, X, Y)),
+        (jax.grad(_loss(warm_up_then_scan)), (W, X, Y)),
+        (second_exchange_if, (W, X, Y)),
+        (second_exchange_if, (-W, X, Y)),
+        (jax.grad(_loss(second_exchange_if)), (W, X, Y)),
+        (fori_rounds, (W, X, Y)),
+        (while_rounds, (W, X, Y, 2)),
+        (switch_aggregate, (W, X, Y, 1)),
+        (switch_aggregate, (W, X, Y, 2)),
+        (per_member_carry, (X[:, 0],)),
+    ],
+    ids=["warm_up", "warm_up_grad", "second_exchange", "no_second_exchange",
+         "second_exchange_grad", "fori", "while", "switch_max", "switch_sum", "carry"],
+)
+def test_defect2_rounds_under_control_flow(fn, args):
+    assert_runs_everywhere(fn, *args)
+
+
+# --- variants: jit-wrapped and rematerialized rounds, local control flow in a map -----------
+
+
+@clients
+def jit_rounds(w, x, y):
+    step = jax.jit(fed_round)
+    return jax.lax.scan(lambda w, _: (step(w, x, y), None), w, None, length=2)[0]
+
+
+@clients
+def remat_rounds(w, x, y):
+    step = jax.checkpoint(fed_round)
+    return jax.lax.scan(lambda w, _: (step(w, x, y), None), w, None, length=2)[0]
+
+
+@clients
+def local_loops_in_map(w, x, y):
+    def client(w, x, y):
+        w = jax.lax.cond(jnp.sum(w) > 0, lambda w: w * 2.0, lambda w: w, w)
+        return jax.lax.scan(lambda w, b: (client_step(w, b[0], b[1]), None), w, (x, y))[0]
+
+    return fcir.reduce_mean(fcir.map_fn(client, (fcir.broadcast(w), x, y)))
+
+
+@pytest.mark.parametrize("fn", [jit_rounds, remat_rounds, local_loops_in_map],
+                         ids=lambda f: f.__name__)
+def test_variants_and_their_gradients(fn):
+    assert_runs_everywhere(fn, W, X, Y)
+    assert_runs_everywhere(jax.grad(_loss(fn), (0, 1)), W, X, Y)
+
+
+def test_stacked_residuals_cross_a_jit_boundary():
+    # Forward and backward scans in separate jits: the per-round client residuals enter
+    # the backward jit as arguments of an inlined call, still stacked member-first.
+    def split(w, x, y):
+        out, vjp = jax.vjp(jax.jit(lambda w: tanh_rounds(w, x, y)), w)
+        return jax.jit(vjp)(out)
+
+    assert_runs_everywhere(split, W, X, Y)
+
+
+# --- what is rejected, and why -----------------------------------------------------------
+
+
+def test_scanning_over_per_round_client_data_is_rejected():
+    @clients
+    def per_round_data(w, xs):
+        return jax.lax.scan(lambda w, x: (fed_round(w, x, Y), None), w, xs)[0]
+
+    jax.jit(per_round_data)(W, jnp.stack([X, X]))  # JAX runs it: rounds axis first
+    with pytest.raises(PlacementError, match=r"jax.scan: scans over f32\[2,3,4,2\].*member "
+                       r"axis second.*\{f32\[2,4,2\]\}@clients"):
+        fcir.capture(per_round_data, W, jnp.stack([X, X]))
+
+
+def test_returning_stacked_per_round_client_values_is_rejected():
+    @clients
+    def per_round_values(w):
+        def body(w, _):
+            return w, fcir.map_fn(lambda v: 2.0 * v, fcir.broadcast(w))
+
+        return jax.lax.scan(body, w, None, length=2)[1]
+
+    with pytest.raises(PlacementError, match="jax.scan stacked from per-iteration placed"):
+        fcir.capture(per_round_values, W)
+
+
+def test_export_rejects_server_control_flow_naming_the_op():
+    with pytest.raises(ExportError, match=r"federated op under control flow.*jax.scan"):
+        production.export(fcir.capture(fori_rounds, W, X, Y))
+    with pytest.raises(ExportError, match=r"jax.cond \(op .*carries values placed"):
+        production.export(fcir.capture(_passthru, X[:, 0], True))
+
+
+@clients
+def _passthru(x, flag):
+    u = jax.lax.cond(flag, lambda u: u, lambda u: u * 3.0, fcir.map_fn(lambda v: 2.0 * v, x))
+    return fcir.reduce_mean(u)
