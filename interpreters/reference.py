@@ -89,6 +89,12 @@ class ReferenceInterpreter(Interpreter):
         total = 0
         for m in _members(np.asarray(x).astype(object)):
             total = (total + m) % modulus
+        # A full-width sum of a signed dtype is its two's-complement bits read as signed
+        # (jnp.sum's wrap-around); a narrower one is the low bits, never negative.
+        dtype = np.dtype(x.dtype)
+        if dtype.kind == "i":
+            full = 1 << (dtype.itemsize * 8)
+            total = np.where(np.asarray(total) >= full // 2, np.asarray(total) - full, total)
         return jnp.asarray(np.asarray(total).astype(x.dtype))
 
 
