@@ -20,9 +20,11 @@ import json
 import pathlib
 import threading
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+# jax is imported where it is used, not here: a ClientApp process starts for every
+# message, and the messages of SecAgg+'s key stages never reach fcir's code (the mod
+# answers them), so they need not pay for importing jax.
 
 HERE = pathlib.Path(__file__).resolve().parent
 PLAN_FILE = "plan.json"
@@ -59,6 +61,8 @@ def _artifacts() -> dict:
 @functools.cache
 def exported(key: str):
     """The ``jax.export.Exported`` stored under ``key``, its sha256 checked."""
+    import jax
+
     entry = _artifacts()[key]
     data = base64.b64decode(entry["base64"])
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
@@ -78,6 +82,8 @@ def compiled(key: str):
         lock = _LOCKS.setdefault(key, threading.Lock())
     with lock:
         if key not in _COMPILED:
+            import jax
+
             exp = exported(key)
             specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
             _COMPILED[key] = jax.jit(exp.call).lower(*specs).compile()
@@ -107,7 +113,12 @@ def call(part: dict, env: dict) -> None:
 
 
 def np_dtype(name: str) -> np.dtype:
-    return np.dtype(jnp.dtype(name))  # jnp knows bfloat16, float8_* (ml_dtypes)
+    try:
+        return np.dtype(name)
+    except TypeError:  # bfloat16, float8_*: ml_dtypes (a jax dependency) defines them
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
 
 
 def describe(dtype, shape) -> str:
@@ -206,11 +217,15 @@ def embedded_inputs() -> list[np.ndarray] | None:
 
 
 def _mean_dtype(dtype) -> np.dtype:
+    import jax.numpy as jnp
+
     dtype = np.dtype(dtype)
     return dtype if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(np.float32)
 
 
 def _reduce(x, w, *, op: str, bitwidth: int | None):
+    import jax.numpy as jnp
+
     if op == "fed.sum":
         dt = np.dtype(np.int32) if x.dtype == np.bool_ else x.dtype
         return jnp.sum(x, axis=0, dtype=dt)
@@ -234,9 +249,14 @@ def _reduce(x, w, *, op: str, bitwidth: int | None):
     raise AppError(f"no aggregation {op}")
 
 
-@functools.partial(jax.jit, static_argnames=("ops",))
-def _reduce_all(stacked, *, ops):
-    return [_reduce(x, w, op=op, bitwidth=bw) for (x, w), (op, bw) in zip(stacked, ops)]
+@functools.cache
+def _reduce_all():
+    import jax
+
+    def reduce_all(stacked, *, ops):
+        return [_reduce(x, w, op=op, bitwidth=bw) for (x, w), (op, bw) in zip(stacked, ops)]
+
+    return jax.jit(reduce_all, static_argnames=("ops",))
 
 
 def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
@@ -249,7 +269,7 @@ def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
         w = np.stack([r[names[1]] for r in replies]) if len(names) > 1 else None
         stacked.append((x, w))
         ops.append((agg["fed_op"], agg["bitwidth"]))
-    outs = _reduce_all(stacked, ops=tuple(ops))
+    outs = _reduce_all()(stacked, ops=tuple(ops))
     return {agg["output"]: y for agg, y in zip(aggregations, outs)}
 
 
