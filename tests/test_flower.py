@@ -88,10 +88,10 @@ def test_corpus_rounds_match_run_bundle_and_the_reference(dep, tmp_path):
 def test_secure_sums_on_secagg_plus(dep, tmp_path):
     """One round through SecAgg+ on the deployment: a secure sum at 32 bits on uint32
     and one at 12 bits on int32 (and a full-width int16 one) exact, i.e. bit for bit
-    the reference interpreter, beside a plain mean."""
+    the reference interpreter, beside a plain mean of values scaled by a broadcast."""
     args = secure.make_args()
     module = fcir.capture(secure.secure_mix, *args)
-    r = rounds.Round(module.name, module, list(args), [True] * len(args))
+    r = rounds.Round(module.name, module, list(args), [False] + [True] * (len(args) - 1))
     app = _stage(r, tmp_path, dep)
     out = tmp_path / "out.npz"
     code, log = deployment.finish(deployment.launch(dep, app, f'output="{out}"'))

@@ -174,18 +174,21 @@ def secure_app(tmp_path_factory):
     """secure_mix exported for 3 clients, and data for 4 nodes."""
     root = tmp_path_factory.mktemp("secure")
     args = secure.make_args(rounds.NODES + 1)
-    module = fcir.capture(secure.secure_mix, *(a[: rounds.NODES] for a in args))
-    app = flower.export(module, root / "app")
+    scale, *clients = args
+    module = fcir.capture(secure.secure_mix, scale, *(a[: rounds.NODES] for a in clients))
+    app = flower.export(module, root / "app", inputs=[scale])
     nodes = {}
     for i in range(rounds.NODES + 1):
-        np.savez(root / f"n{i}.npz", *(a[i] for a in args))
+        np.savez(root / f"n{i}.npz", *(a[i] for a in clients))
         nodes[20 + i] = {"partition-id": i, "data-path": str(root / f"n{i}.npz")}
     return args, app, nodes
 
 
 def _reference_secure_mix(args, rows):
-    module = rounds.rebind(fcir.capture(secure.secure_mix, *(a[: rounds.NODES] for a in args)), len(rows))
-    return [np.asarray(v) for v in jax.tree.leaves(reference.run(module, *(a[rows] for a in args)))]
+    scale, *clients = args
+    module = fcir.capture(secure.secure_mix, scale, *(a[: rounds.NODES] for a in clients))
+    module = rounds.rebind(module, len(rows))
+    return [np.asarray(v) for v in jax.tree.leaves(reference.run(module, scale, *(a[rows] for a in clients)))]
 
 
 def test_secure_sums_go_through_secagg_plus_exactly(secure_app, tmp_path):

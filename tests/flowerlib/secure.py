@@ -12,23 +12,24 @@ from .rounds import NODES
 
 
 @fcir.program(placements={"clients": NODES})
-def secure_mix(u, s, f):
+def secure_mix(scale, u, s, f):
     """Secure sums at full width on uint32 and at 12 bits on int32, a full-width int16
-    one, and a plain mean, in one exchange."""
+    one, and a plain mean of values scaled by a broadcast, in one exchange."""
     return {
         "u32": fcir.secure_sum(u, bitwidth=32),
         "s12": fcir.secure_sum(s, bitwidth=12),
         "s16": fcir.secure_sum(fcir.map_fn(lambda s: s.astype(jnp.int16), s), bitwidth=16),
-        "mean": fcir.reduce_mean(f),
+        "mean": fcir.reduce_mean(fcir.map_fn(lambda f, c: f * c, (f, fcir.broadcast(scale)))),
     }
 
 
 def make_args(clients: int = NODES):
+    """(scale, u, s, f): the server's scale, then the clients' arrays."""
     rng = np.random.default_rng(4)
     u = rng.integers(0, 2**32, (clients, 5), dtype=np.uint32)  # sums wrap modulo 2**32
     s = rng.integers(-(2**31), 2**31, (clients, 5), dtype=np.int32)  # negative inputs too
     f = rng.normal(size=(clients, 3)).astype(np.float32)
-    return u, s, f
+    return np.float32(1.5), u, s, f
 
 
 def assert_matches(got, expected):
