@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from corpus.compare import assert_trees_match
 from fcir.interpreters import flower, production, reference
-from flowerlib import inprocess, rounds
+from flowerlib import inprocess, rounds, secure
 
 import fcir
 
@@ -114,10 +114,10 @@ def test_app_directory_layout_and_cli(fedavg, tmp_path):
     assert files == [
         "fcir_app/__init__.py", "fcir_app/artifacts.json", "fcir_app/client_app.py",
         "fcir_app/inputs.json", "fcir_app/plan.json", "fcir_app/runtime.py",
-        "fcir_app/server_app.py", "pyproject.toml",
+        "fcir_app/secagg.py", "fcir_app/server_app.py", "pyproject.toml",
     ]
     # The ClientApp side never imports fcir: a device installs jax and flwr only.
-    for name in ("client_app.py", "runtime.py"):
+    for name in ("client_app.py", "runtime.py", "secagg.py"):
         assert "fcir." not in (app / "fcir_app" / name).read_text().replace("fcir.raw", "")
     np.savez(tmp_path / "in.npz", *r.server_leaves)
     src = tmp_path / "round.fcir"
@@ -167,3 +167,79 @@ def test_not_exportable_rounds_fail_and_write_nothing(tmp_path):
     with pytest.raises(flower.ExportError, match="server input"):
         flower.export(r.module, tmp_path / "app", inputs=r.server_leaves[:-1])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def secure_app(tmp_path_factory):
+    """secure_mix exported for 3 clients, and data for 4 nodes."""
+    root = tmp_path_factory.mktemp("secure")
+    args = secure.make_args(rounds.NODES + 1)
+    scale, *clients = args
+    module = fcir.capture(secure.secure_mix, scale, *(a[: rounds.NODES] for a in clients))
+    app = flower.export(module, root / "app", inputs=[scale])
+    nodes = {}
+    for i in range(rounds.NODES + 1):
+        np.savez(root / f"n{i}.npz", *(a[i] for a in clients))
+        nodes[20 + i] = {"partition-id": i, "data-path": str(root / f"n{i}.npz")}
+    return args, app, nodes
+
+
+def _reference_secure_mix(args, rows):
+    scale, *clients = args
+    module = fcir.capture(secure.secure_mix, scale, *(a[: rounds.NODES] for a in clients))
+    module = rounds.rebind(module, len(rows))
+    return [np.asarray(v) for v in jax.tree.leaves(reference.run(module, scale, *(a[rows] for a in clients)))]
+
+
+def test_secure_sums_go_through_secagg_plus_exactly(secure_app, tmp_path):
+    """Through SecAgg+ (4 stages) the secure sums equal the reference bit for bit, the
+    mean too; with secagg=false one plain exchange gives the same outputs. A client
+    that raises is left out (the sum of the survivors); a node that never answers
+    makes Flower's SecAgg+ halt, and the exchange starts again without it."""
+    args, app, all_nodes = secure_app
+    nodes = {n: c for n, c in all_nodes.items() if c["partition-id"] < rounds.NODES}
+    expected = _reference_secure_mix(args, [0, 1, 2])
+    grid = inprocess.run(app, nodes, {"output": str(tmp_path / "a.npz")})
+    assert len(grid.sent) == 4 * rounds.NODES  # setup, share keys, masked vectors, unmask
+    secure.assert_matches(_outputs(tmp_path / "a.npz"), expected)
+
+    grid = inprocess.run(app, nodes, {"output": str(tmp_path / "b.npz"), "secagg": False})
+    assert len(grid.sent) == rounds.NODES
+    secure.assert_matches(_outputs(tmp_path / "b.npz"), expected)
+
+    bad = {**nodes, 21: {**nodes[21], "data-path": str(tmp_path / "nowhere.npz")}}
+    inprocess.run(app, bad, {"output": str(tmp_path / "c.npz")})
+    secure.assert_matches(_outputs(tmp_path / "c.npz"), _reference_secure_mix(args, [0, 2]))
+
+    grid = inprocess.run(app, all_nodes, {"output": str(tmp_path / "d.npz"), "timeout": 1.0}, silent={21})
+    assert grid.sent.count(21) == 1 and grid.sent.count(20) == 8  # 4 stages, twice
+    secure.assert_matches(_outputs(tmp_path / "d.npz"), _reference_secure_mix(args, [0, 2, 3]))
+
+
+def test_secagg_plus_needs_three_sampled_clients(secure_app, tmp_path):
+    _, app, nodes = secure_app
+    with pytest.raises(RuntimeError, match=r"SecAgg\+ needs 3\.\.\d+ sampled clients, got 2.*secagg=false"):
+        inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz"), "clients": 2})
+    assert not (tmp_path / "o.npz").exists()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"])
+def test_secure_sum_chunks_are_exact_for_every_bitwidth(dtype):
+    """What SecAgg+ returns for 16-bit chunks (their mean, as floats) gives back the sum
+    modulo 2**b for every b in [1, bits], negative values included, and k up to 1000."""
+    from fcir.interpreters.flower.app import runtime
+
+    info, bits = np.iinfo(dtype), np.dtype(dtype).itemsize * 8
+    rng = np.random.default_rng(bits)
+    for k in (3, 1000):
+        xs = rng.integers(info.min, info.max, (k, 7), dtype=dtype, endpoint=True)
+        xs[:, 0] = info.max
+        xs[:, 1] = info.min
+        total = [sum(int(v) for v in xs[:, i]) for i in range(xs.shape[1])]
+        for b in range(1, bits + 1):
+            mean = sum(runtime.to_chunks(x, b) for x in xs) / k
+            got = runtime.from_chunk_sums(runtime.chunk_sums(mean, k), b, dtype)
+            want = [t % 2**b for t in total]
+            if b == bits and info.min < 0:  # a full-width signed sum wraps to signed
+                want = [w - 2**b if w >= 2 ** (b - 1) else w for w in want]
+            assert got.dtype == np.dtype(dtype) and [int(g) for g in got] == want, (k, b)

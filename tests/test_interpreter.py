@@ -112,3 +112,20 @@ def test_op_without_implementation_names_itself(module):
     broken = fcir.parse(text)
     with pytest.raises(fcir.UnsupportedError, match="fed.frobnicate"):
         reference.run(broken, *ARGS)
+
+
+def test_reference_full_width_signed_secure_sum_wraps_like_jnp_sum():
+    """A full-width secure sum of a signed dtype is the wrapped signed sum (the bits
+    modulo 2**bits read as signed), as fed.secure_sum's jnp lowering gives it."""
+
+    @fcir.program(placements={"clients": 3})
+    def agg(x):
+        return fcir.secure_sum(x, bitwidth=16), fcir.secure_sum(x, bitwidth=12)
+
+    x = jnp.array([[30000, -5], [30000, -7], [-1, 2]], jnp.int16)
+    module = fcir.capture(agg, x)
+    full, low = reference.run(module, x)
+    assert full.dtype == jnp.int16
+    np.testing.assert_array_equal(full, np.array([59999 - 65536, -10], np.int16))
+    np.testing.assert_array_equal(full, agg(x)[0])
+    np.testing.assert_array_equal(low, np.array([59999 % 4096, (-10) % 4096], np.int16))

@@ -40,7 +40,7 @@ APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
 FORMAT_VERSION = 1
 FAB_LIMIT = 10 * 1024 * 1024  # flwr.common.constant.FAB_MAX_SIZE
-SOURCES = ("__init__.py", "runtime.py", "server_app.py", "client_app.py")
+SOURCES = ("__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py")
 
 # Run config keys and their defaults (flwr run --run-config overrides only declared keys).
 RUN_CONFIG = {
@@ -54,6 +54,7 @@ RUN_CONFIG = {
     "clients": 0,
     "min-clients": 1,
     "timeout": 600.0,
+    "secagg": True,
 }
 
 
@@ -188,7 +189,7 @@ def _privacy(module) -> dict | None:
 
 def _pyproject(name: str) -> str:
     def value(v):
-        return json.dumps(v) if isinstance(v, str) else repr(v)
+        return json.dumps(v) if isinstance(v, (str, bool)) else repr(v)  # TOML: true, "text"
 
     config = "\n".join(f'"{k}" = {value(v)}' for k, v in RUN_CONFIG.items())
     return f"""# A Flower app exported by fcir (fcir export --target flower). Run it with

@@ -8,6 +8,7 @@ SuperNode makes it), and a node listed in ``silent`` never answers.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import itertools
 import pathlib
@@ -56,8 +57,11 @@ class Grid:
             self.sent.append(node)
             if node in self.silent:
                 continue
+            # Each node gets its own copy, as off the network (SecAgg+ sends one content
+            # object to every node, and secaggplus_mod pops keys from it).
+            delivered = copy.deepcopy(msg)
             try:
-                reply = self.app.client.work(msg, self.contexts[node])
+                reply = self.app.client.app(delivered, self.contexts[node])  # dispatch by type, mods
             except Exception as e:  # noqa: BLE001  (the SuperNode turns it into an error reply)
                 reply = Message(Error(code=2, reason=f"{type(e)}:<'{e}'>"), reply_to=msg)
             assert reply.metadata.src_node_id == node  # a reply comes from its addressee

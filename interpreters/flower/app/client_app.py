@@ -10,8 +10,12 @@ process, so nothing is cached between messages except what ``context.state`` hol
 
 from __future__ import annotations
 
+import flwr.compat.common.recorddict_compat as compat
+import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from . import runtime
 
@@ -43,15 +47,43 @@ def partition(context) -> int:
         return -1
 
 
-@app.train("fcir")
-def work(msg: Message, context) -> Message:
+def compute(step_index: int, values: dict, context) -> dict:
+    """The client work of exchange ``step_index`` on the node's data and the values the
+    server sent: ``"group/name" -> array`` of the client outputs."""
     plan = runtime.plan()
-    step = plan["steps"][int(msg.content["fcir"]["step"])]
+    step = plan["steps"][step_index]
     env = {("arg", str(s["leaf"])): x for s, x in zip(plan["client_inputs"], client_data(context))}
-    for key, x in runtime.from_record(msg.content["values"]).items():
+    for key, x in values.items():
         group, _, name = key.partition("/")
         env[(group, name)] = x
     runtime.call(step["client"], env)
-    outputs = {f"{g}/{n}": env[(g, n)] for g, n in step["client"]["results"]}
+    return {f"{g}/{n}": env[(g, n)] for g, n in step["client"]["results"]}
+
+
+@app.train("fcir")
+def work(msg: Message, context) -> Message:
+    outputs = compute(int(msg.content["fcir"]["step"]), runtime.from_record(msg.content["values"]), context)
     content = RecordDict({"values": runtime.to_record(outputs), "fcir": ConfigRecord({"partition": partition(context)})})
     return Message(content, reply_to=msg)
+
+
+@app.train(mods=[secaggplus_mod])
+def secure(msg: Message, context) -> Message:
+    """An exchange with secure sums, inside Flower's SecAgg+ protocol (the workflow's
+    plain ``train`` messages; ``secaggplus_mod`` answers the key stages and calls this
+    once, for the masked vectors). The secure sums' inputs go out as 16-bit chunks in
+    the FitRes parameters, which the mod masks; the other client outputs travel in the
+    clear in the FitRes metrics (bytes), as they would in a plain exchange."""
+    ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    step_index = int(ins.config["step"])
+    step = runtime.plan()["steps"][step_index]
+    outputs = compute(step_index, runtime.unpack(ins.config, "v:"), context)
+    by_name = {k.partition("/")[2]: (k, v) for k, v in outputs.items()}
+    sums = runtime.secure_inputs(step)  # [(client output name, bitwidth)], plan order
+    chunks = [runtime.to_chunks(by_name[name][1], bw) for name, bw in sums]
+    plain = dict(by_name[name] for name in runtime.plain_inputs(step))
+    metrics = {"partition": partition(context), **runtime.pack(plain, "v:")}
+    for name, _ in sums:  # the server rebuilds each sum in its input's dtype
+        metrics[f"dtype:{name}"] = str(np.asarray(by_name[name][1]).dtype)
+    res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(chunks), num_examples=1, metrics=metrics)
+    return Message(compat.fitres_to_recorddict(res, keep_input=False), reply_to=msg)

@@ -20,9 +20,11 @@ import json
 import pathlib
 import threading
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+# jax is imported where it is used, not here: a ClientApp process starts for every
+# message, and the messages of SecAgg+'s key stages never reach fcir's code (the mod
+# answers them), so they need not pay for importing jax.
 
 HERE = pathlib.Path(__file__).resolve().parent
 PLAN_FILE = "plan.json"
@@ -59,6 +61,8 @@ def _artifacts() -> dict:
 @functools.cache
 def exported(key: str):
     """The ``jax.export.Exported`` stored under ``key``, its sha256 checked."""
+    import jax
+
     entry = _artifacts()[key]
     data = base64.b64decode(entry["base64"])
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
@@ -78,6 +82,8 @@ def compiled(key: str):
         lock = _LOCKS.setdefault(key, threading.Lock())
     with lock:
         if key not in _COMPILED:
+            import jax
+
             exp = exported(key)
             specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
             _COMPILED[key] = jax.jit(exp.call).lower(*specs).compile()
@@ -107,7 +113,12 @@ def call(part: dict, env: dict) -> None:
 
 
 def np_dtype(name: str) -> np.dtype:
-    return np.dtype(jnp.dtype(name))  # jnp knows bfloat16, float8_* (ml_dtypes)
+    try:
+        return np.dtype(name)
+    except TypeError:  # bfloat16, float8_*: ml_dtypes (a jax dependency) defines them
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, name))
 
 
 def describe(dtype, shape) -> str:
@@ -206,11 +217,15 @@ def embedded_inputs() -> list[np.ndarray] | None:
 
 
 def _mean_dtype(dtype) -> np.dtype:
+    import jax.numpy as jnp
+
     dtype = np.dtype(dtype)
     return dtype if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(np.float32)
 
 
 def _reduce(x, w, *, op: str, bitwidth: int | None):
+    import jax.numpy as jnp
+
     if op == "fed.sum":
         dt = np.dtype(np.int32) if x.dtype == np.bool_ else x.dtype
         return jnp.sum(x, axis=0, dtype=dt)
@@ -234,9 +249,14 @@ def _reduce(x, w, *, op: str, bitwidth: int | None):
     raise AppError(f"no aggregation {op}")
 
 
-@functools.partial(jax.jit, static_argnames=("ops",))
-def _reduce_all(stacked, *, ops):
-    return [_reduce(x, w, op=op, bitwidth=bw) for (x, w), (op, bw) in zip(stacked, ops)]
+@functools.cache
+def _reduce_all():
+    import jax
+
+    def reduce_all(stacked, *, ops):
+        return [_reduce(x, w, op=op, bitwidth=bw) for (x, w), (op, bw) in zip(stacked, ops)]
+
+    return jax.jit(reduce_all, static_argnames=("ops",))
 
 
 def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
@@ -249,5 +269,92 @@ def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
         w = np.stack([r[names[1]] for r in replies]) if len(names) > 1 else None
         stacked.append((x, w))
         ops.append((agg["fed_op"], agg["bitwidth"]))
-    outs = _reduce_all(stacked, ops=tuple(ops))
+    outs = _reduce_all()(stacked, ops=tuple(ops))
     return {agg["output"]: y for agg, y in zip(aggregations, outs)}
+
+
+# --- secure sums as 16-bit chunks (SecAgg+) -----------------------------------------------
+#
+# Flower's SecAgg+ sums float vectors by quantizing them. With clipping range 2**15,
+# quantization range 2**16 and weight 1, a float v in [-2**15, 2**15) quantizes to the
+# integer v + 2**15 exactly (the "stochastic" rounding has nothing to round), and the
+# masked sum of k clients' chunks is taken modulo 2**32: exact while k * 2**16 < 2**32.
+# So each client sends its value's low ``bitwidth`` bits as 16-bit chunks minus 2**15,
+# and the server rebuilds the sum modulo 2**bitwidth from the per-chunk sums.
+
+CHUNK_BITS = 16
+SECAGG_CLIPPING = float(2**15)
+SECAGG_QUANTIZATION = 2**16
+SECAGG_MODULUS = 2**32
+
+
+def n_chunks(bitwidth: int) -> int:
+    return -(-bitwidth // CHUNK_BITS)
+
+
+def to_chunks(x, bitwidth: int) -> np.ndarray:
+    """``x`` (an integer array) as float64 chunks of shape ``(n_chunks, *x.shape)``: chunk
+    j holds bits 16j..16j+15 of x's two's-complement bits, minus 2**15."""
+    x = np.asarray(x)
+    bits = x.astype(np.uint64) if x.dtype.kind == "u" else x.view(f"u{x.dtype.itemsize}").astype(np.uint64)
+    out = np.empty((n_chunks(bitwidth),) + x.shape, np.float64)
+    for j in range(out.shape[0]):
+        out[j] = ((bits >> np.uint64(CHUNK_BITS * j)) & np.uint64(0xFFFF)).astype(np.float64) - 2.0**15
+    return out
+
+
+def chunk_sums(means: np.ndarray, k: int) -> np.ndarray:
+    """The per-chunk sums of ``k`` clients from what SecAgg+ returns: their mean of
+    ``chunk - 2**15`` (it divides by the total weight k). The sums are integers below
+    2**32, so rounding undoes the float division exactly."""
+    return np.rint(np.asarray(means, np.float64) * k + k * 2.0**15).astype(np.uint64)
+
+
+def from_chunk_sums(sums: np.ndarray, bitwidth: int, dtype) -> np.ndarray:
+    """The sum modulo 2**bitwidth from the per-chunk sums, as ``dtype`` (the low
+    ``bitwidth`` bits; a full-width signed sum is its bits read as signed, as the
+    reference's wrapping sum gives it)."""
+    dtype = np.dtype(dtype)
+    total = np.zeros(sums.shape[1:], np.uint64)
+    for j in range(sums.shape[0]):
+        total += sums[j] << np.uint64(CHUNK_BITS * j)  # wraps modulo 2**64: fine, b <= 64
+    if bitwidth < 64:
+        total &= np.uint64((1 << bitwidth) - 1)
+    unsigned = total.astype(f"u{dtype.itemsize}")
+    return unsigned.view(dtype) if dtype.kind == "i" else unsigned.astype(dtype)
+
+
+def secure_inputs(step: dict) -> list[tuple[str, int]]:
+    """The exchange's secure sums: (client output name, bitwidth), in plan order."""
+    return [(a["inputs"][0], a["bitwidth"]) for a in step["aggregations"] if a["fed_op"] == "fed.secure_sum"]
+
+
+def plain_inputs(step: dict) -> list[str]:
+    """The client outputs the exchange's other aggregations read (sent in the clear)."""
+    names: list[str] = []
+    for a in step["aggregations"]:
+        if a["fed_op"] != "fed.secure_sum":
+            names += [n for n in a["inputs"] if n not in names]
+    return names
+
+
+def pack(values: dict, prefix: str) -> dict:
+    """Arrays as ConfigRecord entries (the legacy FitIns/FitRes that SecAgg+ carries
+    have no named arrays): ``prefix+key`` -> raw bytes, ``prefix+key+"#"`` -> dtype and
+    shape."""
+    out: dict = {}
+    for k, v in values.items():
+        a = to_array(v)
+        out[prefix + k] = a.data
+        out[prefix + k + "#"] = f"{a.dtype}:{','.join(str(d) for d in a.shape)}"
+    return out
+
+
+def unpack(record, prefix: str) -> dict:
+    out = {}
+    for k, v in record.items():
+        if k.startswith(prefix) and not k.endswith("#"):
+            dtype, _, shape = str(record[k + "#"]).partition(":")
+            dims = tuple(int(d) for d in shape.split(",") if d)
+            out[k[len(prefix):]] = np.frombuffer(v, dtype=np_dtype(dtype)).reshape(dims)
+    return out

@@ -15,6 +15,8 @@ Run config (declared in pyproject.toml, overridden with ``flwr run --run-config`
 ``fraction=F``, ``clients=K``, ``min-clients=M``
                         sample K nodes (or a fraction F of the online ones), at least M
 ``timeout=T``           seconds to wait for the replies of one exchange
+``secagg=true|false``   secure sums through Flower's SecAgg+ (default), or summed by
+                        the ServerApp in the clear (fewer round trips; same result)
 
 Aggregations run over the clients that replied (an error reply or no reply within
 ``timeout`` leaves a client out); fewer than ``min-clients`` replies fail the round
@@ -32,7 +34,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import ServerApp
 
-from . import runtime
+from . import runtime, secagg
 from .runtime import AppError
 
 app = ServerApp()
@@ -57,6 +59,14 @@ def _pairs(text: str, n_in: int, n_out: int) -> dict[int, int]:
     return out
 
 
+def boolean(value) -> bool:
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError(value)
+    return value
+
+
 class Config:
     def __init__(self, rc: dict, plan: dict):
         def get(key, kind):
@@ -73,6 +83,7 @@ class Config:
         self.clients = get("clients", int)
         self.min_clients = max(1, get("min-clients", int))
         self.timeout = get("timeout", float)
+        self.secagg = get("secagg", boolean)
         n_in, n_out = len(plan["server_inputs"]), len(plan["outputs"])
         self.state = _pairs(get("state", str), n_in, n_out)
         for i, o in self.state.items():
@@ -131,15 +142,48 @@ def sample(grid, cfg: Config, rnd: int) -> list[int]:
 
 def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats: dict) -> None:
     values = {f"{dst[0]}/{dst[1]}": env[tuple(src)] for src, dst in step["send"]}
-    record = runtime.to_record(values)
     nodes = sample(grid, cfg, rnd)
+    stats["sent"] += sum(np.asarray(v).nbytes for v in values.values()) * len(nodes)
+    aggregations, results = step["aggregations"], {}
+    if cfg.secagg and runtime.secure_inputs(step):
+        replies, errors, results, received = secagg.exchange(
+            grid, nodes, step_index, step, values, rnd, cfg.timeout
+        )
+        stats["received"] += received
+        aggregations = [a for a in aggregations if a["fed_op"] != "fed.secure_sum"]
+    else:
+        replies, errors = plain_exchange(grid, cfg, step_index, values, nodes, rnd, stats)
+    # Floating-point sums depend on their order: aggregate in partition-id order (node
+    # id among equals), not in the order replies happen to arrive.
+    replies = [out for _, out in sorted(replies, key=lambda r: r[0])]
+    silent = len(nodes) - len(replies) - len(errors)
+    stats["sampled"] += len(nodes)
+    stats["exchanges"] += 1
+    stats["replied"] += len(replies)
+    for e in errors:
+        print(f"[fcir] round {rnd}: client failed, left out: {e}", flush=True)
+    if len(replies) < cfg.min_clients:
+        why = "; ".join(errors) + (f"; {silent} did not answer in {cfg.timeout:g} s" if silent > 0 else "")
+        raise AppError(
+            f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, "
+            f"min-clients={cfg.min_clients}: {why.strip('; ')}"
+        )
+    if aggregations:
+        results.update(runtime.aggregate(aggregations, replies))
+    for name, value in results.items():
+        env[(step.get("aggregated", "aggregated"), name)] = value
+
+
+def plain_exchange(grid, cfg, step_index: int, values: dict, nodes: list[int], rnd: int, stats: dict):
+    """One send/receive: every client output in the clear. Returns (replies, errors)
+    as secagg.exchange does."""
+    record = runtime.to_record(values)
     messages = []
     for node in nodes:
         content = RecordDict(
             {"values": record, "fcir": ConfigRecord({"step": step_index, "round": rnd})}
         )
         messages.append(Message(content, dst_node_id=node, message_type="train.fcir"))
-    stats["sent"] += runtime.record_bytes(record) * len(nodes)
     replies, errors = [], []
     for reply in grid.send_and_receive(messages, timeout=cfg.timeout):
         node = reply.metadata.src_node_id
@@ -151,25 +195,8 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
         out = {}
         for key, x in runtime.from_record(record).items():
             out[key.partition("/")[2]] = x
-        order = (int(reply.content["fcir"]["partition"]), node)
-        replies.append((order, out))
-    # Floating-point sums depend on their order: aggregate in partition-id order (node
-    # id among equals), not in the order replies happen to arrive.
-    replies = [out for _, out in sorted(replies, key=lambda r: r[0])]
-    silent = len(nodes) - len(replies) - len(errors)
-    stats["sampled"] += len(nodes)
-    stats["exchanges"] += 1
-    stats["replied"] += len(replies)
-    for e in errors:
-        print(f"[fcir] round {rnd}: client failed, left out: {e}", flush=True)
-    if len(replies) < cfg.min_clients:
-        why = "; ".join(errors) + (f"; {silent} did not answer in {cfg.timeout:g} s" if silent else "")
-        raise AppError(
-            f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, "
-            f"min-clients={cfg.min_clients}: {why.strip('; ')}"
-        )
-    for name, value in runtime.aggregate(step["aggregations"], replies).items():
-        env[(step.get("aggregated", "aggregated"), name)] = value
+        replies.append(((int(reply.content["fcir"]["partition"]), node), out))
+    return replies, errors
 
 
 def run_round(grid, cfg: Config, plan: dict, inputs: list, rnd: int, stats: dict) -> list:
