@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import socket
 import statistics
 import subprocess
@@ -58,6 +57,8 @@ if "--worker" not in sys.argv and "xla_force_host_platform_device_count" not in 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+
+import _record  # bench/, the script's own folder
 
 FULL = {
     "vocab": 128,
@@ -592,7 +593,6 @@ def main(argv=None) -> int:
         return worker(a)
 
     import jax
-    import numpy as np
 
     cfg = QUICK if a.quick else FULL
     reps, warmup = (1, 1) if a.quick else (a.reps, a.warmup)
@@ -607,7 +607,6 @@ def main(argv=None) -> int:
     print(report(single, procs, reps, calls))
     print(f"load average (1, 5, 15 min) before: {load[0]}, after: {load[1]}")
 
-    import drjax
 
     result = {
         "config": {
@@ -621,34 +620,14 @@ def main(argv=None) -> int:
         "call_path": calls,
         "processes": procs,
         "load_average": load,
-        "versions": {
-            "jax": jax.__version__,
-            "jaxlib": getattr(jax.lib, "__version__", None) or _dist_version("jaxlib"),
-            "numpy": np.__version__,
-            "drjax": _dist_version("drjax") or getattr(drjax, "__version__", None),
-            "python": platform.python_version(),
-        },
-        "cores": os.cpu_count(),
+        "versions": _record.versions("drjax"),
+        **_record.machine(),
         "devices": jax.device_count(),
-        "machine": platform.machine(),
         "quick": a.quick,
         "wall_s": time.time() - started,
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = pathlib.Path(a.out_dir) / f"round{'-quick' if a.quick else ''}-{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nraw samples: {path}")
+    _record.write(a.out_dir, "round", result, "quick" if a.quick else None)
     return 0
-
-
-def _dist_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+
+import _record  # bench/, the script's own folder
 
 TOKENS_PER_CLIENT = 16_384
 STEPS, BATCH = 16, 4  # local steps x sequences per step x SEQ = TOKENS_PER_CLIENT
@@ -320,42 +321,19 @@ def main(argv=None) -> int:
     table = [] if a.no_table else cost_table(configs, steps, batch)
     print(report(lowering, table, pairs, [tuple(round(x, 2) for x in v) for v in load]))
 
-    import drjax
-    import jax
-    import numpy as np
 
     result = {
         "config": {"configs": configs, "steps": steps, "batch": batch, "pairs": pairs},
         "lowering": lowering,
         "cost_table": table,
         "load_average": load,
-        "versions": {
-            "jax": jax.__version__,
-            "jaxlib": _dist_version("jaxlib"),
-            "numpy": np.__version__,
-            "drjax": _dist_version("drjax") or getattr(drjax, "__version__", None),
-            "python": platform.python_version(),
-        },
-        "cores": os.cpu_count(),
-        "machine": platform.machine(),
+        "versions": _record.versions("drjax"),
+        **_record.machine(),
         "smoke": a.smoke,
         "wall_s": time.time() - started,
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = pathlib.Path(a.out_dir) / f"scale{'-smoke' if a.smoke else ''}-{stamp}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"\nraw samples: {path}")
+    _record.write(a.out_dir, "scale", result, "smoke" if a.smoke else None)
     return 0
-
-
-def _dist_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import resource
 import statistics
 import subprocess
@@ -50,6 +49,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+import _record  # bench/, the script's own folder
+
 PROTOCOL = "FCIR-BENCH"
 FULL = {"d_in": 1024, "hidden": 3072, "d_out": 256, "batch": 2, "k": 8}
 SMOKE = {"d_in": 16, "hidden": 32, "d_out": 4, "batch": 2, "k": 2}
@@ -239,23 +241,6 @@ def free_bytes() -> int:
     return 0
 
 
-def versions() -> dict:
-    from importlib.metadata import version
-
-    import drjax  # noqa: F401
-    import jax
-    import jaxlib
-    import numpy
-
-    return {
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "numpy": numpy.__version__,
-        "drjax": version("drjax"),
-        "python": platform.python_version(),
-    }
-
-
 def gib(x) -> str:
     return "-" if x is None else f"{x / GIB:.2f}"
 
@@ -380,20 +365,15 @@ def main(argv=None) -> int:
         "config": cfg,
         "params": params,
         "devices": 8,
-        "cores": os.cpu_count(),
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg(),
-        "versions": versions(),
+        "versions": _record.versions("drjax"),
+        **_record.machine(),
         "results": {str(n): r for n, r in results.items()},
         "pair": pair,
         "table": text,
     }
-    out = pathlib.Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = out / f"streaming{'-smoke' if a.smoke else ''}-{stamp}.json"
-    path.write_text(json.dumps(record, indent=1))
-    print(f"wrote {path}")
+    _record.write(a.out_dir, "streaming", record, "smoke" if a.smoke else None)
     return 0
 
 
