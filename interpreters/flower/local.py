@@ -29,6 +29,29 @@ class DeploymentError(FcirError):
     """A SuperLink or SuperNode did not start, or flwr is not installed."""
 
 
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to ``proc``'s session (it and the children it started), if still there."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _terminate(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM to every live process group at once, then SIGKILL whatever is left after
+    ``grace`` seconds."""
+    live = [p for p in procs if p.poll() is None]
+    for proc in live:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in live:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait(5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -181,28 +204,13 @@ class Deployment:
     def stop_one(self, name: str, grace: float = 10) -> None:
         """SIGTERM to ``name``'s process (and its children, its session), then SIGKILL."""
         proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(5)
+        if proc is not None:
+            _terminate([proc], grace)
 
     def kill_one(self, name: str) -> None:
         """SIGKILL, as a crash: nothing gets to clean up."""
         proc = self.procs.pop(name)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal_group(proc, signal.SIGKILL)
         proc.wait(5)
 
     def restart(self) -> None:
@@ -219,22 +227,7 @@ class Deployment:
         """SIGTERM to every process at once, then SIGKILL whatever is left after
         ``grace`` seconds. Only the processes this deployment started are touched."""
         procs, self.procs = self.procs, {}
-        for proc in procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace
-        for proc in procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(5)
+        _terminate(list(procs.values()), grace)
 
     def __enter__(self) -> Deployment:
         return self.start()
