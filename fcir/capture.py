@@ -122,17 +122,23 @@ def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="p
     return module
 
 
-def _private(fn) -> bool:
-    """True if ``fn`` (or what it wraps) is an ``fcir.program(private=True)``."""
+def _declared(fn, attr: str):
+    """``attr`` as ``fcir.program`` set it on ``fn`` or on what ``fn`` wraps (jit,
+    partial, functools.wraps), or None."""
     seen = fn
     for _ in range(16):
-        flag = getattr(seen, "fcir_private", None)
-        if flag is not None:
-            return bool(flag)
+        value = getattr(seen, attr, None)
+        if value is not None:
+            return value
         seen = getattr(seen, "__wrapped__", None) or getattr(seen, "func", None)
         if seen is None:
             break
-    return False
+    return None
+
+
+def _private(fn) -> bool:
+    """True if ``fn`` (or what it wraps) is an ``fcir.program(private=True)``."""
+    return bool(_declared(fn, "fcir_private"))
 
 
 def _name_of(fn) -> str:
@@ -145,14 +151,9 @@ def _name_of(fn) -> str:
 def _placements(fn, jaxpr: core.Jaxpr) -> list[tuple[str, int]]:
     """Declared placements if ``fn`` (or what it wraps) is an fcir.program; else the
     placements the jaxpr's federated ops use, ordered by nesting depth."""
-    seen = fn
-    for _ in range(16):
-        spec = getattr(seen, "fcir_placements", None)
-        if spec is not None:
-            return list(zip(spec.names, spec.sizes))
-        seen = getattr(seen, "__wrapped__", None) or getattr(seen, "func", None)
-        if seen is None:
-            break
+    spec = _declared(fn, "fcir_placements")
+    if spec is not None:
+        return list(zip(spec.names, spec.sizes))
     found: dict[str, tuple[int, int]] = {}
 
     def visit(jx: core.Jaxpr, depth: int) -> None:
