@@ -42,6 +42,7 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
+from fcir import control_flow as cf
 from fcir.errors import PrivacyError
 from fcir.ir import Module, Op, Region, Value, value_numbering
 from fcir.ops import DP_OPS
@@ -148,70 +149,71 @@ class _Taint:
         self.found[id(op)] = Leak(code, msg, path, op)
 
     def control_flow(self, op: Op, ins: list[bool], path: tuple, server: bool) -> list[bool]:
-        """Regions of a local op: params from operands by position, results from yields;
-        loops (a yielded value that also feeds a parameter) iterate to a fixpoint."""
-        feeds = [_param_sources(op, r) for r in range(len(op.regions))]
-        backs = [_loop_back(op, r) for r in range(len(op.regions))]
-        used = {j for f in feeds for j in f if j is not None}
-        control = any(t for j, t in enumerate(ins) if j not in used)
+        """Regions of a local op, wired as ``fcir.control_flow.bindings`` says: params
+        from operands, yields to results; loops (a yield that feeds a parameter again)
+        iterate to a fixpoint. A tainted operand that feeds no parameter (a branch
+        index) or a tainted loop predicate taints every result."""
+        wiring = _wiring(op)
+        fed_by: dict[int, list[tuple[int, int]]] = {}  # operand -> the params it feeds
+        for r, (feeds, _) in enumerate(wiring):
+            for k, j in enumerate(feeds):
+                if j is not None:
+                    fed_by.setdefault(j, []).append((r, k))
+        control = any(t for j, t in enumerate(ins) if j not in fed_by)
         carried: dict[tuple[int, int], bool] = {}
         outs = [False] * len(op.results)
         while True:  # taints only grow, so this reaches its fixpoint
-            before = (dict(carried), list(outs))
+            before = (dict(carried), list(outs), control)
             for r, sub in enumerate(op.regions):
+                feeds, yields = wiring[r]
                 taints = [
                     (ins[j] if j is not None else control) or carried.get((r, k), False)
-                    for k, j in enumerate(feeds[r])
+                    for k, j in enumerate(feeds)
                 ]
                 yielded = self.region(sub, taints, (*path, r), server)
-                for k, t in enumerate(yielded):
-                    for target in backs[r].get(k, ()):
-                        carried[target] = carried.get(target, False) or t
-                if len(yielded) == len(op.results):
-                    outs = [o or t for o, t in zip(outs, yielded)]
-                elif any(yielded):  # a predicate: every result depends on it
-                    control = True
+                if yields is None:  # not a known control-flow op: yields line up with results
+                    if len(yielded) == len(op.results):
+                        outs = [o or t for o, t in zip(outs, yielded)]
+                    elif any(yielded):
+                        control = True
+                    continue
+                for j, (t, (kind, k)) in enumerate(zip(yielded, yields)):
+                    if not t:
+                        continue
+                    if kind == "predicate":
+                        control = True
+                        continue
+                    outs[j] = True
+                    if kind == "carry":  # next iteration: every param its operand feeds
+                        for target in fed_by.get(feeds[k], ()):
+                            carried[target] = True
             if control:
                 outs = [True] * len(op.results)
-            if (carried, outs) == before:
+            if (carried, outs, control) == before:
                 break
         return outs
 
 
-def _param_sources(op: Op, r: int) -> list[int | None]:
-    """For each parameter of region ``r``, the operand index it receives (None: a
-    parameter fed by no operand, treated like control)."""
-    params = len(op.regions[r].params)
+def _wiring(op: Op) -> list[tuple[list[int | None], list[tuple[str, int]] | None]]:
+    """Per region of ``op``: the operand each parameter receives (None: none), and what
+    each yield becomes (``Binding.results``), or None for an op with regions that
+    ``fcir.control_flow`` does not describe, whose parameters then line up with the last
+    operands and whose yields with its results."""
+    try:
+        binds = cf.bindings(op.name.removeprefix("jax."), op.attrs, len(op.operands),
+                            len(op.results), len(op.regions))
+    except cf.BindingError:
+        binds = []
+    wiring: list = [None] * len(op.regions)
+    for b in binds:
+        wiring[b.region] = ([j for j, _ in b.params], b.results)
     n = len(op.operands)
-    if op.name == "jax.while":
-        cn, bn = int(op.attrs.get("cond_nconsts", 0)), int(op.attrs.get("body_nconsts", 0))
-        carry = list(range(cn + bn, n))
-        if _ref_index(op, "cond_jaxpr") == r:
-            return [*range(cn), *carry][:params]
-        return [*range(cn, cn + bn), *carry][:params]
-    # cond branches take the operands after the index; scan and calls take them all:
-    # in every case the parameters line up with the last operands.
-    if params <= n:
-        return list(range(n - params, n))
-    return [None] * params
-
-
-def _loop_back(op: Op, r: int) -> dict[int, list[tuple[int, int]]]:
-    """Yielded value k of region r -> the (region, parameter) it feeds next iteration."""
-    if op.name == "jax.scan":
-        consts, carry = int(op.attrs.get("num_consts", 0)), int(op.attrs.get("num_carry", 0))
-        return {k: [(r, consts + k)] for k in range(carry)}
-    if op.name == "jax.while" and _ref_index(op, "body_jaxpr") == r:
-        cn, bn = int(op.attrs.get("cond_nconsts", 0)), int(op.attrs.get("body_nconsts", 0))
-        cond = _ref_index(op, "cond_jaxpr")
-        k_carry = len(op.regions[r].results)
-        return {k: [(r, bn + k), (cond, cn + k)] for k in range(k_carry)}
-    return {}
-
-
-def _ref_index(op: Op, attr: str) -> int | None:
-    ref = op.attrs.get(attr)
-    return getattr(ref, "index", None)
+    for r, sub in enumerate(op.regions):
+        if wiring[r] is None:
+            params = len(sub.params)
+            feeds = list(range(n - params, n)) if params <= n else [None] * params
+            wiring[r] = (feeds, None)
+    return wiring
 
 
 def leaks(module: Module) -> list[Leak]:
