@@ -97,7 +97,7 @@ class ReferenceInterpreter(Interpreter):
             # A full-width sum wraps in two's complement (as jit's int add does): the
             # residue r in [0, 2**bits) is the signed value r - 2**bits from 2**(bits-1).
             total = np.where(total >= modulus >> 1, total - modulus, total)
-        return jnp.asarray(np.asarray(total, dtype=object).astype(x.dtype))
+        return jnp.asarray(total.astype(x.dtype))
 
     @impl("fed.dp_sum")
     def dp_sum(self, op, *args):
