@@ -29,6 +29,7 @@ from fcir.errors import (
     UnsupportedError,
     VersionError,
 )
+from fcir.fed import reduce_median, reduce_trimmed_mean
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import IR_VERSION, Module
 from fcir.text import parse

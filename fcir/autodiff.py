@@ -103,7 +103,7 @@ from fcir.primitives import (
     weighted_mean_p,
 )
 
-__all__ = ["member_map"]
+__all__ = ["def_jvp", "is_zero", "member_map", "zero_tangent"]
 
 Zero = ad_util.Zero
 
@@ -244,6 +244,22 @@ ad.primitive_jvps[sum_p] = _linear_jvp(sum_p)
 ad.primitive_transposes[sum_p] = _sum_transpose
 ad.primitive_jvps[mean_p] = _linear_jvp(mean_p)
 ad.primitive_transposes[mean_p] = _mean_transpose
+
+
+def def_jvp(prim, rule) -> None:
+    """Registers ``rule(primals, tangents, **params) -> (out, tangent_out)`` as the JVP
+    of ``prim``, for fed op modules that define their primitive and rules together."""
+    ad.primitive_jvps[prim] = rule
+
+
+def is_zero(t) -> bool:
+    """True for a tangent that is a symbolic zero (or ``float0``)."""
+    return _is_zero(t)
+
+
+def zero_tangent(primal):
+    """The symbolic zero tangent of ``primal``."""
+    return ad_util.p2tz(primal)
 
 
 # --- fed.min / fed.max ----------------------------------------------------------------------

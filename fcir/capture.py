@@ -25,6 +25,7 @@ from fcir import captured, pytrees
 from fcir import control_flow as CF
 from fcir import primitives as P
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
+from fcir.fed import by_primitive
 from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
 from fcir.types import (
     SERVER,
@@ -55,20 +56,9 @@ ELEMENTWISE = frozenset(
 # are called on placed values, so that placements never hide inside a local call.
 _INLINE_IF_FEDERATED = CF.CALLS
 
-FED_OP_NAMES = {
-    "fed_broadcast": "fed.broadcast",
-    "fed_map": "fed.map",
-    "fed_sum": "fed.sum",
-    "fed_mean": "fed.mean",
-    "fed_min": "fed.min",
-    "fed_max": "fed.max",
-    "fed_weighted_mean": "fed.weighted_mean",
-    "fed_secure_sum": "fed.secure_sum",
-    "fed_dp_sum": "fed.dp_sum",
-    "fed_dp_mean": "fed.dp_mean",
-}
-# DP aggregates take the PRNG key, a value where the result lives, as their last operand.
-_DP = frozenset({"fed_dp_sum", "fed_dp_mean"})
+# JAX primitive name -> fed op class, from the registry (fcir.fed).
+FED_OP_CLASSES = by_primitive()
+FED_OP_NAMES = {prim: cls.name for prim, cls in FED_OP_CLASSES.items()}
 
 
 def capture(fn, *args, name: str | None = None, locations: bool = False, **kwargs) -> Module:
@@ -261,7 +251,8 @@ class _Converter:
                     require(v, t if isinstance(t, _Stacked) else PlacedType(t, p))
             elif name in FED_OP_NAMES and name != "fed_broadcast":
                 p = self.child(level, eqn)
-                for v in eqn.invars[:-1] if name in _DP else eqn.invars:
+                placed = FED_OP_CLASSES[name].placed_operands(len(eqn.invars))
+                for v in (eqn.invars[i] for i in placed):
                     if isinstance(v, core.Var):
                         require(v, PlacedType(self.member_type(v.aval), p))
             elif name in ELEMENTWISE:
@@ -641,15 +632,10 @@ class _Converter:
             # A stacked value passes through the map unchanged (member axis first).
             self.swapped.update(v for v, r in zip(out, sub.results) if r in self.swapped)
             op = Op("fed.map", operands, out, {}, [sub], location=loc)
-        elif name in _DP:
-            attrs = {k: float(eqn.params[k]) for k in ("clip_norm", "noise_multiplier")}
+        else:  # the reductions and DP aggregates: results local to this level
+            cls = FED_OP_CLASSES[name]
             out = [Value(self.local(tensor_of(v.aval), level)) for v in eqn.outvars]
-            op = Op(FED_OP_NAMES[name], operands, out, attrs, location=loc)
-        else:
-            attrs = {"bitwidth": int(eqn.params["bitwidth"])} if name == "fed_secure_sum" else {}
-            av = eqn.outvars[0].aval
-            out = [Value(self.local(tensor_of(av), level))]
-            op = Op(FED_OP_NAMES[name], operands, out, attrs, location=loc)
+            op = Op(cls.name, operands, out, cls.attrs_from_params(eqn.params), location=loc)
         region.ops.append(op)
         return out
 

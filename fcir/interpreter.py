@@ -27,20 +27,44 @@ from fcir import attrs as A
 from fcir import control_flow, pytrees
 from fcir import primitives as P
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
+from fcir.fed import FedOp
 from fcir.ir import Module, Op, Region, describe, walk
 from fcir.types import PlacedType, runtime_type
 
 _log = logging.getLogger("fcir.interpreter")
 
 
-def impl(op_name: str) -> Callable:
-    """Marks an Interpreter method as the implementation of ``op_name``."""
+def impl(*ops) -> Callable:
+    """Marks an Interpreter method as the implementation of ``ops``: fed op classes
+    (``fcir.fed.Sum``; a typo is then an error, not dead code) or op names
+    (``"fed.sum"``, ``"jax.scan"``)."""
+    if not ops:
+        raise TypeError("impl() needs at least one op (a fed op class or an op name)")
+    names = []
+    for op in ops:
+        name = op if isinstance(op, str) else getattr(op, "name", None)
+        if not isinstance(name, str):
+            raise TypeError(f"impl({op!r}): give fed op classes or op names")
+        names.append(name)
 
     def mark(fn):
-        fn.fcir_op = op_name
+        fn.fcir_ops = tuple(names)
         return fn
 
     return mark
+
+
+def own_rules(cls) -> dict[str, object]:
+    """The rules ``cls`` itself declares (not inherited): op name -> method name, or the
+    ``Unsupported`` entry of its ``unsupported`` table (a dict fed op class ->
+    ``fcir.fed.Unsupported``). The op-coverage test reads this for every backend."""
+    table: dict[str, object] = {}
+    for attr, fn in vars(cls).items():
+        for name in getattr(fn, "fcir_ops", ()):
+            table[name] = attr
+    for op_cls, entry in vars(cls).get("unsupported", {}).items():
+        table[op_cls.name] = entry
+    return table
 
 
 _PRIMITIVES: dict[str, core.Primitive] = {}
@@ -69,7 +93,7 @@ class Interpreter:
     """Runs a Module. ``verbose=True`` logs each op; ``run(..., intermediates=True)``
     also returns every value computed, keyed by the printer's value number."""
 
-    _impls: ClassVar[dict[str, str]] = {}
+    _impls: ClassVar[dict[str, object]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -136,10 +160,14 @@ class Interpreter:
         if self.verbose:
             _log.info("%s", op.name)
         try:
-            if method is not None:
+            if isinstance(method, str):
                 out = getattr(self, method)(op, *args)
+            elif method is not None:  # an Unsupported entry
+                raise UnsupportedError(f"{type(self).__name__}: {op.name}: {method.reason}")
             elif op.name.startswith("jax."):
                 out = self.local(op, *args)
+            elif op.name in FedOp.registry:
+                out = self.fed_op(op, *args)
             else:
                 raise UnsupportedError(f"{type(self).__name__} has no implementation of {op.name}")
         except FcirError as e:
@@ -148,7 +176,9 @@ class Interpreter:
             raise self._locate(e, op) from e
         except Exception as e:  # an op failed while running: attach the op, like torch.fx
             raise self._locate(InterpreterError(f"{type(e).__name__}: {e}"), op) from e
-        if len(op.results) == 1 and not (op.name in _MULTI_RESULT_FED or _multiple(op)):
+        fed = FedOp.registry.get(op.name)
+        multiple = fed.multiple_results if fed is not None else _multiple(op)
+        if len(op.results) == 1 and not multiple:
             return [out]
         return list(out)
 
@@ -179,6 +209,11 @@ class Interpreter:
         p = op.operands[0].type.placement
         body = self.region_jaxpr(op.regions[0])
         return P.map_p.bind(*args, body=body, placement=p, n=self.module.cardinality(p))
+
+    def fed_op(self, op: Op, *args):
+        """Any fed op without a method of its own: bind its primitive (its module in
+        ``fcir.fed`` holds the primitive's rules)."""
+        return FedOp.registry[op.name].bind(op, args, self.module.cardinality)
 
     def _reduce(self, prim, op: Op, *args, **params):
         p = op.operands[0].type.placement
@@ -308,19 +343,14 @@ class Interpreter:
 
 
 _REMAT = ("remat2", "checkpoint")
-# Fed ops whose impls return a list of results even when there is one.
-_MULTI_RESULT_FED = frozenset({"fed.map", "fed.dp_sum", "fed.dp_mean"})
 
 
 def _collect_impls(cls) -> None:
     """op name -> method name, subclasses overriding their bases (no registration call
     to forget: it runs for every subclass)."""
-    table: dict[str, str] = {}
+    table: dict[str, object] = {}
     for klass in reversed(cls.__mro__):
-        for attr, fn in vars(klass).items():
-            op_name = getattr(fn, "fcir_op", None)
-            if op_name is not None:
-                table[op_name] = attr
+        table.update(own_rules(klass))
     cls._impls = table
 
 

@@ -18,7 +18,7 @@ from jax._src import core
 from jax._src.interpreters import batching, mlir
 from jax.sharding import AxisType, PartitionSpec
 
-from fcir.errors import IRTypeError, PlacementError
+from fcir.errors import PlacementError
 
 __all__ = [
     "broadcast_p",
@@ -142,6 +142,37 @@ def _make_reduction(name: str, impl, result_dtype=None):
     return prim
 
 
+def define_reduction(name: str, impl, check=None):
+    """A reduction primitive with static params of its own, for a fed op module.
+
+    ``impl(x, n=..., **params)`` reduces the member axis (axis 0) of ``x`` with jnp ops
+    (it is the primitive's eager impl and its lowering); ``check(member_aval, n=...,
+    **params)`` raises the op's constraint errors while tracing. The result has the
+    member's shape and dtype. Batching moves the batch axis behind the member axis.
+    """
+    prim = core.Primitive(name)
+
+    def abstract_eval(x, *, placement, n, **params):
+        member = _member_aval(x, placement, n, f"fed.{name.removeprefix('fed_')}")
+        if check is not None:
+            check(member, n=n, **params)
+        return member.update(weak_type=False)
+
+    def batch(args, dims, *, placement, n, **params):
+        (x,), (d,) = args, dims
+        return prim.bind(_moveaxis_to(x, d, 1), placement=placement, n=n, **params), 0
+
+    def lower_impl(x, *, placement, n, **params):
+        del placement
+        return impl(x, n=n, **params)
+
+    prim.def_impl(lower_impl)
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, mlir.lower_fun(lower_impl, multiple_results=False))
+    batching.primitive_batchers[prim] = batch
+    return prim
+
+
 def _mean(x):
     dt = mean_result_dtype(x.dtype)
     return jnp.mean(x.astype(dt) if x.dtype != dt else x, axis=0)
@@ -177,13 +208,13 @@ def _weighted_mean_impl(x, w, *, placement, n):
 def _weighted_mean_abstract_eval(x, w, *, placement, n):
     member = _member_aval(x, placement, n, "fed.weighted_mean")
     _member_aval(w, placement, n, "fed.weighted_mean (weight)")
-    if tuple(x.shape[: w.ndim]) != tuple(w.shape):
-        raise IRTypeError(
-            f"fed.weighted_mean/C3: weight shape {tuple(w.shape)} must be a prefix of the "
-            f"value shape {tuple(x.shape)} (a scalar per member, or one weight per element)"
-        )
-    if not jnp.issubdtype(w.dtype, jnp.number):
-        raise IRTypeError(f"fed.weighted_mean/C4: weight must be numeric, got {w.dtype}")
+    from fcir.fed.weighted_mean import WeightedMean
+    from fcir.types import dtype_name
+
+    wdt = dtype_name(w.dtype) if jnp.issubdtype(w.dtype, jnp.number) else "bool"
+    found = WeightedMean.problem(x.shape[1:], w.shape[1:], wdt)
+    if found is not None:
+        raise WeightedMean.error(*found)
     return member.update(dtype=mean_result_dtype(x.dtype), weak_type=False)
 
 
@@ -228,13 +259,12 @@ def _secure_sum_impl(x, *, placement, n, bitwidth):
 
 def _secure_sum_abstract_eval(x, *, placement, n, bitwidth):
     member = _member_aval(x, placement, n, "fed.secure_sum")
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise IRTypeError(f"fed.secure_sum/C2: operand must be an integer tensor, got {x.dtype}")
-    bits = np.dtype(x.dtype).itemsize * 8
-    if not 1 <= bitwidth <= bits:
-        raise IRTypeError(
-            f"fed.secure_sum/C3: bitwidth must be in [1, {bits}] for {x.dtype}, got {bitwidth}"
-        )
+    from fcir.fed.secure_sum import SecureSum
+    from fcir.types import dtype_name
+
+    found = SecureSum.problem(dtype_name(x.dtype), bitwidth)
+    if found is not None:
+        raise SecureSum.error(*found)
     return member
 
 
@@ -310,22 +340,24 @@ def _is_key(aval) -> bool:
 
 
 def _dp_abstract_eval(*avals, placement, n, clip_norm, noise_multiplier, mean):
-    what = "fed.dp_mean" if mean else "fed.dp_sum"
+    from fcir.fed import DpMean, DpSum
+
+    op = DpMean if mean else DpSum
+    what = op.name
     *xs, key = avals
     if not xs:
-        raise IRTypeError(f"{what}/C1: needs at least one value leaf before the key")
+        raise op.error("C1", "no value leaf before the key")
     if not _is_key(key):
-        raise IRTypeError(
-            f"{what}/C3: the key must be a PRNG key (jax.random.key(...) or a raw uint32[2] "
-            f"key), got {key.str_short()}"
+        raise op.error(
+            "C3", f"got {key.str_short()}; pass jax.random.key(...) or a raw uint32[2] key"
         )
     out = []
     for i, x in enumerate(xs):
         member = _member_aval(x, placement, n, f"{what} operand {i}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise IRTypeError(
-                f"{what}/C4: operand {i} must be a floating-point tensor, got {x.dtype}: "
-                "cast it (x.astype(jnp.float32)) before the DP aggregate"
+            raise op.error(
+                "C4", f"operand {i} has dtype {x.dtype}: cast it (x.astype(jnp.float32)) "
+                "before the DP aggregate"
             )
         out.append(member.update(weak_type=False))
     return out
@@ -390,8 +422,10 @@ def _map_abstract_eval(*avals, body, placement, n):
     for i, (aval, inner) in enumerate(zip(avals, body.in_avals)):
         member = _member_aval(aval, placement, n, f"fed.map operand {i}")
         if member.shape != inner.shape or member.dtype != inner.dtype:
-            raise IRTypeError(
-                f"fed.map/C2: operand {i} has member type {member.str_short()} but the region "
+            from fcir.fed import Map
+
+            raise Map.error(
+                "C3", f"operand {i} has member type {member.str_short()} but the region "
                 f"expects {inner.str_short()}"
             )
         member_axes.append(aval.sharding.spec[0] if aval.sharding.spec else None)

@@ -43,15 +43,25 @@ import math
 from collections.abc import Iterator
 
 from fcir import control_flow as cf
+from fcir import fed as F
 from fcir.errors import PrivacyError
 from fcir.ir import Module, Op, Region, Value, value_numbering
 from fcir.ops import DP_OPS
 from fcir.types import SERVER, PlacedType
 
 __all__ = ["DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
-_AGGREGATES = frozenset(
-    {"fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum"}
-)
+# What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):
+# a plain reduction releases its operands' information to the placement above in the
+# clear (privacy/C1 when they derive from client data), a DP aggregate releases it
+# through the Gaussian mechanism, a broadcast or a map passes it on.
+_BY_KIND = {
+    "broadcast": "passes taint from operand to result",
+    "map": "its region is checked; taint follows the region's dataflow",
+    "reduction": "releases to the server in the clear: privacy/C1 on client data",
+    "dp": "noised release: results are untainted, the accountant counts it",
+}
+RULES = {cls: _BY_KIND[cls.kind] for cls in F.ops().values()}
+_AGGREGATES = F.of_kind("reduction")
 
 
 def _at_clients(t) -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from fcir import fed as F
 from fcir.ir import Module, Op, Region
 from fcir.types import PlacedType, Type, runtime_type
 
@@ -31,10 +32,12 @@ __all__ = [
     "transfers",
 ]
 
-REDUCTIONS = frozenset(
-    ["fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum",
-     "fed.dp_sum", "fed.dp_mean"]
-)
+# How each fed op communicates, by what it does (tests/test_op_coverage.py reads RULES):
+# a broadcast's members each receive its result, a map's members run its region, and
+# every reduction and DP aggregate receives its placed operands from each member.
+_BY_KIND = {"broadcast": "broadcast", "map": "map", "reduction": "aggregate", "dp": "aggregate"}
+RULES = {cls: _BY_KIND[cls.kind] for cls in F.ops().values()}
+REDUCTIONS = frozenset(cls.name for cls, rule in RULES.items() if rule == "aggregate")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

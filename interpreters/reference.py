@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fcir import fed as F
 from fcir.control_flow import scan_axis
 from fcir.errors import InterpreterError
 from fcir.interpreter import Interpreter, impl, is_placed
@@ -25,19 +26,19 @@ def _members(x) -> list:
 class ReferenceInterpreter(Interpreter):
     """Eager, per-member semantics. Subclass it to override single ops."""
 
-    @impl("fed.broadcast")
+    @impl(F.Broadcast)
     def broadcast(self, op, x):
         n = self.module.cardinality(op.attrs["to"])
         return jnp.stack([jnp.asarray(x)] * n)
 
-    @impl("fed.map")
+    @impl(F.Map)
     def map(self, op, *args):
         n = self.module.cardinality(op.operands[0].type.placement)
         region = op.regions[0]
         per_member = [self.run_region(region, [a[i] for a in args]) for i in range(n)]
         return [jnp.stack([outs[j] for outs in per_member]) for j in range(len(op.results))]
 
-    @impl("fed.sum")
+    @impl(F.Sum)
     def sum(self, op, x):
         dt = sum_result_dtype(x.dtype)
         members = [m.astype(dt) for m in _members(x)]
@@ -46,7 +47,7 @@ class ReferenceInterpreter(Interpreter):
             total = total + m
         return total
 
-    @impl("fed.mean")
+    @impl(F.Mean)
     def mean(self, op, x):
         dt = mean_result_dtype(x.dtype)
         members = [m.astype(dt) for m in _members(x)]
@@ -55,21 +56,21 @@ class ReferenceInterpreter(Interpreter):
             total = total + m
         return (total / len(members)).astype(dt)
 
-    @impl("fed.min")
+    @impl(F.Min)
     def min(self, op, x):
         out = x[0]
         for m in _members(x)[1:]:
             out = jnp.minimum(out, m)
         return out
 
-    @impl("fed.max")
+    @impl(F.Max)
     def max(self, op, x):
         out = x[0]
         for m in _members(x)[1:]:
             out = jnp.maximum(out, m)
         return out
 
-    @impl("fed.weighted_mean")
+    @impl(F.WeightedMean)
     def weighted_mean(self, op, x, w):
         dt = mean_result_dtype(x.dtype)
         num = den = None
@@ -84,7 +85,7 @@ class ReferenceInterpreter(Interpreter):
             )
         return (num / den).astype(dt)
 
-    @impl("fed.secure_sum")
+    @impl(F.SecureSum)
     def secure_sum(self, op, x):
         bits = op.attrs["bitwidth"]
         modulus = 1 << bits
@@ -99,11 +100,18 @@ class ReferenceInterpreter(Interpreter):
             total = np.where(total >= modulus >> 1, total - modulus, total)
         return jnp.asarray(total.astype(x.dtype))
 
-    @impl("fed.dp_sum")
+    @impl(*(c for c in F.ops().values() if hasattr(c, "reference")))
+    def numpy_reduction(self, op, x):
+        """The ops whose module states their semantics in numpy (``reference``, members
+        along axis 0): the order statistics."""
+        out = F.ops()[op.name].reference(np.asarray(x), op.attrs)
+        return jnp.asarray(out)
+
+    @impl(F.DpSum)
     def dp_sum(self, op, *args):
         return self._dp(op, args, mean=False)
 
-    @impl("fed.dp_mean")
+    @impl(F.DpMean)
     def dp_mean(self, op, *args):
         return self._dp(op, args, mean=True)
 

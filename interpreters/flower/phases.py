@@ -20,15 +20,28 @@ from __future__ import annotations
 
 import dataclasses
 
+from fcir import fed as F
 from fcir.ir import Func, Module, Region, Value
-from fcir.privacy import DP_OPS
 from fcir.types import Structure
 
 from ..production.rewrite import clone_op, named
-from ..production.splitting import INTRINSICS
 
-# The ops that end an exchange: the aggregation intrinsics and the DP aggregates.
-REDUCTIONS = frozenset(INTRINSICS) | frozenset(DP_OPS)
+# What the Flower runtime does with each fed op (tests/test_op_coverage.py reads this
+# table): a phase is split by the production export, the ServerApp aggregates the
+# clients' replies with the bundle's intrinsics (app/runtime.py) and adds DP noise.
+RULES: dict[type[F.FedOp], object] = {
+    F.Broadcast: "sent with the phase's message to every node",
+    F.Map: "client_work, run by each ClientApp",
+    **{c: "aggregated by the ServerApp (app/runtime.py aggregate)"
+       for c in (F.Sum, F.Mean, F.Min, F.Max, F.WeightedMean)},
+    F.SecureSum: "SecAgg+ over 16-bit chunks (app/secagg.py)",
+    F.DpSum: "clipped at the nodes, summed and noised by the ServerApp",
+    F.DpMean: "clipped at the nodes, summed and noised by the ServerApp",
+    F.Median: F.Unsupported("a phase is a production split, which has no order statistics"),
+    F.TrimmedMean: F.Unsupported("a phase is a production split, which has no order statistics"),
+}
+# The ops that end an exchange: the reductions and the DP aggregates.
+REDUCTIONS = F.of_kind("reduction", "dp")
 
 
 @dataclasses.dataclass

@@ -47,6 +47,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from fcir import fed as F
 from fcir.ir import Func, Module, Op, Region, Value, value_numbering
 from fcir.ops import dtype_bits
 from fcir.primitives import mean_result_dtype
@@ -83,17 +84,25 @@ INTRINSICS = {
 }
 
 
-# Where every fed op goes in the split; the op-coverage test (tests/test_op_coverage.py)
-# fails when a fed op has no entry here.
-OP_RULES = {
-    "fed.broadcast": "server_to_client_broadcast: federated_broadcast",
-    "fed.map": "client_work: federated_map",
-    **{op: f"client_to_server_aggregation: {uri}" for op, uri in INTRINSICS.items()},
+_NO_INTRINSIC = (
+    "no federated_language intrinsic computes order statistics, and a bundle's "
+    "aggregation part runs only intrinsics: aggregate with fcir.reduce_mean (or "
+    "fcir.dp_mean), or export to Flower, whose server aggregates the clients' values"
+)
+
+# Where every fed op goes in the split, keyed by op class; the op-coverage test
+# (tests/test_op_coverage.py) fails when a fed op has no entry here.
+OP_RULES: dict[type[F.FedOp], object] = {
+    F.Broadcast: "server_to_client_broadcast: federated_broadcast",
+    F.Map: "client_work: federated_map",
+    **{F.ops()[op]: f"client_to_server_aggregation: {uri}" for op, uri in INTRINSICS.items()},
     # Decomposed before the split (interpreters/production/dp.py).
-    "fed.dp_sum": "client_work: clip; client_to_server_aggregation: federated_sum; "
+    F.DpSum: "client_work: clip; client_to_server_aggregation: federated_sum; "
     "server_result: Gaussian noise",
-    "fed.dp_mean": "client_work: clip; client_to_server_aggregation: federated_sum; "
+    F.DpMean: "client_work: clip; client_to_server_aggregation: federated_sum; "
     "server_result: Gaussian noise, divided by the cardinality",
+    F.Median: F.Unsupported(_NO_INTRINSIC),
+    F.TrimmedMean: F.Unsupported(_NO_INTRINSIC),
 }
 
 
@@ -187,6 +196,9 @@ class _Splitter:
             self.kind[v] = "C" if _is_client(v.type) else "S"
         for i, op in enumerate(self.ops):
             kinds = [self.kind[v] for v in op.operands]
+            rule = OP_RULES.get(F.ops().get(op.name))
+            if isinstance(rule, F.Unsupported):
+                raise self.fail(self.op_where(i), "no production lowering", rule.reason)
             if op.name == "fed.broadcast":
                 if kinds[0] == "P":
                     src = self.origin[op.operands[0]]

@@ -25,6 +25,7 @@ import jax
 from jax._src import core
 from jax.sharding import AxisType, PartitionSpec
 
+from fcir import fed as F
 from fcir import primitives as P
 from fcir import sharding
 from fcir.interpreter import Interpreter, impl
@@ -59,14 +60,14 @@ class XlaInterpreter(Interpreter):
             return x
         return sharding.constrain_placed(x, placement, self.mesh)
 
-    @impl("fed.broadcast")
+    @impl(F.Broadcast)
     def broadcast(self, op: Op, x):
         y = super().broadcast(op, x)
         if self.mesh is None:
             return y
         return sharding.constrain_broadcast(y, op.attrs["to"], self.mesh)
 
-    @impl("fed.map")
+    @impl(F.Map)
     def map(self, op: Op, *args):
         placement = op.operands[0].type.placement
         n = self.module.cardinality(placement)
@@ -74,6 +75,12 @@ class XlaInterpreter(Interpreter):
         body = self.member_jaxpr(op.regions[0], args)
         outs = P.map_p.bind(*args, body=body, placement=placement, n=n)
         return [self.constrain(o, placement) for o in outs]
+
+    @impl(*(c for c in F.ops().values() if c.kind in ("reduction", "dp")))
+    def aggregate(self, op: Op, *args):
+        """A reduction or DP aggregate: its primitive, lowered by the rule its module in
+        ``fcir.fed`` registers."""
+        return F.ops()[op.name].bind(op, args, self.module.cardinality)
 
     def member_jaxpr(self, region: Region, placed_args) -> core.ClosedJaxpr:
         """The region traced for one member of ``placed_args``: unbatched shapes with each

@@ -41,6 +41,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from fcir import fed as F
 from fcir import primitives as P
 from fcir.errors import InterpreterError
 from fcir.ir import Op, Region, Value
@@ -62,9 +63,28 @@ ELEMENTWISE = frozenset(
     ).split()
 )
 
-REDUCTIONS = frozenset(
-    ("fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum")
+ACCUMULATED = "accumulated: a running accumulator folded chunk by chunk"
+_WHOLE = "runs after the stream, on its operands written out whole"
+_ORDER = (
+    "an order statistic needs every member's value at once, so it cannot stream k "
+    "members at a time: compile without clients_per_step to run it"
 )
+# What a stream does with each fed op (tests/test_op_coverage.py reads this table).
+RULES: dict[type[F.FedOp], object] = {
+    F.Broadcast: "a source: its operand enters the stream once, unbatched",
+    F.Map: "the stream: its region runs k members at a time",
+    F.Sum: ACCUMULATED,
+    F.Mean: ACCUMULATED,
+    F.Min: ACCUMULATED,
+    F.Max: ACCUMULATED,
+    F.WeightedMean: ACCUMULATED,
+    F.SecureSum: ACCUMULATED,
+    F.DpSum: _WHOLE,
+    F.DpMean: _WHOLE,
+    F.Median: F.Unsupported(_ORDER),
+    F.TrimmedMean: F.Unsupported(_ORDER),
+}
+REDUCTIONS = frozenset(c.name for c, rule in RULES.items() if rule == ACCUMULATED)
 
 
 @dataclasses.dataclass(eq=False)
@@ -217,6 +237,8 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
 class StreamingInterpreter(XlaInterpreter):
     """An :class:`XlaInterpreter` that runs every ``fed.map`` as a stream of chunks of
     ``clients_per_step`` members per device (see the module docstring)."""
+
+    unsupported = {c: rule for c, rule in RULES.items() if isinstance(rule, F.Unsupported)}
 
     def __init__(self, mesh=None, *, clients_per_step: int, verbose: bool = False):
         super().__init__(mesh, verbose=verbose)

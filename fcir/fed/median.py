@@ -1,0 +1,90 @@
+"""``fed.median``: per coordinate, the median of the members' values (the mean of the
+two middle values for an even number of members, as ``np.median``).
+
+It is ``fed.trimmed_mean`` with ``trim = (n - 1) // 2``, and shares its impl, numpy
+semantics and derivative (``fcir.fed.trimmed_mean``). Its derivative finds the two
+middle values without peeling: they are the largest value not above the median and
+the smallest not below it (one ``fed.max`` and one ``fed.min``), so the gradient
+program has a fixed size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fcir import autodiff as AD
+from fcir import primitives as P
+
+from .base import Reduction
+from .trimmed_mean import (
+    _check,
+    _Fed,
+    _where_region,
+    float_problem,
+    l_estimate,
+    l_estimate_numpy,
+    l_estimate_tangent,
+)
+
+__all__ = ["Median", "median_p", "reduce_median"]
+
+
+class Median(Reduction):
+    """Per-coordinate median over members: ``{fN[...]}@child -> fN[...]``. Not secure:
+    the aggregator sees every value."""
+
+    name = "fed.median"
+    constraints = {
+        **Reduction.constraints,
+        "C4": "operand must be a floating-point tensor",
+    }
+
+    @classmethod
+    def trim_for(cls, n: int, attrs: dict) -> int:
+        return (n - 1) // 2
+
+    @classmethod
+    def problem(cls, dtype: str, n: int, attrs: dict) -> tuple[str, str] | None:
+        return float_problem(cls, dtype)
+
+    @classmethod
+    def extra(cls, op, t, ctx):
+        found = cls.problem(getattr(t.member, "dtype", "tuple"), 0, op.attrs)
+        if found is not None:
+            cls.fail(*found)
+
+    @classmethod
+    def reference(cls, x: np.ndarray, attrs: dict) -> np.ndarray:
+        return l_estimate_numpy(x, cls.trim_for(x.shape[0], attrs))
+
+
+median_p = P.define_reduction(
+    "fed_median", lambda x, *, n: l_estimate(x, n=n, trim=(n - 1) // 2), _check(Median)
+)
+Median.primitive = median_p
+
+
+def _median_jvp(primals, tangents, *, placement, n):
+    (x,), (t,) = primals, tangents
+    ans = median_p.bind(x, placement=placement, n=n)
+    if AD.is_zero(t):
+        return ans, AD.zero_tangent(ans)
+    f = _Fed(placement, n)
+    at = f.bcast(ans)
+    lo = f.max(f.map(_where_region, ("<=", float(-np.inf)), x, at))
+    hi = f.min(f.map(_where_region, (">=", float(np.inf)), x, at))
+    return ans, l_estimate_tangent(f, x, t, n, (n - 1) // 2, lo, hi)
+
+
+AD.def_jvp(median_p, _median_jvp)
+
+
+def reduce_median(x):
+    """Per-coordinate median over members: ``{fN[...]}@child -> fN[...]@p``.
+
+    For an even number of members, the mean of the two middle values. A robust
+    aggregate, not a secure one: whoever aggregates sees every member's value.
+    """
+    from fcir.api import _reduce
+
+    return _reduce(median_p, "fcir.reduce_median", x)
