@@ -44,6 +44,29 @@ from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
 
 
+# The checker's own constraints (the fed ops' are in their classes, fcir.fed; local
+# ops' types in fcir.check_local.CONSTRAINTS; the leak check's in fcir.privacy).
+CONSTRAINTS = {
+    "module/C1": "placement names must be unique and not 'server'",
+    "module/C2": "every placement's cardinality must be a positive int",
+    "module/C3": "the module must have a func @main",
+    "module/C4": "a type must name only declared placements",
+    "module/C5": "module, func and placement names must be ASCII identifiers",
+    "region/C1": "ops in a region use only values defined earlier in that region",
+    "region/C2": "each value is defined once",
+    "flow/C1": "a control-flow op's regions must have the parameters and results it binds",
+    "flow/C2": "an operand must fit the region parameter it binds to",
+    "flow/C3": "a yielded value must fit the result (or carried parameter) it becomes",
+    "flow/C4": "a branch index or loop condition must be local",
+    "local/C1": "a local op reads only values local to where it runs",
+    "local/C2": "an elementwise op on values placed at one placement with one member shape "
+    "is per-member computation",
+    "local/C3": "no collective over a placement axis",
+    "fed/C0": "a fed.* op must be one fcir defines",
+    "op/C0": "ops are fed.*, jax.* or fcir.constant",
+}
+
+
 @dataclasses.dataclass
 class Diagnostic:
     code: str

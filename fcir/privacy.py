@@ -50,6 +50,12 @@ from fcir.ops import DP_OPS
 from fcir.types import SERVER, PlacedType
 
 __all__ = ["DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
+CONSTRAINTS = {
+    "privacy/C1": "a fed op releases client data to the server only with noise",
+    "privacy/C2": "main returns no client-placed value derived from client data",
+    "privacy/C3": "no other server value depends on client data",
+}
+
 # What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):
 # a plain reduction releases its operands' information to the placement above in the
 # clear (privacy/C1 when they derive from client data), a DP aggregate releases it

@@ -96,7 +96,7 @@ def test_secure_sum_wraps_modulo_bitwidth():
     x = jnp.array([[7, 15], [8, 1], [9, 0]], jnp.int32)
     np.testing.assert_array_equal(agg(x), np.array([24, 16]) % 16)
     np.testing.assert_array_equal(jax.jit(agg)(x), np.array([24, 16]) % 16)
-    with pytest.raises(fcir.IRTypeError, match="secure_sum/C2"):
+    with pytest.raises(fcir.IRTypeError, match="secure_sum/C4"):
         jax.make_jaxpr(agg)(jnp.ones((3, 2)))
 
 

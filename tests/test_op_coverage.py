@@ -1,39 +1,178 @@
-"""Every fed op has a rule in every backend (or an explicit 'unsupported' entry), and
-every op class declares its constraints and primitive: nothing is left to a table gap."""
+"""Every fed op has a rule or an explicit ``Unsupported`` entry in every backend's own
+table (never one inherited from a base class), and every op class declares its kind,
+constraints and primitive: nothing is left to a table gap."""
 
 from __future__ import annotations
 
 import pytest
 
-from fcir.interpreter import Interpreter
-from fcir.ops import FED_OPS
-from fcir.primitives import FEDERATED_PRIMITIVES
+from fcir import fed as F
+from fcir.interpreter import Interpreter, impl, own_rules
 
 
-def backends() -> dict[str, set[str]]:
+def backend_tables() -> dict[str, dict]:
+    """Each backend's own table: op name -> rule or Unsupported."""
+    from fcir import privacy, traffic
     from fcir.interpreters import reference, xla
+    from fcir.interpreters.flower import phases
     from fcir.interpreters.production import splitting
+    from fcir.interpreters.xla import streaming
+
+    def by_name(table):
+        return {cls.name: rule for cls, rule in table.items()}
 
     return {
-        "reference": set(reference.ReferenceInterpreter._impls),
-        "xla": set(xla.XlaInterpreter._impls),
-        "production": set(splitting.OP_RULES),
+        "reference": own_rules(reference.ReferenceInterpreter),
+        "xla": own_rules(xla.XlaInterpreter),
+        "streaming": by_name(streaming.RULES),
+        "production": by_name(splitting.OP_RULES),
+        "flower": by_name(phases.RULES),
+        "privacy": by_name(privacy.RULES),
+        "traffic": by_name(traffic.RULES),
     }
 
 
-@pytest.mark.parametrize("backend", ["reference", "xla", "production"])
-def test_every_fed_op_has_a_rule(backend):
-    missing = sorted(set(FED_OPS) - backends()[backend])
-    assert not missing, f"{backend} has no rule for {missing}"
+def missing_entries(table: dict) -> list[str]:
+    return sorted(set(F.ops()) - set(table))
 
 
-def test_every_fed_op_is_a_primitive_with_constraints():
-    prims = {cls.primitive for cls in FED_OPS.values()}
-    assert prims == set(FEDERATED_PRIMITIVES.values())
-    for name, cls in FED_OPS.items():
+@pytest.mark.parametrize(
+    "backend", ["reference", "xla", "streaming", "production", "flower", "privacy", "traffic"]
+)
+def test_every_fed_op_has_a_rule_or_unsupported_in_the_backends_own_table(backend):
+    table = backend_tables()[backend]
+    missing = missing_entries(table)
+    assert not missing, f"{backend} has neither a rule nor Unsupported for {missing}"
+    for name, rule in table.items():
+        if isinstance(rule, F.Unsupported):
+            assert rule.reason.strip(), f"{backend}: Unsupported({name}) gives no reason"
+
+
+def test_a_backend_that_inherits_its_rules_is_caught():
+    class Inheriting(Interpreter):  # every rule comes from the base class
+        pass
+
+    class Partial(Interpreter):
+        @impl(F.Sum)
+        def sum(self, op, x):
+            return x
+
+        unsupported = {F.Mean: F.Unsupported("no means here")}
+
+    assert missing_entries(own_rules(Inheriting)) == sorted(F.ops())
+    missing = missing_entries(own_rules(Partial))
+    assert "fed.sum" not in missing and "fed.mean" not in missing
+    assert "fed.median" in missing and "fed.broadcast" in missing
+
+
+def test_a_table_missing_an_op_is_caught():
+    from fcir import traffic
+
+    table = {c.name: r for c, r in traffic.RULES.items() if c is not F.TrimmedMean}
+    assert missing_entries(table) == ["fed.trimmed_mean"]
+
+
+def test_unsupported_entries_are_raised_with_their_reason():
+    import jax.numpy as jnp
+
+    import fcir
+    from fcir.interpreters import xla
+
+    @fcir.program(placements={"clients": 4})
+    def med(x):
+        return fcir.reduce_median(fcir.map_fn(lambda v: v * 2.0, x))
+
+    m = fcir.capture(med, jnp.ones((4, 3)))
+    with pytest.raises(fcir.UnsupportedError, match="order statistic"):
+        xla.compile(m, clients_per_step=2)(jnp.ones((4, 3)))
+
+
+def test_impl_rejects_what_is_not_an_op():
+    with pytest.raises(TypeError):
+        impl(42)
+    with pytest.raises(TypeError):
+        impl()
+
+
+def test_every_fed_op_is_a_primitive_with_kind_and_constraints():
+    prims = [cls.primitive for cls in F.ops().values()]
+    assert all(p is not None for p in prims) and len(set(prims)) == len(prims)
+    for name, cls in F.ops().items():
+        assert cls.kind in F.KINDS, name
         assert cls.constraints and all(k.startswith("C") for k in cls.constraints), name
         assert cls.__doc__, f"{name} has no docstring"
+        assert F.by_primitive()[cls.primitive.name] is cls
 
 
-def test_base_interpreter_gives_every_fed_op_a_meaning():
-    assert set(FED_OPS) <= set(Interpreter._impls)
+def test_each_fed_op_lives_in_its_own_module():
+    modules = [cls.__module__ for cls in F.ops().values()]
+    assert all(m.startswith("fcir.fed.") for m in modules)
+    assert len(set(modules)) == len(modules), modules
+
+
+# --- constraint codes ---------------------------------------------------------------------
+
+_CODE = __import__("re").compile(r"(?<![\w/.])([a-z_]+(?:\.[a-z_]+)?)/C(\d+)\b")
+
+
+def constraint_tables() -> list[dict[str, str]]:
+    import importlib
+
+    check, check_local, privacy = (
+        importlib.import_module(f"fcir.{m}") for m in ("check", "check_local", "privacy")
+    )
+    fed = {f"{cls.name}/{c}": t for cls in F.ops().values() for c, t in cls.constraints.items()}
+    return [fed, check.CONSTRAINTS, check_local.CONSTRAINTS, privacy.CONSTRAINTS]
+
+
+def cited_codes() -> dict[str, list[str]]:
+    """Every ``ns/Cn`` written in the source of fcir and its backends -> where."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found: dict[str, list[str]] = {}
+    for folder in ("fcir", "interpreters"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                for m in _CODE.finditer(line):
+                    found.setdefault(f"{m[1]}/C{m[2]}", []).append(f"{path.name}:{i}")
+    return found
+
+
+def test_every_constraint_code_in_the_source_resolves_to_exactly_one_table_entry():
+    tables = constraint_tables()
+    codes = cited_codes()
+    assert "fed.secure_sum/C4" in codes or codes, "the scan found nothing"
+    for code, where in codes.items():
+        hits = sum(code in t for t in tables)
+        assert hits == 1, f"{code} (cited at {where[:3]}) is in {hits} constraint tables"
+
+
+def test_a_code_that_no_table_defines_is_caught():
+    tables = constraint_tables()
+    assert sum("fed.secure_sum/C9" in t for t in tables) == 0
+    assert sum("local/C4" in t for t in tables) == 1
+
+
+def test_tracing_and_checking_cite_one_constraint_with_one_text():
+    import jax
+    import jax.numpy as jnp
+
+    import fcir
+    from fcir.capture import capture_unchecked
+
+    @fcir.program(placements={"clients": 3})
+    def agg(x):
+        return fcir.secure_sum(x, bitwidth=4)
+
+    with pytest.raises(fcir.IRTypeError) as traced:
+        jax.make_jaxpr(agg)(jnp.ones((3, 2), jnp.float32))
+    m = capture_unchecked(agg, jnp.ones((3, 2), jnp.int32))
+    m.main.body.params[0].type = m.main.body.params[0].type.__class__(
+        fcir.types.TensorType("f32", (2,)), "clients"
+    )
+    (diag,) = fcir.verify(m)
+    assert diag.code == "fed.secure_sum/C4"
+    text = F.SecureSum.constraints["C4"]
+    assert f"fed.secure_sum/C4: {text}" in str(traced.value)
+    assert f"fed.secure_sum/C4: {text}" in diag.message
