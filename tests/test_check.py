@@ -57,6 +57,8 @@ def flat_round(model, data, counts, weights):
         fcir.reduce_weighted_mean(upd, weights),
         fcir.secure_sum(cnt, bitwidth=16),
         fcir.reduce_mean(cnt),
+        fcir.reduce_median(upd),
+        fcir.reduce_trimmed_mean(upd, trim=1),
     )
 
 
@@ -228,6 +230,8 @@ BC = "fed.broadcast"
 MAP = "fed.map"
 WM = "fed.weighted_mean"
 SS = "fed.secure_sum"
+MED = "fed.median"
+TM = "fed.trimmed_mean"
 
 PSUM_IN_MAP = """\
 fcir.module @psum_in_map ir_version=1 placements=[clients:3]
@@ -416,6 +420,14 @@ CASES = [
     *reduction_cases("fed.max", placed(t("f32", 2))),
     *reduction_cases(SS, server(t("i32", 1))),
     Case(SS, "C4", "flat", set_operand(SS, 0, lambda m: param(m, 3)), "float operand"),
+    *reduction_cases(MED, server(t("f32", 3))),
+    Case(MED, "C4", "flat", set_operand(MED, 0, lambda m: param(m, 2)), "i32 operand"),
+    *reduction_cases(TM, server(t("bf16", 2))),
+    Case(TM, "C4", "flat", set_operand(TM, 0, lambda m: param(m, 2)), "i32 operand"),
+    Case(TM, "C5", "flat", set_attr(TM, "trim", -1), "trim -1"),
+    Case(TM, "C5", "flat", set_attr(TM, "trim", 2), "trim 2 of 3 members drops all"),
+    Case(TM, "C5", "flat", set_attr(TM, "trim", True), "trim bool"),
+    Case(TM, "C5", "flat", set_attr(TM, "trim", _DELETE), "trim missing"),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", 0), "bitwidth 0"),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", 33), "bitwidth 33 for i32"),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", True), "bitwidth bool"),

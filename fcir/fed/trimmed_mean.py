@@ -74,14 +74,15 @@ class TrimmedMean(Reduction):
         return attrs["trim"]
 
     @classmethod
-    def problem(cls, dtype: str, n: int, attrs: dict) -> tuple[str, str] | None:
+    def problem(cls, dtype: str, n: int | None, attrs: dict) -> tuple[str, str] | None:
         """The violated constraint (code, detail) or None: asked while tracing and by
         the checker."""
         found = float_problem(cls, dtype)
         if found is not None:
             return found
         k = attrs.get("trim")
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= 2 * k < n:
+        bad_type = isinstance(k, bool) or not isinstance(k, int)
+        if bad_type or k < 0 or (n is not None and 2 * k >= n):
             return "C5", f"trim={k!r} over {n} members"
         return None
 
@@ -90,7 +91,10 @@ class TrimmedMean(Reduction):
         member = t.member
         if not isinstance(member, TensorType):
             cls.fail("C4", f"operand member type {member}")
-        found = cls.problem(member.dtype, ctx.cardinality[t.placement], op.attrs)
+        n = ctx.cardinality.get(t.placement)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            n = None  # module/C2 reports the cardinality; only the dtype is checked
+        found = cls.problem(member.dtype, n, op.attrs)
         if found is not None:
             cls.fail(*found)
 
