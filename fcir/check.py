@@ -43,7 +43,6 @@ from fcir.ir import Module, Op, Region, Value, describe, is_name, value_numberin
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
 
-
 # The checker's own constraints (the fed ops' are in their classes, fcir.fed; local
 # ops' types in fcir.check_local.CONSTRAINTS; the leak check's in fcir.privacy).
 CONSTRAINTS = {

@@ -12,11 +12,12 @@ from fcir.interpreter import Interpreter, impl, own_rules
 
 def backend_tables() -> dict[str, dict]:
     """Each backend's own table: op name -> rule or Unsupported."""
-    from fcir import privacy, traffic
     from fcir.interpreters import reference, xla
     from fcir.interpreters.flower import phases
     from fcir.interpreters.production import splitting
     from fcir.interpreters.xla import streaming
+
+    from fcir import privacy, traffic
 
     def by_name(table):
         return {cls.name: rule for cls, rule in table.items()}
@@ -74,9 +75,9 @@ def test_a_table_missing_an_op_is_caught():
 
 def test_unsupported_entries_are_raised_with_their_reason():
     import jax.numpy as jnp
+    from fcir.interpreters import xla
 
     import fcir
-    from fcir.interpreters import xla
 
     @fcir.program(placements={"clients": 4})
     def med(x):
