@@ -24,6 +24,7 @@ from fcir import attrs as A
 from fcir import captured, pytrees
 from fcir import control_flow as CF
 from fcir import primitives as P
+from fcir.elementwise import PER_MEMBER
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
 from fcir.fed import by_primitive
 from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
@@ -37,20 +38,9 @@ from fcir.types import (
     tensor_of,
 )
 
-# Primitives applied elementwise: on values placed at one placement they stay
-# per-member computations, so capture keeps the placement instead of flagging them.
-ELEMENTWISE = frozenset(
-    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex conj copy
-    convert_element_type cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt
-    imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter
-    not or population_count pow real reduce_precision rem round rsqrt select_n shift_left
-    shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
-    sharding_constraint reshard mesh_cast add_any
-    """.split()
-)
-# (sharding_constraint, reshard and mesh_cast only change a value's layout: under a mesh
-# the frontend adds them to placed values, which stay placed. add_any is how JAX's
-# backward pass sums the cotangents of a placed value used twice.)
+# Primitives applied member by member (fcir.elementwise): on values placed at one
+# placement they stay per-member computations, so capture keeps the placement.
+ELEMENTWISE = PER_MEMBER
 
 # Call-like primitives that are inlined when their body contains federated ops or they
 # are called on placed values, so that placements never hide inside a local call.

@@ -37,7 +37,7 @@ import dataclasses
 
 from fcir import check_local
 from fcir import control_flow as CF
-from fcir.capture import ELEMENTWISE
+from fcir.elementwise import PER_MEMBER as ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError, PrivacyError
 from fcir.ir import Module, Op, Region, Value, describe, is_name, value_numbering
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation

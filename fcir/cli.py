@@ -81,7 +81,7 @@ def _unflatten_args(module, leaves):
 
 
 def cmd_compile(a) -> int:
-    from fcir.targets import load_module
+    from fcir.loading import load_module
 
     emit = [e.strip() for e in a.emit.split(",") if e.strip()]
     bad = [e for e in emit if e not in EMIT_CHOICES]
@@ -154,7 +154,7 @@ def _mesh(spec: str):
 
 
 def cmd_show(a) -> int:
-    from fcir.targets import load_module
+    from fcir.loading import load_module
 
     module = load_module(a.FILE, a.args)
     if a.format == "text":
@@ -181,7 +181,7 @@ def cmd_show(a) -> int:
 
 def cmd_check(a) -> int:
     from fcir.check import verify
-    from fcir.targets import is_ir_file, load_ir
+    from fcir.loading import is_ir_file, load_ir
 
     if is_ir_file(a.FILE):
         module = load_ir(a.FILE)
@@ -199,14 +199,14 @@ def cmd_check(a) -> int:
 
 def _capture_unchecked(target, specs):
     from fcir.capture import capture_unchecked
-    from fcir.targets import load_python_target
+    from fcir.loading import load_python_target
 
     fn, args = load_python_target(target, specs)
     return capture_unchecked(fn, *args, name=target.rpartition(":")[2])
 
 
 def cmd_diff(a) -> int:
-    from fcir.targets import load_ir
+    from fcir.loading import load_ir
 
     try:
         ta = load_ir(a.A).to_text()
@@ -226,7 +226,7 @@ def cmd_diff(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from fcir.targets import load_module
+    from fcir.loading import load_module
 
     if a.clients_per_step is not None and a.backend != "xla":
         raise _Usage("--clients-per-step streams members on the xla backend: add --backend xla")

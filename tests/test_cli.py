@@ -16,7 +16,7 @@ import pytest
 import fcir
 from fcir import cli
 from fcir.capture import capture_unchecked
-from fcir.targets import load_function
+from fcir.loading import load_function
 
 TARGET = textwrap.dedent(
     """

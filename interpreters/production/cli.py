@@ -87,7 +87,7 @@ def register(subparsers) -> None:
 
 
 def cmd_export(a) -> int:
-    from fcir.targets import load_module
+    from fcir.loading import load_module
 
     from . import export
 

@@ -37,8 +37,9 @@ axes ``("silos", "clients")``. Everything else about the layout is XLA's propaga
 starting from the arguments' shardings (see :func:`default_sharding`).
 """
 
+from .build import compile
 from .cost import cost_report, format_cost
-from .executable import Executable, compile, default_sharding, placement_spec, trace_count
+from .executable import Executable, default_sharding, placement_spec, trace_count
 from .interpreter import XlaInterpreter
 
 __all__ = [

@@ -25,10 +25,17 @@ import jax
 
 from fcir.errors import InterpreterError
 
+from .cost import memory_stats, predicted_peak
 from .executable import Executable
-from .streaming import StreamingInterpreter
+from .streaming import StreamingInterpreter, members_per_step
 
-__all__ = ["device_memory", "members_per_device", "predicted_peak", "streaming_executable"]
+__all__ = [
+    "device_memory",
+    "members_per_device",
+    "memory_stats",
+    "predicted_peak",
+    "streaming_executable",
+]
 
 PROBE = 8  # the second k compiled to measure the bytes per member
 
@@ -47,17 +54,11 @@ def streaming_executable(module, mesh, clients_per_step, memory_limit) -> Execut
             f"xla.compile: memory_limit needs clients_per_step='auto', got "
             f"clients_per_step={clients_per_step!r}"
         )
-    if isinstance(clients_per_step, bool) or not isinstance(clients_per_step, int):
-        raise InterpreterError(
-            f"xla.compile: clients_per_step must be a positive int or 'auto', got "
-            f"{clients_per_step!r}"
-        )
-    if clients_per_step < 1:
-        raise InterpreterError(
-            f"xla.compile: clients_per_step must be >= 1 (members per step and device), "
-            f"got {clients_per_step}"
-        )
-    exe = _build(module, mesh, clients_per_step)
+    try:
+        k = members_per_step(clients_per_step)
+    except InterpreterError as e:
+        raise InterpreterError(f"xla.compile: {e}") from None
+    exe = _build(module, mesh, k)
     exe.streaming = {"clients_per_step": clients_per_step, "mode": "fixed"}
     return exe
 
@@ -70,28 +71,6 @@ def _interpreter(k: int):
 
 def _build(module, mesh, k: int) -> Executable:
     return Executable(module, mesh, _interpreter(k))
-
-
-def predicted_peak(compiled) -> int:
-    """Bytes XLA's memory analysis says the program holds at its peak, per device."""
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
-def memory_stats(compiled) -> dict:
-    m = compiled.memory_analysis()
-    return {
-        "argument_bytes": int(m.argument_size_in_bytes),
-        "output_bytes": int(m.output_size_in_bytes),
-        "temp_bytes": int(m.temp_size_in_bytes),
-        "alias_bytes": int(m.alias_size_in_bytes),
-        "peak_bytes": predicted_peak(compiled),
-    }
 
 
 def device_memory(mesh) -> int:

@@ -83,13 +83,34 @@ def cost_report(exe, *args) -> dict:
         "notes": notes,
     }
     if getattr(exe, "streaming", None) is not None:  # xla.compile(..., clients_per_step=)
-        from .budget import memory_stats
-
         report["streaming"] = {**exe.streaming, "memory": memory_stats(exe.compiled(*args))}
     privacy = round_cost(module)
     if privacy is not None:  # a module with DP aggregates: see fcir.privacy
         report["privacy"] = privacy
     return report
+
+
+def predicted_peak(compiled) -> int:
+    """Bytes XLA's memory analysis says the program holds at its peak, per device."""
+    m = compiled.memory_analysis()
+    return int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def memory_stats(compiled) -> dict:
+    """XLA's memory analysis of ``compiled``, per device, in bytes."""
+    m = compiled.memory_analysis()
+    return {
+        "argument_bytes": int(m.argument_size_in_bytes),
+        "output_bytes": int(m.output_size_in_bytes),
+        "temp_bytes": int(m.temp_size_in_bytes),
+        "alias_bytes": int(m.alias_size_in_bytes),
+        "peak_bytes": predicted_peak(compiled),
+    }
 
 
 @dataclasses.dataclass

@@ -41,50 +41,15 @@ from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fcir import captured, pytrees
-from fcir.check import check
 from fcir.errors import FcirError, InterpreterError, PlacementError
 from fcir.ir import Module
 from fcir.types import PlacedType, Type, dtype_name, runtime_type
 
 from .interpreter import XlaInterpreter
 
-__all__ = ["Executable", "compile", "default_sharding", "placement_spec", "trace_count"]
+__all__ = ["Executable", "default_sharding", "placement_spec", "trace_count"]
 
 DIALECTS = ("stablehlo", "hlo", "optimized_hlo")
-
-
-def compile(
-    module: Module,
-    mesh: Mesh | None = None,
-    clients_per_step: int | str | None = None,
-    *,
-    memory_limit: int | None = None,
-) -> Executable:
-    """``module`` as a jit-compiled executable; placement axes sharded over ``mesh``.
-
-    ``clients_per_step=k`` streams every ``fed.map``: ``k`` members at a time per device,
-    reductions as running accumulators (``fcir.interpreters.xla.streaming``); ``"auto"``
-    picks ``k`` from ``memory_limit`` bytes (default: the device's memory) with XLA's
-    memory analysis (``fcir.interpreters.xla.budget``).
-
-    ``exe(*args)`` takes and returns pytrees like ``reference.run``;
-    ``exe.as_text("hlo" | "stablehlo")`` and ``exe.cost()`` need no arguments. The
-    module is type-checked first (``fcir.check``), so an IR file read from disk fails
-    here, naming the op, rather than somewhere in JAX.
-    """
-    check(module)
-    if mesh is not None and not isinstance(mesh, Mesh):
-        raise PlacementError(
-            f"xla.compile: mesh must be a jax.sharding.Mesh (or None for one device), got "
-            f"{type(mesh).__name__}; build one with jax.make_mesh(shape, axis_names)"
-        )
-    if mesh is not None and mesh.empty:
-        mesh = None
-    if clients_per_step is not None or memory_limit is not None:
-        from .budget import streaming_executable
-
-        return streaming_executable(module, mesh, clients_per_step, memory_limit)
-    return Executable(module, mesh)
 
 
 def placement_spec(t: Type, mesh: Mesh | None, cardinality) -> PartitionSpec:

@@ -41,6 +41,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from fcir import elementwise as E
 from fcir import fed as F
 from fcir import primitives as P
 from fcir.errors import InterpreterError
@@ -49,19 +50,11 @@ from fcir.types import PlacedType, runtime_type
 
 from .interpreter import XlaInterpreter
 
-__all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "plan_region"]
+__all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", "plan_region"]
 
 # Ops applied member by member to values placed at the map's placement: their params
 # name no axis, so running them on one member's value means the same as on all.
-ELEMENTWISE = frozenset(
-    "jax." + n
-    for n in (
-        "abs add and atan2 cbrt ceil clamp convert_element_type copy cos cosh div eq exp "
-        "exp2 expm1 floor ge gt imag integer_pow is_finite le log log1p logistic lt max "
-        "min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt "
-        "select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor"
-    ).split()
-)
+ELEMENTWISE = frozenset("jax." + n for n in E.ELEMENTWISE)
 
 ACCUMULATED = "accumulated: a running accumulator folded chunk by chunk"
 _WHOLE = "runs after the stream, on its operands written out whole"
@@ -234,6 +227,21 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
     )
 
 
+def members_per_step(clients_per_step) -> int:
+    """``clients_per_step`` checked: the one place a streaming budget ``k`` is validated
+    (``xla.compile``, ``StreamingInterpreter``); InterpreterError unless an int >= 1."""
+    k = clients_per_step
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise InterpreterError(
+            f"clients_per_step must be a positive int or 'auto', got {clients_per_step!r}"
+        )
+    if k < 1:
+        raise InterpreterError(
+            f"clients_per_step must be >= 1 (members per step and device), got {k}"
+        )
+    return k
+
+
 class StreamingInterpreter(XlaInterpreter):
     """An :class:`XlaInterpreter` that runs every ``fed.map`` as a stream of chunks of
     ``clients_per_step`` members per device (see the module docstring)."""
@@ -242,13 +250,7 @@ class StreamingInterpreter(XlaInterpreter):
 
     def __init__(self, mesh=None, *, clients_per_step: int, verbose: bool = False):
         super().__init__(mesh, verbose=verbose)
-        if isinstance(clients_per_step, bool) or not isinstance(clients_per_step, int):
-            raise InterpreterError(
-                f"clients_per_step must be a positive int, got {clients_per_step!r}"
-            )
-        if clients_per_step < 1:
-            raise InterpreterError(f"clients_per_step must be >= 1, got {clients_per_step}")
-        self.k = clients_per_step
+        self.k = members_per_step(clients_per_step)
         self._plans: dict[int, tuple[Region, list[Stream]]] = {}
         self._member_interp: StreamingInterpreter | None = None
 

@@ -1,5 +1,7 @@
-"""What the command line points at: ``file.py:function``, ``package.module:function``,
-or an IR file (``.fcir`` canonical text, ``.pb`` serialized protobuf).
+"""Loading a program: an IR file (``.fcir`` canonical text, ``.pb`` serialized
+protobuf), or a Python function named ``file.py:function`` / ``package.module:function``
+captured with example arguments. The core's one loader, for the command lines of
+fcir and of its backends (``fcir compile``, ``fcir export``, ...).
 
 Python targets get their example arguments from ``--args`` specs written in the IR's
 type syntax (``f32[16,1]``, ``(f32[8,32,16], f32[8,32,1])``) or, if none are given,
