@@ -159,6 +159,29 @@ def test_a_multi_exchange_round_runs_as_phases_and_matches_the_reference(tmp_pat
     assert_trees_match(_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-6)
 
 
+@fcir.program(placements={"clients": rounds.NODES})
+def robust_round(w, x):
+    upd = fcir.map_fn(lambda w, x: w * jnp.mean(x, axis=0), (fcir.broadcast(w), x))
+    return {"median": fcir.reduce_median(upd), "trimmed": fcir.reduce_trimmed_mean(upd, trim=1)}
+
+
+def test_median_and_trimmed_mean_are_aggregated_by_the_server_app(tmp_path):
+    w = jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(rounds.NODES, 5, 4)), jnp.float32)
+    module = fcir.capture(robust_round, w, x)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w)])
+    (step,) = [s for s in rounds.plan_of(app)["steps"] if s["kind"] == "exchange"]
+    ops = sorted((a["fed_op"], a.get("attrs", {})) for a in step["aggregations"])
+    assert ops == [("fed.median", {}), ("fed.trimmed_mean", {"trim": 1})]
+    nodes = {}
+    for i in range(rounds.NODES):
+        np.savez(tmp_path / f"n{i}.npz", np.asarray(x[i]))
+        nodes[10 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
+    inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
+    expected = [np.asarray(v) for v in jax.tree.leaves(reference.run(module, w, x))]
+    assert_trees_match(_outputs(tmp_path / "o.npz"), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_not_exportable_rounds_fail_and_write_nothing(tmp_path):
     hier = rounds.corpus_module("hierarchical_fedavg")
     with pytest.raises(flower.ExportError, match="hierarch"):

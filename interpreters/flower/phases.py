@@ -37,8 +37,9 @@ RULES: dict[type[F.FedOp], object] = {
     F.SecureSum: "SecAgg+ over 16-bit chunks (app/secagg.py)",
     F.DpSum: "clipped at the nodes, summed and noised by the ServerApp",
     F.DpMean: "clipped at the nodes, summed and noised by the ServerApp",
-    F.Median: F.Unsupported("a phase is a production split, which has no order statistics"),
-    F.TrimmedMean: F.Unsupported("a phase is a production split, which has no order statistics"),
+    # Not secure: the ServerApp sees every node's value (docs/flower.md).
+    F.Median: "aggregated by the ServerApp over every reply (app/runtime.py aggregate)",
+    F.TrimmedMean: "aggregated by the ServerApp over every reply (app/runtime.py aggregate)",
 }
 # The ops that end an exchange: the reductions and the DP aggregates.
 REDUCTIONS = F.of_kind("reduction", "dp")

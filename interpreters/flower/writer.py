@@ -101,7 +101,7 @@ def _phase_steps(plan, phase, k: int, multi: bool) -> tuple[list, dict[str, byte
             "client": part("client_work"),
             "aggregations": [
                 {"fed_op": a.fed_op, "inputs": list(a.inputs), "output": a.output,
-                 "bitwidth": a.bitwidth}
+                 "bitwidth": a.bitwidth, **({"attrs": dict(a.attrs)} if a.attrs else {})}
                 for a in sp.aggregations
             ],
             "aggregated": f"{k}.aggregated" if multi else "aggregated",

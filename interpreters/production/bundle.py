@@ -176,6 +176,7 @@ def write(plan, directory) -> pathlib.Path:
                 "output": a.output,
                 "bitwidth": a.bitwidth,
                 "source": a.source,
+                **({"attrs": dict(a.attrs)} if a.attrs else {}),
             }
             for a in plan.split.aggregations
         ],

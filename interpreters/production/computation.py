@@ -315,6 +315,44 @@ def _aggregate_call(uri: str, value: pb.Computation, member: TensorType) -> pb.C
     return federated_aggregate(value, zero, accumulate, merge, report)
 
 
+def _gathered_call(agg: Aggregation, value, member: TensorType, n: int) -> pb.Computation:
+    """``agg``'s op at the server over every client's value: federated_aggregate whose
+    accumulator is the ``n`` values in arrival order and whose report binds the op's
+    own primitive (``fcir.fed``) on them. Not secure: the aggregator sees each value."""
+    from jax import lax
+
+    from fcir.fed import ops
+
+    prim, attrs = ops()[agg.fed_op].primitive, dict(agg.attrs)
+    dt = member.np_dtype
+    state = Structure("dict", (_leaf(0), _leaf(1)), ("count", "values"))
+    leaves = [TensorType("i32", ()), TensorType(member.dtype, (n, *member.shape))]
+
+    def accumulate(c, buf, t):
+        return (c + 1, lax.dynamic_update_index_in_dim(buf, t, c, 0))
+
+    def merge(c1, b1, c2, b2):
+        first = (jnp.arange(n) < c1).reshape((n,) + (1,) * len(member.shape))
+        return (c1 + c2, jnp.where(first, b1, jnp.roll(b2, c1, axis=0)))
+
+    def report(c, buf):
+        return (prim.bind(buf, placement="clients", n=n, **attrs),)
+
+    zero = call(
+        xla_of_function(
+            lambda: (jnp.zeros((), jnp.int32), jnp.zeros((n, *member.shape), dt)),
+            None, [], state, leaves,
+        )
+    )
+    t = _leaf(2)
+    acc = xla_of_function(accumulate, Structure("tuple", (state, t)), [*leaves, member], state,
+                          leaves)
+    mrg = xla_of_function(merge, Structure("tuple", (state, shift(state, 2))), leaves + leaves,
+                          state, leaves)
+    rep = xla_of_function(report, state, leaves, _leaf(), [member])
+    return federated_aggregate(value, zero, acc, mrg, rep)
+
+
 # --- the round ----------------------------------------------------------------------------
 
 
@@ -386,7 +424,10 @@ def round_computation(
     for agg in split.aggregations:
         aggregated[agg.output] = let(
             f"aggregate_{agg.output}",
-            _aggregation(agg, client_output, position, a_in_leaves, aggregate_with, pick, let),
+            _aggregation(
+                agg, client_output, position, a_in_leaves, aggregate_with, pick, let,
+                split.round.placements[0][1],
+            ),
         )
     a_out = parts["client_to_server_aggregation"].main.result_structure
     aggregated_value = let(
@@ -417,7 +458,7 @@ def round_computation(
 
 
 def _aggregation(
-    agg: Aggregation, client_output, position, leaves, aggregate_with, pick, let
+    agg: Aggregation, client_output, position, leaves, aggregate_with, pick, let, n: int
 ) -> pb.Computation:
     def client_value(name: str) -> pb.Computation:
         return let(
@@ -440,7 +481,9 @@ def _aggregation(
         else:
             value = client_value(agg.inputs[0])
         return _aggregate_call(uri, value, member)
-    values = [client_value(n) for n in agg.inputs]
+    if uri == "federated_aggregate":  # an order statistic: every value to the server
+        return _gathered_call(agg, client_value(agg.inputs[0]), member, n)
+    values = [client_value(name) for name in agg.inputs]
     if uri == "federated_weighted_mean":
         return federated_weighted_mean(values[0], values[1])
     if uri == "federated_secure_sum_bitwidth":

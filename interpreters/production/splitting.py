@@ -81,14 +81,12 @@ INTRINSICS = {
     "fed.min": "federated_min",
     "fed.max": "federated_max",
     "fed.secure_sum": "federated_secure_sum_bitwidth",
+    # Order statistics have no intrinsic: federated_aggregate gathers every client's
+    # value into one array at the server, whose report runs the op itself.
+    "fed.median": "federated_aggregate",
+    "fed.trimmed_mean": "federated_aggregate",
 }
 
-
-_NO_INTRINSIC = (
-    "no federated_language intrinsic computes order statistics, and a bundle's "
-    "aggregation part runs only intrinsics: aggregate with fcir.reduce_mean (or "
-    "fcir.dp_mean), or export to Flower, whose server aggregates the clients' values"
-)
 
 # Where every fed op goes in the split, keyed by op class; the op-coverage test
 # (tests/test_op_coverage.py) fails when a fed op has no entry here.
@@ -101,8 +99,9 @@ OP_RULES: dict[type[F.FedOp], object] = {
     "server_result: Gaussian noise",
     F.DpMean: "client_work: clip; client_to_server_aggregation: federated_sum; "
     "server_result: Gaussian noise, divided by the cardinality",
-    F.Median: F.Unsupported(_NO_INTRINSIC),
-    F.TrimmedMean: F.Unsupported(_NO_INTRINSIC),
+    # Not secure: the aggregator sees every client's value (docs/production.md).
+    F.Median: "client_to_server_aggregation: federated_aggregate of every client's value",
+    F.TrimmedMean: "client_to_server_aggregation: federated_aggregate of every client's value",
 }
 
 
@@ -116,6 +115,7 @@ class Aggregation:
     output: str  # the aggregated entry it writes
     bitwidth: int | None  # for federated_secure_sum_bitwidth
     source: str  # text location of the round's op
+    attrs: tuple = ()  # the op's other attributes, (name, value) pairs (trim=...)
 
 
 @dataclasses.dataclass
@@ -421,6 +421,7 @@ class _Splitter:
                     dtype = dtype_name(mean_result_dtype(first.np_dtype))
                 out = Value(PlacedType(TensorType(dtype, first.shape), SERVER, True))
                 attrs = {"bitwidth": agg.bitwidth} if agg.bitwidth is not None else {}
+                attrs.update(agg.attrs)
                 region.ops.append(Op(agg.fed_op, operands, [out], attrs))
                 outputs[agg.output] = out
                 aggregations.append(agg)
@@ -490,7 +491,8 @@ def _lower_reduction(sp: _Splitter, i: int, fused: Region, env: dict, outputs: d
         return key
 
     def one(fed_op: str, key: str, bitwidth=None, post=None) -> _Lowered:
-        agg = Aggregation(fed_op, INTRINSICS[fed_op], (key,), name, bitwidth, where)
+        attrs = tuple(sorted((k, v) for k, v in op.attrs.items() if k != "bitwidth"))
+        agg = Aggregation(fed_op, INTRINSICS[fed_op], (key,), name, bitwidth, where, attrs)
         return _Lowered(result, [agg], [name], post)
 
     if op.name == "fed.weighted_mean":

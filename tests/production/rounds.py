@@ -160,8 +160,25 @@ def server_only_args():
     return (jnp.arange(3, dtype=jnp.float32),)
 
 
+@fcir.program(placements={"clients": CLIENTS})
+def robust(w, x):
+    """Robust aggregates of client updates: the coordinate-wise median and the mean
+    without the largest and smallest client per coordinate."""
+    upd = fcir.map_fn(lambda w, x: w * jnp.mean(x) - x[:2], (fcir.broadcast(w), x))
+    return fcir.reduce_median(upd), fcir.reduce_trimmed_mean(upd, trim=1)
+
+
+def robust_args():
+    rng = np.random.default_rng(6)
+    return (
+        jnp.asarray(rng.normal(size=(2,)), jnp.float32),
+        jnp.asarray(rng.normal(size=(CLIENTS, 5)), jnp.float32),
+    )
+
+
 EXAMPLE_ARGS = {
     "fedavg_pytree": fedavg_pytree_args,
+    "robust": robust_args,
     "weighted": weighted_args,
     "secure": secure_args,
     "minmax": minmax_args,
@@ -170,6 +187,7 @@ EXAMPLE_ARGS = {
 }
 ROUNDS = {
     "fedavg_pytree": fedavg_pytree,
+    "robust": robust,
     "weighted": weighted,
     "secure": secure,
     "minmax": minmax,

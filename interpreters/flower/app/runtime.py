@@ -223,7 +223,7 @@ def _mean_dtype(dtype) -> np.dtype:
     return dtype if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(np.float32)
 
 
-def _reduce(x, w, *, op: str, bitwidth: int | None):
+def _reduce(x, w, *, op: str, bitwidth: int | None, trim: int | None = None):
     import jax.numpy as jnp
 
     if op == "fed.sum":
@@ -246,6 +246,12 @@ def _reduce(x, w, *, op: str, bitwidth: int | None):
         if bitwidth < np.dtype(x.dtype).itemsize * 8:
             total = jnp.bitwise_and(total, jnp.asarray((1 << bitwidth) - 1, x.dtype))
         return total
+    if op in ("fed.median", "fed.trimmed_mean"):
+        # Order statistics over the replies: the server sees every client's value.
+        n = x.shape[0]
+        k = (n - 1) // 2 if op == "fed.median" else trim
+        acc = np.result_type(x.dtype, np.float32)
+        return jnp.mean(jnp.sort(x, axis=0)[k : n - k].astype(acc), axis=0).astype(x.dtype)
     raise AppError(f"no aggregation {op}")
 
 
@@ -254,7 +260,10 @@ def _reduce_all():
     import jax
 
     def reduce_all(stacked, *, ops):
-        return [_reduce(x, w, op=op, bitwidth=bw) for (x, w), (op, bw) in zip(stacked, ops)]
+        return [
+            _reduce(x, w, op=op, bitwidth=bw, trim=trim)
+            for (x, w), (op, bw, trim) in zip(stacked, ops)
+        ]
 
     return jax.jit(reduce_all, static_argnames=("ops",))
 
@@ -268,7 +277,7 @@ def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
         x = np.stack([r[names[0]] for r in replies])
         w = np.stack([r[names[1]] for r in replies]) if len(names) > 1 else None
         stacked.append((x, w))
-        ops.append((agg["fed_op"], agg["bitwidth"]))
+        ops.append((agg["fed_op"], agg["bitwidth"], agg.get("attrs", {}).get("trim")))
     outs = _reduce_all()(stacked, ops=tuple(ops))
     return {agg["output"]: y for agg, y in zip(aggregations, outs)}
 
