@@ -22,6 +22,7 @@ from . import (
     hierarchical_fedavg,
     int_mean,
     minmax_agg,
+    robust_agg,
     scan_rounds,
     secure_histogram,
     temperature_sensors,
@@ -56,6 +57,7 @@ _MODULES = (
     bf16_client,
     int_mean,
     scan_rounds,
+    robust_agg,
 )
 
 CASES: tuple[Case, ...] = tuple(m.CASE for m in _MODULES)
