@@ -33,9 +33,8 @@ __all__ = [
     "dp_mean_p",
     "clip_member",
     "dp_noise",
-    "REDUCTIONS",
-    "FEDERATED_PRIMITIVES",
     "mean_result_dtype",
+    "define_reduction",
 ]
 
 
@@ -455,16 +454,3 @@ map_p.def_impl(_map_impl)
 map_p.def_effectful_abstract_eval(_map_abstract_eval)
 mlir.register_lowering(map_p, mlir.lower_fun(_map_impl, multiple_results=True))
 batching.fancy_primitive_batchers[map_p] = _map_batch
-
-
-REDUCTIONS = {
-    "fed_sum": sum_p,
-    "fed_mean": mean_p,
-    "fed_min": min_p,
-    "fed_max": max_p,
-    "fed_weighted_mean": weighted_mean_p,
-    "fed_secure_sum": secure_sum_p,
-    "fed_dp_sum": dp_sum_p,
-    "fed_dp_mean": dp_mean_p,
-}
-FEDERATED_PRIMITIVES = {"fed_broadcast": broadcast_p, "fed_map": map_p, **REDUCTIONS}

@@ -86,7 +86,9 @@ TOL = 1e-5
 
 # --- the federated-ness checker -------------------------------------------------------------
 
-_REDUCTIONS = frozenset(P.REDUCTIONS)
+_REDUCTIONS = frozenset(
+    prim for prim, op in fcir.fed.by_primitive().items() if op.kind in ("reduction", "dp")
+)
 # Member-wise ops allowed on placed values at top level: the ones JAX's own AD machinery
 # inserts (add_any accumulates the cotangents of a value used twice; reduce_precision is
 # the identity jax.checkpoint applies to saved residuals) and the layout-only identities
