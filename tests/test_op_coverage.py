@@ -177,3 +177,23 @@ def test_tracing_and_checking_cite_one_constraint_with_one_text():
     text = F.SecureSum.constraints["C4"]
     assert f"fed.secure_sum/C4: {text}" in str(traced.value)
     assert f"fed.secure_sum/C4: {text}" in diag.message
+
+
+def test_an_interpreter_subclass_runs_every_fed_op_through_the_base_class():
+    import jax.numpy as jnp
+    import numpy as np
+
+    import fcir
+
+    class Plain(Interpreter):
+        pass
+
+    @fcir.program(placements={"clients": 5})
+    def robust(x):
+        return fcir.reduce_median(x), fcir.reduce_trimmed_mean(x, trim=2), fcir.reduce_sum(x)
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5, 3)), jnp.float32)
+    got = Plain().run(fcir.capture(robust, x), x)
+    np.testing.assert_allclose(got[0], np.median(np.asarray(x), 0), rtol=1e-6)
+    np.testing.assert_allclose(got[1], np.median(np.asarray(x), 0), rtol=1e-6)
+    np.testing.assert_allclose(got[2], np.sum(np.asarray(x), 0), rtol=1e-6)

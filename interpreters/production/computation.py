@@ -341,14 +341,19 @@ def _gathered_call(agg: Aggregation, value, member: TensorType, n: int) -> pb.Co
     zero = call(
         xla_of_function(
             lambda: (jnp.zeros((), jnp.int32), jnp.zeros((n, *member.shape), dt)),
-            None, [], state, leaves,
+            None,
+            [],
+            state,
+            leaves,
         )
     )
     t = _leaf(2)
-    acc = xla_of_function(accumulate, Structure("tuple", (state, t)), [*leaves, member], state,
-                          leaves)
-    mrg = xla_of_function(merge, Structure("tuple", (state, shift(state, 2))), leaves + leaves,
-                          state, leaves)
+    acc = xla_of_function(
+        accumulate, Structure("tuple", (state, t)), [*leaves, member], state, leaves
+    )
+    mrg = xla_of_function(
+        merge, Structure("tuple", (state, shift(state, 2))), leaves + leaves, state, leaves
+    )
     rep = xla_of_function(report, state, leaves, _leaf(), [member])
     return federated_aggregate(value, zero, acc, mrg, rep)
 
@@ -425,7 +430,13 @@ def round_computation(
         aggregated[agg.output] = let(
             f"aggregate_{agg.output}",
             _aggregation(
-                agg, client_output, position, a_in_leaves, aggregate_with, pick, let,
+                agg,
+                client_output,
+                position,
+                a_in_leaves,
+                aggregate_with,
+                pick,
+                let,
                 split.round.placements[0][1],
             ),
         )
