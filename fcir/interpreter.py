@@ -42,10 +42,12 @@ def impl(*ops) -> Callable:
         raise TypeError("impl() needs at least one op (a fed op class or an op name)")
     names = []
     for op in ops:
-        name = op if isinstance(op, str) else getattr(op, "name", None)
-        if not isinstance(name, str):
-            raise TypeError(f"impl({op!r}): give fed op classes or op names")
-        names.append(name)
+        if isinstance(op, type) and issubclass(op, FedOp) and "name" in vars(op):
+            names.append(op.name)
+        elif isinstance(op, str):
+            names.append(op)
+        else:
+            raise TypeError(f"impl({op!r}): give fed op classes (fcir.fed.Sum) or op names")
 
     def mark(fn):
         fn.fcir_ops = tuple(names)

@@ -92,6 +92,8 @@ def test_impl_rejects_what_is_not_an_op():
     with pytest.raises(TypeError):
         impl(42)
     with pytest.raises(TypeError):
+        impl(F.Reduction)  # an abstract base, no op
+    with pytest.raises(TypeError):
         impl()
 
 
