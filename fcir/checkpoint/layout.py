@@ -159,6 +159,78 @@ def validate_array(layout: pb.CheckpointLayout, record: pb.ArrayRecord, where: s
         raise CheckpointError(
             f"{where}: its shards cover {total} of {int(np.prod(shape))} elements"
         )
+    check_tiling(
+        shape,
+        [(tuple(r.start for r in s.index), tuple(r.stop for r in s.index)) for s in record.shards],
+        where,
+    )
+
+
+#: Most cells `check_tiling` counts in a grid before it checks pairs of shards instead.
+_MAX_GRID_CELLS = 1 << 22
+
+
+def check_tiling(shape: tuple[int, ...], boxes: list[shardings.Box], where: str) -> None:
+    """Raises unless `boxes` (inside `shape`) tile it exactly: disjoint, union the whole.
+
+    Equal volumes alone are not enough: two shards claiming the same rows leave others
+    uncovered, and restore would hand back whatever memory held. The boxes' start and
+    stop coordinates cut every dimension into intervals; each box covers a block of the
+    resulting grid of cells, and the tiling is exact when every cell is covered once.
+    Shards of a jax sharding form such a grid with one cell per shard, so this costs
+    O(shards); layouts whose cuts make a much larger grid are checked pair by pair
+    along a sweep of the first dimension instead.
+    """
+    if not shape:
+        if len(boxes) != 1:
+            raise CheckpointError(f"{where}: a scalar has {len(boxes)} shards, not 1")
+        return
+    cuts = [
+        np.unique([0, d, *(b[0][k] for b in boxes), *(b[1][k] for b in boxes)])
+        for k, d in enumerate(shape)
+    ]
+    cells = 1
+    for c in cuts:
+        cells *= max(len(c) - 1, 0)
+    if cells == 0:
+        return  # an empty array: every box is empty
+    if cells <= _MAX_GRID_CELLS:
+        counts = np.zeros(tuple(len(c) - 1 for c in cuts), np.int32)
+        for lo, hi in boxes:
+            idx = tuple(
+                slice(int(np.searchsorted(c, a)), int(np.searchsorted(c, b)))
+                for c, a, b in zip(cuts, lo, hi)
+            )
+            counts[idx] += 1
+        if counts.max() > 1:
+            cell = np.unravel_index(int(np.argmax(counts)), counts.shape)
+            raise CheckpointError(
+                f"{where}: shards overlap at index {tuple(int(c[i]) for c, i in zip(cuts, cell))}"
+                " (the layout is inconsistent)"
+            )
+        if counts.min() < 1:
+            cell = np.unravel_index(int(np.argmin(counts)), counts.shape)
+            raise CheckpointError(
+                f"{where}: no shard holds index {tuple(int(c[i]) for c, i in zip(cuts, cell))}"
+                " (the layout is inconsistent)"
+            )
+        return
+    # Irregular layouts (not written by fcir): with the volumes already equal to the
+    # whole, the boxes tile it exactly when no two of them overlap.
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
+    active: list[int] = []
+    for i in order:
+        lo, hi = boxes[i]
+        if lo[0] >= hi[0]:
+            continue
+        active = [j for j in active if boxes[j][1][0] > lo[0]]
+        for j in active:
+            if shardings.intersect(boxes[i], boxes[j]) is not None:
+                raise CheckpointError(
+                    f"{where}: shards overlap at index {shardings.intersect(boxes[i], boxes[j])[0]}"
+                    " (the layout is inconsistent)"
+                )
+        active.append(i)
 
 
 def array_bytes(record: pb.ArrayRecord) -> int:
