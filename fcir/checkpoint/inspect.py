@@ -24,7 +24,7 @@ from typing import TextIO
 from google.protobuf import json_format
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import keypaths, layout, parallel, reader, shardings
+from fcir.checkpoint import keypaths, layout, parallel, reader, shardings, storage
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
 
@@ -42,7 +42,11 @@ EPILOG = (
 
 def add_arguments(parser: argparse.ArgumentParser, *, debug_flag: bool = True) -> None:
     """Adds the subcommand's arguments. Pass debug_flag=False if the parent CLI owns --debug."""
-    parser.add_argument("directory", metavar="DIR", help="checkpoint directory (holds layout.pb)")
+    parser.add_argument(
+        "directory",
+        metavar="DIR",
+        help="checkpoint directory or URL (s3://, gs://, file://) holding layout.pb",
+    )
     parser.add_argument(
         "--no-verify", action="store_true", help="only print the layout; do not read the data"
     )
@@ -82,8 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Runs the subcommand on parsed arguments; returns the exit status."""
     out = out if out is not None else sys.stdout
-    directory = pathlib.Path(args.directory)
-    if not directory.is_dir():
+    try:
+        directory = storage.locate(args.directory)
+    except CheckpointError as e:
+        print(f"fcir ckpt inspect: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(directory, pathlib.Path) and not directory.is_dir():
         what = "does not exist" if not directory.exists() else "is not a directory"
         print(f"fcir ckpt inspect: error: {directory} {what}", file=sys.stderr)
         return 2
@@ -122,11 +130,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 1 if problems else 0
 
 
-def verify(directory: pathlib.Path, lay: pb.CheckpointLayout) -> tuple[list[str], int]:
+def verify(directory: storage.Location, lay: pb.CheckpointLayout) -> tuple[list[str], int]:
     """Reads every stored byte and checks it; returns the problems found and bytes read."""
     problems: list[str] = []
     lock = threading.Lock()
+    present = set(directory.list()) if isinstance(directory, storage.ObjectStore) else None
     for f in lay.files:
+        if present is not None:
+            if f.name not in present:
+                problems.append(f"data file {f.name} is missing")
+            continue
         path = directory / f.name
         if not path.is_file():
             problems.append(f"data file {f.name} is missing")
@@ -137,7 +150,7 @@ def verify(directory: pathlib.Path, lay: pb.CheckpointLayout) -> tuple[list[str]
     tasks = []
     total = 0
     bar = Progress(f"verifying {directory.name}", 0)
-    files = reader.DataFiles(directory, lay)
+    files = reader.open_files(directory, lay)
     chunk = lay.checksum_chunk_bytes
     piece = max(chunk, reader.PIECE_BYTES // chunk * chunk)
     for item in lay.items:
@@ -160,7 +173,7 @@ def verify(directory: pathlib.Path, lay: pb.CheckpointLayout) -> tuple[list[str]
 
 
 def _check(
-    files: reader.DataFiles,
+    files: reader.DataFiles | reader.ObjectDataFiles,
     shard: pb.ShardRecord,
     chunk: int,
     start: int,
@@ -192,7 +205,7 @@ def _size(n: int) -> str:
 
 
 def _print_layout(
-    directory: pathlib.Path, lay: pb.CheckpointLayout, shards: bool, out: TextIO
+    directory: storage.Location, lay: pb.CheckpointLayout, shards: bool, out: TextIO
 ) -> None:
     when = ""
     if lay.commit_time_unix:

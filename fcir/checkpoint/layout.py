@@ -11,7 +11,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import checksums, keypaths, shardings
+from fcir.checkpoint import checksums, keypaths, shardings, storage
 from fcir.errors import CheckpointError
 
 LAYOUT_VERSION = 1
@@ -81,16 +81,29 @@ def write_file(path: pathlib.Path, data: bytes) -> None:
         os.close(fd)
 
 
-def read_layout(path: str | os.PathLike[str]) -> pb.CheckpointLayout:
+def read_layout(path: str | os.PathLike[str] | storage.ObjectStore) -> pb.CheckpointLayout:
     """The `fcir.v1.CheckpointLayout` of the committed checkpoint at `path`.
 
-    Raises CheckpointError when `path` is not a committed checkpoint, or its layout is
-    damaged, inconsistent or from a newer format version.
+    `path` is a local directory or a URL (s3://, gs://, file://). Raises CheckpointError
+    when it is not a committed checkpoint, or its layout is damaged, inconsistent or
+    from a newer format version.
     """
-    directory = pathlib.Path(path)
+    directory = storage.locate(path)
+    if isinstance(directory, storage.ObjectStore):
+        data = directory.read(LAYOUT_FILE)
+        if data is None:
+            raise CheckpointError(f"{directory} is not a committed checkpoint (no {LAYOUT_FILE})")
+    else:
+        data = _read_local(directory)
+    layout = decode(data, str(directory))
+    validate(layout, str(directory))
+    return layout
+
+
+def _read_local(directory: pathlib.Path) -> bytes:
     file = directory / LAYOUT_FILE
     try:
-        data = file.read_bytes()
+        return file.read_bytes()
     except FileNotFoundError:
         if not directory.exists():
             raise CheckpointError(f"no checkpoint at {directory}: it does not exist") from None
@@ -99,9 +112,6 @@ def read_layout(path: str | os.PathLike[str]) -> pb.CheckpointLayout:
         ) from None
     except OSError as e:
         raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from e
-    layout = decode(data, str(directory))
-    validate(layout, str(directory))
-    return layout
 
 
 def validate(layout: pb.CheckpointLayout, where: str) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import pathlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
 import jax
 
-from fcir.checkpoint import commit
+from fcir.checkpoint import commit, storage
 from fcir.checkpoint.layout import LAYOUT_FILE
 from fcir.checkpoint.restoring import restore as _restore
 from fcir.checkpoint.saving import SaveHandle
@@ -17,7 +16,17 @@ from fcir.checkpoint.saving import save as _save
 from fcir.errors import CheckpointError
 
 
-def _committed_steps(directory: pathlib.Path) -> list[int]:
+def _is_step(name: str) -> bool:
+    return name.isdigit() and str(int(name)) == name
+
+
+def _committed_steps(directory: storage.Location) -> list[int]:
+    if isinstance(directory, storage.ObjectStore):
+        return sorted(
+            int(step)
+            for step, _, rest in (k.partition("/") for k in directory.list())
+            if rest == LAYOUT_FILE and _is_step(step)
+        )
     steps = []
     try:
         entries = list(os.scandir(directory))
@@ -26,9 +35,27 @@ def _committed_steps(directory: pathlib.Path) -> list[int]:
     for entry in entries:
         name = entry.name
         committed = os.path.isfile(os.path.join(entry.path, LAYOUT_FILE))
-        if name.isdigit() and str(int(name)) == name and committed:
+        if _is_step(name) and committed:
             steps.append(int(name))
     return sorted(steps)
+
+
+def _remove_uncommitted(directory: storage.ObjectStore) -> None:
+    """Deletes the objects of steps that crashed saves left without a layout."""
+    keys = directory.list()
+    committed = {k.partition("/")[0] for k in keys if k.partition("/")[2] == LAYOUT_FILE}
+    for step in sorted({k.partition("/")[0] for k in keys if "/" in k} - committed):
+        if _is_step(step):
+            directory.delete_under(step + "/")
+
+
+def _delete_step(directory: storage.Location, step: int) -> None:
+    if isinstance(directory, storage.ObjectStore):
+        path = directory / str(step)
+        path.delete([LAYOUT_FILE])  # uncommitted first: no reader takes the rest for a step
+        directory.delete_under(f"{step}/")
+    else:
+        commit.delete(directory / str(step))
 
 
 class CheckpointManager:
@@ -56,14 +83,17 @@ class CheckpointManager:
             raise CheckpointError(
                 f"save_interval_steps must be at least 1, got {save_interval_steps}"
             )
-        self.directory = pathlib.Path(os.path.abspath(directory))
+        self.directory = storage.locate(directory)
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.progress = progress
         self._handle: SaveHandle | None = None
         if jax.process_index() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            commit.remove_leftovers(self.directory)
+            if isinstance(self.directory, storage.ObjectStore):
+                _remove_uncommitted(self.directory)
+            else:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                commit.remove_leftovers(self.directory)
 
     def _settle(self, wait: bool) -> None:
         """Raises the error of the last background save once; waits for it if asked."""
@@ -114,7 +144,7 @@ class CheckpointManager:
             return
         steps = _committed_steps(self.directory)
         for step in steps[: -self.max_to_keep]:
-            commit.delete(self.directory / str(step))
+            _delete_step(self.directory, step)
 
     def restore(
         self,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -19,7 +18,7 @@ import jax
 import numpy as np
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import keypaths, parallel, reader, shardings
+from fcir.checkpoint import keypaths, parallel, reader, shardings, storage
 from fcir.checkpoint.layout import dtype_from_name, read_layout
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
@@ -30,7 +29,9 @@ _SCALARS = (bool, int, float, complex)
 class _Plan:
     """The read tasks of one restore, and their byte count for the progress bar."""
 
-    def __init__(self, files: reader.DataFiles, progress: Progress) -> None:
+    def __init__(
+        self, files: reader.DataFiles | reader.ObjectDataFiles, progress: Progress
+    ) -> None:
         self.files = files
         self.progress = progress
         self.tasks: list[reader.Task] = []
@@ -64,7 +65,7 @@ def restore(
     float into int truncates). Python scalar targets need a saved value of their kind
     (bool, integer, floating, complex).
     """
-    directory = pathlib.Path(path)
+    directory = storage.locate(path)
     layout = read_layout(directory)
     by_name = {item.name: item for item in layout.items}
     if target is not None and not isinstance(target, Mapping):
@@ -85,7 +86,7 @@ def restore(
             f"checkpoint {directory} has no item(s) {missing}; it has {list(by_name)}"
         )
 
-    with reader.DataFiles(directory, layout) as files:
+    with reader.open_files(directory, layout) as files:
         plan = _Plan(files, Progress(f"restoring {directory.name}", 0, progress))
         builders: dict[str, Callable[[], Any]] = {}
         for name in names:
