@@ -24,7 +24,7 @@ from typing import TextIO
 from google.protobuf import json_format
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import keypaths, layout, parallel, reader, shardings, storage
+from fcir.checkpoint import keypaths, layout, orbax, parallel, reader, shardings, storage
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
 
@@ -95,6 +95,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         what = "does not exist" if not directory.exists() else "is not a directory"
         print(f"fcir ckpt inspect: error: {directory} {what}", file=sys.stderr)
         return 2
+    if isinstance(directory, pathlib.Path) and orbax.is_orbax(directory):
+        return _run_orbax(directory, args, out)
     try:
         lay = layout.read_layout(directory)
         problems, verified = ([], 0) if args.no_verify else verify(directory, lay)
@@ -128,6 +130,54 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
                 f"{_size(verified)} verified)\n"
             )
     return 1 if problems else 0
+
+
+def _run_orbax(directory: pathlib.Path, args: argparse.Namespace, out: TextIO) -> int:
+    """An Orbax checkpoint: its items and arrays; reads every array unless --no-verify."""
+    try:
+        described = orbax.describe(directory)
+        nbytes = 0
+        if not args.no_verify:
+            nbytes = orbax.read_all(directory)
+    except CheckpointError as e:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        else:
+            print(f"fcir ckpt inspect: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        doc = {
+            "directory": str(directory),
+            "format": "orbax",
+            "items": {
+                name: [
+                    {"path": p, "dtype": dt, "shape": list(shape), "storage": st}
+                    for p, dt, shape, st in rows
+                ]
+                for name, rows in described
+            },
+            "integrity": None if args.no_verify else {"ok": True, "bytes_read": nbytes},
+        }
+        out.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    out.write(f"checkpoint {directory}\n  format: Orbax (no fcir layout)\n")
+    for name, rows in described:
+        out.write(f"\nitem {name}: {len(rows)} array(s)\n")
+        table = [("path", "dtype", "shape", "storage")] + [
+            (p, dt, "[" + ", ".join(map(str, shape)) + "]", st) for p, dt, shape, st in rows
+        ]
+        widths = [max(len(r[i]) for r in table) for i in range(4)]
+        out.writelines(
+            "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in table
+        )
+    if args.no_verify:
+        out.write("\nintegrity: not checked (--no-verify)\n")
+    else:
+        out.write(
+            f"\nintegrity: every array read ({_size(nbytes)}); Orbax stores no checksums, "
+            "so damage inside a chunk is not detected\n"
+        )
+    return 0
 
 
 def verify(directory: storage.Location, lay: pb.CheckpointLayout) -> tuple[list[str], int]:
@@ -212,6 +262,8 @@ def _print_layout(
         stamp = datetime.datetime.fromtimestamp(lay.commit_time_unix, datetime.UTC)
         when = f", committed {stamp:%Y-%m-%d %H:%M:%S} UTC"
     out.write(f"checkpoint {directory}\n")
+    if isinstance(directory, pathlib.Path) and (directory / orbax.CHECKPOINT_METADATA).is_file():
+        out.write("  format: Orbax (zarr v2 chunks), with fcir's layout and checksums\n")
     out.write(
         f"  layout v{lay.layout_version}, {lay.num_processes} process(es){when}\n"
         f"  writer: {lay.writer or 'unknown'}\n"

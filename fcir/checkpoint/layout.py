@@ -122,7 +122,9 @@ def validate(layout: pb.CheckpointLayout, where: str) -> None:
         raise CheckpointError(f"{where}: checksum_chunk_bytes must be positive")
     names = set()
     for f in layout.files:
-        if not f.name or "/" in f.name or "\\" in f.name or f.name in (".", ".."):
+        # A plain name, or a relative path of plain names (Orbax-format chunk files).
+        parts = f.name.split("/")
+        if "\\" in f.name or any(not p or p in (".", "..") for p in parts):
             raise CheckpointError(f"{where}: invalid data file name {f.name!r}")
     seen_items = set()
     for item in layout.items:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import pathlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Self
 
 import jax
 
-from fcir.checkpoint import commit, storage
+from fcir.checkpoint import commit, orbax, storage
 from fcir.checkpoint.layout import LAYOUT_FILE
 from fcir.checkpoint.restoring import restore as _restore
 from fcir.checkpoint.saving import SaveHandle
@@ -34,8 +35,12 @@ def _committed_steps(directory: storage.Location) -> list[int]:
         return []
     for entry in entries:
         name = entry.name
-        committed = os.path.isfile(os.path.join(entry.path, LAYOUT_FILE))
-        if _is_step(name) and committed:
+        if not _is_step(name):
+            continue
+        # An fcir step has its layout; a finished Orbax step (Orbax writes into a
+        # `<step>.orbax-checkpoint-tmp-*` directory and renames it) its metadata.
+        path = pathlib.Path(entry.path)
+        if (path / LAYOUT_FILE).is_file() or (path / orbax.CHECKPOINT_METADATA).is_file():
             steps.append(int(name))
     return sorted(steps)
 
@@ -76,6 +81,7 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         *,
         progress: bool | None = None,
+        format: str = "fcir",  # noqa: A002 - as in fcir.checkpoint.save
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
@@ -87,6 +93,7 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.progress = progress
+        self.format = format
         self._handle: SaveHandle | None = None
         if jax.process_index() == 0:
             if isinstance(self.directory, storage.ObjectStore):
@@ -132,6 +139,7 @@ class CheckpointManager:
             tree,
             blocking=blocking,
             progress=self.progress,
+            format=self.format,
             _after_commit=self._prune,
         )
         if blocking:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import keypaths, parallel, reader, shardings, storage
+from fcir.checkpoint import keypaths, orbax, parallel, reader, shardings, storage
 from fcir.checkpoint.layout import dtype_from_name, read_layout
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
@@ -66,6 +67,12 @@ def restore(
     (bool, integer, floating, complex).
     """
     directory = storage.locate(path)
+    if isinstance(directory, pathlib.Path) and orbax.is_orbax(directory):
+        if target is not None and not isinstance(target, Mapping):
+            raise CheckpointError(
+                f"target must be a dict of item name to pytree, got {type(target).__name__}"
+            )
+        return orbax.restore(directory, target, items, cast, _check_shape, _check_dtype)
     layout = read_layout(directory)
     by_name = {item.name: item for item in layout.items}
     if target is not None and not isinstance(target, Mapping):

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import checksums, commit, keypaths, layout, snapshot, storage, writer
+from fcir.checkpoint import checksums, commit, keypaths, layout, orbax, snapshot, storage, writer
 from fcir.checkpoint.coordination import Coordinator
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
@@ -108,6 +108,7 @@ def save(
     blocking: bool = True,
     overwrite: bool = False,
     progress: bool | None = None,
+    format: str = "fcir",  # noqa: A002 - the public name api.md fixes
     _after_commit: Callable[[], None] | None = None,
 ) -> SaveHandle:
     """Saves a dict of named items (pytrees of jax arrays, numpy arrays, scalars, or JSON).
@@ -117,8 +118,14 @@ def save(
     as the shards are on the host; the returned handle's `wait()` blocks until the
     checkpoint is committed and raises if it failed. `progress` shows a progress bar
     (None: on a terminal, for blocking saves).
+
+    `format="orbax"` writes what Orbax's StandardCheckpointer restores (each item in a
+    subfolder when there are several; local paths only), with fcir's layout and
+    checksums beside it, so `restore` reads and verifies it as any fcir checkpoint.
     """
     global _in_flight
+    if format not in ("fcir", "orbax"):
+        raise CheckpointError(f"format must be 'fcir' or 'orbax', got {format!r}")
     with _lock:
         started = time.perf_counter()
         _wait_for_previous()
@@ -136,7 +143,7 @@ def save(
 
         def phase2() -> None:
             try:
-                _write_and_commit(final, snap, coord, seq, overwrite, bar, _after_commit)
+                _write_and_commit(final, snap, coord, seq, overwrite, bar, _after_commit, format)
             except BaseException as e:  # noqa: BLE001 - surfaced by handle.wait()
                 handle._finish(e)
             else:
@@ -184,7 +191,8 @@ class _LocalTarget:
     def attach(self, token: str) -> None:
         self.temp = self.final.parent / token
 
-    def write_data(self, blocks: list[Any], me: int, bar: Progress) -> tuple[list[Any], list]:
+    def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
+        blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
         file_name = layout.data_file_name(me)
         written, size = writer.write_data_file(self.temp / file_name, blocks, bar)
         return [(file_name, size)], written
@@ -196,6 +204,7 @@ class _LocalTarget:
         return (self.temp / layout.part_file_name(q)).read_bytes()
 
     def commit(self, data: bytes, count: int) -> None:
+        self.before_layout(data)
         layout.write_file(self.temp / layout.LAYOUT_FILE, data)
         for q in range(1, count):
             os.unlink(self.temp / layout.part_file_name(q))
@@ -204,6 +213,37 @@ class _LocalTarget:
     def abort(self) -> None:
         if self.temp is not None:
             shutil.rmtree(self.temp, ignore_errors=True)
+
+    def before_layout(self, data: bytes) -> None:
+        pass
+
+
+class _OrbaxTarget(_LocalTarget):
+    """A local save in Orbax's format: one uncompressed zarr v2 chunk file per shard
+    (which fcir's layout names as its data files), Orbax's metadata written by process
+    0 before the layout; committed by the same rename."""
+
+    def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
+        several = len(snap.items) > 1
+        names, blocks = [], []
+        for it in snap.items:
+            prefix = orbax.item_prefix(it.name, several)
+            for a in it.arrays:
+                for s in a.shards:
+                    names.append(orbax.chunk_file(prefix, a.path, s.box))
+                    blocks.append(s.data)
+        written = writer.write_files(self.temp, names, blocks, bar)
+        return [(n, b.nbytes) for n, b in zip(names, blocks)], written
+
+    def before_layout(self, data: bytes) -> None:
+        for name, content in orbax.metadata_files(layout.decode(data, str(self.final))).items():
+            path = self.temp / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            layout.write_file(path, content)
+        dirs = {self.temp / f.name for f in layout.decode(data, str(self.final)).files}
+        for d in {p.parent for p in dirs} | {p.parent.parent for p in dirs}:
+            if d != self.temp and d.is_dir():
+                commit.fsync_dir(d)
 
 
 class _ObjectTarget:
@@ -223,7 +263,8 @@ class _ObjectTarget:
     def attach(self, token: str) -> None:
         self.nonce = token
 
-    def write_data(self, blocks: list[Any], me: int, bar: Progress) -> tuple[list[Any], list]:
+    def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
+        blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
         return writer.write_objects(self.final, f"data-{self.nonce}-p{me:05d}", blocks, bar)
 
     def _part(self, q: int) -> str:
@@ -270,12 +311,17 @@ def _write_and_commit(
     overwrite: bool,
     bar: Progress,
     after_commit: Callable[[], None] | None,
+    fmt: str = "fcir",
 ) -> None:
     me, count = coord.process_index, coord.process_count
     key = f"fcir/checkpoint/{seq}"
     target: _LocalTarget | _ObjectTarget
     if isinstance(final, storage.ObjectStore):
+        if fmt == "orbax":
+            raise CheckpointError(f"{final}: format='orbax' saves to local paths only")
         target = _ObjectTarget(final, overwrite)
+    elif fmt == "orbax":
+        target = _OrbaxTarget(final, overwrite)
     else:
         target = _LocalTarget(final, overwrite)
     if me == 0:
@@ -353,8 +399,7 @@ def _write_part(
     bar: Progress,
 ) -> pb.CheckpointLayout:
     """Writes this process's data; returns a layout holding only its files and shards."""
-    blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
-    files, written = target.write_data(blocks, me, bar)
+    files, written = target.write_data(snap, me, bar)
     part = pb.CheckpointLayout(
         layout_version=layout.LAYOUT_VERSION,
         writer=f"fcir.checkpoint (jax {jax.__version__})",

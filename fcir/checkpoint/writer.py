@@ -211,3 +211,43 @@ def write_objects(
         tasks.append(task)
     parallel.run_tasks(tasks, OBJECT_THREADS)
     return files, written  # type: ignore[return-value]
+
+
+def write_files(
+    directory: pathlib.Path,
+    names: Sequence[str],
+    blocks: Sequence[np.ndarray],
+    progress: Progress | None = None,
+) -> list[Written]:
+    """Writes each block into a new file of its own at `directory/name` (creating
+    subdirectories), fsyncs them, several at a time; returns their checksums (the
+    block of `names[k]` is file k)."""
+    for d in sorted({(directory / n).parent for n in names}):
+        d.mkdir(parents=True, exist_ok=True)
+    written: list[Written | None] = [None] * len(blocks)
+
+    def task(k: int) -> Callable[[], None]:
+        def run() -> None:
+            path = directory / names[k]
+            view = memoryview(blocks[k].reshape(-1).view(np.uint8))
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise _os_error("cannot create", path, e) from e
+            try:
+                data = view
+                while data:
+                    data = data[os.write(fd, data) :]
+                os.fsync(fd)
+            except OSError as e:
+                raise _os_error("writing", path, e) from e
+            finally:
+                os.close(fd)
+            written[k] = Written(0, len(view), checksums.chunk_crcs(view, checksums.CHUNK_BYTES), k)
+            if progress is not None:
+                progress.advance(len(view))
+
+        return run
+
+    parallel.run_tasks([task(k) for k in range(len(blocks))])
+    return written  # type: ignore[return-value]
