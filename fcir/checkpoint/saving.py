@@ -422,6 +422,7 @@ def _write_part(
                 shape=a.shape,
                 dtype=layout.dtype_name(a.dtype),
                 kind=a.kind,
+                prng_key_impl=a.prng_key_impl,
             )
             record.sharding.CopyFrom(a.sharding)
             for shard in a.shards:
