@@ -65,9 +65,7 @@ class ObjectStore:
         return hash(self.url)
 
     def __truediv__(self, name: str) -> ObjectStore:
-        child = ObjectStore(self.scheme, self.bucket, f"{self.prefix}/{name}".strip("/"))
-        child._kv = None
-        return child
+        return ObjectStore(self.scheme, self.bucket, f"{self.prefix}/{name}".strip("/"))
 
     # -- the kvstore ---------------------------------------------------------------------
 
