@@ -94,8 +94,9 @@ class ObjectStore:
     def kv(self) -> Any:
         if self._kv is None:
             ts = _tensorstore()
+            spec = self._spec()  # CheckpointError for missing credentials, as it is
             try:
-                self._kv = ts.KvStore.open(self._spec()).result()
+                self._kv = ts.KvStore.open(spec).result()
             except Exception as e:  # tensorstore raises ValueError with its status text
                 raise CheckpointError(f"cannot open {self.url}: {e}") from e
         return self._kv
