@@ -186,7 +186,8 @@ def read_range(
     first, last = start // chunk_bytes, max(start, stop - 1) // chunk_bytes
     if files.whole_chunks:
         lo, hi = first * chunk_bytes, min((last + 1) * chunk_bytes, shard.length)
-        buf = memoryview(bytearray(hi - lo))
+        # Straight into `dest` when the range is whole chunks, else via a buffer.
+        buf = dest if (lo, hi) == (start, stop) else memoryview(bytearray(hi - lo))
         files.pread(shard.file, buf, base + lo, array)
         for c in range(first, last + 1):
             a, b = c * chunk_bytes - lo, min((c + 1) * chunk_bytes, shard.length) - lo
@@ -195,7 +196,8 @@ def read_range(
                     f"{where()}: checksum mismatch in bytes {base + lo + a}..{base + lo + b} "
                     "(the checkpoint is corrupt)"
                 )
-        dest[:] = buf[start - lo : stop - lo]
+        if buf is not dest:
+            dest[:] = buf[start - lo : stop - lo]
         return
     for c in range(first, last + 1):
         lo, hi = c * chunk_bytes, min((c + 1) * chunk_bytes, shard.length)
