@@ -95,7 +95,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         what = "does not exist" if not directory.exists() else "is not a directory"
         print(f"fcir ckpt inspect: error: {directory} {what}", file=sys.stderr)
         return 2
-    if isinstance(directory, pathlib.Path) and orbax.is_orbax(directory):
+    if orbax.is_orbax(directory):
         return _run_orbax(directory, args, out)
     try:
         lay = layout.read_layout(directory)
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 1 if problems else 0
 
 
-def _run_orbax(directory: pathlib.Path, args: argparse.Namespace, out: TextIO) -> int:
+def _run_orbax(directory: storage.Location, args: argparse.Namespace, out: TextIO) -> int:
     """An Orbax checkpoint: its items and arrays; reads every array unless --no-verify."""
     try:
         described = orbax.describe(directory)

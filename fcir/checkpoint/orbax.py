@@ -30,6 +30,7 @@ import numpy as np
 from fcir._proto import checkpoint_pb2 as pb
 from fcir.checkpoint import keypaths, shardings
 from fcir.checkpoint.layout import LAYOUT_FILE, dtype_from_name
+from fcir.checkpoint.storage import ObjectStore
 from fcir.errors import CheckpointError
 
 METADATA = "_METADATA"
@@ -43,18 +44,54 @@ _SEQUENCE, _DICT = 1, 2  # orbax's key_type values
 # -- which format ----------------------------------------------------------------------
 
 
-def is_orbax(directory: pathlib.Path) -> bool:
+Where = pathlib.Path | ObjectStore  # a local directory or an object-store prefix
+
+
+def _has(where: Where, name: str) -> bool:
+    if isinstance(where, ObjectStore):
+        return where.exists(name)
+    return (where / name).is_file()
+
+
+def _text(where: Where, name: str) -> str:
+    if isinstance(where, ObjectStore):
+        data = where.read(name)
+        if data is None:
+            raise OSError(f"{where}/{name} does not exist")
+        return data.decode()
+    return (where / name).read_text()
+
+
+def _kvstore(where: Where) -> dict[str, Any]:
+    if isinstance(where, ObjectStore):
+        return where.kvstore_spec()
+    return {"driver": "file", "path": f"{where}/"}
+
+
+def is_orbax(directory: Where) -> bool:
     """Whether `directory` is an Orbax checkpoint (and not an fcir one)."""
-    if (directory / LAYOUT_FILE).exists():
+    if _has(directory, LAYOUT_FILE):
         return False
-    return (directory / METADATA).is_file() or bool(items(directory))
+    return bool(items(directory))
 
 
-def items(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+def items(directory: Where) -> dict[str, Where]:
     """The Orbax items of `directory`: itself as "default", or its item subfolders."""
+    if isinstance(directory, ObjectStore):
+        keys = set(directory.list())
+        if METADATA in keys:
+            return {"default": directory}
+        subs = sorted(
+            {
+                k.split("/")[0]
+                for k in keys
+                if k.count("/") == 1 and k.split("/")[1] in (METADATA, _JSON_FILE)
+            }
+        )
+        return {name: directory / name for name in subs}
     if (directory / METADATA).is_file():
         return {"default": directory}
-    out = {}
+    out: dict[str, Where] = {}
     try:
         entries = sorted(directory.iterdir())
     except OSError:
@@ -77,9 +114,9 @@ class _Leaf:
         return ".".join(self.keys)
 
 
-def _tree_metadata(item_dir: pathlib.Path) -> tuple[list[_Leaf], dict[str, Any]]:
+def _tree_metadata(item_dir: Where) -> tuple[list[_Leaf], dict[str, Any]]:
     try:
-        doc = json.loads((item_dir / METADATA).read_text())
+        doc = json.loads(_text(item_dir, METADATA))
         leaves = []
         for text, entry in doc["tree_metadata"].items():
             meta = entry.get("key_metadata")
@@ -95,21 +132,18 @@ def _tree_metadata(item_dir: pathlib.Path) -> tuple[list[_Leaf], dict[str, Any]]
     return leaves, doc
 
 
-def _open_array(item_dir: pathlib.Path, doc: dict[str, Any], leaf: _Leaf, name: str) -> Any:
+def _open_array(item_dir: Where, doc: dict[str, Any], leaf: _Leaf, name: str) -> Any:
     import tensorstore as ts
 
     driver = "zarr3" if doc.get("use_zarr3") else "zarr"
-    if (item_dir / "manifest.ocdbt").is_file():
+    if _has(item_dir, "manifest.ocdbt"):
         spec = {
             "driver": driver,
-            "kvstore": {"driver": "ocdbt", "base": f"file://{item_dir}/"},
+            "kvstore": {"driver": "ocdbt", "base": _kvstore(item_dir)},
             "path": leaf.param,
         }
     else:
-        spec = {
-            "driver": driver,
-            "kvstore": {"driver": "file", "path": f"{item_dir}/{leaf.param}/"},
-        }
+        spec = {"driver": driver, "kvstore": _kvstore(item_dir / leaf.param)}
     try:
         return ts.open(spec, open=True, read=True).result()
     except Exception as e:  # tensorstore's status as ValueError
@@ -124,7 +158,7 @@ def _read(store: Any, box: shardings.Box, name: str) -> np.ndarray:
 
 
 def restore(
-    directory: pathlib.Path,
+    directory: Where,
     target: Mapping[str, Any] | None,
     names: Iterable[str] | None,
     cast: bool,
@@ -144,9 +178,9 @@ def restore(
     out = {}
     for name in names:
         item_dir = found[name]
-        if not (item_dir / METADATA).is_file():
+        if not _has(item_dir, METADATA):
             try:
-                out[name] = json.loads((item_dir / _JSON_FILE).read_text())
+                out[name] = json.loads(_text(item_dir, _JSON_FILE))
             except (OSError, ValueError) as e:
                 raise CheckpointError(f"{item_dir}: Orbax JSON item is unreadable ({e})") from e
             continue
@@ -156,7 +190,7 @@ def restore(
 
 
 def _restore_item(
-    item_dir: pathlib.Path,
+    item_dir: Where,
     item: str,
     sub: Any,
     cast: bool,
@@ -254,16 +288,16 @@ def _device_array(
 
 
 def describe(
-    directory: pathlib.Path,
+    directory: Where,
 ) -> list[tuple[str, list[tuple[str, str, tuple[int, ...], str]]]]:
     """For `fcir ckpt inspect`: each item's arrays as (path, dtype, shape, storage)."""
     out = []
     for name, item_dir in items(directory).items():
-        if not (item_dir / METADATA).is_file():
+        if not _has(item_dir, METADATA):
             out.append((name, [("(JSON)", "json", (), "metadata file")]))
             continue
         leaves, doc = _tree_metadata(item_dir)
-        storage = ("OCDBT, " if (item_dir / "manifest.ocdbt").is_file() else "") + (
+        storage = ("OCDBT, " if _has(item_dir, "manifest.ocdbt") else "") + (
             "zarr v3" if doc.get("use_zarr3") else "zarr v2"
         )
         rows = []
@@ -277,11 +311,11 @@ def describe(
     return out
 
 
-def read_all(directory: pathlib.Path) -> int:
+def read_all(directory: Where) -> int:
     """Reads every array of an Orbax checkpoint (what decoding can check); returns bytes."""
     total = 0
     for name, item_dir in items(directory).items():
-        if not (item_dir / METADATA).is_file():
+        if not _has(item_dir, METADATA):
             continue
         leaves, doc = _tree_metadata(item_dir)
         for leaf in leaves:

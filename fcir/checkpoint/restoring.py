@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -67,7 +66,7 @@ def restore(
     (bool, integer, floating, complex).
     """
     directory = storage.locate(path)
-    if isinstance(directory, pathlib.Path) and orbax.is_orbax(directory):
+    if orbax.is_orbax(directory):
         if target is not None and not isinstance(target, Mapping):
             raise CheckpointError(
                 f"target must be a dict of item name to pytree, got {type(target).__name__}"

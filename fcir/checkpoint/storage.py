@@ -91,6 +91,10 @@ class ObjectStore:
             "context": {"gcs_request_retries": _RETRIES},
         }
 
+    def kvstore_spec(self) -> dict[str, Any]:
+        """The tensorstore kvstore spec of this prefix (for drivers that take one)."""
+        return self._spec()
+
     def kv(self) -> Any:
         if self._kv is None:
             ts = _tensorstore()

@@ -298,3 +298,34 @@ def test_two_processes_write_their_own_objects_and_one_commits(url, s3_endpoint,
 
     for k, v in EXPECTED.items():
         assert same_bits(out[k], v + 1), k
+
+
+@pytest.mark.parametrize("ocdbt", [True, False], ids=["ocdbt", "zarr-directories"])
+def test_an_orbax_checkpoint_in_s3_restores_onto_another_sharding(
+    url, devices, s3_endpoint, tmp_path, ocdbt
+):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    from s3_testing import BUCKET, client
+
+    tree = _tree(devices)["params"]
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt)).save(
+        tmp_path / "ox", args=ocp.args.PyTreeSave(tree)
+    )
+    s3 = client(s3_endpoint)
+    prefix = url.split("/", 3)[3]
+    for f in (tmp_path / "ox").rglob("*"):
+        if f.is_file():
+            s3.put_object(
+                Bucket=BUCKET, Key=f"{prefix}/{f.relative_to(tmp_path / 'ox')}", Body=f.read_bytes()
+            )
+    other = jax.make_mesh((4, 2), ("a", "b"), devices=devices)
+    target = {
+        k: jax.ShapeDtypeStruct(
+            v.shape, v.dtype, sharding=NamedSharding(other, P("b") if v.ndim == 2 else P())
+        )
+        for k, v in tree.items()
+    }
+    out = checkpoint.restore(url, {"default": target})["default"]
+    for k, v in tree.items():
+        assert out[k].sharding == target[k].sharding
+        assert same_bits(np.asarray(out[k]), np.asarray(v)), k
