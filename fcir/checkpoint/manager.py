@@ -21,12 +21,16 @@ def _is_step(name: str) -> bool:
     return name.isdigit() and str(int(name)) == name
 
 
+#: What marks a committed Orbax step in an object store (Orbax writes it last there).
+_ORBAX_COMMITTED = "commit_success.txt"
+
+
 def _committed_steps(directory: storage.Location) -> list[int]:
     if isinstance(directory, storage.ObjectStore):
         return sorted(
             int(step)
             for step, _, rest in (k.partition("/") for k in directory.list())
-            if rest == LAYOUT_FILE and _is_step(step)
+            if rest in (LAYOUT_FILE, _ORBAX_COMMITTED) and _is_step(step)
         )
     steps = []
     try:
@@ -46,11 +50,23 @@ def _committed_steps(directory: storage.Location) -> list[int]:
 
 
 def _remove_uncommitted(directory: storage.ObjectStore) -> None:
-    """Deletes the objects of steps that crashed saves left without a layout."""
-    keys = directory.list()
-    committed = {k.partition("/")[0] for k in keys if k.partition("/")[2] == LAYOUT_FILE}
-    for step in sorted({k.partition("/")[0] for k in keys if "/" in k} - committed):
-        if _is_step(step):
+    """Deletes the objects of fcir steps that crashed saves left without a layout.
+
+    Only steps holding nothing but fcir's own objects (data and part layouts): anything
+    else under a step number (an Orbax step being written, a user's file) is left alone.
+    """
+    by_step: dict[str, list[str]] = {}
+    for k in directory.list():
+        step, _, rest = k.partition("/")
+        if rest and _is_step(step):
+            by_step.setdefault(step, []).append(rest)
+    for step, rests in sorted(by_step.items()):
+        ours = all(
+            "/" not in r
+            and (r.startswith("data-") and r.endswith(".bin") or r.startswith("layout.part-"))
+            for r in rests
+        )
+        if ours:
             directory.delete_under(step + "/")
 
 

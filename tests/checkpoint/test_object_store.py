@@ -329,3 +329,24 @@ def test_an_orbax_checkpoint_in_s3_restores_onto_another_sharding(
     for k, v in tree.items():
         assert out[k].sharding == target[k].sharding
         assert same_bits(np.asarray(out[k]), np.asarray(v)), k
+
+
+def test_a_manager_over_s3_leaves_foreign_objects_under_step_numbers_alone(url, s3_endpoint):
+    """Only fcir's own leftovers are cleaned: an Orbax step being written survives, and a
+    committed Orbax step (commit_success.txt) counts as a step."""
+    from s3_testing import BUCKET, client
+
+    prefix = url.split("/", 3)[3]
+    s3 = client(s3_endpoint)
+    for key in (
+        "4/_METADATA",
+        "4/d/abc",
+        "6/_METADATA",
+        "6/commit_success.txt",
+        "5/data-x-p00000-000.bin",
+    ):
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=b"{}")
+    mgr = checkpoint.CheckpointManager(url)
+    assert mgr.all_steps() == [6]
+    left = {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)}
+    assert left == {"4/_METADATA", "4/d/abc", "6/_METADATA", "6/commit_success.txt"}
