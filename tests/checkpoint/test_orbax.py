@@ -4,6 +4,7 @@ manager steps); Orbax's StandardCheckpointer restores what `format="orbax"` writ
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 
@@ -233,15 +234,24 @@ def test_fcir_ckpt_inspect_reads_both_formats(tmp_path, devices):
     _orbax_save(tmp_path / "ox", tree)
     checkpoint.save(tmp_path / "fx", {"default": tree}, format="orbax")
 
-    def run(path):
+    def run(path, as_json=False):
         out = io.StringIO()
-        args = argparse.Namespace(directory=str(path), no_verify=False, shards=False, json=False)
+        args = argparse.Namespace(directory=str(path), no_verify=False, shards=False, json=as_json)
         return ckpt_inspect.run(args, out), out.getvalue()
 
     code, text = run(tmp_path / "ox")
     assert code == 0 and "format: Orbax" in text
     assert re.search(r"default/w +float32 +\[64, 24\]", text), text
     assert "OCDBT, zarr v2" in text and "every array read" in text
+    code, text = run(tmp_path / "ox", as_json=True)
+    doc = json.loads(text)
+    assert code == 0 and doc["format"] == "orbax" and doc["integrity"]["bytes_read"] > 6000
+    assert {
+        "path": "default/w",
+        "dtype": "float32",
+        "shape": [64, 24],
+        "storage": "OCDBT, zarr v2",
+    } in doc["items"]["default"]
     code, text = run(tmp_path / "fx")
     assert code == 0 and "with fcir's layout and checksums" in text and "integrity: OK" in text
 
