@@ -325,8 +325,14 @@ def cached_fraction(directory: pathlib.Path) -> float | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     except (OSError, AttributeError):
@@ -635,6 +641,105 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_s3(args: argparse.Namespace) -> int:
+    """fcir save/restore at an s3:// URL against the limit: the same bytes PUT and GET as
+    64 MiB objects with plain boto3 calls, as many at a time as fcir keeps in flight.
+
+    Without --s3-url, a local moto_server (moto[server]) is started for the run; its
+    speed, not the network's, is then what both sides measure.
+    """
+    import concurrent.futures
+    import contextlib
+
+    import boto3
+
+    from fcir.checkpoint import reader, writer
+
+    sys.path.insert(0, str(REPO / "tests" / "checkpoint"))
+    with contextlib.ExitStack() as stack:
+        if args.s3_url:
+            url = args.s3_url.rstrip("/")
+            endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        else:
+            from s3_testing import BUCKET, moto_server, s3_env
+
+            endpoint = stack.enter_context(moto_server())
+            os.environ.update(s3_env(endpoint))
+            url = f"s3://{BUCKET}/bench"
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        if not args.s3_url:
+            s3.create_bucket(Bucket=bucket)
+        shape = big_shape(args.size_mib)
+        tree = make_tree(shape)
+        target = abstract_tree(shape, "saved")
+        nbytes = sum(a.nbytes for a in tree["params"].values())
+        blob = np.random.default_rng(1).random(nbytes // 4, dtype=np.float32).tobytes()
+        pieces = [
+            blob[i : i + writer.OBJECT_BYTES] for i in range(0, len(blob), writer.OBJECT_BYTES)
+        ]
+        pool = concurrent.futures.ThreadPoolExecutor(writer.OBJECT_THREADS)
+        samples: dict[str, list[float]] = {
+            k: []
+            for k in ("fcir_save", "limit_put", "fcir_restore", "limit_get", "limit_get_ranged")
+        }
+        for rep in range(args.reps):
+            where = f"{url}/r{rep}"
+            t = time.perf_counter()
+            checkpoint.save(where, tree)
+            samples["fcir_save"].append(time.perf_counter() - t)
+            keys = [f"{prefix}/limit{rep}/{k}" for k in range(len(pieces))]
+            t = time.perf_counter()
+            list(
+                pool.map(
+                    lambda kv: s3.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]),
+                    zip(keys, pieces),
+                )
+            )
+            samples["limit_put"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            jax.block_until_ready(checkpoint.restore(where, target))
+            samples["fcir_restore"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            list(pool.map(lambda k: s3.get_object(Bucket=bucket, Key=k)["Body"].read(), keys))
+            samples["limit_get"].append(time.perf_counter() - t)
+            # The requests a restore onto the saved sharding makes: each stored shard's
+            # bytes in pieces of reader.PIECE_BYTES, as plain ranged GETs.
+            lay = read_layout(where)
+            ranges = [
+                (f"{prefix}/r{rep}/{lay.files[sh.file].name}", sh.offset + a,
+                 sh.offset + min(a + reader.PIECE_BYTES, sh.length) - 1)
+                for item in lay.items for rec in item.arrays.arrays for sh in rec.shards
+                for a in range(0, max(sh.length, 1), reader.PIECE_BYTES)
+            ]  # fmt: skip
+
+            def ranged(r: tuple[str, int, int]) -> bytes:
+                return s3.get_object(Bucket=bucket, Key=r[0], Range=f"bytes={r[1]}-{r[2]}")[
+                    "Body"
+                ].read()
+
+            t = time.perf_counter()
+            list(pool.map(ranged, ranges))
+            samples["limit_get_ranged"].append(time.perf_counter() - t)
+        pool.shutdown()
+    mib = nbytes / 2**20
+    print(
+        f"\n{mib:.0f} MiB over {jax.device_count()} devices to {url} ({args.reps} reps; "
+        f"{'local moto_server' if not args.s3_url else endpoint or 'AWS'})"
+    )
+    print(f"{'':<17} {'median s':>9} {'min..max s':>15} {'MiB/s':>8}")
+    for k, v in samples.items():
+        print(f"{k:<17} {median(v):>9.3f} {min(v):>7.3f}..{max(v):<7.3f} {mib / median(v):>8.1f}")
+    print(
+        f"save fcir/limit {median(samples['fcir_save']) / median(samples['limit_put']):.2f}x the "
+        f"time, restore fcir/limit {median(samples['fcir_restore']) / median(samples['limit_get']):.2f}x"
+        f" (whole objects), "
+        f"{median(samples['fcir_restore']) / median(samples['limit_get_ranged']):.2f}x"
+        " (the same ranged GETs)"
+    )
+    return 0
+
+
 def _version(dist: str) -> str | None:
     from importlib import metadata
 
@@ -655,6 +760,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", help="where to write checkpoints (default: a temporary dir)")
     parser.add_argument("--results", default=str(RESULTS), help="where to write the JSON")
     parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="only the S3 figures (a local moto_server unless --s3-url)",
+    )
+    parser.add_argument("--s3-url", help="s3://BUCKET/PREFIX to measure against (AWS_* env)")
     args = parser.parse_args(argv)
     if args.memory_child:
         library, path, rows, cols = args.memory_child
@@ -664,6 +775,8 @@ def main(argv: list[str] | None = None) -> int:
         args.size_mib = 1 if args.quick else 1024
     if args.settle is None:
         args.settle = 0.0 if args.quick else 3.0
+    if args.s3 or args.s3_url:
+        return run_s3(args)
     return run(args)
 
 

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x63ir/v1/checkpoint.proto\x12\x07\x66\x63ir.v1\"<\n\x14\x43heckpointLayoutFile\x12\x0e\n\x06layout\x18\x01 \x01(\x0c\x12\x14\n\x0clayout_crc32\x18\x02 \x01(\x07\"\x81\x02\n\x10\x43heckpointLayout\x12\x16\n\x0elayout_version\x18\x01 \x01(\r\x12\x0e\n\x06writer\x18\x02 \x01(\t\x12\x15\n\rnum_processes\x18\x03 \x01(\r\x12 \n\x05\x66iles\x18\x04 \x03(\x0b\x32\x11.fcir.v1.DataFile\x12\x1c\n\x05items\x18\x05 \x03(\x0b\x32\r.fcir.v1.Item\x12\x36\n\x12\x63hecksum_algorithm\x18\x06 \x01(\x0e\x32\x1a.fcir.v1.ChecksumAlgorithm\x12\x1c\n\x14\x63hecksum_chunk_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x63ommit_time_unix\x18\x08 \x01(\x01\"C\n\x08\x44\x61taFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x15\n\rprocess_index\x18\x03 \x01(\r\"S\n\x04Item\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06\x61rrays\x18\x02 \x01(\x0b\x32\x12.fcir.v1.ArrayTreeH\x00\x12\x0e\n\x04json\x18\x03 \x01(\tH\x00\x42\x07\n\x05value\"1\n\tArrayTree\x12$\n\x06\x61rrays\x18\x01 \x03(\x0b\x32\x14.fcir.v1.ArrayRecord\"\xbb\x01\n\x0b\x41rrayRecord\x12\"\n\x04path\x18\x01 \x03(\x0b\x32\x14.fcir.v1.PathElement\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12#\n\x08sharding\x18\x04 \x01(\x0b\x32\x11.fcir.v1.Sharding\x12$\n\x06shards\x18\x05 \x03(\x0b\x32\x14.fcir.v1.ShardRecord\x12\x1f\n\x04kind\x18\x06 \x01(\x0e\x32\x11.fcir.v1.LeafKind\"`\n\x0bPathElement\x12\x0e\n\x04name\x18\x01 \x01(\tH\x00\x12\x0f\n\x05index\x18\x02 \x01(\x03H\x00\x12)\n\tcontainer\x18\x03 \x01(\x0e\x32\x16.fcir.v1.ContainerKindB\x05\n\x03key\"\xb8\x01\n\x08Sharding\x12\"\n\x04host\x18\x01 \x01(\x0b\x32\x12.fcir.v1.HostValueH\x00\x12.\n\rsingle_device\x18\x02 \x01(\x0b\x32\x15.fcir.v1.SingleDeviceH\x00\x12\'\n\x05named\x18\x03 \x01(\x0b\x32\x16.fcir.v1.NamedShardingH\x00\x12\'\n\x05other\x18\x04 \x01(\x0b\x32\x16.fcir.v1.OtherShardingH\x00\x42\x06\n\x04kind\"\x0b\n\tHostValue\"3\n\x0cSingleDevice\x12\x11\n\tdevice_id\x18\x01 \x01(\x03\x12\x10\n\x08platform\x18\x02 \x01(\t\"m\n\rNamedSharding\x12$\n\tmesh_axes\x18\x01 \x03(\x0b\x32\x11.fcir.v1.MeshAxis\x12\"\n\x04spec\x18\x02 \x03(\x0b\x32\x14.fcir.v1.DimSharding\x12\x12\n\ndevice_ids\x18\x03 \x03(\x03\"&\n\x08MeshAxis\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"\x1b\n\x0b\x44imSharding\x12\x0c\n\x04\x61xes\x18\x01 \x03(\t\"L\n\rOtherSharding\x12\x11\n\ttype_name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x13\n\x0bnum_devices\x18\x03 \x01(\x03\"\x8f\x01\n\x0bShardRecord\x12\"\n\x05index\x18\x01 \x03(\x0b\x32\x13.fcir.v1.IndexRange\x12\x0c\n\x04\x66ile\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x17\n\x0f\x63hunk_checksums\x18\x05 \x03(\x07\x12\x15\n\rprocess_index\x18\x06 \x01(\r\")\n\nIndexRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03*U\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43HECKSUM_ALGORITHM_CRC32\x10\x01*\x92\x01\n\x08LeafKind\x12\x19\n\x15LEAF_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13LEAF_KIND_JAX_ARRAY\x10\x01\x12\x19\n\x15LEAF_KIND_NUMPY_ARRAY\x10\x02\x12\x1a\n\x16LEAF_KIND_NUMPY_SCALAR\x10\x03\x12\x1b\n\x17LEAF_KIND_PYTHON_SCALAR\x10\x04*\x96\x01\n\rContainerKind\x12\x1e\n\x1a\x43ONTAINER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43ONTAINER_KIND_DICT\x10\x01\x12\x17\n\x13\x43ONTAINER_KIND_LIST\x10\x02\x12\x18\n\x14\x43ONTAINER_KIND_TUPLE\x10\x03\x12\x19\n\x15\x43ONTAINER_KIND_OBJECT\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x63ir/v1/checkpoint.proto\x12\x07\x66\x63ir.v1\"<\n\x14\x43heckpointLayoutFile\x12\x0e\n\x06layout\x18\x01 \x01(\x0c\x12\x14\n\x0clayout_crc32\x18\x02 \x01(\x07\"\x81\x02\n\x10\x43heckpointLayout\x12\x16\n\x0elayout_version\x18\x01 \x01(\r\x12\x0e\n\x06writer\x18\x02 \x01(\t\x12\x15\n\rnum_processes\x18\x03 \x01(\r\x12 \n\x05\x66iles\x18\x04 \x03(\x0b\x32\x11.fcir.v1.DataFile\x12\x1c\n\x05items\x18\x05 \x03(\x0b\x32\r.fcir.v1.Item\x12\x36\n\x12\x63hecksum_algorithm\x18\x06 \x01(\x0e\x32\x1a.fcir.v1.ChecksumAlgorithm\x12\x1c\n\x14\x63hecksum_chunk_bytes\x18\x07 \x01(\x04\x12\x18\n\x10\x63ommit_time_unix\x18\x08 \x01(\x01\"C\n\x08\x44\x61taFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x15\n\rprocess_index\x18\x03 \x01(\r\"S\n\x04Item\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x06\x61rrays\x18\x02 \x01(\x0b\x32\x12.fcir.v1.ArrayTreeH\x00\x12\x0e\n\x04json\x18\x03 \x01(\tH\x00\x42\x07\n\x05value\"1\n\tArrayTree\x12$\n\x06\x61rrays\x18\x01 \x03(\x0b\x32\x14.fcir.v1.ArrayRecord\"\xd2\x01\n\x0b\x41rrayRecord\x12\"\n\x04path\x18\x01 \x03(\x0b\x32\x14.fcir.v1.PathElement\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12#\n\x08sharding\x18\x04 \x01(\x0b\x32\x11.fcir.v1.Sharding\x12$\n\x06shards\x18\x05 \x03(\x0b\x32\x14.fcir.v1.ShardRecord\x12\x1f\n\x04kind\x18\x06 \x01(\x0e\x32\x11.fcir.v1.LeafKind\x12\x15\n\rprng_key_impl\x18\x07 \x01(\t\"`\n\x0bPathElement\x12\x0e\n\x04name\x18\x01 \x01(\tH\x00\x12\x0f\n\x05index\x18\x02 \x01(\x03H\x00\x12)\n\tcontainer\x18\x03 \x01(\x0e\x32\x16.fcir.v1.ContainerKindB\x05\n\x03key\"\xb8\x01\n\x08Sharding\x12\"\n\x04host\x18\x01 \x01(\x0b\x32\x12.fcir.v1.HostValueH\x00\x12.\n\rsingle_device\x18\x02 \x01(\x0b\x32\x15.fcir.v1.SingleDeviceH\x00\x12\'\n\x05named\x18\x03 \x01(\x0b\x32\x16.fcir.v1.NamedShardingH\x00\x12\'\n\x05other\x18\x04 \x01(\x0b\x32\x16.fcir.v1.OtherShardingH\x00\x42\x06\n\x04kind\"\x0b\n\tHostValue\"3\n\x0cSingleDevice\x12\x11\n\tdevice_id\x18\x01 \x01(\x03\x12\x10\n\x08platform\x18\x02 \x01(\t\"m\n\rNamedSharding\x12$\n\tmesh_axes\x18\x01 \x03(\x0b\x32\x11.fcir.v1.MeshAxis\x12\"\n\x04spec\x18\x02 \x03(\x0b\x32\x14.fcir.v1.DimSharding\x12\x12\n\ndevice_ids\x18\x03 \x03(\x03\"&\n\x08MeshAxis\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\"\x1b\n\x0b\x44imSharding\x12\x0c\n\x04\x61xes\x18\x01 \x03(\t\"L\n\rOtherSharding\x12\x11\n\ttype_name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x13\n\x0bnum_devices\x18\x03 \x01(\x03\"\x8f\x01\n\x0bShardRecord\x12\"\n\x05index\x18\x01 \x03(\x0b\x32\x13.fcir.v1.IndexRange\x12\x0c\n\x04\x66ile\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x17\n\x0f\x63hunk_checksums\x18\x05 \x03(\x07\x12\x15\n\rprocess_index\x18\x06 \x01(\r\")\n\nIndexRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03*U\n\x11\x43hecksumAlgorithm\x12\"\n\x1e\x43HECKSUM_ALGORITHM_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43HECKSUM_ALGORITHM_CRC32\x10\x01*\x92\x01\n\x08LeafKind\x12\x19\n\x15LEAF_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13LEAF_KIND_JAX_ARRAY\x10\x01\x12\x19\n\x15LEAF_KIND_NUMPY_ARRAY\x10\x02\x12\x1a\n\x16LEAF_KIND_NUMPY_SCALAR\x10\x03\x12\x1b\n\x17LEAF_KIND_PYTHON_SCALAR\x10\x04*\x96\x01\n\rContainerKind\x12\x1e\n\x1a\x43ONTAINER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43ONTAINER_KIND_DICT\x10\x01\x12\x17\n\x13\x43ONTAINER_KIND_LIST\x10\x02\x12\x18\n\x14\x43ONTAINER_KIND_TUPLE\x10\x03\x12\x19\n\x15\x43ONTAINER_KIND_OBJECT\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fcir.v1.checkpoint_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHECKSUMALGORITHM']._serialized_start=1552
-  _globals['_CHECKSUMALGORITHM']._serialized_end=1637
-  _globals['_LEAFKIND']._serialized_start=1640
-  _globals['_LEAFKIND']._serialized_end=1786
-  _globals['_CONTAINERKIND']._serialized_start=1789
-  _globals['_CONTAINERKIND']._serialized_end=1939
+  _globals['_CHECKSUMALGORITHM']._serialized_start=1575
+  _globals['_CHECKSUMALGORITHM']._serialized_end=1660
+  _globals['_LEAFKIND']._serialized_start=1663
+  _globals['_LEAFKIND']._serialized_end=1809
+  _globals['_CONTAINERKIND']._serialized_start=1812
+  _globals['_CONTAINERKIND']._serialized_end=1962
   _globals['_CHECKPOINTLAYOUTFILE']._serialized_start=37
   _globals['_CHECKPOINTLAYOUTFILE']._serialized_end=97
   _globals['_CHECKPOINTLAYOUT']._serialized_start=100
@@ -48,25 +48,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ARRAYTREE']._serialized_start=513
   _globals['_ARRAYTREE']._serialized_end=562
   _globals['_ARRAYRECORD']._serialized_start=565
-  _globals['_ARRAYRECORD']._serialized_end=752
-  _globals['_PATHELEMENT']._serialized_start=754
-  _globals['_PATHELEMENT']._serialized_end=850
-  _globals['_SHARDING']._serialized_start=853
-  _globals['_SHARDING']._serialized_end=1037
-  _globals['_HOSTVALUE']._serialized_start=1039
-  _globals['_HOSTVALUE']._serialized_end=1050
-  _globals['_SINGLEDEVICE']._serialized_start=1052
-  _globals['_SINGLEDEVICE']._serialized_end=1103
-  _globals['_NAMEDSHARDING']._serialized_start=1105
-  _globals['_NAMEDSHARDING']._serialized_end=1214
-  _globals['_MESHAXIS']._serialized_start=1216
-  _globals['_MESHAXIS']._serialized_end=1254
-  _globals['_DIMSHARDING']._serialized_start=1256
-  _globals['_DIMSHARDING']._serialized_end=1283
-  _globals['_OTHERSHARDING']._serialized_start=1285
-  _globals['_OTHERSHARDING']._serialized_end=1361
-  _globals['_SHARDRECORD']._serialized_start=1364
-  _globals['_SHARDRECORD']._serialized_end=1507
-  _globals['_INDEXRANGE']._serialized_start=1509
-  _globals['_INDEXRANGE']._serialized_end=1550
+  _globals['_ARRAYRECORD']._serialized_end=775
+  _globals['_PATHELEMENT']._serialized_start=777
+  _globals['_PATHELEMENT']._serialized_end=873
+  _globals['_SHARDING']._serialized_start=876
+  _globals['_SHARDING']._serialized_end=1060
+  _globals['_HOSTVALUE']._serialized_start=1062
+  _globals['_HOSTVALUE']._serialized_end=1073
+  _globals['_SINGLEDEVICE']._serialized_start=1075
+  _globals['_SINGLEDEVICE']._serialized_end=1126
+  _globals['_NAMEDSHARDING']._serialized_start=1128
+  _globals['_NAMEDSHARDING']._serialized_end=1237
+  _globals['_MESHAXIS']._serialized_start=1239
+  _globals['_MESHAXIS']._serialized_end=1277
+  _globals['_DIMSHARDING']._serialized_start=1279
+  _globals['_DIMSHARDING']._serialized_end=1306
+  _globals['_OTHERSHARDING']._serialized_start=1308
+  _globals['_OTHERSHARDING']._serialized_end=1384
+  _globals['_SHARDRECORD']._serialized_start=1387
+  _globals['_SHARDRECORD']._serialized_end=1530
+  _globals['_INDEXRANGE']._serialized_start=1532
+  _globals['_INDEXRANGE']._serialized_end=1573
 # @@protoc_insertion_point(module_scope)

@@ -24,7 +24,7 @@ from typing import TextIO
 from google.protobuf import json_format
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import keypaths, layout, parallel, reader, shardings
+from fcir.checkpoint import keypaths, layout, orbax, parallel, reader, shardings, storage
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
 
@@ -42,7 +42,11 @@ EPILOG = (
 
 def add_arguments(parser: argparse.ArgumentParser, *, debug_flag: bool = True) -> None:
     """Adds the subcommand's arguments. Pass debug_flag=False if the parent CLI owns --debug."""
-    parser.add_argument("directory", metavar="DIR", help="checkpoint directory (holds layout.pb)")
+    parser.add_argument(
+        "directory",
+        metavar="DIR",
+        help="checkpoint directory or URL (s3://, gs://, file://) holding layout.pb",
+    )
     parser.add_argument(
         "--no-verify", action="store_true", help="only print the layout; do not read the data"
     )
@@ -82,11 +86,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Runs the subcommand on parsed arguments; returns the exit status."""
     out = out if out is not None else sys.stdout
-    directory = pathlib.Path(args.directory)
-    if not directory.is_dir():
+    try:
+        directory = storage.locate(args.directory)
+    except CheckpointError as e:
+        print(f"fcir ckpt inspect: error: {e}", file=sys.stderr)
+        return 2
+    if isinstance(directory, pathlib.Path) and not directory.is_dir():
         what = "does not exist" if not directory.exists() else "is not a directory"
         print(f"fcir ckpt inspect: error: {directory} {what}", file=sys.stderr)
         return 2
+    if orbax.is_orbax(directory):
+        return _run_orbax(directory, args, out)
     try:
         lay = layout.read_layout(directory)
         problems, verified = ([], 0) if args.no_verify else verify(directory, lay)
@@ -122,11 +132,64 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 1 if problems else 0
 
 
-def verify(directory: pathlib.Path, lay: pb.CheckpointLayout) -> tuple[list[str], int]:
+def _run_orbax(directory: storage.Location, args: argparse.Namespace, out: TextIO) -> int:
+    """An Orbax checkpoint: its items and arrays; reads every array unless --no-verify."""
+    try:
+        described = orbax.describe(directory)
+        nbytes = 0
+        if not args.no_verify:
+            nbytes = orbax.read_all(directory)
+    except CheckpointError as e:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        else:
+            print(f"fcir ckpt inspect: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        doc = {
+            "directory": str(directory),
+            "format": "orbax",
+            "items": {
+                name: [
+                    {"path": p, "dtype": dt, "shape": list(shape), "storage": st}
+                    for p, dt, shape, st in rows
+                ]
+                for name, rows in described
+            },
+            "integrity": None if args.no_verify else {"ok": True, "bytes_read": nbytes},
+        }
+        out.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    out.write(f"checkpoint {directory}\n  format: Orbax (no fcir layout)\n")
+    for name, rows in described:
+        out.write(f"\nitem {name}: {len(rows)} array(s)\n")
+        table = [("path", "dtype", "shape", "storage")] + [
+            (p, dt, "[" + ", ".join(map(str, shape)) + "]", st) for p, dt, shape, st in rows
+        ]
+        widths = [max(len(r[i]) for r in table) for i in range(4)]
+        out.writelines(
+            "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in table
+        )
+    if args.no_verify:
+        out.write("\nintegrity: not checked (--no-verify)\n")
+    else:
+        out.write(
+            f"\nintegrity: every array read ({_size(nbytes)}); Orbax stores no checksums, "
+            "so damage inside a chunk is not detected\n"
+        )
+    return 0
+
+
+def verify(directory: storage.Location, lay: pb.CheckpointLayout) -> tuple[list[str], int]:
     """Reads every stored byte and checks it; returns the problems found and bytes read."""
     problems: list[str] = []
     lock = threading.Lock()
+    present = set(directory.list()) if isinstance(directory, storage.ObjectStore) else None
     for f in lay.files:
+        if present is not None:
+            if f.name not in present:
+                problems.append(f"data file {f.name} is missing")
+            continue
         path = directory / f.name
         if not path.is_file():
             problems.append(f"data file {f.name} is missing")
@@ -137,7 +200,7 @@ def verify(directory: pathlib.Path, lay: pb.CheckpointLayout) -> tuple[list[str]
     tasks = []
     total = 0
     bar = Progress(f"verifying {directory.name}", 0)
-    files = reader.DataFiles(directory, lay)
+    files = reader.open_files(directory, lay)
     chunk = lay.checksum_chunk_bytes
     piece = max(chunk, reader.PIECE_BYTES // chunk * chunk)
     for item in lay.items:
@@ -160,7 +223,7 @@ def verify(directory: pathlib.Path, lay: pb.CheckpointLayout) -> tuple[list[str]
 
 
 def _check(
-    files: reader.DataFiles,
+    files: reader.DataFiles | reader.ObjectDataFiles,
     shard: pb.ShardRecord,
     chunk: int,
     start: int,
@@ -192,13 +255,15 @@ def _size(n: int) -> str:
 
 
 def _print_layout(
-    directory: pathlib.Path, lay: pb.CheckpointLayout, shards: bool, out: TextIO
+    directory: storage.Location, lay: pb.CheckpointLayout, shards: bool, out: TextIO
 ) -> None:
     when = ""
     if lay.commit_time_unix:
         stamp = datetime.datetime.fromtimestamp(lay.commit_time_unix, datetime.UTC)
         when = f", committed {stamp:%Y-%m-%d %H:%M:%S} UTC"
     out.write(f"checkpoint {directory}\n")
+    if isinstance(directory, pathlib.Path) and (directory / orbax.CHECKPOINT_METADATA).is_file():
+        out.write("  format: Orbax (zarr v2 chunks), with fcir's layout and checksums\n")
     out.write(
         f"  layout v{lay.layout_version}, {lay.num_processes} process(es){when}\n"
         f"  writer: {lay.writer or 'unknown'}\n"

@@ -11,7 +11,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import checksums, keypaths, shardings
+from fcir.checkpoint import checksums, keypaths, shardings, storage
 from fcir.errors import CheckpointError
 
 LAYOUT_VERSION = 1
@@ -81,16 +81,29 @@ def write_file(path: pathlib.Path, data: bytes) -> None:
         os.close(fd)
 
 
-def read_layout(path: str | os.PathLike[str]) -> pb.CheckpointLayout:
+def read_layout(path: str | os.PathLike[str] | storage.ObjectStore) -> pb.CheckpointLayout:
     """The `fcir.v1.CheckpointLayout` of the committed checkpoint at `path`.
 
-    Raises CheckpointError when `path` is not a committed checkpoint, or its layout is
-    damaged, inconsistent or from a newer format version.
+    `path` is a local directory or a URL (s3://, gs://, file://). Raises CheckpointError
+    when it is not a committed checkpoint, or its layout is damaged, inconsistent or
+    from a newer format version.
     """
-    directory = pathlib.Path(path)
+    directory = storage.locate(path)
+    if isinstance(directory, storage.ObjectStore):
+        data = directory.read(LAYOUT_FILE)
+        if data is None:
+            raise CheckpointError(f"{directory} is not a committed checkpoint (no {LAYOUT_FILE})")
+    else:
+        data = _read_local(directory)
+    layout = decode(data, str(directory))
+    validate(layout, str(directory))
+    return layout
+
+
+def _read_local(directory: pathlib.Path) -> bytes:
     file = directory / LAYOUT_FILE
     try:
-        data = file.read_bytes()
+        return file.read_bytes()
     except FileNotFoundError:
         if not directory.exists():
             raise CheckpointError(f"no checkpoint at {directory}: it does not exist") from None
@@ -99,9 +112,6 @@ def read_layout(path: str | os.PathLike[str]) -> pb.CheckpointLayout:
         ) from None
     except OSError as e:
         raise CheckpointError(f"cannot read {file}: {e.strerror or e}") from e
-    layout = decode(data, str(directory))
-    validate(layout, str(directory))
-    return layout
 
 
 def validate(layout: pb.CheckpointLayout, where: str) -> None:
@@ -112,7 +122,9 @@ def validate(layout: pb.CheckpointLayout, where: str) -> None:
         raise CheckpointError(f"{where}: checksum_chunk_bytes must be positive")
     names = set()
     for f in layout.files:
-        if not f.name or "/" in f.name or "\\" in f.name or f.name in (".", ".."):
+        # A plain name, or a relative path of plain names (Orbax-format chunk files).
+        parts = f.name.split("/")
+        if "\\" in f.name or any(not p or p in (".", "..") for p in parts):
             raise CheckpointError(f"{where}: invalid data file name {f.name!r}")
     seen_items = set()
     for item in layout.items:
@@ -159,6 +171,81 @@ def validate_array(layout: pb.CheckpointLayout, record: pb.ArrayRecord, where: s
         raise CheckpointError(
             f"{where}: its shards cover {total} of {int(np.prod(shape))} elements"
         )
+    check_tiling(
+        shape,
+        [(tuple(r.start for r in s.index), tuple(r.stop for r in s.index)) for s in record.shards],
+        where,
+    )
+
+
+#: Most cells `check_tiling` counts in a grid before it checks pairs of shards instead.
+_MAX_GRID_CELLS = 1 << 22
+
+
+def check_tiling(shape: tuple[int, ...], boxes: list[shardings.Box], where: str) -> None:
+    """Raises unless `boxes` (inside `shape`) tile it exactly: disjoint, union the whole.
+
+    Equal volumes alone are not enough: two shards claiming the same rows leave others
+    uncovered, and restore would hand back whatever memory held. The boxes' start and
+    stop coordinates cut every dimension into intervals; each box covers a block of the
+    resulting grid of cells, and the tiling is exact when every cell is covered once.
+    Shards of a jax sharding form such a grid with one cell per shard, so this costs
+    O(shards); layouts whose cuts make a much larger grid are checked pair by pair
+    along a sweep of the first dimension instead.
+    """
+    if not shape:
+        if len(boxes) != 1:
+            raise CheckpointError(f"{where}: a scalar has {len(boxes)} shards, not 1")
+        return
+    cuts = [
+        np.unique([0, d, *(b[0][k] for b in boxes), *(b[1][k] for b in boxes)])
+        for k, d in enumerate(shape)
+    ]
+    cells = 1
+    for c in cuts:
+        cells *= max(len(c) - 1, 0)
+    if cells == 0:
+        return  # an empty array: every box is empty
+    if cells <= _MAX_GRID_CELLS:
+        counts = np.zeros(tuple(len(c) - 1 for c in cuts), np.int32)
+        starts = np.array([b[0] for b in boxes], np.int64).reshape(len(boxes), len(shape))
+        stops = np.array([b[1] for b in boxes], np.int64).reshape(len(boxes), len(shape))
+        first = np.stack([np.searchsorted(c, starts[:, k]) for k, c in enumerate(cuts)], 1)
+        last = np.stack([np.searchsorted(c, stops[:, k]) for k, c in enumerate(cuts)], 1)
+        single = (last - first == 1).all(axis=1)
+        # A box of one cell (every box of a jax sharding's grid) is counted in one go.
+        np.add.at(counts, tuple(first[single].T), 1)
+        for i in np.flatnonzero(~single):
+            counts[tuple(slice(a, b) for a, b in zip(first[i], last[i]))] += 1
+        if counts.max() > 1:
+            cell = np.unravel_index(int(np.argmax(counts)), counts.shape)
+            raise CheckpointError(
+                f"{where}: shards overlap at index {tuple(int(c[i]) for c, i in zip(cuts, cell))}"
+                " (the layout is inconsistent)"
+            )
+        if counts.min() < 1:
+            cell = np.unravel_index(int(np.argmin(counts)), counts.shape)
+            raise CheckpointError(
+                f"{where}: no shard holds index {tuple(int(c[i]) for c, i in zip(cuts, cell))}"
+                " (the layout is inconsistent)"
+            )
+        return
+    # Irregular layouts (not written by fcir): with the volumes already equal to the
+    # whole, the boxes tile it exactly when no two of them overlap.
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
+    active: list[int] = []
+    for i in order:
+        lo, hi = boxes[i]
+        if lo[0] >= hi[0]:
+            continue
+        active = [j for j in active if boxes[j][1][0] > lo[0]]
+        for j in active:
+            if shardings.intersect(boxes[i], boxes[j]) is not None:
+                raise CheckpointError(
+                    f"{where}: shards overlap at index {shardings.intersect(boxes[i], boxes[j])[0]}"
+                    " (the layout is inconsistent)"
+                )
+        active.append(i)
 
 
 def array_bytes(record: pb.ArrayRecord) -> int:

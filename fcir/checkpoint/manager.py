@@ -9,7 +9,7 @@ from typing import Any, Self
 
 import jax
 
-from fcir.checkpoint import commit
+from fcir.checkpoint import commit, orbax, storage
 from fcir.checkpoint.layout import LAYOUT_FILE
 from fcir.checkpoint.restoring import restore as _restore
 from fcir.checkpoint.saving import SaveHandle
@@ -17,7 +17,21 @@ from fcir.checkpoint.saving import save as _save
 from fcir.errors import CheckpointError
 
 
-def _committed_steps(directory: pathlib.Path) -> list[int]:
+def _is_step(name: str) -> bool:
+    return name.isdigit() and str(int(name)) == name
+
+
+#: What marks a committed Orbax step in an object store (Orbax writes it last there).
+_ORBAX_COMMITTED = "commit_success.txt"
+
+
+def _committed_steps(directory: storage.Location) -> list[int]:
+    if isinstance(directory, storage.ObjectStore):
+        return sorted(
+            int(step)
+            for step, _, rest in (k.partition("/") for k in directory.list())
+            if rest in (LAYOUT_FILE, _ORBAX_COMMITTED) and _is_step(step)
+        )
     steps = []
     try:
         entries = list(os.scandir(directory))
@@ -25,10 +39,44 @@ def _committed_steps(directory: pathlib.Path) -> list[int]:
         return []
     for entry in entries:
         name = entry.name
-        committed = os.path.isfile(os.path.join(entry.path, LAYOUT_FILE))
-        if name.isdigit() and str(int(name)) == name and committed:
+        if not _is_step(name):
+            continue
+        # An fcir step has its layout; a finished Orbax step (Orbax writes into a
+        # `<step>.orbax-checkpoint-tmp-*` directory and renames it) its metadata.
+        path = pathlib.Path(entry.path)
+        if (path / LAYOUT_FILE).is_file() or (path / orbax.CHECKPOINT_METADATA).is_file():
             steps.append(int(name))
     return sorted(steps)
+
+
+def _remove_uncommitted(directory: storage.ObjectStore) -> None:
+    """Deletes the objects of fcir steps that crashed saves left without a layout.
+
+    Only steps holding nothing but fcir's own objects (data and part layouts): anything
+    else under a step number (an Orbax step being written, a user's file) is left alone.
+    """
+    by_step: dict[str, list[str]] = {}
+    for k in directory.list():
+        step, _, rest = k.partition("/")
+        if rest and _is_step(step):
+            by_step.setdefault(step, []).append(rest)
+    for step, rests in sorted(by_step.items()):
+        ours = all(
+            "/" not in r
+            and (r.startswith("data-") and r.endswith(".bin") or r.startswith("layout.part-"))
+            for r in rests
+        )
+        if ours:
+            directory.delete_under(step + "/")
+
+
+def _delete_step(directory: storage.Location, step: int) -> None:
+    if isinstance(directory, storage.ObjectStore):
+        path = directory / str(step)
+        path.delete([LAYOUT_FILE])  # uncommitted first: no reader takes the rest for a step
+        directory.delete_under(f"{step}/")
+    else:
+        commit.delete(directory / str(step))
 
 
 class CheckpointManager:
@@ -49,6 +97,7 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         *,
         progress: bool | None = None,
+        format: str = "fcir",  # noqa: A002 - as in fcir.checkpoint.save
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise CheckpointError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
@@ -56,14 +105,18 @@ class CheckpointManager:
             raise CheckpointError(
                 f"save_interval_steps must be at least 1, got {save_interval_steps}"
             )
-        self.directory = pathlib.Path(os.path.abspath(directory))
+        self.directory = storage.locate(directory)
         self.max_to_keep = max_to_keep
         self.save_interval_steps = save_interval_steps
         self.progress = progress
+        self.format = format
         self._handle: SaveHandle | None = None
         if jax.process_index() == 0:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            commit.remove_leftovers(self.directory)
+            if isinstance(self.directory, storage.ObjectStore):
+                _remove_uncommitted(self.directory)
+            else:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                commit.remove_leftovers(self.directory)
 
     def _settle(self, wait: bool) -> None:
         """Raises the error of the last background save once; waits for it if asked."""
@@ -102,6 +155,7 @@ class CheckpointManager:
             tree,
             blocking=blocking,
             progress=self.progress,
+            format=self.format,
             _after_commit=self._prune,
         )
         if blocking:
@@ -114,7 +168,7 @@ class CheckpointManager:
             return
         steps = _committed_steps(self.directory)
         for step in steps[: -self.max_to_keep]:
-            commit.delete(self.directory / str(step))
+            _delete_step(self.directory, step)
 
     def restore(
         self,

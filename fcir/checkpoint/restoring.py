@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -19,7 +18,7 @@ import jax
 import numpy as np
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import keypaths, parallel, reader, shardings
+from fcir.checkpoint import keypaths, orbax, parallel, reader, shardings, storage
 from fcir.checkpoint.layout import dtype_from_name, read_layout
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
@@ -30,7 +29,9 @@ _SCALARS = (bool, int, float, complex)
 class _Plan:
     """The read tasks of one restore, and their byte count for the progress bar."""
 
-    def __init__(self, files: reader.DataFiles, progress: Progress) -> None:
+    def __init__(
+        self, files: reader.DataFiles | reader.ObjectDataFiles, progress: Progress
+    ) -> None:
         self.files = files
         self.progress = progress
         self.tasks: list[reader.Task] = []
@@ -64,7 +65,13 @@ def restore(
     float into int truncates). Python scalar targets need a saved value of their kind
     (bool, integer, floating, complex).
     """
-    directory = pathlib.Path(path)
+    directory = storage.locate(path)
+    if orbax.is_orbax(directory):
+        if target is not None and not isinstance(target, Mapping):
+            raise CheckpointError(
+                f"target must be a dict of item name to pytree, got {type(target).__name__}"
+            )
+        return orbax.restore(directory, target, items, cast, _check_shape, _check_dtype)
     layout = read_layout(directory)
     by_name = {item.name: item for item in layout.items}
     if target is not None and not isinstance(target, Mapping):
@@ -85,7 +92,7 @@ def restore(
             f"checkpoint {directory} has no item(s) {missing}; it has {list(by_name)}"
         )
 
-    with reader.DataFiles(directory, layout) as files:
+    with reader.open_files(directory, layout) as files:
         plan = _Plan(files, Progress(f"restoring {directory.name}", 0, progress))
         builders: dict[str, Callable[[], Any]] = {}
         for name in names:
@@ -117,18 +124,20 @@ def _json_builder(name: str, text: str) -> Callable[[], Any]:
 
 
 def _plan_host_item(plan: _Plan, item: str, records: Iterable[pb.ArrayRecord]) -> Callable[[], Any]:
-    pairs: list[tuple[keypaths.Path, np.ndarray, int]] = []
+    pairs: list[tuple[keypaths.Path, np.ndarray, int, str]] = []
     for record in records:
         path = keypaths.from_proto(record.path)
         shape = tuple(record.shape)
         out = np.empty(shape, dtype_from_name(record.dtype))
         plan.read(record, keypaths.display(item, path), [((tuple(0 for _ in shape), shape), out)])
-        pairs.append((path, out, record.kind))
+        pairs.append((path, out, record.kind, record.prng_key_impl))
 
     def build() -> Any:
         values = []
-        for path, out, kind in pairs:
-            if kind == pb.LEAF_KIND_PYTHON_SCALAR:
+        for path, out, kind, impl in pairs:
+            if impl:  # typed PRNG keys: numpy cannot hold them
+                values.append((path, jax.random.wrap_key_data(out, impl=impl)))
+            elif kind == pb.LEAF_KIND_PYTHON_SCALAR:
                 values.append((path, out.item()))
             elif kind == pb.LEAF_KIND_NUMPY_SCALAR:
                 values.append((path, out[()]))
@@ -160,6 +169,8 @@ def _plan_target_item(
 def _plan_leaf(
     plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any, cast: bool
 ) -> Callable[[], Any]:
+    if record.prng_key_impl:
+        return _plan_key_leaf(plan, record, name, leaf)
     saved_shape = tuple(record.shape)
     saved_dtype = dtype_from_name(record.dtype)
     full = (tuple(0 for _ in saved_shape), saved_shape)
@@ -196,6 +207,63 @@ def _plan_leaf(
         "jax.ShapeDtypeStruct(shape, dtype, sharding=...), a jax.Array, a Sharding, a numpy "
         "array or a scalar"
     )
+
+
+def _key_impl(record: pb.ArrayRecord, name: str) -> tuple[str, tuple[int, ...], Any]:
+    """The saved keys' implementation name, key-array shape, and key dtype."""
+    impl = record.prng_key_impl
+    try:
+        dtype = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+        key_shape = tuple(
+            jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
+        )
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(
+            f"array {name!r}: PRNG implementation {impl!r} is unknown to this jax"
+        ) from e
+    shape = tuple(record.shape)
+    if shape[len(shape) - len(key_shape) :] != key_shape:
+        raise CheckpointError(f"array {name!r}: key data of shape {shape} do not fit {impl!r}")
+    return impl, shape[: len(shape) - len(key_shape)], dtype
+
+
+def _plan_key_leaf(plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any) -> Callable[[], Any]:
+    """Typed PRNG keys: their key data restored as uint32, then wrapped back into keys."""
+    impl, keys_shape, key_dtype = _key_impl(record, name)
+    data_shape = tuple(record.shape)
+    trailing = len(data_shape) - len(keys_shape)
+    if isinstance(leaf, jax.sharding.Sharding):
+        sharding = leaf
+    elif isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
+        _check_shape(name, tuple(leaf.shape), keys_shape)
+        if leaf.dtype != key_dtype:
+            raise CheckpointError(
+                f"array {name!r}: target dtype {leaf.dtype} but the checkpoint holds PRNG keys "
+                f"{key_dtype} ({impl})"
+            )
+        sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+            jax.local_devices()[0]
+        )
+    else:
+        raise CheckpointError(
+            f"array {name!r} holds PRNG keys ({impl}); restore them into a "
+            "jax.ShapeDtypeStruct of their key dtype, a key jax.Array or a Sharding"
+        )
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = (*sharding.spec, *([None] * (len(keys_shape) - len(sharding.spec))))
+        data_sharding: jax.sharding.Sharding = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec, *([None] * trailing))
+        )
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        data_sharding = sharding
+    else:
+        raise CheckpointError(
+            f"array {name!r}: PRNG keys restore onto a NamedSharding or a single device, "
+            f"not {type(sharding).__name__}"
+        )
+    dtype = dtype_from_name(record.dtype)
+    build = _plan_device_leaf(plan, record, name, data_shape, dtype, data_sharding)
+    return lambda: jax.random.wrap_key_data(build(), impl=impl)
 
 
 def _check_shape(name: str, shape: tuple[int, ...], saved: tuple[int, ...]) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import checksums, commit, keypaths, layout, snapshot, writer
+from fcir.checkpoint import checksums, commit, keypaths, layout, orbax, snapshot, storage, writer
 from fcir.checkpoint.coordination import Coordinator
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
@@ -108,6 +108,7 @@ def save(
     blocking: bool = True,
     overwrite: bool = False,
     progress: bool | None = None,
+    format: str = "fcir",  # noqa: A002 - the public name api.md fixes
     _after_commit: Callable[[], None] | None = None,
 ) -> SaveHandle:
     """Saves a dict of named items (pytrees of jax arrays, numpy arrays, scalars, or JSON).
@@ -117,13 +118,19 @@ def save(
     as the shards are on the host; the returned handle's `wait()` blocks until the
     checkpoint is committed and raises if it failed. `progress` shows a progress bar
     (None: on a terminal, for blocking saves).
+
+    `format="orbax"` writes what Orbax's StandardCheckpointer restores (each item in a
+    subfolder when there are several; local paths only), with fcir's layout and
+    checksums beside it, so `restore` reads and verifies it as any fcir checkpoint.
     """
     global _in_flight
+    if format not in ("fcir", "orbax"):
+        raise CheckpointError(f"format must be 'fcir' or 'orbax', got {format!r}")
     with _lock:
         started = time.perf_counter()
         _wait_for_previous()
-        final = pathlib.Path(os.path.abspath(path))
-        if os.path.lexists(final) and not overwrite:
+        final = storage.locate(path)
+        if _exists(final) and not overwrite:
             raise CheckpointError(f"{final} already exists; pass overwrite=True to replace it")
         coord = Coordinator()
         seq = next(_sequence)
@@ -136,7 +143,7 @@ def save(
 
         def phase2() -> None:
             try:
-                _write_and_commit(final, snap, coord, seq, overwrite, bar, _after_commit)
+                _write_and_commit(final, snap, coord, seq, overwrite, bar, _after_commit, format)
             except BaseException as e:  # noqa: BLE001 - surfaced by handle.wait()
                 handle._finish(e)
             else:
@@ -155,45 +162,188 @@ def save(
         return handle
 
 
+def _exists(final: storage.Location) -> bool:
+    if isinstance(final, storage.ObjectStore):
+        return final.exists(layout.LAYOUT_FILE)
+    return os.path.lexists(final)
+
+
 def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
 
 
+class _LocalTarget:
+    """A save into a local directory: a temporary sibling renamed into place."""
+
+    def __init__(self, final: pathlib.Path, overwrite: bool) -> None:
+        self.final, self.overwrite = final, overwrite
+        self.temp: pathlib.Path | None = None
+
+    def start(self) -> str:
+        try:
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            commit.remove_leftovers(self.final.parent)
+            self.temp = commit.temp_dir(self.final)
+        except OSError as e:
+            raise CheckpointError(f"cannot start saving {self.final}: {e}") from e
+        return self.temp.name
+
+    def attach(self, token: str) -> None:
+        self.temp = self.final.parent / token
+
+    def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
+        blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
+        file_name = layout.data_file_name(me)
+        written, size = writer.write_data_file(self.temp / file_name, blocks, bar)
+        return [(file_name, size)], written
+
+    def write_part(self, me: int, data: bytes) -> None:
+        layout.write_file(self.temp / layout.part_file_name(me), data)
+
+    def read_part(self, q: int) -> bytes:
+        return (self.temp / layout.part_file_name(q)).read_bytes()
+
+    def commit(self, data: bytes, count: int) -> None:
+        self.before_layout(data)
+        layout.write_file(self.temp / layout.LAYOUT_FILE, data)
+        for q in range(1, count):
+            os.unlink(self.temp / layout.part_file_name(q))
+        commit.publish(self.temp, self.final, self.overwrite)
+
+    def abort(self) -> None:
+        if self.temp is not None:
+            shutil.rmtree(self.temp, ignore_errors=True)
+
+    def before_layout(self, data: bytes) -> None:
+        pass
+
+
+class _OrbaxTarget(_LocalTarget):
+    """A local save in Orbax's format: one uncompressed zarr v2 chunk file per shard
+    (which fcir's layout names as its data files), Orbax's metadata written by process
+    0 before the layout; committed by the same rename."""
+
+    def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
+        several = len(snap.items) > 1
+        names, blocks = [], []
+        for it in snap.items:
+            prefix = orbax.item_prefix(it.name, several)
+            for a in it.arrays:
+                for s in a.shards:
+                    names.append(orbax.chunk_file(prefix, a.path, s.box))
+                    blocks.append(s.data)
+        written = writer.write_files(self.temp, names, blocks, bar)
+        return [(n, b.nbytes) for n, b in zip(names, blocks)], written
+
+    def before_layout(self, data: bytes) -> None:
+        for name, content in orbax.metadata_files(layout.decode(data, str(self.final))).items():
+            path = self.temp / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            layout.write_file(path, content)
+        dirs = {self.temp / f.name for f in layout.decode(data, str(self.final)).files}
+        for d in {p.parent for p in dirs} | {p.parent.parent for p in dirs}:
+            if d != self.temp and d.is_dir():
+                commit.fsync_dir(d)
+
+
+class _ObjectTarget:
+    """A save into an object store, where nothing can be renamed: every object of the
+    save carries its nonce, and writing `layout.pb` (one PUT) commits it. Objects no
+    committed layout refers to (an old checkpoint's, a crashed save's) are deleted after
+    the commit."""
+
+    def __init__(self, final: storage.ObjectStore, overwrite: bool) -> None:
+        self.final, self.overwrite = final, overwrite
+        self.nonce = ""
+
+    def start(self) -> str:
+        self.nonce = commit.nonce()
+        return self.nonce
+
+    def attach(self, token: str) -> None:
+        self.nonce = token
+
+    def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
+        blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
+        return writer.write_objects(self.final, f"data-{self.nonce}-p{me:05d}", blocks, bar)
+
+    def _part(self, q: int) -> str:
+        return f"layout.part-{self.nonce}-p{q:05d}.pb"
+
+    def write_part(self, me: int, data: bytes) -> None:
+        self.final.write(self._part(me), data)
+
+    def read_part(self, q: int) -> bytes:
+        data = self.final.read(self._part(q))
+        if data is None:
+            raise CheckpointError(f"{self.final}: process {q}'s shard records are missing")
+        return data
+
+    def commit(self, data: bytes, count: int) -> None:
+        if not self.overwrite and self.final.exists(layout.LAYOUT_FILE):
+            raise CheckpointError(f"{self.final} already exists; pass overwrite=True to replace it")
+        self.final.write(layout.LAYOUT_FILE, data)  # the commit
+        keep = {f.name for f in layout.decode(data, str(self.final)).files}
+        self._delete(lambda name: name not in keep)
+
+    def abort(self) -> None:
+        if self.nonce:
+            self._delete(lambda name: self.nonce in name)
+
+    def _delete(self, unwanted: Callable[[str], bool]) -> None:
+        """Deletes this checkpoint's own data and part objects that `unwanted` picks."""
+        stale = [
+            k
+            for k in self.final.list()
+            if "/" not in k
+            and (k.startswith("data-") and k.endswith(".bin") or k.startswith("layout.part-"))
+            and unwanted(k)
+        ]
+        if stale:
+            self.final.delete(stale)
+
+
 def _write_and_commit(
-    final: pathlib.Path,
+    final: storage.Location,
     snap: snapshot.Snapshot,
     coord: Coordinator,
     seq: int,
     overwrite: bool,
     bar: Progress,
     after_commit: Callable[[], None] | None,
+    fmt: str = "fcir",
 ) -> None:
     me, count = coord.process_index, coord.process_count
     key = f"fcir/checkpoint/{seq}"
+    target: _LocalTarget | _ObjectTarget
+    if isinstance(final, storage.ObjectStore):
+        if fmt == "orbax":
+            raise CheckpointError(f"{final}: format='orbax' saves to local paths only")
+        target = _ObjectTarget(final, overwrite)
+    elif fmt == "orbax":
+        target = _OrbaxTarget(final, overwrite)
+    else:
+        target = _LocalTarget(final, overwrite)
     if me == 0:
         try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            commit.remove_leftovers(final.parent)
-            temp = commit.temp_dir(final)
+            token = target.start()
         except BaseException as e:
             if count > 1:
                 coord.publish(f"{key}/temp", "error:" + _error_text(e))
-            if isinstance(e, OSError):
-                raise CheckpointError(f"cannot start saving {final}: {e}") from e
             raise
         if count > 1:
-            coord.publish(f"{key}/temp", temp.name)
+            coord.publish(f"{key}/temp", token)
     else:
-        name = coord.fetch(f"{key}/temp")
-        if name.startswith("error:"):
-            raise CheckpointError(f"process 0 could not start saving {final}: {name[6:]}")
-        temp = final.parent / name
+        token = coord.fetch(f"{key}/temp")
+        if token.startswith("error:"):
+            raise CheckpointError(f"process 0 could not start saving {final}: {token[6:]}")
+        target.attach(token)
 
     error: BaseException | None = None
     try:
-        part = _write_part(temp, snap, me, count, bar)
+        part = _write_part(target, snap, me, count, bar)
         if me != 0:
-            layout.write_file(temp / layout.part_file_name(me), layout.encode(part))
+            target.write_part(me, layout.encode(part))
     except BaseException as e:  # noqa: BLE001 - reported to process 0, then re-raised
         error = e
 
@@ -221,19 +371,19 @@ def _write_and_commit(
                 f"saving {final} failed: "
                 + "; ".join(f"process {q}: {message}" for q, message in failures)
             )
-        merged = _merge(part, [_read_part(temp, q) for q in range(1, count)])
+        parts = [
+            layout.decode(target.read_part(q), f"{final} (process {q})") for q in range(1, count)
+        ]
+        merged = _merge(part, parts)
         layout.validate(merged, str(final))
         merged.commit_time_unix = time.time()
-        layout.write_file(temp / layout.LAYOUT_FILE, layout.encode(merged))
-        for q in range(1, count):
-            os.unlink(temp / layout.part_file_name(q))
-        commit.publish(temp, final, overwrite)
+        target.commit(layout.encode(merged), count)
         if after_commit is not None:  # before the others hear "ok", so they see its effect
             after_commit()
     except BaseException as e:
         if count > 1:
             coord.publish(f"{key}/commit", "error:" + _error_text(e))
-        shutil.rmtree(temp, ignore_errors=True)
+        target.abort()
         if isinstance(e, OSError):
             raise CheckpointError(f"committing {final} failed: {e}") from e
         raise
@@ -242,12 +392,14 @@ def _write_and_commit(
 
 
 def _write_part(
-    temp: pathlib.Path, snap: snapshot.Snapshot, me: int, count: int, bar: Progress
+    target: _LocalTarget | _ObjectTarget,
+    snap: snapshot.Snapshot,
+    me: int,
+    count: int,
+    bar: Progress,
 ) -> pb.CheckpointLayout:
-    """Writes this process's data file; returns a layout holding only its shards."""
-    blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
-    file_name = layout.data_file_name(me)
-    written, size = writer.write_data_file(temp / file_name, blocks, bar)
+    """Writes this process's data; returns a layout holding only its files and shards."""
+    files, written = target.write_data(snap, me, bar)
     part = pb.CheckpointLayout(
         layout_version=layout.LAYOUT_VERSION,
         writer=f"fcir.checkpoint (jax {jax.__version__})",
@@ -255,7 +407,8 @@ def _write_part(
         checksum_algorithm=pb.CHECKSUM_ALGORITHM_CRC32,
         checksum_chunk_bytes=checksums.CHUNK_BYTES,
     )
-    part.files.add(name=file_name, size_bytes=size, process_index=me)
+    for name, size in files:
+        part.files.add(name=name, size_bytes=size, process_index=me)
     places = iter(written)
     for item in snap.items:
         record_item = part.items.add(name=item.name)
@@ -269,24 +422,20 @@ def _write_part(
                 shape=a.shape,
                 dtype=layout.dtype_name(a.dtype),
                 kind=a.kind,
+                prng_key_impl=a.prng_key_impl,
             )
             record.sharding.CopyFrom(a.sharding)
             for shard in a.shards:
                 place = next(places)
                 record.shards.add(
                     index=[pb.IndexRange(start=lo, stop=hi) for lo, hi in zip(*shard.box)],
-                    file=0,
+                    file=place.file,
                     offset=place.offset,
                     length=place.length,
                     chunk_checksums=place.crcs,
                     process_index=me,
                 )
     return part
-
-
-def _read_part(temp: pathlib.Path, q: int) -> pb.CheckpointLayout:
-    path = temp / layout.part_file_name(q)
-    return layout.decode(path.read_bytes(), str(path))
 
 
 def _merge(own: pb.CheckpointLayout, parts: list[pb.CheckpointLayout]) -> pb.CheckpointLayout:
@@ -300,7 +449,8 @@ def _merge(own: pb.CheckpointLayout, parts: list[pb.CheckpointLayout]) -> pb.Che
     }
     for q, part in enumerate(parts, start=1):
         file_index = len(merged.files)
-        merged.files.add().CopyFrom(part.files[0])
+        for f in part.files:
+            merged.files.add().CopyFrom(f)
         for item in part.items:
             for r in item.arrays.arrays:
                 key = keypaths.match_key(keypaths.from_proto(r.path))
@@ -313,7 +463,7 @@ def _merge(own: pb.CheckpointLayout, parts: list[pb.CheckpointLayout]) -> pb.Che
                 for shard in r.shards:
                     added = mine.shards.add()
                     added.CopyFrom(shard)
-                    added.file = file_index
+                    added.file = file_index + shard.file
     for r in records.values():
         ordered = sorted(r.shards, key=lambda s: tuple(x.start for x in s.index))
         copies = [pb.ShardRecord() for _ in ordered]

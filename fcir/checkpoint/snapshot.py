@@ -42,6 +42,7 @@ class ArrayEntry:
     sharding: pb.Sharding
     kind: int  # pb.LeafKind
     shards: list[ShardData]  # the ones this process writes
+    prng_key_impl: str = ""  # set for typed PRNG keys, stored as their key data
 
 
 @dataclasses.dataclass
@@ -129,11 +130,14 @@ def _entry(
     pending: list[tuple[ShardData, jax.Array]],
 ) -> ArrayEntry:
     if isinstance(leaf, jax.Array):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-            raise CheckpointError(
-                f"array {name!r} has extended dtype {leaf.dtype}; save e.g. "
-                "jax.random.key_data(key) instead"
-            )
+        key_impl = ""
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            if leaf.is_deleted():
+                raise CheckpointError(f"array {name!r} has been deleted (was it donated?)")
+            key_impl = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)  # same sharding, plus the key's own dims
+        elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            raise CheckpointError(f"array {name!r} has extended dtype {leaf.dtype}")
         if leaf.is_deleted():
             raise CheckpointError(f"array {name!r} has been deleted (was it donated?)")
         dtype = _check_dtype(np.dtype(leaf.dtype), name)
@@ -146,6 +150,7 @@ def _entry(
             shardings.describe(leaf.sharding, len(shape)),
             pb.LEAF_KIND_JAX_ARRAY,
             [],
+            key_impl,
         )
         for shard in leaf.addressable_shards:
             if shard.replica_id != 0:

@@ -26,6 +26,7 @@ import numpy as np
 
 from fcir.checkpoint import checksums, parallel
 from fcir.checkpoint.progress import Progress
+from fcir.checkpoint.storage import ObjectStore
 from fcir.errors import CheckpointError
 
 #: Unit of work of one write (a multiple of the checksum chunk).
@@ -39,6 +40,7 @@ class Written:
     offset: int
     length: int
     crcs: list[int]
+    file: int = 0  # index into the files the writer returned
 
 
 def plan_offsets(lengths: Sequence[int]) -> tuple[list[int], int]:
@@ -151,3 +153,101 @@ def write_data_file(
     finally:
         os.close(fd)
     return [Written(o, n, c) for o, n, c in zip(offsets, lengths, crcs)], size
+
+
+#: Objects in object stores are written up to this size (a larger shard is one object
+#: of its own), several at once.
+OBJECT_BYTES = 64 << 20
+#: Objects in flight per process; bounds the memory their bodies take.
+OBJECT_THREADS = 4
+
+
+def write_objects(
+    store: ObjectStore, stem: str, blocks: Sequence[np.ndarray], progress: Progress | None = None
+) -> tuple[list[tuple[str, int]], list[Written]]:
+    """Writes the blocks into objects `<stem>-<k>.bin` of `store`, several concurrently.
+
+    Returns the objects' (name, size) and where each block went with its checksums.
+    """
+    groups: list[list[int]] = []
+    size = 0
+    for i, b in enumerate(blocks):
+        if not groups or size + b.nbytes > OBJECT_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += b.nbytes
+    written: list[Written | None] = [None] * len(blocks)
+    files: list[tuple[str, int]] = []
+    tasks = []
+    for k, members in enumerate(groups):
+        name = f"{stem}-{k:03d}.bin"
+        offsets, total = plan_offsets([blocks[i].nbytes for i in members])
+        files.append((name, total))
+
+        def task(
+            name: str = name,
+            members: list[int] = members,
+            offsets: list[int] = offsets,
+            total: int = total,
+            k: int = k,
+        ) -> None:
+            pieces: list[bytes | memoryview] = []
+            end = 0
+            for i, off in zip(members, offsets):
+                view = memoryview(blocks[i].reshape(-1).view(np.uint8))
+                if off > end:
+                    pieces.append(bytes(off - end))
+                pieces.append(view)
+                end = off + len(view)
+                crcs = checksums.chunk_crcs(view, checksums.CHUNK_BYTES)
+                written[i] = Written(off, len(view), crcs, k)
+            if total > end:
+                pieces.append(bytes(total - end))
+            store.write(name, b"".join(pieces))
+            if progress is not None:
+                progress.advance(sum(blocks[i].nbytes for i in members))
+
+        tasks.append(task)
+    parallel.run_tasks(tasks, OBJECT_THREADS)
+    return files, written  # type: ignore[return-value]
+
+
+def write_files(
+    directory: pathlib.Path,
+    names: Sequence[str],
+    blocks: Sequence[np.ndarray],
+    progress: Progress | None = None,
+) -> list[Written]:
+    """Writes each block into a new file of its own at `directory/name` (creating
+    subdirectories), fsyncs them, several at a time; returns their checksums (the
+    block of `names[k]` is file k)."""
+    for d in sorted({(directory / n).parent for n in names}):
+        d.mkdir(parents=True, exist_ok=True)
+    written: list[Written | None] = [None] * len(blocks)
+
+    def task(k: int) -> Callable[[], None]:
+        def run() -> None:
+            path = directory / names[k]
+            view = memoryview(blocks[k].reshape(-1).view(np.uint8))
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise _os_error("cannot create", path, e) from e
+            try:
+                data = view
+                while data:
+                    data = data[os.write(fd, data) :]
+                os.fsync(fd)
+            except OSError as e:
+                raise _os_error("writing", path, e) from e
+            finally:
+                os.close(fd)
+            written[k] = Written(0, len(view), checksums.chunk_crcs(view, checksums.CHUNK_BYTES), k)
+            if progress is not None:
+                progress.advance(len(view))
+
+        return run
+
+    parallel.run_tasks([task(k) for k in range(len(blocks))])
+    return written  # type: ignore[return-value]

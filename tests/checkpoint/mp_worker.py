@@ -2,6 +2,7 @@
 
     mp_worker.py pair DIR PORT PROCESS_ID   one of 2 jax.distributed processes (4 devices each)
     mp_worker.py single DIR                 one process; device count from XLA_FLAGS
+    mp_worker.py s3pair URL PORT PROCESS_ID the pair's saves into an object store (s3://)
 
 `pair` saves a tree sharded over all 8 devices (blocking, async, and with a manager),
 checks that each process wrote only its own shards, then restores onto another
@@ -88,6 +89,7 @@ def pair(directory: pathlib.Path, port: int, process_id: int) -> None:
 
     checkpoint.save(directory / "blocking", state)
     checkpoint.save(directory / "async", state, blocking=False).wait()
+    checkpoint.save(directory / "orbax", state, format="orbax")  # each process its chunks
     mgr = checkpoint.CheckpointManager(directory / "run", max_to_keep=1)
     for step in range(3):
         mgr.save(step, tree(shardings, step))
@@ -142,6 +144,33 @@ def pair(directory: pathlib.Path, port: int, process_id: int) -> None:
     check(mgr.restore(2, {"params": target})["params"], step=2)
 
 
+def s3pair(url: str, port: int, process_id: int) -> None:
+    """Both processes write their own objects; process 0 commits; both restore."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    devices = jax.devices()
+    shardings = saved_shardings(devices)
+    checkpoint.save(url + "/blocking", tree(shardings))
+    checkpoint.save(url + "/async", tree(shardings, 1), blocking=False).wait()
+    mgr = checkpoint.CheckpointManager(url + "/run", max_to_keep=1)
+    for step in range(3):
+        mgr.save(step, tree(shardings, step))
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [2], mgr.all_steps()
+    layout = checkpoint.read_layout(url + "/blocking")
+    assert layout.num_processes == 2
+    assert sorted({f.process_index for f in layout.files}) == [0, 1]
+    reversed_mesh = Mesh(np.array(devices[::-1]), ("x",))
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(reversed_mesh, P("x")))
+        for k, v in EXPECTED.items()
+        if k != "m"
+    }
+    check(checkpoint.restore(url + "/blocking", {"params": target})["params"])
+    check(checkpoint.restore(url + "/async", {"params": target})["params"], step=1)
+    check(mgr.restore(2, {"params": target})["params"], step=2)
+
+
 def single(directory: pathlib.Path) -> None:
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("x",))
@@ -155,6 +184,16 @@ def single(directory: pathlib.Path) -> None:
         out = checkpoint.restore(directory / name, {"params": target})
         check(out["params"])
         check(checkpoint.restore(directory / name)["params"])  # host numpy
+    out = checkpoint.restore(directory / "orbax", {"params": target})  # fcir, verified
+    check(out["params"])
+    if n == 8:  # what two processes wrote in Orbax's format, Orbax restores
+        import orbax.checkpoint as ocp
+
+        abstract = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target[k])
+            for k, v in EXPECTED.items()
+        }
+        check(ocp.StandardCheckpointer().restore(directory / "orbax" / "params", abstract))
     mgr = checkpoint.CheckpointManager(directory / "run")
     assert mgr.latest_step() == 2
     check(mgr.restore(target={"params": target})["params"], step=2)
@@ -162,7 +201,9 @@ def single(directory: pathlib.Path) -> None:
 
 if __name__ == "__main__":
     mode, where = sys.argv[1], pathlib.Path(sys.argv[2])
-    if mode == "pair":
+    if mode == "s3pair":
+        s3pair(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif mode == "pair":
         pair(where, int(sys.argv[3]), int(sys.argv[4]))
     else:
         single(where)

@@ -35,3 +35,23 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     assert doc["versions"]["jaxlib"] and doc["samples_s"]["fcir_save"]
     assert len(doc["figures"]) == 10
     assert doc["samples_s"]["limit_restore"] and doc["samples_s"]["limit_restore_cold"]
+
+
+def test_checkpoint_benchmark_s3_mode_against_a_local_server(tmp_path):
+    import pytest
+
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError:
+        pytest.skip("moto[server] is not installed (the test extra has it): no local S3 server")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--s3", "--quick", "--reps", "1"],
+        env=child_env(8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "save fcir/limit" in done.stdout and "limit_get" in done.stdout

@@ -121,3 +121,73 @@ def test_a_layout_with_missing_shards_is_refused(saved):
     (path / "layout.pb").write_bytes(layout_module.encode(lay))
     with pytest.raises(CheckpointError, match="'params/other'.*cover 0 of 64 elements"):
         checkpoint.read_layout(path)
+
+
+def _rows_saved(tmp_path, devices):
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    rows = values((16, 4), seed=3)
+    checkpoint.save(
+        tmp_path / "r", {"params": {"w": jax.device_put(rows, NamedSharding(mesh, P("x")))}}
+    )
+    return tmp_path / "r", rows
+
+
+def _edit_shard_index(path, shard, starts, stops):
+    lay = checkpoint.read_layout(path)
+    record = lay.items[0].arrays.arrays[0]
+    del record.shards[shard].index[:]
+    record.shards[shard].index.extend(pb.IndexRange(start=a, stop=b) for a, b in zip(starts, stops))
+    (path / "layout.pb").write_bytes(layout_module.encode(lay))  # layout checksum recomputed
+
+
+@pytest.mark.parametrize("onto", ["host", "sharded"])
+def test_a_layout_whose_shard_claims_another_shards_rows_is_refused(tmp_path, devices, onto):
+    """Issue 17 item 1: same volume, but rows 2-3 are held twice and rows 0-1 by none."""
+    path, rows = _rows_saved(tmp_path, devices)
+    _edit_shard_index(path, 1, (0, 0), (2, 4))  # shard 1 says it holds shard 0's rows
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    target = None
+    if onto == "sharded":
+        sds = jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=NamedSharding(mesh, P("x")))
+        target = {"params": {"w": sds}}
+    with pytest.raises(CheckpointError, match=r"'params/w'.*shards overlap at index \(0, 0\)"):
+        checkpoint.restore(path, target)
+
+
+def test_a_layout_with_a_gap_and_an_overlap_across_columns_is_refused(tmp_path, devices):
+    """Shard 1 keeps its volume but moves a column over: an overlap with shard 0's block."""
+    path, _ = _rows_saved(tmp_path, devices)
+    _edit_shard_index(path, 1, (1, 0), (3, 4))
+    with pytest.raises(CheckpointError, match=r"'params/w'.*shards overlap"):
+        checkpoint.read_layout(path)
+
+
+def test_exact_tiling_check_names_the_uncovered_index():
+    boxes = [((0, 0), (2, 4)), ((2, 0), (4, 2)), ((2, 2), (4, 4)), ((2, 0), (4, 2))]
+    with pytest.raises(CheckpointError, match=r"arr: shards overlap at index \(2, 0\)"):
+        layout_module.check_tiling((4, 4), boxes, "arr")
+    gap = [((0, 0), (2, 4)), ((2, 0), (4, 2))]
+    with pytest.raises(CheckpointError, match=r"arr: no shard holds index \(2, 2\)"):
+        layout_module.check_tiling((4, 4), gap, "arr")
+    layout_module.check_tiling((4, 4), boxes[:3], "arr")  # an exact tiling passes
+
+
+def test_exact_tiling_check_is_linear_for_many_grid_shards():
+    """65,536 shards of a 256x256 grid: checked in well under a second, not pairwise."""
+    import time
+
+    boxes = [((i, j), (i + 1, j + 1)) for i in range(256) for j in range(256)]
+    started = time.perf_counter()
+    layout_module.check_tiling((256, 256), boxes, "arr")
+    assert time.perf_counter() - started < 5.0
+    boxes[-1] = ((255, 254), (256, 255))
+    with pytest.raises(CheckpointError, match=r"overlap at index \(255, 254\)"):
+        layout_module.check_tiling((256, 256), boxes, "arr")
+
+
+def test_irregular_tilings_are_checked_pair_by_pair(monkeypatch):
+    monkeypatch.setattr(layout_module, "_MAX_GRID_CELLS", 0)
+    staggered = [((0, 0), (1, 3)), ((1, 0), (2, 1)), ((1, 1), (2, 3)), ((2, 0), (3, 2))]
+    with pytest.raises(CheckpointError, match=r"overlap at index \(1, 1\)"):
+        layout_module.check_tiling((3, 3), [*staggered[:3], ((1, 1), (2, 2))], "arr")
+    layout_module.check_tiling((3, 3), [*staggered[:3], ((2, 0), (3, 3))], "arr")

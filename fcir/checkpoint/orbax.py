@@ -1,0 +1,451 @@
+"""Orbax checkpoints both ways: reading Orbax's PyTree/Standard format, writing one.
+
+Reading (`restore`): an Orbax checkpoint directory holds `_METADATA` (the tree: each
+leaf's key path and kind) and one array per leaf, stored as zarr v2 or v3, either in
+an OCDBT key-value database (`manifest.ocdbt`, Orbax's default) or as a directory per
+leaf. tensorstore opens each array and reads exactly the boxes the target's devices
+need. A CheckpointManager step (`<step>/<item>/_METADATA`) has one such directory per
+item.
+
+Writing (`format="orbax"`): every leaf is a zarr v2 array without compression, one
+chunk per stored shard, so a chunk file holds exactly the shard's bytes in C order and
+fcir writes it as it writes its own data files. fcir's `layout.pb` sits beside
+Orbax's metadata and names those chunk files as its data files, with their
+checksums, so `fcir.checkpoint.restore` verifies every byte while Orbax's
+StandardCheckpointer reads the same files as its own.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from fcir._proto import checkpoint_pb2 as pb
+from fcir.checkpoint import keypaths, shardings
+from fcir.checkpoint.layout import LAYOUT_FILE, dtype_from_name
+from fcir.checkpoint.storage import ObjectStore
+from fcir.errors import CheckpointError
+
+METADATA = "_METADATA"
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+_STANDARD = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+_JSON = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+_JSON_FILE = "metadata"  # JsonCheckpointHandler's default file name
+_SEQUENCE, _DICT = 1, 2  # orbax's key_type values
+
+
+# -- which format ----------------------------------------------------------------------
+
+
+Where = pathlib.Path | ObjectStore  # a local directory or an object-store prefix
+
+
+def _has(where: Where, name: str) -> bool:
+    if isinstance(where, ObjectStore):
+        return where.exists(name)
+    return (where / name).is_file()
+
+
+def _text(where: Where, name: str) -> str:
+    if isinstance(where, ObjectStore):
+        data = where.read(name)
+        if data is None:
+            raise OSError(f"{where}/{name} does not exist")
+        return data.decode()
+    return (where / name).read_text()
+
+
+def _kvstore(where: Where) -> dict[str, Any]:
+    if isinstance(where, ObjectStore):
+        return where.kvstore_spec()
+    return {"driver": "file", "path": f"{where}/"}
+
+
+def is_orbax(directory: Where) -> bool:
+    """Whether `directory` is an Orbax checkpoint (and not an fcir one)."""
+    if _has(directory, LAYOUT_FILE):
+        return False
+    return bool(items(directory))
+
+
+def items(directory: Where) -> dict[str, Where]:
+    """The Orbax items of `directory`: itself as "default", or its item subfolders."""
+    if isinstance(directory, ObjectStore):
+        keys = set(directory.list())
+        if METADATA in keys:
+            return {"default": directory}
+        subs = sorted(
+            {
+                k.split("/")[0]
+                for k in keys
+                if k.count("/") == 1 and k.split("/")[1] in (METADATA, _JSON_FILE)
+            }
+        )
+        return {name: directory / name for name in subs}
+    if (directory / METADATA).is_file():
+        return {"default": directory}
+    out: dict[str, Where] = {}
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError:
+        return {}
+    for sub in entries:
+        if (sub / METADATA).is_file() or (sub / _JSON_FILE).is_file():
+            out[sub.name] = sub
+    return out
+
+
+# -- reading ---------------------------------------------------------------------------
+
+
+class _Leaf:
+    def __init__(self, keys: tuple[str, ...], kinds: tuple[int, ...], value_type: str) -> None:
+        self.keys, self.kinds, self.value_type = keys, kinds, value_type
+
+    @property
+    def param(self) -> str:
+        return ".".join(self.keys)
+
+
+def _tree_metadata(item_dir: Where) -> tuple[list[_Leaf], dict[str, Any]]:
+    try:
+        doc = json.loads(_text(item_dir, METADATA))
+        leaves = []
+        for text, entry in doc["tree_metadata"].items():
+            meta = entry.get("key_metadata")
+            if meta:
+                keys = tuple(str(k["key"]) for k in meta)
+                kinds = tuple(int(k.get("key_type", _DICT)) for k in meta)
+            else:
+                keys = tuple(str(k) for k in ast.literal_eval(text))
+                kinds = (_DICT,) * len(keys)
+            leaves.append(_Leaf(keys, kinds, entry["value_metadata"]["value_type"]))
+    except (OSError, ValueError, KeyError, TypeError, SyntaxError) as e:
+        raise CheckpointError(f"{item_dir}: Orbax {METADATA} is unreadable ({e})") from e
+    return leaves, doc
+
+
+def _open_array(item_dir: Where, doc: dict[str, Any], leaf: _Leaf, name: str) -> Any:
+    import tensorstore as ts
+
+    driver = "zarr3" if doc.get("use_zarr3") else "zarr"
+    if _has(item_dir, "manifest.ocdbt"):
+        spec = {
+            "driver": driver,
+            "kvstore": {"driver": "ocdbt", "base": _kvstore(item_dir)},
+            "path": leaf.param,
+        }
+    else:
+        spec = {"driver": driver, "kvstore": _kvstore(item_dir / leaf.param)}
+    try:
+        return ts.open(spec, open=True, read=True).result()
+    except Exception as e:  # tensorstore's status as ValueError
+        raise CheckpointError(f"array {name!r}: cannot open it in {item_dir}: {e}") from e
+
+
+def _read(store: Any, box: shardings.Box, name: str) -> np.ndarray:
+    try:
+        return store[shardings.to_slices(box)[:-1] or ()].read(order="C").result()
+    except Exception as e:
+        raise CheckpointError(f"array {name!r}: reading it failed: {e}") from e
+
+
+def restore(
+    directory: Where,
+    target: Mapping[str, Any] | None,
+    names: Iterable[str] | None,
+    cast: bool,
+    check_shape: Callable[[str, tuple[int, ...], tuple[int, ...]], None],
+    check_dtype: Callable[[str, np.dtype, np.dtype, bool], None],
+) -> dict[str, Any]:
+    """Restores the items of an Orbax checkpoint; see `fcir.checkpoint.restore`."""
+    found = items(directory)
+    if names is None:
+        names = list(target) if target is not None else list(found)
+    names = list(names)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise CheckpointError(
+            f"Orbax checkpoint {directory} has no item(s) {missing}; it has {list(found)}"
+        )
+    out = {}
+    for name in names:
+        item_dir = found[name]
+        if not _has(item_dir, METADATA):
+            try:
+                out[name] = json.loads(_text(item_dir, _JSON_FILE))
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{item_dir}: Orbax JSON item is unreadable ({e})") from e
+            continue
+        sub = target.get(name) if target is not None else None
+        out[name] = _restore_item(item_dir, name, sub, cast, check_shape, check_dtype)
+    return out
+
+
+def _restore_item(
+    item_dir: Where,
+    item: str,
+    sub: Any,
+    cast: bool,
+    check_shape: Callable[..., None],
+    check_dtype: Callable[..., None],
+) -> Any:
+    leaves, doc = _tree_metadata(item_dir)
+    by_keys = {leaf.keys: leaf for leaf in leaves}
+    if sub is None:
+        pairs = []
+        for leaf in leaves:
+            name = keypaths.display(item, leaf.keys)
+            store = _open_array(item_dir, doc, leaf, name)
+            value = _read(store, ((0,) * store.ndim, tuple(store.shape)), name)
+            if leaf.value_type == "scalar":
+                value = value.item()
+            path = tuple(
+                (
+                    int(k) if kind == _SEQUENCE else k,
+                    pb.CONTAINER_KIND_LIST if kind == _SEQUENCE else pb.CONTAINER_KIND_DICT,
+                )
+                for k, kind in zip(leaf.keys, leaf.kinds)
+            )
+            pairs.append((path, value))
+        return keypaths.unflatten(pairs)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(sub)
+    values = []
+    for jax_path, target_leaf in flat:
+        keys = tuple(str(k) for k in keypaths.jax_match_key(jax_path))
+        name = keypaths.display(item, keys)
+        leaf = by_keys.get(keys)
+        if leaf is None:
+            known = ", ".join(sorted(keypaths.display(item, k) for k in by_keys)) or "none"
+            raise CheckpointError(
+                f"array {name!r} of the target is not in the checkpoint (it has: {known})"
+            )
+        store = _open_array(item_dir, doc, leaf, name)
+        saved_shape, saved_dtype = tuple(store.shape), np.dtype(store.dtype.numpy_dtype)
+        full = ((0,) * len(saved_shape), saved_shape)
+        if isinstance(target_leaf, jax.sharding.Sharding):
+            values.append(_device_array(store, name, saved_shape, saved_dtype, target_leaf))
+        elif isinstance(target_leaf, (jax.ShapeDtypeStruct, jax.Array)):
+            shape, dtype = tuple(target_leaf.shape), np.dtype(target_leaf.dtype)
+            check_shape(name, shape, saved_shape)
+            check_dtype(name, dtype, saved_dtype, cast)
+            sharding = getattr(target_leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+                jax.local_devices()[0]
+            )
+            values.append(_device_array(store, name, shape, dtype, sharding))
+        elif isinstance(target_leaf, (np.ndarray, np.generic)):
+            check_shape(name, tuple(np.shape(target_leaf)), saved_shape)
+            check_dtype(name, target_leaf.dtype, saved_dtype, cast)
+            got = _read(store, full, name).astype(target_leaf.dtype, copy=False)
+            values.append(got[()] if isinstance(target_leaf, np.generic) else got)
+        elif isinstance(target_leaf, (bool, int, float, complex)):
+            check_shape(name, (), saved_shape)
+            values.append(type(target_leaf)(_read(store, full, name).item()))
+        else:
+            raise CheckpointError(
+                f"array {name!r}: cannot restore into a target leaf of type "
+                f"{type(target_leaf).__name__}"
+            )
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _device_array(
+    store: Any, name: str, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding
+) -> jax.Array:
+    """Reads only the boxes of this process's devices (each distinct box once)."""
+    try:
+        index_map = sharding.addressable_devices_indices_map(shape)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"array {name!r}: target sharding does not fit shape {shape}: {e}"
+        ) from e
+    blocks: dict[shardings.Box, list[jax.Device]] = {}
+    for device, index in index_map.items():
+        blocks.setdefault(shardings.box_of_index(index, shape), []).append(device)
+    futures = {}
+    for box in blocks:
+        try:
+            futures[box] = store[shardings.to_slices(box)[:-1] or ()].read(order="C")
+        except Exception as e:
+            raise CheckpointError(f"array {name!r}: reading it failed: {e}") from e
+    hosts, devices = [], []
+    for box, devs in blocks.items():
+        try:
+            host = np.asarray(futures[box].result()).astype(dtype, copy=False)
+        except Exception as e:
+            raise CheckpointError(f"array {name!r}: reading it failed: {e}") from e
+        for d in devs:
+            hosts.append(host)
+            devices.append(d)
+    return jax.make_array_from_single_device_arrays(shape, sharding, jax.device_put(hosts, devices))
+
+
+def describe(
+    directory: Where,
+) -> list[tuple[str, list[tuple[str, str, tuple[int, ...], str]]]]:
+    """For `fcir ckpt inspect`: each item's arrays as (path, dtype, shape, storage)."""
+    out = []
+    for name, item_dir in items(directory).items():
+        if not _has(item_dir, METADATA):
+            out.append((name, [("(JSON)", "json", (), "metadata file")]))
+            continue
+        leaves, doc = _tree_metadata(item_dir)
+        storage = ("OCDBT, " if _has(item_dir, "manifest.ocdbt") else "") + (
+            "zarr v3" if doc.get("use_zarr3") else "zarr v2"
+        )
+        rows = []
+        for leaf in leaves:
+            label = keypaths.display(name, leaf.keys)
+            store = _open_array(item_dir, doc, leaf, label)
+            rows.append(
+                (label, np.dtype(store.dtype.numpy_dtype).name, tuple(store.shape), storage)
+            )
+        out.append((name, rows))
+    return out
+
+
+def read_all(directory: Where) -> int:
+    """Reads every array of an Orbax checkpoint (what decoding can check); returns bytes."""
+    total = 0
+    for name, item_dir in items(directory).items():
+        if not _has(item_dir, METADATA):
+            continue
+        leaves, doc = _tree_metadata(item_dir)
+        for leaf in leaves:
+            label = keypaths.display(name, leaf.keys)
+            store = _open_array(item_dir, doc, leaf, label)
+            total += _read(store, ((0,) * store.ndim, tuple(store.shape)), label).nbytes
+    return total
+
+
+# -- writing ---------------------------------------------------------------------------
+
+
+def param_name(path: keypaths.Path) -> str:
+    return ".".join(str(k) for k, _ in path)
+
+
+def chunk_file(item_dir: str, path: keypaths.Path, box: shardings.Box) -> str:
+    """Where the zarr v2 chunk of the shard at `box` lives (its chunk shape is the box's)."""
+    extents = shardings.box_shape(box)
+    index = [a // e if e else 0 for a, e in zip(box[0], extents)]
+    return f"{item_dir}{param_name(path)}/{'.'.join(map(str, index)) or '0'}"
+
+
+def item_prefix(name: str, several: bool) -> str:
+    return f"{name}/" if several else ""
+
+
+def check_items(tree: Mapping[str, Any]) -> None:
+    if not isinstance(tree, Mapping) or not tree:
+        raise CheckpointError("format='orbax' needs a dict of items, e.g. {'default': tree}")
+
+
+def _value_type(kind: int) -> str:
+    if kind == pb.LEAF_KIND_PYTHON_SCALAR:
+        return "scalar"
+    if kind == pb.LEAF_KIND_JAX_ARRAY:
+        return "jax.Array"
+    return "np.ndarray"
+
+
+def _zarr_dtype(dtype: np.dtype) -> str:
+    if dtype.name in ("bfloat16",) or dtype.name.startswith("float8"):
+        return dtype.name
+    return np.dtype(dtype).newbyteorder("<").str if dtype.itemsize > 1 else np.dtype(dtype).str
+
+
+def metadata_files(layout: pb.CheckpointLayout) -> dict[str, bytes]:
+    """Orbax's metadata for the merged layout: relative path -> content."""
+    several = len(layout.items) > 1
+    files: dict[str, bytes] = {}
+    handlers: dict[str, str] = {}
+    now = time.time_ns()
+    for item in layout.items:
+        prefix = item_prefix(item.name, several)
+        if item.WhichOneof("value") == "json":
+            if not several:
+                raise CheckpointError(
+                    f"format='orbax': item {item.name!r} holds only JSON values; Orbax stores "
+                    "such an item beside array items (save several items) or as arrays"
+                )
+            files[f"{prefix}{_JSON_FILE}"] = item.json.encode()
+            handlers[item.name] = _JSON
+            continue
+        handlers[item.name] = _STANDARD
+        tree: dict[str, Any] = {}
+        for record in item.arrays.arrays:
+            path = keypaths.from_proto(record.path)
+            name = keypaths.display(item.name, path)
+            boxes = [
+                (tuple(r.start for r in s.index), tuple(r.stop for r in s.index))
+                for s in record.shards
+            ]
+            chunk = shardings.box_shape(boxes[0])
+            for box in boxes:
+                if shardings.box_shape(box) != chunk or any(
+                    e and a % e for a, e in zip(box[0], chunk)
+                ):
+                    raise CheckpointError(
+                        f"format='orbax': array {name!r} is split into shards of different "
+                        "shapes; Orbax's zarr chunks must be equal (shard it evenly)"
+                    )
+            dtype = dtype_from_name(record.dtype)
+            files[f"{prefix}{param_name(path)}/.zarray"] = json.dumps(
+                {
+                    "chunks": [max(1, c) for c in chunk],
+                    "compressor": None,
+                    "dimension_separator": ".",
+                    "dtype": _zarr_dtype(dtype),
+                    "fill_value": None,
+                    "filters": None,
+                    "order": "C",
+                    "shape": list(record.shape),
+                    "zarr_format": 2,
+                }
+            ).encode()
+            keys = [
+                {
+                    "key": str(k),
+                    "key_type": _SEQUENCE
+                    if c in (pb.CONTAINER_KIND_LIST, pb.CONTAINER_KIND_TUPLE)
+                    else _DICT,
+                }
+                for k, c in path
+            ]
+            value: dict[str, Any] = {
+                "value_type": _value_type(record.kind),
+                "skip_deserialize": False,
+            }
+            if record.kind == pb.LEAF_KIND_JAX_ARRAY:
+                value["write_shape"] = list(chunk)
+            tree[str(tuple(str(k) for k, _ in path))] = {
+                "key_metadata": keys,
+                "value_metadata": value,
+            }
+        files[f"{prefix}{METADATA}"] = json.dumps(
+            {
+                "tree_metadata": tree,
+                "use_ocdbt": False,
+                "use_zarr3": False,
+                "store_array_data_equal_to_fill_value": True,
+                "custom_metadata": None,
+            }
+        ).encode()
+    checkpoint_meta = {
+        "item_handlers": handlers if several else handlers[layout.items[0].name],
+        "metrics": {},
+        "performance_metrics": {},
+        "init_timestamp_nsecs": now,
+        "commit_timestamp_nsecs": now,
+        "custom_metadata": {},
+    }
+    files[CHECKPOINT_METADATA] = json.dumps(checkpoint_meta).encode()
+    return files
