@@ -16,8 +16,26 @@ def cmd_export_flower(module, a) -> int:
         raise FcirError("--aggregate-with is for --target production; a Flower app aggregates itself")
     out = export(module, a.output, inputs=inputs)
     print(f"@{module.name}: wrote Flower app to {out}")
-    print(f"run it: flwr run {out} FEDERATION --run-config 'rounds=1 output=\"/abs/out.npz\"'")
+    print(f"run it: {run_hint(out)}")
     return 0
+
+
+def run_hint(appdir) -> str:
+    """The ``flwr run`` line for ``appdir``: several rounds with the state mapping its
+    pytree paths give, or one round when there is none."""
+    import json
+    import pathlib
+
+    from .app import training
+    from .writer import APP_PACKAGE
+
+    plan = json.loads((pathlib.Path(appdir) / APP_PACKAGE / "plan.json").read_text())
+    mapping = training.infer(plan)
+    if mapping:
+        config = f'rounds=3 state=\"{training.text(mapping)}\" output=\"/abs/out.npz\"'
+    else:
+        config = 'rounds=1 output=\"/abs/out.npz\"'
+    return f"flwr run {appdir} FEDERATION --stream --run-config '{config}'"
 
 
 def register(subparsers) -> None:

@@ -7,7 +7,9 @@ Run config (declared in pyproject.toml, overridden with ``flwr run --run-config`
                         layout with the server leaves only; default: the app's inputs.json
 ``output=FILE``         where to write the final outputs (``fcir run-plan -o`` layout)
 ``state="I=O,..."``     after each round, output ``arr_O`` becomes server input ``arr_I``
-                        for the next (positions in the output and inputs files)
+                        for the next (positions in the output and inputs files); default
+                        with rounds > 1: outputs of a server input's pytree path and type
+                        (printed), refused when there are none; ``none``: no mapping
 ``metrics="O,..."``     outputs logged each round (default: every scalar output that is
                         not state)
 ``checkpoint-dir=DIR``  save the server inputs of the next round after each round with
@@ -34,29 +36,10 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import ServerApp
 
-from . import runtime, secagg
+from . import runtime, secagg, training
 from .runtime import AppError
 
 app = ServerApp()
-
-
-def _pairs(text: str, n_in: int, n_out: int) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for item in text.replace(";", ",").split(","):
-        if not item.strip():
-            continue
-        left, eq, right = item.partition("=")
-        try:
-            i, o = int(left), int(right)
-        except ValueError:
-            i = o = -1
-        if not eq or not (0 <= i < n_in) or not (0 <= o < n_out) or i in out:
-            raise AppError(
-                f"run config state={text!r}: write 'I=O,...' with I a server input position "
-                f"(0..{n_in - 1}) and O an output position (0..{n_out - 1}), each I once"
-            )
-        out[i] = o
-    return out
 
 
 def boolean(value) -> bool:
@@ -84,15 +67,10 @@ class Config:
         self.min_clients = max(1, get("min-clients", int))
         self.timeout = get("timeout", float)
         self.secagg = get("secagg", boolean)
-        n_in, n_out = len(plan["server_inputs"]), len(plan["outputs"])
-        self.state = _pairs(get("state", str), n_in, n_out)
-        for i, o in self.state.items():
-            si, so = plan["server_inputs"][i], plan["outputs"][plan["output_order"][o]]
-            if (si["dtype"], si["shape"]) != (so["dtype"], so["shape"]):
-                raise AppError(
-                    f"run config state: output arr_{o} ({so['type']}) cannot feed server "
-                    f"input arr_{i} ({si['type']})"
-                )
+        try:
+            self.state, self.state_note = training.resolve(get("state", str), plan, self.rounds)
+        except training.StateError as e:
+            raise AppError(str(e)) from None
         metrics = get("metrics", str)
         if metrics.strip():
             self.metrics = [int(m) for m in metrics.replace(";", ",").split(",") if m.strip()]
@@ -235,11 +213,18 @@ class Checkpoints:
                 "give a fresh checkpoint-dir"
             )
         state, outs = tree["state"], tree["outputs"]
-        return (
-            step,
-            [np.asarray(state[f"arr_{i}"]) for i in range(len(state))],
-            [np.asarray(outs[f"arr_{i}"]) for i in range(len(outs))],
-        )
+        out_specs = [plan["outputs"][j] for j in plan["output_order"]]
+
+        def leaves(saved, specs, what):
+            # Restored in their declared shapes: a 0-d loss is written back as (), not (1,).
+            return [
+                runtime.check_leaf(
+                    np.asarray(saved[f"arr_{i}"]).reshape(s["shape"]), s, f"checkpoint {step} {what} arr_{i}"
+                )
+                for i, s in enumerate(specs)
+            ]
+
+        return step, leaves(state, plan["server_inputs"], "state"), leaves(outs, out_specs, "outputs")
 
     def save(self, rnd: int, inputs: list, outputs: list) -> None:
         tree = {
@@ -260,6 +245,8 @@ def main(grid, context) -> None:
     plan = runtime.plan()
     cfg = Config(dict(context.run_config), plan)
     inputs = initial_inputs(cfg, plan)
+    if cfg.state_note:
+        print(f"[fcir] {cfg.state_note}", flush=True)
     ckpt = Checkpoints(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     done, outputs = 0, None
     if ckpt is not None:
