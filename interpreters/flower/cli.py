@@ -72,6 +72,21 @@ def register(subparsers) -> None:
     )
     up.set_defaults(func=cmd_up)
 
+    run = sub.add_parser(
+        "run",
+        help="flwr run an exported app and exit non-zero when its ServerApp fails",
+        description="Run an exported app with 'flwr run APP FEDERATION --stream' (FLWR_HOME "
+        "names the SuperLink, as 'fcir flower up' prints it), stream its log, then ask the "
+        "SuperLink how the run ended: exit 0 when it completed, 1 with the ServerApp's "
+        "error when it failed (flwr run itself exits 0 either way).",
+        epilog="Example: FLWR_HOME=/tmp/fcir-flower-x/home-cli fcir flower run app/ "
+        "--run-config 'rounds=3 output=\"/abs/out.npz\"'",
+    )
+    run.add_argument("app", metavar="APP", help="the exported app directory")
+    run.add_argument("--federation", default="local", help="the federation (default: local)")
+    run.add_argument("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
+    run.set_defaults(func=cmd_run)
+
 
 def _data_paths(data, nodes: int) -> list:
     import pathlib
@@ -95,7 +110,12 @@ def _data_paths(data, nodes: int) -> list:
     return paths
 
 
+class _Stop(Exception):  # noqa: N818  (a signal, not an error)
+    """SIGTERM or SIGHUP reached ``fcir flower up``: stop as on Ctrl-C."""
+
+
 def cmd_up(a) -> int:
+    import signal
     import tempfile
     import time
 
@@ -105,22 +125,63 @@ def cmd_up(a) -> int:
         raise FcirError("fcir flower up: --nodes must be at least 1")
     root = a.dir or tempfile.mkdtemp(prefix="fcir-flower-")
     dep = Deployment(root, a.nodes, _data_paths(a.data, a.nodes))
-    dep.start()
+
+    def stop(signum, frame):
+        raise _Stop(signum)
+
+    # `kill PID` (SIGTERM) and a closed terminal (SIGHUP) stop what was started here as
+    # Ctrl-C does: the processes run in sessions of their own, so nothing else would.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
+        dep.start()
         home = env_for(dep.cli_home)["FLWR_HOME"]
         print(f"SuperLink on {dep.address}; {a.nodes} SuperNode(s) on ports "
               f"{', '.join(map(str, dep.node_ports))}; logs and homes in {dep.root}")
         print("Run an exported app (one progress line per round) with:")
-        print(f"  FLWR_HOME={home} flwr run APPDIR local --stream "
+        print(f"  FLWR_HOME={home} fcir flower run APPDIR "
               "--run-config 'rounds=1 output=\"/abs/out.npz\"'")
-        print("Ctrl-C stops every process started here.", flush=True)
+        print(f"  (or FLWR_HOME={home} flwr run APPDIR local --stream ..., which exits 0 "
+              "even when the ServerApp fails: see flwr ls local)")
+        print("Ctrl-C (or SIGTERM, SIGHUP) stops every process started here.", flush=True)
         while True:
             for name, proc in list(dep.procs.items()):
                 if proc.poll() is not None:
                     raise FcirError(f"{name} exited ({proc.returncode}): {dep.log_tail(name)}")
             time.sleep(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         print("\nstopping ...", flush=True)
     finally:
-        dep.stop()
+        for sig in previous:  # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            dep.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    return 0
+
+
+def cmd_run(a) -> int:
+    """``flwr run APPDIR FEDERATION --stream``, then the run's status from the SuperLink:
+    exit 1 with the ServerApp's error when it failed."""
+    import os
+    import sys
+
+    from .local import _bin, env_for, flwr_run
+
+    if not os.environ.get("FLWR_HOME"):
+        raise FcirError(
+            "fcir flower run: set FLWR_HOME to the home that names the SuperLink (the line "
+            "'fcir flower up' prints)"
+        )
+    env = env_for(os.environ["FLWR_HOME"])
+    cmd = [_bin("flwr"), "run", str(a.app), a.federation, "--stream"]
+    if a.run_config:
+        cmd += ["--run-config", a.run_config]
+    result = flwr_run(cmd, env, a.federation, echo=sys.stdout)
+    if not result.ok:
+        raise FcirError(f"run {result.run_id} failed: {result.failure()}")
+    print(f"[fcir] run {result.run_id} {result.status}", flush=True)
     return 0

@@ -8,8 +8,11 @@ Used by ``fcir flower up`` and by the tests. ``flwr run APPDIR local`` reaches i
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import json
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import signal
@@ -256,3 +259,82 @@ class Deployment:
             timeout=timeout,
             check=False,
         )
+
+
+@dataclasses.dataclass
+class RunResult:
+    """A finished ``flwr run``: its exit code and log, and the run's status as the
+    SuperLink records it (``flwr run`` exits 0 even when the ServerApp fails)."""
+
+    code: int
+    log: str
+    run_id: str | None
+    status: str  # "finished:completed", "finished:failed", ... ("" when unknown)
+    details: str
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0 and self.status == "finished:completed"
+
+    def failure(self) -> str:
+        """Why the run failed, for a message: the SuperLink's status details, else the
+        log's last lines."""
+        if self.details:
+            return f"{self.status}: {self.details}"
+        tail = "\n".join(self.log.strip().splitlines()[-10:])
+        return f"{self.status or f'flwr run exited {self.code}'}: {tail}"
+
+
+_RUN_ID = re.compile(r"Successfully started run (\d+)")
+
+
+def run_status(run_id: str, federation: str, env: dict, timeout: float = 30) -> tuple[str, str]:
+    """``(status, details)`` of run ``run_id`` from ``flwr ls``, once it has finished
+    (the log stream can end a moment before the SuperLink records the end)."""
+    deadline = time.monotonic() + timeout
+    status, details = "", ""
+    while True:
+        ls = subprocess.run(
+            [_bin("flwr"), "ls", federation, "--format", "json"],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )
+        try:
+            runs = json.loads(ls.stdout).get("runs", [])
+        except ValueError:
+            runs = []
+        for r in runs:
+            if str(r.get("run-id")) == str(run_id):
+                status, details = r.get("status", ""), r.get("status-details", "")
+        if status.startswith("finished") or time.monotonic() > deadline:
+            return status, details
+        time.sleep(0.5)
+
+
+def flwr_run(
+    command: list[str], env: dict, federation: str, *, echo=None, timeout: float | None = None
+) -> RunResult:
+    """Runs ``command`` (``flwr run ... --stream``), echoing each line to ``echo`` (a
+    file, or None), then asks the SuperLink how the run ended."""
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if echo is not None:
+                echo.write(line)
+                echo.flush()
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeploymentError(f"flwr run did not finish in {timeout:g} s")
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = "".join(lines)
+    m = _RUN_ID.search(log)
+    run_id = m.group(1) if m else None
+    status, details = run_status(run_id, federation, env) if run_id else ("", "")
+    return RunResult(code, log, run_id, status, details)
