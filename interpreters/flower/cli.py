@@ -87,6 +87,32 @@ def register(subparsers) -> None:
     run.add_argument("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
     run.set_defaults(func=cmd_run)
 
+    sim = sub.add_parser(
+        "simulate",
+        help="run an exported app on Flower's Simulation Engine (Ray), no SuperNodes",
+        description="Run an exported app on Flower's Simulation Engine: a SuperLink in "
+        "simulation mode on a free port runs the ServerApp, and N virtual SuperNodes run "
+        "the ClientApp in Ray actors. Node i reads DATA/node<i>.npz (or "
+        "DATA/node<i>/<round>.npz), as with 'fcir flower up --data'; the outputs are bit "
+        "for bit those of the same run on a deployment. Exits 1 with the ServerApp's "
+        "error when it fails, and stops every process it started.",
+        epilog="Example: fcir flower simulate app/ --nodes 3 --data parts/ --run-config "
+        "'rounds=3 output=\"/abs/out.npz\"'",
+    )
+    sim.add_argument("app", metavar="APP", help="the exported app directory")
+    sim.add_argument("--nodes", type=int, required=True, help="number of virtual SuperNodes")
+    sim.add_argument("--data", metavar="DIR", help="folder with node0.npz, node1.npz, ...")
+    sim.add_argument("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
+    sim.add_argument(
+        "--actors",
+        type=int,
+        default=None,
+        help="ClientApps run at once (Ray CPUs; each ClientApp takes one; default: "
+        "min(2, CPU count))",
+    )
+    sim.add_argument("--dir", metavar="DIR", help="where the SuperLink keeps its home and log")
+    sim.set_defaults(func=cmd_simulate)
+
 
 def _data_paths(data, nodes: int) -> list:
     import pathlib
@@ -184,4 +210,16 @@ def cmd_run(a) -> int:
     if not result.ok:
         raise FcirError(f"run {result.run_id} failed: {result.failure()}")
     print(f"[fcir] run {result.run_id} {result.status}", flush=True)
+    return 0
+
+
+def cmd_simulate(a) -> int:
+    from .simulation import simulate
+
+    if a.actors is not None and a.actors < 1:
+        raise FcirError("fcir flower simulate: --actors must be at least 1")
+    result = simulate(a.app, a.nodes, a.data, a.run_config, actors=a.actors, root=a.dir)
+    if not result.ok:
+        raise FcirError(f"simulated run {result.run_id} failed: {result.failure()}")
+    print(f"[fcir] simulated run {result.run_id} {result.status}", flush=True)
     return 0

@@ -123,6 +123,8 @@ def env_for(home: pathlib.Path, jax_cache: pathlib.Path | None = None) -> dict:
 class Deployment:
     """``nodes`` SuperNodes; ``data[i]`` (optional) is node i's ``data-path``."""
 
+    SUPERLINK_FLAGS: tuple[str, ...] = ()  # more flags for flower-superlink
+
     def __init__(self, root, nodes: int, data: list | None = None):
         self.root = pathlib.Path(root).resolve()
         self.nodes = nodes
@@ -136,13 +138,16 @@ class Deployment:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def process_env(self, home: pathlib.Path) -> dict:
+        return env_for(home, self.root / "jax-cache")
+
     def _spawn(self, name: str, cmd: list[str]) -> None:
         home = self.root / f"home-{name}"
         home.mkdir(parents=True, exist_ok=True)
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (the child owns it)
         try:
             self.procs[name] = subprocess.Popen(
-                cmd, env=env_for(home, self.root / "jax-cache"), stdout=log, stderr=subprocess.STDOUT, cwd=home,
+                cmd, env=self.process_env(home), stdout=log, stderr=subprocess.STDOUT, cwd=home,
                 start_new_session=True,  # Ctrl-C in a terminal reaches only us; we stop them
             )
         finally:
@@ -157,6 +162,7 @@ class Deployment:
                 "--disable-runtime-dependency-installation",
                 "--host", "127.0.0.1",
                 "--port", str(self.port),
+                *self.SUPERLINK_FLAGS,
             ],
         )
         deadline = time.monotonic() + timeout

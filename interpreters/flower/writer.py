@@ -55,6 +55,7 @@ RUN_CONFIG = {
     "min-clients": 1,
     "timeout": 600.0,
     "secagg": True,
+    "data-dir": "",
 }
 
 
