@@ -34,8 +34,22 @@ def _outputs(path) -> list:
 
 
 def _simulate(app, data, config, root):
-    cmd = [sys.executable, "-m", "fcir.cli", "flower", "simulate", str(app), "--nodes",
-           str(rounds.NODES), "--data", str(data), "--run-config", config, "--dir", str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fcir.cli",
+        "flower",
+        "simulate",
+        str(app),
+        "--nodes",
+        str(rounds.NODES),
+        "--data",
+        str(data),
+        "--run-config",
+        config,
+        "--dir",
+        str(root),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 

@@ -113,6 +113,26 @@ def register(subparsers) -> None:
     sim.add_argument("--dir", metavar="DIR", help="where the SuperLink keeps its home and log")
     sim.set_defaults(func=cmd_simulate)
 
+    data = sub.add_parser(
+        "data",
+        help="split a round's arguments into the server inputs file and one file per node",
+        description="Write DIR/server_inputs.npz (the server argument leaves, in leaf order: "
+        "what 'fcir export --target flower --inputs' and run config inputs= read) and "
+        "DIR/node<i>.npz for each of the round's clients (client i's slice of every client "
+        "argument leaf: what 'fcir flower up/simulate --data DIR' gives node i).",
+        epilog="Example: fcir flower data examples/fedavg.py:fedavg_round -o parts/  "
+        "(a Python target's EXAMPLE_ARGS), or fcir flower data round.fcir --inputs args.npz "
+        "-o parts/ (every argument leaf, as fcir run takes them)",
+    )
+    data.add_argument("IN", help="the round: file.py:function (with EXAMPLE_ARGS) or an IR file")
+    data.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write")
+    data.add_argument(
+        "--inputs",
+        metavar="ARGS.npz",
+        help="every argument leaf (arr_0, arr_1, ...), for an IR file or instead of EXAMPLE_ARGS",
+    )
+    data.set_defaults(func=cmd_data)
+
 
 def _data_paths(data, nodes: int) -> list:
     import pathlib
@@ -222,4 +242,35 @@ def cmd_simulate(a) -> int:
     if not result.ok:
         raise FcirError(f"simulated run {result.run_id} failed: {result.failure()}")
     print(f"[fcir] simulated run {result.run_id} {result.status}", flush=True)
+    return 0
+
+
+def cmd_data(a) -> int:
+    import jax
+    from fcir.interpreters.production.cli import _read_npz
+
+    from fcir.targets import is_ir_file, load_module, load_python_target
+
+    from .data import split_arguments
+
+    if is_ir_file(a.IN):
+        if not a.inputs:
+            raise FcirError("an IR file carries no argument values: give them with --inputs ARGS.npz")
+        module, args = load_module(a.IN), _read_npz(a.inputs)
+    else:
+        from fcir.capture import capture
+
+        fn, args = load_python_target(a.IN)
+        if a.inputs:  # the values of the file's arguments, in EXAMPLE_ARGS' structure
+            leaves, treedef = _read_npz(a.inputs), jax.tree.structure(args)
+            if len(leaves) != treedef.num_leaves:
+                raise FcirError(
+                    f"--inputs holds {len(leaves)} array(s); {a.IN} takes "
+                    f"{treedef.num_leaves} argument leaves"
+                )
+            args = jax.tree.unflatten(treedef, leaves)
+        module = capture(fn, *args, name=a.IN.rpartition(":")[2])
+    server, nodes = split_arguments(module, args, a.output)
+    where = f" and node0.npz..node{len(nodes) - 1}.npz" if nodes else ""
+    print(f"@{module.name}: wrote {server.name}{where} in {server.parent}")
     return 0

@@ -169,8 +169,15 @@ def simulate(
     link = SimulationLink(root)
     link.start()
     try:
-        cmd = [_bin("flwr"), "run", str(app), FEDERATION, "--stream",
-               "--federation-config", federation_config]
+        cmd = [
+            _bin("flwr"),
+            "run",
+            str(app),
+            FEDERATION,
+            "--stream",
+            "--federation-config",
+            federation_config,
+        ]
         if config:
             cmd += ["--run-config", config]
         return flwr_run(cmd, env_for(link.cli_home), FEDERATION, echo=echo, timeout=timeout)
