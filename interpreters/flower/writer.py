@@ -40,7 +40,7 @@ APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
 FORMAT_VERSION = 1
 FAB_LIMIT = 10 * 1024 * 1024  # flwr.common.constant.FAB_MAX_SIZE
-SOURCES = ("__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py", "training.py")
+SOURCES = ("__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py", "training.py", "program.py")
 
 # Run config keys and their defaults (flwr run --run-config overrides only declared keys).
 RUN_CONFIG = {
@@ -146,8 +146,12 @@ def build_plan(module) -> tuple[dict, dict[str, bytes]]:
     """The app's plan.json and its artifacts (key -> bytes) for a round: one phase per
     broadcast/aggregate exchange, each split by the production export."""
     from ..production import export as production_export
+    from .loops import find_loop, loop_plan
     from .phases import split_phases
 
+    at = find_loop(module)
+    if at is not None:  # a whole training program: one Flower round per iteration
+        return loop_plan(module, at, build_plan, _spec, leaf_paths)
     phases = split_phases(module)
     multi = len(phases) > 1
     steps, artifacts, plans = [], {}, []

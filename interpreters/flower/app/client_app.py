@@ -70,7 +70,12 @@ def compute(step_index: int, values: dict, context) -> dict:
     server sent: ``"group/name" -> array`` of the client outputs."""
     plan = runtime.plan()
     step = plan["steps"][step_index]
-    env = {("arg", str(s["leaf"])): x for s, x in zip(plan["client_inputs"], client_data(context))}
+    # A program's loop body is the round: its parameter "round_leaf" holds the
+    # program's client argument "leaf".
+    env = {
+        ("arg", str(s.get("round_leaf", s["leaf"]))): x
+        for s, x in zip(plan["client_inputs"], client_data(context))
+    }
     for key, x in values.items():
         group, _, name = key.partition("/")
         env[(group, name)] = x

@@ -68,7 +68,15 @@ class Config:
         self.timeout = get("timeout", float)
         self.secagg = get("secagg", boolean)
         try:
-            self.state, self.state_note = training.resolve(get("state", str), plan, self.rounds)
+            if "loop" in plan:  # the program's loop carries its own state
+                if get("state", str).strip() or self.rounds != 1:
+                    raise training.StateError(
+                        f"@{plan['round']} runs its own {plan['loop']['kind']} of rounds: "
+                        "run config rounds and state do not apply"
+                    )
+                self.state, self.state_note = {}, ""
+            else:
+                self.state, self.state_note = training.resolve(get("state", str), plan, self.rounds)
         except training.StateError as e:
             raise AppError(str(e)) from None
         metrics = get("metrics", str)
@@ -249,11 +257,19 @@ def main(grid, context) -> None:
         print(f"[fcir] {cfg.state_note}", flush=True)
     ckpt = Checkpoints(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     done, outputs = 0, None
-    if ckpt is not None:
+    if ckpt is not None and "loop" not in plan:
         done, restored, outputs = ckpt.resume(plan)
         if restored is not None:
             inputs = restored
             print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
+    if "loop" in plan:  # a whole training program: one round per loop iteration
+        from . import program
+
+        outputs = program.run(grid, cfg, plan, inputs, ckpt, run_round)
+        if cfg.output:
+            program.write(cfg.output, outputs)
+            print(f"[fcir] wrote {len(outputs)} output array(s) to {cfg.output}", flush=True)
+        return
     for rnd in range(done + 1, cfg.rounds + 1):
         stats = dict.fromkeys(("sent", "received", "sampled", "replied", "exchanges"), 0)
         start = time.perf_counter()
