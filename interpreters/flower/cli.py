@@ -70,6 +70,12 @@ def register(subparsers) -> None:
         metavar="DIR",
         help="where the processes keep their homes and logs (default: a new temporary folder)",
     )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS instead of --insecure: makes a localhost CA and a SuperLink certificate "
+        "under --dir/certificates and starts every process with them",
+    )
     up.set_defaults(func=cmd_up)
 
     run = sub.add_parser(
@@ -170,7 +176,7 @@ def cmd_up(a) -> int:
     if a.nodes < 1:
         raise FcirError("fcir flower up: --nodes must be at least 1")
     root = a.dir or tempfile.mkdtemp(prefix="fcir-flower-")
-    dep = Deployment(root, a.nodes, _data_paths(a.data, a.nodes))
+    dep = Deployment(root, a.nodes, _data_paths(a.data, a.nodes), tls=a.tls)
 
     def stop(signum, frame):
         raise _Stop(signum)
@@ -183,6 +189,9 @@ def cmd_up(a) -> int:
         home = env_for(dep.cli_home)["FLWR_HOME"]
         print(f"SuperLink on {dep.address}; {a.nodes} SuperNode(s) on ports "
               f"{', '.join(map(str, dep.node_ports))}; logs and homes in {dep.root}")
+        if a.tls:
+            print(f"TLS: CA {dep.certificates.ca} (config.toml's root-certificates; a "
+                  "SuperNode elsewhere passes it as --root-certificates)")
         print("Run an exported app (one progress line per round) with:")
         print(f"  FLWR_HOME={home} fcir flower run APPDIR "
               "--run-config 'rounds=1 output=\"/abs/out.npz\"'")

@@ -125,7 +125,8 @@ class Deployment:
 
     SUPERLINK_FLAGS: tuple[str, ...] = ()  # more flags for flower-superlink
 
-    def __init__(self, root, nodes: int, data: list | None = None):
+    def __init__(self, root, nodes: int, data: list | None = None, *, tls: bool = False):
+        self.tls = tls
         self.root = pathlib.Path(root).resolve()
         self.nodes = nodes
         self.data = list(data) if data is not None else [None] * nodes
@@ -153,12 +154,43 @@ class Deployment:
         finally:
             log.close()
 
+    @property
+    def certificates(self):
+        """The localhost CA and the SuperLink's certificate (``tls=True``), made once."""
+        from .certs import Certificates, make
+
+        folder = self.root / "certificates"
+        if not (folder / "server.key").is_file():
+            return make(folder)
+        return Certificates(folder / "ca.pem", folder / "server.pem", folder / "server.key")
+
+    def _security(self, server: bool) -> list[str]:
+        if not self.tls:
+            return ["--insecure"]
+        c = self.certificates
+        if server:
+            return ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert),
+                    "--ssl-keyfile", str(c.key)]
+        return ["--root-certificates", str(c.ca)]
+
+    def _healthy(self) -> bool:
+        import ssl
+
+        scheme, context = "http", None
+        if self.tls:
+            scheme, context = "https", ssl.create_default_context(cafile=str(self.certificates.ca))
+        try:
+            with urllib.request.urlopen(f"{scheme}://{self.address}/health", timeout=2, context=context):
+                return True
+        except OSError:
+            return False
+
     def start_superlink(self, timeout: float = 60) -> None:
         self._spawn(
             "superlink",
             [
                 _bin("flower-superlink"),
-                "--insecure",
+                *self._security(server=True),
                 "--disable-runtime-dependency-installation",
                 "--host", "127.0.0.1",
                 "--port", str(self.port),
@@ -167,11 +199,8 @@ class Deployment:
         )
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                with urllib.request.urlopen(f"http://{self.address}/health", timeout=2):
-                    return
-            except OSError:
-                pass
+            if self._healthy():
+                return
             proc = self.procs["superlink"]
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise DeploymentError(
@@ -187,7 +216,7 @@ class Deployment:
             f"supernode-{i}",
             [
                 _bin("flower-supernode"),
-                "--insecure",
+                *self._security(server=False),
                 "--superlink", self.address,
                 "--port", str(self.node_ports[i]),
                 "--node-config", config,
@@ -199,7 +228,8 @@ class Deployment:
         self.cli_home.mkdir(parents=True, exist_ok=True)
         (self.cli_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{FEDERATION}"\n\n'
-            f'[superlink.{FEDERATION}]\naddress = "{self.address}"\ninsecure = true\n'
+            f'[superlink.{FEDERATION}]\naddress = "{self.address}"\n'
+            + (f'root-certificates = "{self.certificates.ca}"\n' if self.tls else "insecure = true\n")
         )
         try:
             self.start_superlink()
