@@ -312,3 +312,27 @@ def test_a_resumed_run_with_no_round_left_writes_outputs_in_their_declared_shape
     assert [(x.dtype, x.shape) for x in resumed] == [(x.dtype, x.shape) for x in first]
     assert any(x.shape == () for x in resumed)  # the loss
     assert [x.tobytes() for x in resumed] == [x.tobytes() for x in first]
+
+
+def test_per_round_metrics_go_to_the_progress_line_a_metric_record_and_a_file(fedavg, tmp_path, capsys):
+    """The loss (fedavg_mlp's output 4) of every round: on the progress line, in the
+    ServerApp context's MetricRecord, and in run config metrics-file, which a resumed
+    run extends; fcir flower plot draws it."""
+    import re
+
+    from fcir.cli import main
+
+    r, app, nodes = fedavg
+    metrics = tmp_path / "metrics.json"
+    base = {"metrics-file": str(metrics), "checkpoint-dir": str(tmp_path / "ckpt")}
+    inprocess.run(app, nodes, {**base, "rounds": 2})
+    grid = inprocess.run(app, nodes, {**base, "rounds": 3})
+    printed = [float(x) for x in re.findall(r"arr_4=([0-9.]+)", capsys.readouterr().out)]
+    saved = json.loads(metrics.read_text())
+    assert saved["round"] == [1, 2, 3] and len(saved["arr_4"]) == 3
+    assert np.allclose(saved["arr_4"], printed, rtol=1e-5)
+    assert saved["arr_4"][2] < saved["arr_4"][0]  # it trains
+    record = grid.context.state["fcir.metrics"]
+    assert list(record["round"]) == [1, 2, 3] and np.allclose(record["arr_4"], saved["arr_4"])
+    assert main(["flower", "plot", str(metrics), "-o", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -139,6 +139,18 @@ def register(subparsers) -> None:
     )
     data.set_defaults(func=cmd_data)
 
+    plot = sub.add_parser(
+        "plot",
+        help="plot the per-round metrics a run wrote (run config metrics-file)",
+        description="Draw each metric of a metrics file (written by an exported app with "
+        "--run-config 'metrics-file=\"/abs/metrics.json\"') against the round, one panel "
+        "per metric, into a PNG. Needs matplotlib.",
+        epilog="Example: fcir flower plot metrics.json -o loss.png",
+    )
+    plot.add_argument("metrics", metavar="METRICS.json")
+    plot.add_argument("-o", "--output", required=True, metavar="PNG")
+    plot.set_defaults(func=cmd_plot)
+
 
 def _data_paths(data, nodes: int) -> list:
     import pathlib
@@ -282,4 +294,35 @@ def cmd_data(a) -> int:
     server, nodes = split_arguments(module, args, a.output)
     where = f" and node0.npz..node{len(nodes) - 1}.npz" if nodes else ""
     print(f"@{module.name}: wrote {server.name}{where} in {server.parent}")
+    return 0
+
+
+def cmd_plot(a) -> int:
+    import json
+    import pathlib
+
+    try:
+        history = json.loads(pathlib.Path(a.metrics).read_text())
+        rounds = history.pop("round")
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise FcirError(f"{a.metrics} is not a metrics file (run config metrics-file): {e}") from None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise FcirError("fcir flower plot needs matplotlib: pip install matplotlib") from None
+    names = sorted(history)
+    if not names:
+        raise FcirError(f"{a.metrics} holds no metrics")
+    fig, axes = plt.subplots(len(names), 1, figsize=(5, 2.2 * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        ax.plot(rounds, history[name], marker="o")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("round")
+    fig.tight_layout()
+    fig.savefig(a.output, dpi=100)
+    print(f"wrote {a.output}: {', '.join(names)} over {len(rounds)} round(s)")
     return 0

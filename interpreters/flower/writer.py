@@ -56,6 +56,7 @@ RUN_CONFIG = {
     "timeout": 600.0,
     "secagg": True,
     "data-dir": "",
+    "metrics-file": "",
 }
 
 

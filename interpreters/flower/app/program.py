@@ -66,7 +66,7 @@ def _restore(ckpt, plan: dict):
     return step, carry, ys
 
 
-def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round) -> list:
+def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None) -> list:
     """Runs the program; returns its outputs in output-file order."""
     loop = plan["loop"]
     view = _round_view(plan)
@@ -123,6 +123,13 @@ def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round) -> list:
             ys[k].append(outs[o])
         rnd += 1
         metrics = " ".join(f"ys_{k}={m}" for k, o in enumerate(stacked) if (m := _metric(outs[o])))
+        if record is not None:  # scalar ys: the progress line's, MetricRecord, metrics-file
+            scalars = {
+                f"ys_{k}": float(np.asarray(outs[o]).reshape(-1)[0])
+                for k, o in enumerate(stacked)
+                if np.asarray(outs[o]).size == 1
+            }
+            record(rnd, scalars)
         who = f"{stats['replied']}/{stats['sampled']} clients replied"
         if stats["exchanges"] > 1:
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"

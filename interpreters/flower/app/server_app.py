@@ -67,6 +67,7 @@ class Config:
         self.min_clients = max(1, get("min-clients", int))
         self.timeout = get("timeout", float)
         self.secagg = get("secagg", boolean)
+        self.metrics_file = get("metrics-file", str)
         try:
             if "loop" in plan:  # the program's loop carries its own state
                 if get("state", str).strip() or self.rounds != 1:
@@ -248,6 +249,15 @@ def _metric(x) -> str:
     return np.array2string(x[0], precision=6) if x.size == 1 else f"{x.dtype}{list(x.shape)}"
 
 
+def record_metrics(context, history, rnd: int, metrics: dict) -> None:
+    """Round ``rnd``'s scalar metrics into the history (metrics-file) and Flower's
+    MetricRecord in the ServerApp's context state."""
+    from flwr.app import MetricRecord
+
+    history.add(rnd, metrics)
+    context.state["fcir.metrics"] = MetricRecord(history.record())
+
+
 @app.main()
 def main(grid, context) -> None:
     plan = runtime.plan()
@@ -256,6 +266,7 @@ def main(grid, context) -> None:
     if cfg.state_note:
         print(f"[fcir] {cfg.state_note}", flush=True)
     ckpt = Checkpoints(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    history = training.History(cfg.metrics_file)
     done, outputs = 0, None
     if ckpt is not None and "loop" not in plan:
         done, restored, outputs = ckpt.resume(plan)
@@ -265,7 +276,8 @@ def main(grid, context) -> None:
     if "loop" in plan:  # a whole training program: one round per loop iteration
         from . import program
 
-        outputs = program.run(grid, cfg, plan, inputs, ckpt, run_round)
+        outputs = program.run(grid, cfg, plan, inputs, ckpt, run_round,
+                              lambda rnd, m: record_metrics(context, history, rnd, m))
         if cfg.output:
             program.write(cfg.output, outputs)
             print(f"[fcir] wrote {len(outputs)} output array(s) to {cfg.output}", flush=True)
@@ -278,6 +290,12 @@ def main(grid, context) -> None:
         for i, o in cfg.state.items():
             inputs[i] = outputs[o]
         metrics = " ".join(f"arr_{o}={_metric(outputs[o])}" for o in cfg.metrics)
+        scalars = {
+            f"arr_{o}": float(np.asarray(outputs[o]).reshape(-1)[0])
+            for o in cfg.metrics
+            if np.asarray(outputs[o]).size == 1
+        }
+        record_metrics(context, history, rnd, scalars)
         who = f"{stats['replied']}/{stats['sampled']} clients replied"
         if stats["exchanges"] > 1:
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"

@@ -128,3 +128,45 @@ def resolve(value: str, plan: dict, rounds: int) -> tuple[dict[int, int], str]:
     if not mapping:
         raise StateError(refusal(plan, rounds))
     return mapping, f"state {text(mapping)} inferred from pytree paths: {describe(plan, mapping)}"
+
+
+class History:
+    """Per-round metrics: what the progress line shows, kept for Flower's
+    ``MetricRecord`` in the ServerApp context state (each name -> its values by
+    round, and ``round`` -> the round numbers) and for run config ``metrics-file``
+    (the same as JSON, rewritten after every round)."""
+
+    def __init__(self, path: str = ""):
+        self.path = path
+        self.rounds: list[int] = []
+        self.values: dict[str, list[float]] = {}
+        if path:  # a resumed run keeps the rounds it ran before
+            import json
+            import pathlib
+
+            try:
+                saved = json.loads(pathlib.Path(path).read_text())
+                self.rounds = [int(r) for r in saved.pop("round")]
+                self.values = {k: [float(x) for x in v] for k, v in saved.items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                self.rounds, self.values = [], {}
+
+    def add(self, rnd: int, metrics: dict[str, float]) -> None:
+        keep = sum(1 for r in self.rounds if r < rnd)  # a round run again replaces its entry
+        self.rounds = self.rounds[:keep]
+        self.values = {k: v[:keep] for k, v in self.values.items()}
+        self.rounds.append(rnd)
+        for name, value in metrics.items():
+            self.values.setdefault(name, []).append(float(value))
+        if self.path:
+            import json
+            import os
+
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"round": self.rounds, **self.values}, f, indent=1)
+            os.replace(tmp, self.path)
+
+    def record(self) -> dict:
+        """The MetricRecord's content (ints and floats only)."""
+        return {"round": list(self.rounds), **{k: list(v) for k, v in self.values.items()}}
