@@ -81,7 +81,9 @@ def find_loop(module: Module) -> int | None:
     return hits[0]
 
 
-def _module(name: str, placements, params: list[Value], ops, results, env) -> Module:
+def _module(
+    name: str, placements, params: list[Value], ops, results, env, private: bool = False
+) -> Module:
     region = Region(params, [], [], "main")
     for op in ops:
         region.ops.append(clone_op(op, env))
@@ -89,7 +91,7 @@ def _module(name: str, placements, params: list[Value], ops, results, env) -> Mo
     n, m = len(params), len(results)
     args = Structure("tuple", tuple(Structure("leaf", leaf=i) for i in range(n)))
     res = Structure("tuple", tuple(Structure("leaf", leaf=i) for i in range(m)))
-    return Module(name, list(placements), [Func("main", region, args, res)])
+    return Module(name, list(placements), [Func("main", region, args, res)], private=private)
 
 
 def split_loop(module: Module, at: int) -> LoopSplit:
@@ -161,7 +163,8 @@ def split_loop(module: Module, at: int) -> LoopSplit:
     rparams = [Value(v.type) for v in region.params]
     env.update(zip(region.params, rparams))
     rnd = _module(
-        f"{module.name}_round", module.placements, rparams, region.ops, region.results, env
+        f"{module.name}_round", module.placements, rparams, region.ops, region.results, env,
+        private=module.private,
     )
     rnd.main.arg_structure = Structure(
         "tuple", tuple(Structure("leaf", leaf=i) for i in range(len(rparams)))

@@ -222,6 +222,9 @@ def _privacy(module) -> dict | None:
         "participation": f"dp_mean divides the noised sum by the declared cardinality "
         f"({n}) however many sampled clients reply; epsilon_per_round assumes every client "
         "takes part and claims no amplification by sampling",
+        # The round itself, for the ServerApp's cumulative epsilon under the sampling it
+        # uses (fcir.privacy.epsilon on the server, which has fcir; never read on a node).
+        "ir": module.to_text(full_constants=True),
     }
 
 

@@ -66,7 +66,7 @@ def _restore(ckpt, plan: dict):
     return step, carry, ys
 
 
-def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None) -> list:
+def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, privacy=None) -> list:
     """Runs the program; returns its outputs in output-file order."""
     loop = plan["loop"]
     view = _round_view(plan)
@@ -135,7 +135,8 @@ def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None) -> li
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
         print(
             f"[fcir] round {rnd}{total}: {who}, sent {stats['sent']} B, received "
-            f"{stats['received']} B, {time.perf_counter() - start:.1f} s {metrics}".rstrip(),
+            f"{stats['received']} B, {time.perf_counter() - start:.1f} s {metrics} "
+            f"{privacy(rnd) if privacy else ''}".rstrip(),
             flush=True,
         )
         if ckpt is not None:

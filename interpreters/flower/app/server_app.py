@@ -80,6 +80,11 @@ class Config:
                 self.state, self.state_note = training.resolve(get("state", str), plan, self.rounds)
         except training.StateError as e:
             raise AppError(str(e)) from None
+        # A private round sampled by fraction is Poisson-sampled with secret randomness,
+        # which is what amplification by sampling (the epsilon on the progress line) needs.
+        self.private = "privacy" in plan
+        self.poisson = self.private and self.clients == 0 and self.fraction < 1
+        self.sampled: dict[int, list[int]] = {}
         metrics = get("metrics", str)
         if metrics.strip():
             self.metrics = [int(m) for m in metrics.replace(";", ",").split(",") if m.strip()]
@@ -122,9 +127,49 @@ def sample(grid, cfg: Config, rnd: int) -> list[int]:
                 f"min-clients={cfg.min_clients}: start more SuperNodes or lower min-clients"
             )
         time.sleep(1.0)
+    if cfg.poisson:  # each online node independently with probability fraction, once a round
+        if rnd not in cfg.sampled:
+            cfg.sampled[rnd] = [n for n in nodes if _SECRET.random() < cfg.fraction]
+        return sorted(cfg.sampled[rnd])
     want = cfg.clients if cfg.clients > 0 else math.ceil(cfg.fraction * len(nodes))
     want = min(len(nodes), max(want, cfg.min_clients))
     return sorted(random.Random(rnd).sample(nodes, want))
+
+
+_SECRET = random.SystemRandom()
+
+
+class Accounting:
+    """Cumulative epsilon of a private app's rounds for the sampling the ServerApp uses
+    (fcir.privacy.epsilon on the round the export embedded in plan.json): Poisson at rate
+    ``fraction`` when it samples so, else every client (a fixed-size or seeded sample
+    claims no amplification)."""
+
+    def __init__(self, plan: dict, cfg: Config):
+        self.module, self.note = None, ""
+        p = plan.get("privacy") or {}
+        if not p or "ir" not in p or "error" in p:
+            return
+        try:
+            from fcir.privacy import epsilon
+            from fcir.text import parse
+        except ImportError:
+            self.note = "epsilon needs fcir beside the SuperLink"
+            return
+        self.epsilon, self.module, self.delta = epsilon, parse(p["ir"]), float(p["delta"])
+        self.rate = cfg.fraction if cfg.poisson else 1.0
+        if cfg.poisson:
+            self.how = f"Poisson sampling q={cfg.fraction:g}"
+        elif cfg.clients > 0 or cfg.fraction < 1:
+            self.how = "no amplification claimed: fixed-size sampling"
+        else:
+            self.how = "every client"
+
+    def line(self, rounds: int) -> str:
+        if self.module is None:
+            return self.note
+        eps = self.epsilon(self.module, rounds, self.delta, sampling_rate=self.rate)
+        return f"epsilon={eps:.4g} after {rounds} round(s) (delta={self.delta:g}, {self.how})"
 
 
 def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats: dict) -> None:
@@ -267,6 +312,7 @@ def main(grid, context) -> None:
         print(f"[fcir] {cfg.state_note}", flush=True)
     ckpt = Checkpoints(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
     history = training.History(cfg.metrics_file)
+    accounting = Accounting(plan, cfg)
     done, outputs = 0, None
     if ckpt is not None and "loop" not in plan:
         done, restored, outputs = ckpt.resume(plan)
@@ -277,7 +323,8 @@ def main(grid, context) -> None:
         from . import program
 
         outputs = program.run(grid, cfg, plan, inputs, ckpt, run_round,
-                              lambda rnd, m: record_metrics(context, history, rnd, m))
+                              lambda rnd, m: record_metrics(context, history, rnd, m),
+                              accounting.line)
         if cfg.output:
             program.write(cfg.output, outputs)
             print(f"[fcir] wrote {len(outputs)} output array(s) to {cfg.output}", flush=True)
@@ -301,7 +348,7 @@ def main(grid, context) -> None:
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
         print(
             f"[fcir] round {rnd}/{cfg.rounds}: {who}, sent {stats['sent']} B, received {stats['received']} B, "
-            f"{time.perf_counter() - start:.1f} s {metrics}".rstrip(),
+            f"{time.perf_counter() - start:.1f} s {metrics} {accounting.line(rnd)}".rstrip(),
             flush=True,
         )
         if ckpt is not None:
