@@ -135,8 +135,8 @@ def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, priva
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
         print(
             f"[fcir] round {rnd}{total}: {who}, sent {stats['sent']} B, received "
-            f"{stats['received']} B, {time.perf_counter() - start:.1f} s {metrics} "
-            f"{privacy(rnd) if privacy else ''}".rstrip(),
+            f"{stats['received']} B, {time.perf_counter() - start:.1f} s "
+            + " ".join(x for x in (metrics, privacy(rnd) if privacy else "") if x),
             flush=True,
         )
         if ckpt is not None:

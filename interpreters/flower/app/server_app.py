@@ -348,7 +348,8 @@ def main(grid, context) -> None:
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
         print(
             f"[fcir] round {rnd}/{cfg.rounds}: {who}, sent {stats['sent']} B, received {stats['received']} B, "
-            f"{time.perf_counter() - start:.1f} s {metrics} {accounting.line(rnd)}".rstrip(),
+            f"{time.perf_counter() - start:.1f} s "
+            + " ".join(x for x in (metrics, accounting.line(rnd)) if x),
             flush=True,
         )
         if ckpt is not None:
