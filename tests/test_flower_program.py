@@ -78,6 +78,9 @@ def test_a_scan_of_rounds_runs_one_flower_round_per_iteration_and_resumes(tmp_pa
     assert [g.tobytes() for g in _outputs(tmp_path / "p.npz")] == [g.tobytes() for g in got]
     with pytest.raises(RuntimeError, match="runs its own scan of rounds"):
         inprocess.run(app, nodes, {"rounds": 3})
+    from fcir.interpreters.flower.cli import run_hint
+
+    assert run_hint(app).endswith("--run-config 'output=\"/abs/out.npz\"'")  # no rounds/state
 
 
 @fcir.program(placements={"clients": N})
