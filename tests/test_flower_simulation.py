@@ -94,3 +94,27 @@ def test_simulate_usage_errors(fedavg, tmp_path):
     _, app, data = fedavg
     assert main(["flower", "simulate", str(app), "--nodes", "4", "--data", str(data)]) == 1
     assert main(["flower", "simulate", str(tmp_path), "--nodes", "1"]) == 1
+
+
+def test_a_scan_of_rounds_program_on_the_simulation_engine_writes_the_programs_results(tmp_path):
+    """scan_rounds exported whole: on virtual nodes (Ray actors) one Flower round per
+    iteration, the output file reference.run's results, checkpoints each round."""
+    from corpus.compare import assert_trees_match
+
+    r = rounds.corpus_round("scan_rounds")
+    app = rounds.export(r, tmp_path / "app")
+    plan = rounds.plan_of(app)
+    (tmp_path / "data").mkdir()
+    for i in range(rounds.NODES):
+        np.savez(tmp_path / "data" / f"node{i}.npz", *r.node_leaves(plan, i))
+    out, ckpt = tmp_path / "out.npz", tmp_path / "ckpt"
+    proc = _simulate(
+        app, tmp_path / "data", f'output="{out}" checkpoint-dir="{ckpt}"', tmp_path / "sim"
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "round 3/3: 3/3 clients replied" in proc.stdout, proc.stdout[-3000:]
+    got, want = _outputs(out), rounds.reference_outputs(r)
+    assert [(g.dtype, g.shape) for g in got] == [(w.dtype, w.shape) for w in want]
+    assert_trees_match(got, want, rtol=1e-5, atol=1e-6)
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2", "3"]
+    assert _started_under(tmp_path / "sim") == []
