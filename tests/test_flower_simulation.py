@@ -118,3 +118,40 @@ def test_a_scan_of_rounds_program_on_the_simulation_engine_writes_the_programs_r
     assert_trees_match(got, want, rtol=1e-5, atol=1e-6)
     assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2", "3"]
     assert _started_under(tmp_path / "sim") == []
+
+
+def test_sigterm_stops_the_simulation_and_everything_it_started(fedavg, tmp_path):
+    import signal
+
+    _, app, data = fedavg
+    root = tmp_path / "sim"
+    cmd = [
+        sys.executable,
+        "-m",
+        "fcir.cli",
+        "flower",
+        "simulate",
+        str(app),
+        "--nodes",
+        "3",
+        "--data",
+        str(data),
+        "--run-config",
+        "rounds=50",
+        "--dir",
+        str(root),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "round 1/50" in line:
+                break
+        assert _started_under(root), "the simulation started nothing"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1 and "stopped by signal" in rest, rest[-2000:]
+    assert _started_under(root) == []

@@ -257,11 +257,25 @@ def cmd_run(a) -> int:
 
 
 def cmd_simulate(a) -> int:
+    import signal
+
     from .simulation import simulate
 
     if a.actors is not None and a.actors < 1:
         raise FcirError("fcir flower simulate: --actors must be at least 1")
-    result = simulate(a.app, a.nodes, a.data, a.run_config, actors=a.actors, root=a.dir)
+
+    def stop(signum, frame):
+        raise _Stop(signum)
+
+    # SIGTERM / SIGHUP stop the simulation's SuperLink (its own session) as Ctrl-C does.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = simulate(a.app, a.nodes, a.data, a.run_config, actors=a.actors, root=a.dir)
+    except _Stop as e:
+        raise FcirError(f"stopped by signal {e.args[0]}; everything it started is stopped") from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not result.ok:
         raise FcirError(f"simulated run {result.run_id} failed: {result.failure()}")
     print(f"[fcir] simulated run {result.run_id} {result.status}", flush=True)
