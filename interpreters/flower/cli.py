@@ -44,7 +44,7 @@ def register(subparsers) -> None:
     """Adds ``fcir flower up``."""
     p = subparsers.add_parser(
         "flower",
-        help="run exported Flower apps on a local SuperLink and SuperNodes",
+        help="run exported Flower apps: a local deployment, the Simulation Engine, node data",
         description="Tools for rounds exported with 'fcir export --target flower'.",
     )
     sub = p.add_subparsers(dest="flower_command", metavar="COMMAND")
