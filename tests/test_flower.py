@@ -165,7 +165,12 @@ def _processes_with_home_under(root: pathlib.Path) -> list[int]:
     return pids
 
 
-def test_flower_up_prints_how_to_run_and_stops_everything_on_ctrl_c(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_flower_up_prints_how_to_run_and_stops_everything_on_ctrl_c_sigterm_and_sighup(
+    tmp_path, sig
+):
+    """Ctrl-C, `kill PID` and a closed terminal all stop the SuperLink and SuperNodes
+    (they run in sessions of their own, so no signal reaches them otherwise), exit 0."""
     import signal
     import subprocess
     import sys
@@ -181,15 +186,66 @@ def test_flower_up_prints_how_to_run_and_stops_everything_on_ctrl_c(tmp_path):
             if line.startswith("Ctrl-C"):
                 break
         text = "".join(lines)
-        assert "flwr run APPDIR local --stream" in text and f"FLWR_HOME={root}" in text, text
+        assert "fcir flower run APPDIR" in text and f"FLWR_HOME={root}" in text, text
         address = text.split("SuperLink on ")[1].split(";")[0]
         with urllib.request.urlopen(f"http://{address}/health", timeout=5) as r:
             assert r.status == 200
         assert len(_processes_with_home_under(root)) >= 3  # SuperLink + 2 SuperNodes
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(30) == 0, proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert _processes_with_home_under(root) == []
+
+
+def test_flower_run_exits_non_zero_with_the_serverapps_error(dep, tmp_path):
+    """`flwr run` exits 0 when the ServerApp raises; `fcir flower run` asks the
+    SuperLink how the run ended and exits 1 with the ServerApp's error."""
+    import os
+    import subprocess
+    import sys
+
+    r = _renamed(rounds.corpus_round("fedavg_mlp"), "fedavg_failing")
+    app = _stage(r, tmp_path, dep)
+    env = {**os.environ, "FLWR_HOME": str(dep.cli_home)}
+    cmd = [sys.executable, "-m", "fcir.cli", "flower", "run", str(app), "--run-config", 'state="0=9"']
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "finished:failed" in proc.stderr and "state='0=9'" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_one_round_over_tls_with_a_generated_localhost_ca(tmp_path):
+    """`fcir flower up --tls`'s deployment: the SuperLink serves HTTPS with a certificate
+    of a CA made for localhost (plain HTTP is refused), the SuperNodes and flwr run
+    verify it, and a round runs bit for bit as without TLS."""
+    import ssl
+    import urllib.request
+
+    from fcir.interpreters.flower.local import Deployment
+
+    r = rounds.first_clients(_renamed(rounds.corpus_round("fedavg_mlp"), "fedavg_tls"), 2)
+    app = rounds.export(r, tmp_path / "app")
+    plan = rounds.plan_of(app)
+    data = []
+    for i in range(2):
+        data.append(tmp_path / f"node{i}.npz")
+        np.savez(data[-1], *r.node_leaves(plan, i))
+    with Deployment(tmp_path / "dep", 2, data, tls=True) as d:
+        ca = d.certificates.ca
+        assert 'root-certificates = "' in (d.cli_home / "config.toml").read_text()
+        context = ssl.create_default_context(cafile=str(ca))
+        with urllib.request.urlopen(f"https://{d.address}/health", timeout=5, context=context) as h:
+            assert h.status == 200
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://{d.address}/health", timeout=5).close()
+        with pytest.raises(OSError):  # an unknown CA is not trusted
+            urllib.request.urlopen(f"https://{d.address}/health", timeout=5).close()
+        proc = d.run(app, f'output="{tmp_path}/out.npz" min-clients=2', timeout=300)
+        assert proc.returncode == 0 and "2/2 clients replied" in proc.stdout, proc.stdout[-3000:]
+    got = _outputs(tmp_path / "out.npz")
+    assert [g.tobytes() for g in got] == [
+        b.tobytes() for b in rounds.bundle_outputs(r, tmp_path / "bundle")
+    ]

@@ -113,11 +113,11 @@ def test_app_directory_layout_and_cli(fedavg, tmp_path):
     files = sorted(p.relative_to(app).as_posix() for p in app.rglob("*") if p.is_file())
     assert files == [
         "fcir_app/__init__.py", "fcir_app/artifacts.json", "fcir_app/client_app.py",
-        "fcir_app/inputs.json", "fcir_app/plan.json", "fcir_app/runtime.py",
-        "fcir_app/secagg.py", "fcir_app/server_app.py", "pyproject.toml",
+        "fcir_app/inputs.json", "fcir_app/plan.json", "fcir_app/program.py", "fcir_app/runtime.py",
+        "fcir_app/secagg.py", "fcir_app/server_app.py", "fcir_app/training.py", "pyproject.toml",
     ]
     # The ClientApp side never imports fcir: a device installs jax and flwr only.
-    for name in ("client_app.py", "runtime.py", "secagg.py"):
+    for name in ("client_app.py", "runtime.py", "secagg.py", "training.py", "program.py"):
         assert "fcir." not in (app / "fcir_app" / name).read_text().replace("fcir.raw", "")
     np.savez(tmp_path / "in.npz", *r.server_leaves)
     src = tmp_path / "round.fcir"
@@ -266,3 +266,96 @@ def test_secure_sum_chunks_are_exact_for_every_bitwidth(dtype):
             if b == bits and info.min < 0:  # a full-width signed sum wraps to signed
                 want = [w - 2**b if w >= 2 ** (b - 1) else w for w in want]
             assert got.dtype == np.dtype(dtype) and [int(g) for g in got] == want, (k, b)
+
+
+def test_rounds_without_state_map_outputs_of_the_same_pytree_path_and_say_so(fedavg, tmp_path, capsys):
+    """fedavg_mlp's (params, x, y) -> (params, loss): without ``state`` two rounds feed
+    the new params (same paths [0]['...'], same types) into round 2, exactly as the
+    explicit mapping does, and the mapping used is printed."""
+    r, app, nodes = fedavg
+    n = len(r.server_leaves)
+    inprocess.run(app, nodes, {"rounds": 2, "output": str(tmp_path / "inferred.npz")})
+    said = capsys.readouterr().out
+    explicit = ",".join(f"{i}={i}" for i in range(n))
+    assert f"state {explicit} inferred from pytree paths: 0=0 ([0]" in said, said
+    inprocess.run(app, nodes, {"rounds": 2, "state": explicit, "output": str(tmp_path / "explicit.npz")})
+    inferred, given = _outputs(tmp_path / "inferred.npz"), _outputs(tmp_path / "explicit.npz")
+    assert [g.tobytes() for g in inferred] == [g.tobytes() for g in given]
+    once = rounds.bundle_outputs(r, tmp_path / "b")
+    assert inferred[0].tobytes() != once[0].tobytes()  # round 2 did not repeat round 1
+
+
+@fcir.program(placements={"clients": rounds.NODES})
+def renamed_round(w, x):
+    """Returns the new model under a key of its own: no output has the path [0]."""
+    mean = fcir.reduce_mean(fcir.map_fn(lambda w, x: w + jnp.mean(x, axis=0), (fcir.broadcast(w), x)))
+    return {"model": mean}
+
+
+def test_rounds_without_state_and_no_path_match_are_refused_naming_the_candidates(tmp_path):
+    w = jnp.zeros(4, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(rounds.NODES, 5, 4)), jnp.float32)
+    module = fcir.capture(renamed_round, w, x)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w)])
+    nodes = {}
+    for i in range(rounds.NODES):
+        np.savez(tmp_path / f"n{i}.npz", np.asarray(x[i]))
+        nodes[10 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
+    with pytest.raises(RuntimeError, match=r"rounds=2 without a state mapping would run round 1 2 times") as e:
+        inprocess.run(app, nodes, {"rounds": 2, "output": str(tmp_path / "o.npz")})
+    assert "output arr_0 ['model'] (f32[4]) could feed server input arr_0 [0]" in str(e.value)
+    assert 'state="0=0"' in str(e.value) and 'state="none"' in str(e.value)
+    assert not (tmp_path / "o.npz").exists()
+    # One round needs no mapping; state="none" repeats the round on purpose.
+    inprocess.run(app, nodes, {"rounds": 1})
+    grid = inprocess.run(app, nodes, {"rounds": 2, "state": "none"})
+    assert len(grid.sent) == 2 * rounds.NODES
+
+
+def test_export_hint_names_the_inferred_state(fedavg, tmp_path, capsys):
+    from fcir.cli import main
+
+    r, _, _ = fedavg
+    np.savez(tmp_path / "in.npz", *r.server_leaves)
+    src = tmp_path / "round.fcir"
+    src.write_text(r.module.to_text(full_constants=True))
+    assert main(["export", "--target", "flower", str(src), "-o", str(tmp_path / "app"),
+                 "--inputs", str(tmp_path / "in.npz")]) == 0
+    state = ",".join(f"{i}={i}" for i in range(len(r.server_leaves)))
+    assert f"--run-config 'rounds=3 state=\"{state}\" output=" in capsys.readouterr().out
+
+
+def test_a_resumed_run_with_no_round_left_writes_outputs_in_their_declared_shapes(fedavg, tmp_path):
+    r, app, nodes = fedavg
+    base = {"checkpoint-dir": str(tmp_path / "ckpt"), "rounds": 2}
+    inprocess.run(app, nodes, {**base, "output": str(tmp_path / "a.npz")})
+    grid = inprocess.run(app, nodes, {**base, "output": str(tmp_path / "b.npz")})
+    assert grid.sent == []  # nothing left to run
+    first, resumed = _outputs(tmp_path / "a.npz"), _outputs(tmp_path / "b.npz")
+    assert [(x.dtype, x.shape) for x in resumed] == [(x.dtype, x.shape) for x in first]
+    assert any(x.shape == () for x in resumed)  # the loss
+    assert [x.tobytes() for x in resumed] == [x.tobytes() for x in first]
+
+
+def test_per_round_metrics_go_to_the_progress_line_a_metric_record_and_a_file(fedavg, tmp_path, capsys):
+    """The loss (fedavg_mlp's output 4) of every round: on the progress line, in the
+    ServerApp context's MetricRecord, and in run config metrics-file, which a resumed
+    run extends; fcir flower plot draws it."""
+    import re
+
+    from fcir.cli import main
+
+    r, app, nodes = fedavg
+    metrics = tmp_path / "metrics.json"
+    base = {"metrics-file": str(metrics), "checkpoint-dir": str(tmp_path / "ckpt")}
+    inprocess.run(app, nodes, {**base, "rounds": 2})
+    grid = inprocess.run(app, nodes, {**base, "rounds": 3})
+    printed = [float(x) for x in re.findall(r"arr_4=([0-9.]+)", capsys.readouterr().out)]
+    saved = json.loads(metrics.read_text())
+    assert saved["round"] == [1, 2, 3] and len(saved["arr_4"]) == 3
+    assert np.allclose(saved["arr_4"], printed, rtol=1e-5)
+    assert saved["arr_4"][2] < saved["arr_4"][0]  # it trains
+    record = grid.context.state["fcir.metrics"]
+    assert list(record["round"]) == [1, 2, 3] and np.allclose(record["arr_4"], saved["arr_4"])
+    assert main(["flower", "plot", str(metrics), "-o", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

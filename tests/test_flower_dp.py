@@ -174,3 +174,39 @@ def test_dp_aggregates_end_phases_and_their_costs_compose(tmp_path):
     inprocess.run(app, _nodes(tmp_path, x), {"output": str(tmp_path / "o.npz")})
     expected = [np.asarray(v) for v in reference.run(module, scale, KEY, x)]
     assert_trees_match(_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_progress_lines_state_cumulative_epsilon_for_the_sampling_used(tmp_path, capsys):
+    """fraction < 1 on a private app: each round Poisson-samples the online nodes with
+    secret randomness (once per round) and its line states epsilon after r rounds with
+    amplification at q=fraction, as fcir.privacy.epsilon computes it; a fixed-size
+    sample (clients=K) claims no amplification; every client: q=1."""
+    import re
+
+    w, b, x, y = _data()
+    module = fcir.capture(private_fedavg(fcir.dp_mean), w, b, KEY, x, y)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(b), KEY])
+    nodes = {}
+    for i in range(16):  # P(a round samples no node) = 2**-16
+        np.savez(tmp_path / f"m{i}.npz", np.asarray(x[i % N]), np.asarray(y[i % N]))
+        nodes[100 + i] = {"partition-id": i, "data-path": str(tmp_path / f"m{i}.npz")}
+
+    def lines(config):
+        capsys.readouterr()
+        grid = inprocess.run(app, nodes, {"rounds": 3, **config})
+        out = capsys.readouterr().out
+        return grid, re.findall(r"epsilon=(\S+) after (\d) round\(s\) \(delta=1e-05, ([^)]*)\)", out)
+
+    grid, got = lines({"fraction": 0.5})
+    assert [(e, int(r)) for e, r, _ in got] == [
+        (f"{fcir.privacy.epsilon(module, r, 1e-5, sampling_rate=0.5):.4g}", r) for r in (1, 2, 3)
+    ]
+    assert {how for _, _, how in got} == {"Poisson sampling q=0.5"}
+    assert 0 < len(grid.sent) < 3 * 16
+    full = [f"{fcir.privacy.epsilon(module, r, 1e-5):.4g}" for r in (1, 2, 3)]
+    assert float(got[2][0]) < float(full[2])  # amplification by sampling
+    _, fixed = lines({"clients": 8})
+    assert [e for e, _, _ in fixed] == full
+    assert {how for _, _, how in fixed} == {"no amplification claimed: fixed-size sampling"}
+    _, every = lines({})
+    assert [e for e, _, _ in every] == full and {h for _, _, h in every} == {"every client"}

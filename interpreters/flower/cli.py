@@ -16,15 +16,35 @@ def cmd_export_flower(module, a) -> int:
         raise FcirError("--aggregate-with is for --target production; a Flower app aggregates itself")
     out = export(module, a.output, inputs=inputs)
     print(f"@{module.name}: wrote Flower app to {out}")
-    print(f"run it: flwr run {out} FEDERATION --run-config 'rounds=1 output=\"/abs/out.npz\"'")
+    print(f"run it: {run_hint(out)}")
     return 0
+
+
+def run_hint(appdir) -> str:
+    """The ``flwr run`` line for ``appdir``: several rounds with the state mapping its
+    pytree paths give, or one round when there is none."""
+    import json
+    import pathlib
+
+    from .app import training
+    from .writer import APP_PACKAGE
+
+    plan = json.loads((pathlib.Path(appdir) / APP_PACKAGE / "plan.json").read_text())
+    mapping = training.infer(plan)
+    if "loop" in plan:  # the program's own loop runs the rounds
+        config = 'output="/abs/out.npz"'
+    elif mapping:
+        config = f'rounds=3 state=\"{training.text(mapping)}\" output=\"/abs/out.npz\"'
+    else:
+        config = 'rounds=1 output=\"/abs/out.npz\"'
+    return f"flwr run {appdir} FEDERATION --stream --run-config '{config}'"
 
 
 def register(subparsers) -> None:
     """Adds ``fcir flower up``."""
     p = subparsers.add_parser(
         "flower",
-        help="run exported Flower apps on a local SuperLink and SuperNodes",
+        help="run exported Flower apps: a local deployment, the Simulation Engine, node data",
         description="Tools for rounds exported with 'fcir export --target flower'.",
     )
     sub = p.add_subparsers(dest="flower_command", metavar="COMMAND")
@@ -52,7 +72,86 @@ def register(subparsers) -> None:
         metavar="DIR",
         help="where the processes keep their homes and logs (default: a new temporary folder)",
     )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS instead of --insecure: makes a localhost CA and a SuperLink certificate "
+        "under --dir/certificates and starts every process with them",
+    )
     up.set_defaults(func=cmd_up)
+
+    run = sub.add_parser(
+        "run",
+        help="flwr run an exported app and exit non-zero when its ServerApp fails",
+        description="Run an exported app with 'flwr run APP FEDERATION --stream' (FLWR_HOME "
+        "names the SuperLink, as 'fcir flower up' prints it), stream its log, then ask the "
+        "SuperLink how the run ended: exit 0 when it completed, 1 with the ServerApp's "
+        "error when it failed (flwr run itself exits 0 either way).",
+        epilog="Example: FLWR_HOME=/tmp/fcir-flower-x/home-cli fcir flower run app/ "
+        "--run-config 'rounds=3 output=\"/abs/out.npz\"'",
+    )
+    run.add_argument("app", metavar="APP", help="the exported app directory")
+    run.add_argument("--federation", default="local", help="the federation (default: local)")
+    run.add_argument("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
+    run.set_defaults(func=cmd_run)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run an exported app on Flower's Simulation Engine (Ray), no SuperNodes",
+        description="Run an exported app on Flower's Simulation Engine: a SuperLink in "
+        "simulation mode on a free port runs the ServerApp, and N virtual SuperNodes run "
+        "the ClientApp in Ray actors. Node i reads DATA/node<i>.npz (or "
+        "DATA/node<i>/<round>.npz), as with 'fcir flower up --data'; the outputs are bit "
+        "for bit those of the same run on a deployment. Exits 1 with the ServerApp's "
+        "error when it fails, and stops every process it started.",
+        epilog="Example: fcir flower simulate app/ --nodes 3 --data parts/ --run-config "
+        "'rounds=3 output=\"/abs/out.npz\"'",
+    )
+    sim.add_argument("app", metavar="APP", help="the exported app directory")
+    sim.add_argument("--nodes", type=int, required=True, help="number of virtual SuperNodes")
+    sim.add_argument("--data", metavar="DIR", help="folder with node0.npz, node1.npz, ...")
+    sim.add_argument("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
+    sim.add_argument(
+        "--actors",
+        type=int,
+        default=None,
+        help="ClientApps run at once (Ray CPUs; each ClientApp takes one; default: "
+        "min(2, CPU count))",
+    )
+    sim.add_argument("--dir", metavar="DIR", help="where the SuperLink keeps its home and log")
+    sim.set_defaults(func=cmd_simulate)
+
+    data = sub.add_parser(
+        "data",
+        help="split a round's arguments into the server inputs file and one file per node",
+        description="Write DIR/server_inputs.npz (the server argument leaves, in leaf order: "
+        "what 'fcir export --target flower --inputs' and run config inputs= read) and "
+        "DIR/node<i>.npz for each of the round's clients (client i's slice of every client "
+        "argument leaf: what 'fcir flower up/simulate --data DIR' gives node i).",
+        epilog="Example: fcir flower data examples/fedavg.py:fedavg_round -o parts/  "
+        "(a Python target's EXAMPLE_ARGS), or fcir flower data round.fcir --inputs args.npz "
+        "-o parts/ (every argument leaf, as fcir run takes them)",
+    )
+    data.add_argument("IN", help="the round: file.py:function (with EXAMPLE_ARGS) or an IR file")
+    data.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write")
+    data.add_argument(
+        "--inputs",
+        metavar="ARGS.npz",
+        help="every argument leaf (arr_0, arr_1, ...), for an IR file or instead of EXAMPLE_ARGS",
+    )
+    data.set_defaults(func=cmd_data)
+
+    plot = sub.add_parser(
+        "plot",
+        help="plot the per-round metrics a run wrote (run config metrics-file)",
+        description="Draw each metric of a metrics file (written by an exported app with "
+        "--run-config 'metrics-file=\"/abs/metrics.json\"') against the round, one panel "
+        "per metric, into a PNG. Needs matplotlib.",
+        epilog="Example: fcir flower plot metrics.json -o loss.png",
+    )
+    plot.add_argument("metrics", metavar="METRICS.json")
+    plot.add_argument("-o", "--output", required=True, metavar="PNG")
+    plot.set_defaults(func=cmd_plot)
 
 
 def _data_paths(data, nodes: int) -> list:
@@ -77,7 +176,12 @@ def _data_paths(data, nodes: int) -> list:
     return paths
 
 
+class _Stop(Exception):  # noqa: N818  (a signal, not an error)
+    """SIGTERM or SIGHUP reached ``fcir flower up``: stop as on Ctrl-C."""
+
+
 def cmd_up(a) -> int:
+    import signal
     import tempfile
     import time
 
@@ -86,23 +190,155 @@ def cmd_up(a) -> int:
     if a.nodes < 1:
         raise FcirError("fcir flower up: --nodes must be at least 1")
     root = a.dir or tempfile.mkdtemp(prefix="fcir-flower-")
-    dep = Deployment(root, a.nodes, _data_paths(a.data, a.nodes))
-    dep.start()
+    dep = Deployment(root, a.nodes, _data_paths(a.data, a.nodes), tls=a.tls)
+
+    def stop(signum, frame):
+        raise _Stop(signum)
+
+    # `kill PID` (SIGTERM) and a closed terminal (SIGHUP) stop what was started here as
+    # Ctrl-C does: the processes run in sessions of their own, so nothing else would.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
+        dep.start()
         home = env_for(dep.cli_home)["FLWR_HOME"]
         print(f"SuperLink on {dep.address}; {a.nodes} SuperNode(s) on ports "
               f"{', '.join(map(str, dep.node_ports))}; logs and homes in {dep.root}")
+        if a.tls:
+            print(f"TLS: CA {dep.certificates.ca} (config.toml's root-certificates; a "
+                  "SuperNode elsewhere passes it as --root-certificates)")
         print("Run an exported app (one progress line per round) with:")
-        print(f"  FLWR_HOME={home} flwr run APPDIR local --stream "
+        print(f"  FLWR_HOME={home} fcir flower run APPDIR "
               "--run-config 'rounds=1 output=\"/abs/out.npz\"'")
-        print("Ctrl-C stops every process started here.", flush=True)
+        print(f"  (or FLWR_HOME={home} flwr run APPDIR local --stream ..., which exits 0 "
+              "even when the ServerApp fails: see flwr ls local)")
+        print("Ctrl-C (or SIGTERM, SIGHUP) stops every process started here.", flush=True)
         while True:
             for name, proc in list(dep.procs.items()):
                 if proc.poll() is not None:
                     raise FcirError(f"{name} exited ({proc.returncode}): {dep.log_tail(name)}")
             time.sleep(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         print("\nstopping ...", flush=True)
     finally:
-        dep.stop()
+        for sig in previous:  # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            dep.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    return 0
+
+
+def cmd_run(a) -> int:
+    """``flwr run APPDIR FEDERATION --stream``, then the run's status from the SuperLink:
+    exit 1 with the ServerApp's error when it failed."""
+    import os
+    import sys
+
+    from .local import _bin, env_for, flwr_run
+
+    if not os.environ.get("FLWR_HOME"):
+        raise FcirError(
+            "fcir flower run: set FLWR_HOME to the home that names the SuperLink (the line "
+            "'fcir flower up' prints)"
+        )
+    env = env_for(os.environ["FLWR_HOME"])
+    cmd = [_bin("flwr"), "run", str(a.app), a.federation, "--stream"]
+    if a.run_config:
+        cmd += ["--run-config", a.run_config]
+    result = flwr_run(cmd, env, a.federation, echo=sys.stdout)
+    if not result.ok:
+        raise FcirError(f"run {result.run_id} failed: {result.failure()}")
+    print(f"[fcir] run {result.run_id} {result.status}", flush=True)
+    return 0
+
+
+def cmd_simulate(a) -> int:
+    import signal
+
+    from .simulation import simulate
+
+    if a.actors is not None and a.actors < 1:
+        raise FcirError("fcir flower simulate: --actors must be at least 1")
+
+    def stop(signum, frame):
+        raise _Stop(signum)
+
+    # SIGTERM / SIGHUP stop the simulation's SuperLink (its own session) as Ctrl-C does.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        result = simulate(a.app, a.nodes, a.data, a.run_config, actors=a.actors, root=a.dir)
+    except _Stop as e:
+        raise FcirError(f"stopped by signal {e.args[0]}; everything it started is stopped") from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if not result.ok:
+        raise FcirError(f"simulated run {result.run_id} failed: {result.failure()}")
+    print(f"[fcir] simulated run {result.run_id} {result.status}", flush=True)
+    return 0
+
+
+def cmd_data(a) -> int:
+    import jax
+    from fcir.interpreters.production.cli import _read_npz
+
+    from fcir.targets import is_ir_file, load_module, load_python_target
+
+    from .data import split_arguments
+
+    if is_ir_file(a.IN):
+        if not a.inputs:
+            raise FcirError("an IR file carries no argument values: give them with --inputs ARGS.npz")
+        module, args = load_module(a.IN), _read_npz(a.inputs)
+    else:
+        from fcir.capture import capture
+
+        fn, args = load_python_target(a.IN)
+        if a.inputs:  # the values of the file's arguments, in EXAMPLE_ARGS' structure
+            leaves, treedef = _read_npz(a.inputs), jax.tree.structure(args)
+            if len(leaves) != treedef.num_leaves:
+                raise FcirError(
+                    f"--inputs holds {len(leaves)} array(s); {a.IN} takes "
+                    f"{treedef.num_leaves} argument leaves"
+                )
+            args = jax.tree.unflatten(treedef, leaves)
+        module = capture(fn, *args, name=a.IN.rpartition(":")[2])
+    server, nodes = split_arguments(module, args, a.output)
+    where = f" and node0.npz..node{len(nodes) - 1}.npz" if nodes else ""
+    print(f"@{module.name}: wrote {server.name}{where} in {server.parent}")
+    return 0
+
+
+def cmd_plot(a) -> int:
+    import json
+    import pathlib
+
+    try:
+        history = json.loads(pathlib.Path(a.metrics).read_text())
+        rounds = history.pop("round")
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise FcirError(f"{a.metrics} is not a metrics file (run config metrics-file): {e}") from None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise FcirError("fcir flower plot needs matplotlib: pip install matplotlib") from None
+    names = sorted(history)
+    if not names:
+        raise FcirError(f"{a.metrics} holds no metrics")
+    fig, axes = plt.subplots(len(names), 1, figsize=(5, 2.2 * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        ax.plot(rounds, history[name], marker="o")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("round")
+    fig.tight_layout()
+    fig.savefig(a.output, dpi=100)
+    print(f"wrote {a.output}: {', '.join(names)} over {len(rounds)} round(s)")
     return 0

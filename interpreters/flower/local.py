@@ -8,8 +8,11 @@ Used by ``fcir flower up`` and by the tests. ``flwr run APPDIR local`` reaches i
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import json
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import signal
@@ -120,7 +123,10 @@ def env_for(home: pathlib.Path, jax_cache: pathlib.Path | None = None) -> dict:
 class Deployment:
     """``nodes`` SuperNodes; ``data[i]`` (optional) is node i's ``data-path``."""
 
-    def __init__(self, root, nodes: int, data: list | None = None):
+    SUPERLINK_FLAGS: tuple[str, ...] = ()  # more flags for flower-superlink
+
+    def __init__(self, root, nodes: int, data: list | None = None, *, tls: bool = False):
+        self.tls = tls
         self.root = pathlib.Path(root).resolve()
         self.nodes = nodes
         self.data = list(data) if data is not None else [None] * nodes
@@ -133,36 +139,68 @@ class Deployment:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def process_env(self, home: pathlib.Path) -> dict:
+        return env_for(home, self.root / "jax-cache")
+
     def _spawn(self, name: str, cmd: list[str]) -> None:
         home = self.root / f"home-{name}"
         home.mkdir(parents=True, exist_ok=True)
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (the child owns it)
         try:
             self.procs[name] = subprocess.Popen(
-                cmd, env=env_for(home, self.root / "jax-cache"), stdout=log, stderr=subprocess.STDOUT, cwd=home,
+                cmd, env=self.process_env(home), stdout=log, stderr=subprocess.STDOUT, cwd=home,
                 start_new_session=True,  # Ctrl-C in a terminal reaches only us; we stop them
             )
         finally:
             log.close()
+
+    @property
+    def certificates(self):
+        """The localhost CA and the SuperLink's certificate (``tls=True``), made once."""
+        from .certs import Certificates, make
+
+        folder = self.root / "certificates"
+        if not (folder / "server.key").is_file():
+            return make(folder)
+        return Certificates(folder / "ca.pem", folder / "server.pem", folder / "server.key")
+
+    def _security(self, server: bool) -> list[str]:
+        if not self.tls:
+            return ["--insecure"]
+        c = self.certificates
+        if server:
+            return ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert),
+                    "--ssl-keyfile", str(c.key)]
+        return ["--root-certificates", str(c.ca)]
+
+    def _healthy(self) -> bool:
+        import ssl
+
+        scheme, context = "http", None
+        if self.tls:
+            scheme, context = "https", ssl.create_default_context(cafile=str(self.certificates.ca))
+        try:
+            with urllib.request.urlopen(f"{scheme}://{self.address}/health", timeout=2, context=context):
+                return True
+        except OSError:
+            return False
 
     def start_superlink(self, timeout: float = 60) -> None:
         self._spawn(
             "superlink",
             [
                 _bin("flower-superlink"),
-                "--insecure",
+                *self._security(server=True),
                 "--disable-runtime-dependency-installation",
                 "--host", "127.0.0.1",
                 "--port", str(self.port),
+                *self.SUPERLINK_FLAGS,
             ],
         )
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                with urllib.request.urlopen(f"http://{self.address}/health", timeout=2):
-                    return
-            except OSError:
-                pass
+            if self._healthy():
+                return
             proc = self.procs["superlink"]
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise DeploymentError(
@@ -178,7 +216,7 @@ class Deployment:
             f"supernode-{i}",
             [
                 _bin("flower-supernode"),
-                "--insecure",
+                *self._security(server=False),
                 "--superlink", self.address,
                 "--port", str(self.node_ports[i]),
                 "--node-config", config,
@@ -190,7 +228,8 @@ class Deployment:
         self.cli_home.mkdir(parents=True, exist_ok=True)
         (self.cli_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{FEDERATION}"\n\n'
-            f'[superlink.{FEDERATION}]\naddress = "{self.address}"\ninsecure = true\n'
+            f'[superlink.{FEDERATION}]\naddress = "{self.address}"\n'
+            + (f'root-certificates = "{self.certificates.ca}"\n' if self.tls else "insecure = true\n")
         )
         try:
             self.start_superlink()
@@ -256,3 +295,82 @@ class Deployment:
             timeout=timeout,
             check=False,
         )
+
+
+@dataclasses.dataclass
+class RunResult:
+    """A finished ``flwr run``: its exit code and log, and the run's status as the
+    SuperLink records it (``flwr run`` exits 0 even when the ServerApp fails)."""
+
+    code: int
+    log: str
+    run_id: str | None
+    status: str  # "finished:completed", "finished:failed", ... ("" when unknown)
+    details: str
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0 and self.status == "finished:completed"
+
+    def failure(self) -> str:
+        """Why the run failed, for a message: the SuperLink's status details, else the
+        log's last lines."""
+        if self.details:
+            return f"{self.status}: {self.details}"
+        tail = "\n".join(self.log.strip().splitlines()[-10:])
+        return f"{self.status or f'flwr run exited {self.code}'}: {tail}"
+
+
+_RUN_ID = re.compile(r"Successfully started run (\d+)")
+
+
+def run_status(run_id: str, federation: str, env: dict, timeout: float = 30) -> tuple[str, str]:
+    """``(status, details)`` of run ``run_id`` from ``flwr ls``, once it has finished
+    (the log stream can end a moment before the SuperLink records the end)."""
+    deadline = time.monotonic() + timeout
+    status, details = "", ""
+    while True:
+        ls = subprocess.run(
+            [_bin("flwr"), "ls", federation, "--format", "json"],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )
+        try:
+            runs = json.loads(ls.stdout).get("runs", [])
+        except ValueError:
+            runs = []
+        for r in runs:
+            if str(r.get("run-id")) == str(run_id):
+                status, details = r.get("status", ""), r.get("status-details", "")
+        if status.startswith("finished") or time.monotonic() > deadline:
+            return status, details
+        time.sleep(0.5)
+
+
+def flwr_run(
+    command: list[str], env: dict, federation: str, *, echo=None, timeout: float | None = None
+) -> RunResult:
+    """Runs ``command`` (``flwr run ... --stream``), echoing each line to ``echo`` (a
+    file, or None), then asks the SuperLink how the run ended."""
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if echo is not None:
+                echo.write(line)
+                echo.flush()
+            if deadline is not None and time.monotonic() > deadline:
+                raise DeploymentError(f"flwr run did not finish in {timeout:g} s")
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = "".join(lines)
+    m = _RUN_ID.search(log)
+    run_id = m.group(1) if m else None
+    status, details = run_status(run_id, federation, env) if run_id else ("", "")
+    return RunResult(code, log, run_id, status, details)

@@ -40,7 +40,7 @@ APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
 FORMAT_VERSION = 1
 FAB_LIMIT = 10 * 1024 * 1024  # flwr.common.constant.FAB_MAX_SIZE
-SOURCES = ("__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py")
+SOURCES = ("__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py", "training.py", "program.py")
 
 # Run config keys and their defaults (flwr run --run-config overrides only declared keys).
 RUN_CONFIG = {
@@ -55,11 +55,40 @@ RUN_CONFIG = {
     "min-clients": 1,
     "timeout": 600.0,
     "secagg": True,
+    "data-dir": "",
+    "metrics-file": "",
 }
 
 
-def _spec(t, index) -> dict:
-    return {"leaf": index, "type": str(t), "dtype": t.np_dtype.name, "shape": list(t.shape)}
+def _spec(t, index, path: str | None = None) -> dict:
+    spec = {"leaf": index, "type": str(t), "dtype": t.np_dtype.name, "shape": list(t.shape)}
+    if path is not None:
+        spec["path"] = path
+    return spec
+
+
+def leaf_paths(structure, n: int) -> dict[int, str]:
+    """Flat index -> its pytree path in ``structure`` (``[0]['w']``, as jax.tree_util.keystr
+    writes it); ``[i]`` for a function without a recorded structure."""
+    if structure is None:
+        return {i: f"[{i}]" for i in range(n)}
+    out: dict[int, str] = {}
+
+    def walk(s, path):
+        if s.kind == "leaf":
+            out[s.leaf] = path
+        elif s.kind in ("tuple", "list"):
+            for k, c in enumerate(s.children):
+                walk(c, f"{path}[{k}]")
+        elif s.kind == "dict":
+            for name, c in zip(s.names, s.children):
+                walk(c, f"{path}[{name!r}]")
+        else:  # namedtuple, custom: fields by name
+            for name, c in zip(s.names, s.children):
+                walk(c, f"{path}.{name}")
+
+    walk(structure, "")
+    return out
 
 
 def _phase_steps(plan, phase, k: int, multi: bool) -> tuple[list, dict[str, bytes]]:
@@ -118,8 +147,12 @@ def build_plan(module) -> tuple[dict, dict[str, bytes]]:
     """The app's plan.json and its artifacts (key -> bytes) for a round: one phase per
     broadcast/aggregate exchange, each split by the production export."""
     from ..production import export as production_export
+    from .loops import find_loop, loop_plan
     from .phases import split_phases
 
+    at = find_loop(module)
+    if at is not None:  # a whole training program: one Flower round per iteration
+        return loop_plan(module, at, build_plan, _spec, leaf_paths)
     phases = split_phases(module)
     multi = len(phases) > 1
     steps, artifacts, plans = [], {}, []
@@ -135,13 +168,18 @@ def build_plan(module) -> tuple[dict, dict[str, bytes]]:
     client_inputs = [
         _spec(member_type(member[k].type), leaf) for k, leaf in enumerate(first.client_args)
     ]
+    arg_paths = leaf_paths(module.main.arg_structure, len(params))
     server_inputs = [
-        _spec(runtime_type(params[i].type, module.cardinality), i)
+        _spec(runtime_type(params[i].type, module.cardinality), i, arg_paths.get(i))
         for i in sorted(first.server_args)
         if i < len(params)
     ]
     results = module.main.body.results
-    outputs = [_spec(runtime_type(v.type, module.cardinality), i) for i, v in enumerate(results)]
+    result_paths = leaf_paths(module.main.result_structure, len(results))
+    outputs = [
+        _spec(runtime_type(v.type, module.cardinality), i, result_paths.get(i))
+        for i, v in enumerate(results)
+    ]
     structure = module.main.result_structure
     order = structure.leaves() if structure is not None else list(range(len(results)))
     doc = {
@@ -184,6 +222,9 @@ def _privacy(module) -> dict | None:
         "participation": f"dp_mean divides the noised sum by the declared cardinality "
         f"({n}) however many sampled clients reply; epsilon_per_round assumes every client "
         "takes part and claims no amplification by sampling",
+        # The round itself, for the ServerApp's cumulative epsilon under the sampling it
+        # uses (fcir.privacy.epsilon on the server, which has fcir; never read on a node).
+        "ir": module.to_text(full_constants=True),
     }
 
 
@@ -194,6 +235,8 @@ def _pyproject(name: str) -> str:
     config = "\n".join(f'"{k}" = {value(v)}' for k, v in RUN_CONFIG.items())
     return f"""# A Flower app exported by fcir (fcir export --target flower). Run it with
 #   flwr run . FEDERATION --run-config 'rounds=3 output="/abs/out.npz"'
+# (with rounds > 1, outputs feed the server inputs of the same pytree path and type,
+# or name the mapping with state="I=O,...": see docs/flower.md, Run config)
 [build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"

@@ -81,5 +81,6 @@ def run(appdir, node_configs: dict[int, dict], run_config: dict, silent=()):
         run_id=1, node_id=0, node_config={}, state=RecordDict(),
         run_config={**RUN_CONFIG, **run_config},
     )
+    grid.context = context  # the ServerApp's context (its state after the run)
     app.server.main(grid, context)
     return grid

@@ -28,14 +28,32 @@ def client_data(context) -> list:
     if not specs:
         return []
     path = context.node_config.get("data-path")
+    what = "data-path"
+    if not path:
+        path, what = data_dir_path(context, plan), "data-dir"
     if not path:
         raise runtime.AppError(
             f"node {context.node_id}: @{plan['round']} needs client data: start the "
-            "SuperNode with --node-config \"data-path='/path/to/client.npz'\""
+            "SuperNode with --node-config \"data-path='/path/to/client.npz'\" (or give "
+            "run config data-dir=\"/abs/folder\" of node<partition-id>.npz files)"
         )
     # "{round}" in data-path names the round, so one SuperNode can serve several apps.
     path = str(path).replace("{round}", plan["round"])
-    return runtime.load_leaves(path, specs, f"node {context.node_id} data-path")
+    return runtime.load_leaves(path, specs, f"node {context.node_id} {what}")
+
+
+def data_dir_path(context, plan: dict) -> str | None:
+    """Without a node config ``data-path`` (the Simulation Engine's virtual nodes have
+    only ``partition-id``): run config ``data-dir`` + ``node<partition-id>.npz``, or
+    ``node<partition-id>/<round>.npz`` when that folder exists."""
+    import pathlib
+
+    folder = str(context.run_config.get("data-dir", "") or "")
+    pid = partition(context)
+    if not folder or pid < 0:
+        return None
+    node = pathlib.Path(folder) / f"node{pid}"
+    return str(node / f"{plan['round']}.npz") if node.is_dir() else f"{node}.npz"
 
 
 def partition(context) -> int:
@@ -52,7 +70,12 @@ def compute(step_index: int, values: dict, context) -> dict:
     server sent: ``"group/name" -> array`` of the client outputs."""
     plan = runtime.plan()
     step = plan["steps"][step_index]
-    env = {("arg", str(s["leaf"])): x for s, x in zip(plan["client_inputs"], client_data(context))}
+    # A program's loop body is the round: its parameter "round_leaf" holds the
+    # program's client argument "leaf".
+    env = {
+        ("arg", str(s.get("round_leaf", s["leaf"]))): x
+        for s, x in zip(plan["client_inputs"], client_data(context))
+    }
     for key, x in values.items():
         group, _, name = key.partition("/")
         env[(group, name)] = x

@@ -7,7 +7,9 @@ Run config (declared in pyproject.toml, overridden with ``flwr run --run-config`
                         layout with the server leaves only; default: the app's inputs.json
 ``output=FILE``         where to write the final outputs (``fcir run-plan -o`` layout)
 ``state="I=O,..."``     after each round, output ``arr_O`` becomes server input ``arr_I``
-                        for the next (positions in the output and inputs files)
+                        for the next (positions in the output and inputs files); default
+                        with rounds > 1: outputs of a server input's pytree path and type
+                        (printed), refused when there are none; ``none``: no mapping
 ``metrics="O,..."``     outputs logged each round (default: every scalar output that is
                         not state)
 ``checkpoint-dir=DIR``  save the server inputs of the next round after each round with
@@ -34,29 +36,10 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import ServerApp
 
-from . import runtime, secagg
+from . import runtime, secagg, training
 from .runtime import AppError
 
 app = ServerApp()
-
-
-def _pairs(text: str, n_in: int, n_out: int) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for item in text.replace(";", ",").split(","):
-        if not item.strip():
-            continue
-        left, eq, right = item.partition("=")
-        try:
-            i, o = int(left), int(right)
-        except ValueError:
-            i = o = -1
-        if not eq or not (0 <= i < n_in) or not (0 <= o < n_out) or i in out:
-            raise AppError(
-                f"run config state={text!r}: write 'I=O,...' with I a server input position "
-                f"(0..{n_in - 1}) and O an output position (0..{n_out - 1}), each I once"
-            )
-        out[i] = o
-    return out
 
 
 def boolean(value) -> bool:
@@ -84,15 +67,24 @@ class Config:
         self.min_clients = max(1, get("min-clients", int))
         self.timeout = get("timeout", float)
         self.secagg = get("secagg", boolean)
-        n_in, n_out = len(plan["server_inputs"]), len(plan["outputs"])
-        self.state = _pairs(get("state", str), n_in, n_out)
-        for i, o in self.state.items():
-            si, so = plan["server_inputs"][i], plan["outputs"][plan["output_order"][o]]
-            if (si["dtype"], si["shape"]) != (so["dtype"], so["shape"]):
-                raise AppError(
-                    f"run config state: output arr_{o} ({so['type']}) cannot feed server "
-                    f"input arr_{i} ({si['type']})"
-                )
+        self.metrics_file = get("metrics-file", str)
+        try:
+            if "loop" in plan:  # the program's loop carries its own state
+                if get("state", str).strip() or self.rounds != 1:
+                    raise training.StateError(
+                        f"@{plan['round']} runs its own {plan['loop']['kind']} of rounds: "
+                        "run config rounds and state do not apply"
+                    )
+                self.state, self.state_note = {}, ""
+            else:
+                self.state, self.state_note = training.resolve(get("state", str), plan, self.rounds)
+        except training.StateError as e:
+            raise AppError(str(e)) from None
+        # A private round sampled by fraction is Poisson-sampled with secret randomness,
+        # which is what amplification by sampling (the epsilon on the progress line) needs.
+        self.private = "privacy" in plan
+        self.poisson = self.private and self.clients == 0 and self.fraction < 1
+        self.sampled: dict[int, list[int]] = {}
         metrics = get("metrics", str)
         if metrics.strip():
             self.metrics = [int(m) for m in metrics.replace(";", ",").split(",") if m.strip()]
@@ -135,9 +127,49 @@ def sample(grid, cfg: Config, rnd: int) -> list[int]:
                 f"min-clients={cfg.min_clients}: start more SuperNodes or lower min-clients"
             )
         time.sleep(1.0)
+    if cfg.poisson:  # each online node independently with probability fraction, once a round
+        if rnd not in cfg.sampled:
+            cfg.sampled[rnd] = [n for n in nodes if _SECRET.random() < cfg.fraction]
+        return sorted(cfg.sampled[rnd])
     want = cfg.clients if cfg.clients > 0 else math.ceil(cfg.fraction * len(nodes))
     want = min(len(nodes), max(want, cfg.min_clients))
     return sorted(random.Random(rnd).sample(nodes, want))
+
+
+_SECRET = random.SystemRandom()
+
+
+class Accounting:
+    """Cumulative epsilon of a private app's rounds for the sampling the ServerApp uses
+    (fcir.privacy.epsilon on the round the export embedded in plan.json): Poisson at rate
+    ``fraction`` when it samples so, else every client (a fixed-size or seeded sample
+    claims no amplification)."""
+
+    def __init__(self, plan: dict, cfg: Config):
+        self.module, self.note = None, ""
+        p = plan.get("privacy") or {}
+        if not p or "ir" not in p or "error" in p:
+            return
+        try:
+            from fcir.privacy import epsilon
+            from fcir.text import parse
+        except ImportError:
+            self.note = "epsilon needs fcir beside the SuperLink"
+            return
+        self.epsilon, self.module, self.delta = epsilon, parse(p["ir"]), float(p["delta"])
+        self.rate = cfg.fraction if cfg.poisson else 1.0
+        if cfg.poisson:
+            self.how = f"Poisson sampling q={cfg.fraction:g}"
+        elif cfg.clients > 0 or cfg.fraction < 1:
+            self.how = "no amplification claimed: fixed-size sampling"
+        else:
+            self.how = "every client"
+
+    def line(self, rounds: int) -> str:
+        if self.module is None:
+            return self.note
+        eps = self.epsilon(self.module, rounds, self.delta, sampling_rate=self.rate)
+        return f"epsilon={eps:.4g} after {rounds} round(s) (delta={self.delta:g}, {self.how})"
 
 
 def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats: dict) -> None:
@@ -235,11 +267,18 @@ class Checkpoints:
                 "give a fresh checkpoint-dir"
             )
         state, outs = tree["state"], tree["outputs"]
-        return (
-            step,
-            [np.asarray(state[f"arr_{i}"]) for i in range(len(state))],
-            [np.asarray(outs[f"arr_{i}"]) for i in range(len(outs))],
-        )
+        out_specs = [plan["outputs"][j] for j in plan["output_order"]]
+
+        def leaves(saved, specs, what):
+            # Restored in their declared shapes: a 0-d loss is written back as (), not (1,).
+            return [
+                runtime.check_leaf(
+                    np.asarray(saved[f"arr_{i}"]).reshape(s["shape"]), s, f"checkpoint {step} {what} arr_{i}"
+                )
+                for i, s in enumerate(specs)
+            ]
+
+        return step, leaves(state, plan["server_inputs"], "state"), leaves(outs, out_specs, "outputs")
 
     def save(self, rnd: int, inputs: list, outputs: list) -> None:
         tree = {
@@ -255,18 +294,41 @@ def _metric(x) -> str:
     return np.array2string(x[0], precision=6) if x.size == 1 else f"{x.dtype}{list(x.shape)}"
 
 
+def record_metrics(context, history, rnd: int, metrics: dict) -> None:
+    """Round ``rnd``'s scalar metrics into the history (metrics-file) and Flower's
+    MetricRecord in the ServerApp's context state."""
+    from flwr.app import MetricRecord
+
+    history.add(rnd, metrics)
+    context.state["fcir.metrics"] = MetricRecord(history.record())
+
+
 @app.main()
 def main(grid, context) -> None:
     plan = runtime.plan()
     cfg = Config(dict(context.run_config), plan)
     inputs = initial_inputs(cfg, plan)
+    if cfg.state_note:
+        print(f"[fcir] {cfg.state_note}", flush=True)
     ckpt = Checkpoints(cfg.checkpoint_dir) if cfg.checkpoint_dir else None
+    history = training.History(cfg.metrics_file)
+    accounting = Accounting(plan, cfg)
     done, outputs = 0, None
-    if ckpt is not None:
+    if ckpt is not None and "loop" not in plan:
         done, restored, outputs = ckpt.resume(plan)
         if restored is not None:
             inputs = restored
             print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
+    if "loop" in plan:  # a whole training program: one round per loop iteration
+        from . import program
+
+        outputs = program.run(grid, cfg, plan, inputs, ckpt, run_round,
+                              lambda rnd, m: record_metrics(context, history, rnd, m),
+                              accounting.line)
+        if cfg.output:
+            program.write(cfg.output, outputs)
+            print(f"[fcir] wrote {len(outputs)} output array(s) to {cfg.output}", flush=True)
+        return
     for rnd in range(done + 1, cfg.rounds + 1):
         stats = dict.fromkeys(("sent", "received", "sampled", "replied", "exchanges"), 0)
         start = time.perf_counter()
@@ -275,12 +337,19 @@ def main(grid, context) -> None:
         for i, o in cfg.state.items():
             inputs[i] = outputs[o]
         metrics = " ".join(f"arr_{o}={_metric(outputs[o])}" for o in cfg.metrics)
+        scalars = {
+            f"arr_{o}": float(np.asarray(outputs[o]).reshape(-1)[0])
+            for o in cfg.metrics
+            if np.asarray(outputs[o]).size == 1
+        }
+        record_metrics(context, history, rnd, scalars)
         who = f"{stats['replied']}/{stats['sampled']} clients replied"
         if stats["exchanges"] > 1:
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
         print(
             f"[fcir] round {rnd}/{cfg.rounds}: {who}, sent {stats['sent']} B, received {stats['received']} B, "
-            f"{time.perf_counter() - start:.1f} s {metrics}".rstrip(),
+            f"{time.perf_counter() - start:.1f} s "
+            + " ".join(x for x in (metrics, accounting.line(rnd)) if x),
             flush=True,
         )
         if ckpt is not None:

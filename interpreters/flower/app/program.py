@@ -1,0 +1,169 @@
+"""The ServerApp of a whole training program: one Flower round per loop iteration.
+
+plan.json's ``loop`` (written by fcir's interpreters/flower/loops.py) describes it:
+``pre`` (server code before the loop) turns the program's server inputs into the loop's
+server operands; each round runs the loop body as a round (``run_round``) on the
+loop's consts, the carry and one slice of each ``xs``; its outputs feed the carry of the
+next round and one slice of each ``ys``; a ``while_loop``'s ``cond`` decides at the
+server, before each round, whether another one runs. ``post`` turns the loop's results
+(the last carry, the ``ys`` stacked in iteration order as ``lax.scan`` stacks them) into
+the program's results. The carry and the ``ys`` so far are checkpointed after each
+round; a run started again resumes after the newest round saved.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from . import runtime
+from .runtime import AppError
+
+
+def _round_view(plan: dict) -> dict:
+    loop = plan["loop"]
+    return {
+        **plan,
+        "server_inputs": loop["round_inputs"],
+        "outputs": loop["round_outputs"],
+        "output_order": list(range(len(loop["round_outputs"]))),
+    }
+
+
+def _metric(x) -> str:
+    x = np.asarray(x).reshape(-1)
+    return np.array2string(x[0], precision=6) if x.size == 1 else ""
+
+
+def _restore(ckpt, plan: dict):
+    """(rounds done, carry by round parameter, ys so far) from the newest checkpoint."""
+    step = ckpt.manager.latest_step()
+    if step is None:
+        return 0, None, None
+    tree = ckpt.manager.restore(step)
+    if tree["meta"]["app"] != ckpt.app:
+        raise AppError(
+            f"checkpoint {step} was written by another app (or another export of it): "
+            "give a fresh checkpoint-dir"
+        )
+    loop = plan["loop"]
+    specs = {s["leaf"]: s for s in loop["round_inputs"]}
+    carry = {}
+    for i, (_, r) in enumerate(loop["carry"]):
+        s = specs[r]
+        carry[r] = runtime.check_leaf(
+            np.asarray(tree["state"][f"arr_{i}"]).reshape(s["shape"]),
+            s,
+            f"checkpoint {step} carry arr_{i}",
+        )
+    outs = loop["round_outputs"]
+    ys = []
+    for k, o in enumerate(o for kind, o in loop["results"] if kind == "stacked"):
+        stacked = np.asarray(tree["outputs"][f"arr_{k}"]).reshape((step, *outs[o]["shape"]))
+        ys.append([stacked[t] for t in range(step)])
+    return step, carry, ys
+
+
+def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, privacy=None) -> list:
+    """Runs the program; returns its outputs in output-file order."""
+    loop = plan["loop"]
+    view = _round_view(plan)
+    env = {("arg", str(s["leaf"])): x for s, x in zip(plan["server_inputs"], inputs)}
+    runtime.call(loop["pre"], env)
+    pre = lambda j: env[("pre", str(j))]  # noqa: E731
+    carry = {r: None for _, r in loop["carry"]}
+    for s in loop["round_inputs"]:
+        if s["role"] == "carry":
+            carry[s["leaf"]] = pre(s["from"][1])
+    stacked = [o for kind, o in loop["results"] if kind == "stacked"]
+    ys: list[list] = [[] for _ in stacked]
+    done = 0
+    if ckpt is not None:
+        done, restored, saved_ys = _restore(ckpt, plan)
+        if restored is not None:
+            carry, ys = restored, saved_ys
+            print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
+    length = loop["length"]
+    if loop["kind"] == "scan":
+        order = list(range(length))
+        if loop["reverse"]:
+            order.reverse()
+    total = f"/{length}" if loop["kind"] == "scan" else ""
+    rnd = done
+    while True:
+        if loop["kind"] == "scan":
+            if rnd >= length:
+                break
+            t = order[rnd]
+        else:
+            cenv = {
+                ("pre", k[1]): env[("pre", k[1])] for k in loop["cond"]["params"] if k[0] == "pre"
+            }
+            cenv.update({("round", str(r)): v for r, v in carry.items()})
+            runtime.call(loop["cond"], cenv)
+            if not bool(np.asarray(cenv[("cond", "0")])):
+                break
+            t = rnd
+        inputs_t = []
+        for s in loop["round_inputs"]:
+            if s["role"] == "carry":
+                inputs_t.append(carry[s["leaf"]])
+            elif s["role"] == "xs":
+                inputs_t.append(np.asarray(pre(s["from"][1]))[t])
+            else:
+                inputs_t.append(pre(s["from"][1]))
+        stats = dict.fromkeys(("sent", "received", "sampled", "replied", "exchanges"), 0)
+        start = time.perf_counter()
+        outs = run_round(grid, cfg, view, inputs_t, rnd + 1, stats)
+        for o, r in loop["carry"]:
+            carry[r] = outs[o]
+        for k, o in enumerate(stacked):
+            ys[k].append(outs[o])
+        rnd += 1
+        metrics = " ".join(f"ys_{k}={m}" for k, o in enumerate(stacked) if (m := _metric(outs[o])))
+        if record is not None:  # scalar ys: the progress line's, MetricRecord, metrics-file
+            scalars = {
+                f"ys_{k}": float(np.asarray(outs[o]).reshape(-1)[0])
+                for k, o in enumerate(stacked)
+                if np.asarray(outs[o]).size == 1
+            }
+            record(rnd, scalars)
+        who = f"{stats['replied']}/{stats['sampled']} clients replied"
+        if stats["exchanges"] > 1:
+            who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
+        print(
+            f"[fcir] round {rnd}{total}: {who}, sent {stats['sent']} B, received "
+            f"{stats['received']} B, {time.perf_counter() - start:.1f} s "
+            + " ".join(x for x in (metrics, privacy(rnd) if privacy else "") if x),
+            flush=True,
+        )
+        if ckpt is not None:
+            ckpt.save(rnd, [carry[r] for _, r in loop["carry"]], [np.stack(y) for y in ys])
+    if loop["kind"] == "scan" and rnd != length:
+        raise AppError(f"ran {rnd} of {length} rounds")
+    results = []
+    outs_spec = loop["round_outputs"]
+    for kind, x in loop["results"]:
+        if kind == "carry":
+            results.append(carry[x])
+        else:
+            y = ys[stacked.index(x)]
+            if loop["kind"] == "scan" and loop["reverse"]:
+                y = y[::-1]  # ys[t] is iteration t's slice, whichever way the scan ran
+            shape = (len(y), *outs_spec[x]["shape"])
+            results.append(
+                np.stack(y) if y else np.zeros(shape, runtime.np_dtype(outs_spec[x]["dtype"]))
+            )
+    penv = dict(env)
+    penv.update({("loop", str(k)): v for k, v in enumerate(results)})
+    runtime.call(loop["post"], penv)
+    outputs = [np.asarray(penv[("output", str(j))]) for j in range(len(plan["outputs"]))]
+    return [outputs[j] for j in plan["output_order"]]
+
+
+def write(path: str, outputs: list) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}.npz"
+    np.savez(tmp, *outputs)
+    os.replace(tmp, path)

@@ -1,0 +1,321 @@
+"""A whole training program -> a Flower app that runs one Flower round per iteration.
+
+A program whose main runs its rounds in a server loop (``lax.scan``, ``fori_loop``, or
+``while_loop`` around broadcasts and aggregations: the FAX pattern) is split in three:
+
+- ``pre``: the server code before the loop, from the program's server arguments to the
+  loop's server operands (consts, initial carry, scanned-over ``xs``);
+- ``round``: the loop body as a round of its own (its parameters: the loop's consts,
+  carry and one slice of each ``xs``; its results: the new carry and one slice of each
+  ``ys``), exported like any round (several exchanges become phases);
+- ``post``: the server code after the loop, from the program's server arguments and
+  the loop's results to the program's results;
+
+and for a ``while_loop`` the condition, ``cond``, from its consts and the carry to a
+server ``bool[]``, evaluated at the server before each round. The ServerApp runs
+``pre``, then one round per iteration (the carry stays at the server, checkpointed each
+round), stacks the ``ys`` as ``lax.scan`` does, and runs ``post``: its output file holds
+exactly the program's results. The client data are the program's client arguments,
+passed to the loop unchanged (consts of the loop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fcir.control_flow import bindings
+from fcir.errors import ExportError
+from fcir.ir import Func, Module, Region, Value
+from fcir.types import SERVER, PlacedType, Structure
+
+from ..production.rewrite import clone_op
+
+LOOPS = ("jax.scan", "jax.while")
+
+
+def _is_client(t) -> bool:
+    return isinstance(t, PlacedType) and t.placement != SERVER
+
+
+def _has_fed(region: Region) -> bool:
+    for op in region.ops:
+        if op.name.startswith("fed.") or any(_has_fed(r) for r in op.regions):
+            return True
+    return False
+
+
+@dataclasses.dataclass
+class LoopSplit:
+    kind: str  # "scan" or "while"
+    op_attrs: dict
+    pre: Module
+    round: Module
+    post: Module
+    cond: Module | None
+    roles: list[tuple[str, int]]  # per loop operand: ("const"|"carry"|"xs"|"cond", k)
+    client_operands: list[int]  # loop operand -> which program client leaf (by position)
+    n_carry: int
+    body: object  # fcir.control_flow.Binding of the body
+    cond_binding: object  # ... of a while loop's condition (None for a scan)
+    operands: list  # the loop's operand values (to tell server from client ones)
+
+
+def find_loop(module: Module) -> int | None:
+    """Index of main's top-level loop whose regions hold federated ops, if any."""
+    hits = [
+        i
+        for i, op in enumerate(module.main.body.ops)
+        if op.regions and any(_has_fed(r) for r in op.regions)
+    ]
+    if not hits:
+        return None
+    ops = module.main.body.ops
+    if len(hits) > 1 or ops[hits[0]].name not in LOOPS:
+        op = ops[hits[0]]
+        raise ExportError(
+            f"export --target flower: @{module.name}'s federated code sits in {op.name} "
+            f"(op {hits[0]} of main){' and more' if len(hits) > 1 else ''}: a program exports "
+            "as rounds when its main runs them in one server lax.scan, fori_loop or "
+            "while_loop"
+        )
+    return hits[0]
+
+
+def _module(
+    name: str, placements, params: list[Value], ops, results, env, private: bool = False
+) -> Module:
+    region = Region(params, [], [], "main")
+    for op in ops:
+        region.ops.append(clone_op(op, env))
+    region.results = [env[v] for v in results]
+    n, m = len(params), len(results)
+    args = Structure("tuple", tuple(Structure("leaf", leaf=i) for i in range(n)))
+    res = Structure("tuple", tuple(Structure("leaf", leaf=i) for i in range(m)))
+    return Module(name, list(placements), [Func("main", region, args, res)], private=private)
+
+
+def split_loop(module: Module, at: int) -> LoopSplit:
+    main = module.main
+    ops = main.body.ops
+    loop = ops[at]
+    kind = loop.name.removeprefix("jax.")
+    params = main.body.params
+    where = f"export --target flower: @{module.name}"
+    client_params = [v for v in params if _is_client(v.type)]
+    before, after = ops[:at], ops[at + 1 :]
+    for op in before:
+        if op.name.startswith("fed.") or any(_is_client(v.type) for v in op.operands + op.results):
+            raise ExportError(
+                f"{where}: {op.name} before the loop touches client values; only server code "
+                "may run before the rounds (the client data go into the loop as they are)"
+            )
+    for op in after:
+        if op.name.startswith("fed.") or any(_is_client(v.type) for v in op.operands):
+            raise ExportError(
+                f"{where}: {op.name} after the loop is federated or reads client values; only "
+                "server code may run after the rounds"
+            )
+    if any(_is_client(v.type) for v in main.body.results):
+        raise ExportError(f"{where}: a result is placed at the clients; results live at the server")
+
+    binds = bindings(kind, loop.attrs, len(loop.operands), len(loop.results), len(loop.regions))
+    if kind == "scan":
+        (body,) = binds
+        cond = None
+        nc = int(loop.attrs["num_consts"])
+        nk = int(loop.attrs["num_carry"])
+        roles = [("const", i) for i in range(nc)] + [("carry", k) for k in range(nk)]
+        roles += [("xs", j) for j in range(len(loop.operands) - nc - nk)]
+    else:
+        cond, body = binds
+        cn, bn = int(loop.attrs["cond_nconsts"]), int(loop.attrs["body_nconsts"])
+        nk = len(loop.operands) - cn - bn
+        roles = [("cond", i) for i in range(cn)] + [("const", i) for i in range(bn)]
+        roles += [("carry", k) for k in range(nk)]
+    client_operands = []
+    for i, v in enumerate(loop.operands):
+        if not _is_client(v.type):
+            continue
+        if roles[i][0] != "const" or v not in client_params:
+            raise ExportError(
+                f"{where}: loop operand {i} ({v.type}, the loop's {roles[i][0]}) is a client "
+                "value that is not one of the program's client arguments passed as a constant "
+                "of the loop: pass client data into the loop unchanged"
+            )
+        client_operands.append(client_params.index(v))
+    if sorted(client_operands) != list(range(len(client_params))) or len(
+        set(client_operands)
+    ) != len(client_operands):
+        raise ExportError(
+            f"{where}: every client argument must go into the loop once, as a constant "
+            "(the nodes hold the program's client arguments)"
+        )
+    # pre: program server args -> the loop's server operands.
+    server_params = [v for v in params if not _is_client(v.type)]
+    env: dict = {}
+    pre_params = [Value(v.type) for v in server_params]
+    env.update(zip(server_params, pre_params))
+    server_operands = [v for v in loop.operands if not _is_client(v.type)]
+    pre = _module(f"{module.name}_pre", module.placements, pre_params, before, server_operands, env)
+    # round: the body region as a round.
+    region = loop.regions[body.region]
+    env = {}
+    rparams = [Value(v.type) for v in region.params]
+    env.update(zip(region.params, rparams))
+    rnd = _module(
+        f"{module.name}_round", module.placements, rparams, region.ops, region.results, env,
+        private=module.private,
+    )
+    rnd.main.arg_structure = Structure(
+        "tuple", tuple(Structure("leaf", leaf=i) for i in range(len(rparams)))
+    )
+    cond_module = None
+    if cond is not None:
+        cregion = loop.regions[cond.region]
+        env = {}
+        cparams = [Value(v.type) for v in cregion.params]
+        env.update(zip(cregion.params, cparams))
+        if _has_fed(cregion) or any(_is_client(v.type) for v in cparams):
+            raise ExportError(
+                f"{where}: the while_loop's condition reads client values; it runs at the "
+                "server between rounds"
+            )
+        cond_module = _module(
+            f"{module.name}_cond", module.placements, cparams, cregion.ops, cregion.results, env
+        )
+    # post: program server args + the loop's results -> the program's results (the
+    # server code before the loop runs again there when the code after it reads it).
+    env = {}
+    post_params = [Value(v.type) for v in server_params] + [Value(v.type) for v in loop.results]
+    env.update(zip(server_params + list(loop.results), post_params))
+    post = _module(
+        f"{module.name}_post",
+        module.placements,
+        post_params,
+        before + after,
+        main.body.results,
+        env,
+    )
+    return LoopSplit(
+        kind,
+        dict(loop.attrs),
+        pre,
+        rnd,
+        post,
+        cond_module,
+        roles,
+        client_operands,
+        nk,
+        body,
+        cond,
+        list(loop.operands),
+    )
+
+
+def _part(artifact: str, params: list, results: list) -> dict:
+    return {"artifact": artifact, "params": params, "results": results}
+
+
+def loop_plan(module: Module, at: int, build_round_plan, spec, paths) -> tuple[dict, dict]:
+    """plan.json and the artifacts of a program whose rounds run in the loop at op
+    ``at`` of main (see the module doc). ``build_round_plan`` is writer.build_plan."""
+    from fcir.types import runtime_type
+
+    from ..production import lowering
+
+    ls = split_loop(module, at)
+    doc, artifacts = build_round_plan(ls.round)
+    params = module.main.body.params
+    server_leaves = [i for i, v in enumerate(params) if not _is_client(v.type)]
+    server_ops = [i for i, v in enumerate(ls.operands) if not _is_client(v.type)]
+    pre_of = {i: j for j, i in enumerate(server_ops)}  # loop operand -> pre result
+
+    def rt(v):
+        return runtime_type(v.type, module.cardinality)
+
+    # Round parameter r is loop operand body.params[r] (a slice of it for scan xs).
+    operand_of = [i for i, _ in ls.body.params]
+    round_inputs = []
+    for s in doc["server_inputs"]:
+        r = s["leaf"]
+        i = operand_of[r]
+        role = ls.roles[i][0]
+        source = ["xs" if role == "xs" else "pre", pre_of[i]]
+        round_inputs.append({**s, "from": source, "role": role})
+    by_leaf = {s["leaf"]: s for s in doc["client_inputs"]}
+    client_inputs = []
+    client_leaves = [i for i, v in enumerate(params) if _is_client(v.type)]
+    for leaf in client_leaves:
+        r = operand_of.index(ls.operands.index(params[leaf]))
+        # "leaf": the program's argument leaf (what the node file holds, in order);
+        # "round_leaf": the round parameter it feeds.
+        client_inputs.append({**by_leaf[r], "leaf": leaf, "round_leaf": r})
+    carry, results = [], []
+    for o, (kind, k) in enumerate(ls.body.results):
+        if kind == "carry":
+            carry.append([o, k])  # round output o feeds round parameter k next round
+    if ls.kind == "scan":
+        nc = int(ls.op_attrs["num_consts"])
+        results = [["carry", nc + j] for j in range(ls.n_carry)]
+        results += [
+            ["stacked", o] for o, (kind, _) in enumerate(ls.body.results) if kind == "stacked"
+        ]
+    else:
+        bn = int(ls.op_attrs["body_nconsts"])
+        results = [["carry", bn + k] for k in range(ls.n_carry)]
+    loop_results = module.main.body.ops[at].results
+    cond = None
+    if ls.cond is not None:
+        # Condition parameters: its consts (pre results), then the carry (the body's
+        # carry parameters, in order).
+        bn = int(ls.op_attrs["body_nconsts"])
+        cparams = []
+        for i, _ in ls.cond_binding.params:
+            role, k = ls.roles[i]
+            cparams.append(["pre", str(pre_of[i])] if role == "cond" else ["round", str(bn + k)])
+        cond = _part("loop.cond", cparams, [["cond", "0"]])
+    pre = _part(
+        "loop.pre",
+        [["arg", str(i)] for i in server_leaves],
+        [["pre", str(j)] for j in range(len(server_ops))],
+    )
+    post = _part(
+        "loop.post",
+        [["arg", str(i)] for i in server_leaves]
+        + [["loop", str(k)] for k in range(len(loop_results))],
+        [["output", str(j)] for j in range(len(module.main.body.results))],
+    )
+    for name, m in (("loop.pre", ls.pre), ("loop.post", ls.post), ("loop.cond", ls.cond)):
+        if m is not None:
+            fn, specs = lowering.flat_function(m)
+            artifacts[name] = lowering.stablehlo_artifact(fn, specs)[0]
+    arg_paths = paths(module.main.arg_structure, len(params))
+    results_v = module.main.body.results
+    result_paths = paths(module.main.result_structure, len(results_v))
+    structure = module.main.result_structure
+    loop = {
+        "kind": ls.kind,
+        "length": int(ls.op_attrs.get("length", 0)) if ls.kind == "scan" else None,
+        "reverse": bool(ls.op_attrs.get("reverse", False)),
+        "round_inputs": round_inputs,
+        "round_outputs": doc["outputs"],
+        "carry": carry,
+        "results": results,
+        "result_specs": [spec(rt(v), k) for k, v in enumerate(loop_results)],
+        "pre": pre,
+        "post": post,
+        "cond": cond,
+    }
+    doc = {
+        **doc,
+        "round": module.name,
+        "signature": f"{ls.kind} of rounds",
+        "server_inputs": [spec(rt(params[i]), i, arg_paths.get(i)) for i in server_leaves],
+        "client_inputs": client_inputs,
+        "outputs": [spec(rt(v), i, result_paths.get(i)) for i, v in enumerate(results_v)],
+        "output_order": structure.leaves()
+        if structure is not None
+        else list(range(len(results_v))),
+        "loop": loop,
+    }
+    return doc, artifacts

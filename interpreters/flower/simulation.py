@@ -1,0 +1,185 @@
+"""``fcir flower simulate``: an exported app on Flower's Simulation Engine (Ray).
+
+A SuperLink in simulation mode (``flower-superlink --simulation``) on a free port, with
+its own ``FLWR_HOME``, runs the app through ``flwr run APP FEDERATION --stream
+--federation-config 'num-supernodes=N ...'``: the ServerApp in a ``flwr-simulation``
+process, the ClientApps in Ray actors. Virtual node ``i`` has node config
+``partition-id=i`` and no ``data-path``, so the run config ``data-dir`` names the folder
+its data comes from (``data-dir/node<i>.npz``, or ``data-dir/node<i>/<round>.npz``),
+as ``fcir flower up --data`` lays it out. Replies are combined in partition-id order,
+so the outputs are bit for bit those of the same app on a deployment.
+
+Sized for a small machine: Ray gets ``actors`` CPUs and each ClientApp one, so at most
+``actors`` ClientApps run at once (each a Ray worker process holding jax); Ray's
+object store takes 5% of memory instead of 30%, and its memory monitor kills workers
+only above 98% host memory (``RAY_memory_usage_threshold``; its default, 95%, is
+reached on a shared machine by other people's processes). Environment variables of
+the same names override these.
+
+``flwr run`` leaves nothing running here: the SuperLink (and the flwr-simulation and
+Ray processes under it) is stopped when the run ends, and every process whose
+environment names this simulation's ``FLWR_HOME`` is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import sys
+import tempfile
+import time
+
+from fcir.errors import FcirError
+
+from .local import Deployment, DeploymentError, RunResult, _bin, env_for, flwr_run
+
+FEDERATION = "simulation"
+
+RAY_DEFAULTS = {
+    "RAY_memory_usage_threshold": "0.98",
+    "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.05",
+    "RAY_DEDUP_LOGS": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+class SimulationLink(Deployment):
+    """A SuperLink that runs apps on the Simulation Engine (no SuperNode processes)."""
+
+    SUPERLINK_FLAGS = ("--simulation", "--isolation", "subprocess")
+
+    def __init__(self, root):
+        super().__init__(root, 0)
+
+    def process_env(self, home: pathlib.Path) -> dict:
+        env = super().process_env(home)
+        for k, v in RAY_DEFAULTS.items():
+            env[k] = os.environ.get(k, v)
+        return env
+
+    def start(self) -> SimulationLink:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.cli_home.mkdir(parents=True, exist_ok=True)
+        (self.cli_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{FEDERATION}"\n\n'
+            f'[superlink.{FEDERATION}]\naddress = "{self.address}"\ninsecure = true\n'
+        )
+        try:
+            self.start_superlink()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace: float = 10) -> None:
+        super().stop(grace)
+        _stop_stragglers(self.root, grace)
+
+
+def _pids_with_home_under(root: pathlib.Path) -> list[int]:
+    """PIDs whose FLWR_HOME lies under ``root``: what this simulation started (Ray's
+    processes inherit the environment of the flwr-simulation process that starts Ray)."""
+    mark = f"FLWR_HOME={root}".encode()
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(e.startswith(mark) for e in env):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _stop_stragglers(root: pathlib.Path, grace: float) -> None:
+    """SIGTERM, then SIGKILL, to the processes started under ``root`` that outlived
+    the SuperLink (a Ray worker whose raylet died first)."""
+    pids = _pids_with_home_under(root)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if pathlib.Path(f"/proc/{p}").exists() and not _zombie(p)]
+            time.sleep(0.2)
+        if not pids:
+            return
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except (OSError, IndexError):
+        return False
+
+
+def data_dir(data, nodes: int) -> pathlib.Path:
+    """``data`` as an absolute folder holding node<i>.npz (or node<i>/) for every node."""
+    root = pathlib.Path(data).resolve()
+    if not root.is_dir():
+        raise FcirError(f"--data {data} is not a folder")
+    for i in range(nodes):
+        if not ((root / f"node{i}").is_dir() or (root / f"node{i}.npz").is_file()):
+            raise FcirError(
+                f"no data for node {i}: put node{i}.npz (or a node{i}/ folder of "
+                f"<round>.npz files) in {root}"
+            )
+    return root
+
+
+def simulate(
+    app,
+    nodes: int,
+    data=None,
+    run_config: str = "",
+    *,
+    actors: int | None = None,
+    root=None,
+    echo=sys.stdout,
+    timeout: float | None = None,
+) -> RunResult:
+    """Runs ``app`` on ``nodes`` virtual SuperNodes of the Simulation Engine; returns
+    how the run ended (``.ok``; ``.failure()`` says why not). Stops everything it
+    started before returning."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise DeploymentError(
+            "the Simulation Engine needs Ray: pip install 'fcir[flower]' (flwr[simulation]==1.42.0)"
+        ) from None
+    if nodes < 1:
+        raise FcirError("--nodes must be at least 1")
+    actors = actors or max(1, min(2, os.cpu_count() or 1))
+    app = pathlib.Path(app).resolve()
+    if not (app / "pyproject.toml").is_file():
+        raise FcirError(f"{app} is not an app directory (no pyproject.toml): export one first")
+    config = run_config
+    if data is not None:
+        config = f'data-dir="{data_dir(data, nodes)}" {run_config}'.strip()
+    federation_config = (
+        f"num-supernodes={nodes} client-resources-num-cpus=1 init-args-num-cpus={actors}"
+    )
+    root = pathlib.Path(root or tempfile.mkdtemp(prefix="fcir-simulate-")).resolve()
+    link = SimulationLink(root)
+    link.start()
+    try:
+        cmd = [
+            _bin("flwr"),
+            "run",
+            str(app),
+            FEDERATION,
+            "--stream",
+            "--federation-config",
+            federation_config,
+        ]
+        if config:
+            cmd += ["--run-config", config]
+        return flwr_run(cmd, env_for(link.cli_home), FEDERATION, echo=echo, timeout=timeout)
+    finally:
+        link.stop()
