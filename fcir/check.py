@@ -28,7 +28,7 @@ Local ops' result types and attributes, and the size of every value, are checked
 tests/test_soundness.py).
 
 A private module (``@fcir.program(..., private=True)``) also gets the leak check of
-``fcir.privacy`` (``privacy/C1``-``C3``, raised as PrivacyError).
+``fcir.privacy`` (``privacy/C1``-``C4``, raised as PrivacyError).
 """
 
 from __future__ import annotations
