@@ -98,7 +98,7 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
     return from_jaxpr(
         closed, in_tree, out_tree, name=name or _name_of(fn),
         placements=_placements(fn, closed.jaxpr), locations=locations,
-        private=_private(fn),
+        private=_private(fn) or _calls_private(closed.jaxpr),
     )
 
 
@@ -139,6 +139,25 @@ def _declared(fn, attr: str):
 def _private(fn) -> bool:
     """True if ``fn`` (or what it wraps) is an ``fcir.program(private=True)``."""
     return bool(_declared(fn, "fcir_private"))
+
+
+def _calls_private(jaxpr: core.Jaxpr) -> bool:
+    """True if an op of ``jaxpr`` (or of a jaxpr inside it) was traced inside an
+    ``fcir.program(private=True)``: a function that calls a private program (under
+    jax.grad, vmap, jit, a scan body...) is private too."""
+    from fcir.api import PRIVATE_SCOPE
+
+    stack, seen = [jaxpr], set()
+    while stack:
+        jx = stack.pop()
+        if id(jx) in seen:
+            continue
+        seen.add(id(jx))
+        for eqn in jx.eqns:
+            if PRIVATE_SCOPE in str(eqn.source_info.name_stack):
+                return True
+            stack.extend(core.jaxprs_in_params(eqn.params))
+    return False
 
 
 def _name_of(fn) -> str:
