@@ -44,12 +44,15 @@ ELEMENTWISE = frozenset(
     imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter
     not or population_count pow real reduce_precision rem round rsqrt select_n shift_left
     shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
-    sharding_constraint reshard mesh_cast add_any
+    sharding_constraint reshard mesh_cast add_any stop_gradient
+    bessel_i0e bessel_i1e clz igamma igamma_grad_a igammac polygamma
+    regularized_incomplete_beta zeta
     """.split()
 )
 # (sharding_constraint, reshard and mesh_cast only change a value's layout: under a mesh
 # the frontend adds them to placed values, which stay placed. add_any is how JAX's
-# backward pass sums the cotangents of a placed value used twice.)
+# backward pass sums the cotangents of a placed value used twice; stop_gradient is the
+# identity, e.g. FedProx's anchor: stop_gradient(fcir.broadcast(w)).)
 
 # Call-like primitives that are inlined when their body contains federated ops or they
 # are called on placed values, so that placements never hide inside a local call.
