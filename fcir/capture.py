@@ -688,7 +688,10 @@ class _Converter:
         results = []
         for var in eqn.outvars:
             t = tensor_of(var.aval)
-            if placed is not None:
+            if placed is not None and len(placed) == 3:  # nested: the operands' member type
+                member = _with_dtype(placed[2], t.dtype)
+                results.append(Value(PlacedType(member, placed[0], placed[1])))
+            elif placed is not None:
                 results.append(Value(PlacedType(TensorType(t.dtype, t.shape[1:]), *placed)))
             else:
                 results.append(Value(self.local(t, level)))
@@ -702,6 +705,17 @@ class _Converter:
         placement (scalar constants may join: they are known everywhere)."""
         if name not in ELEMENTWISE:
             return None
+        nested = [o.type for o in operands if _is_nested(o.type)]
+        if nested:
+            # Values placed at a nested placement ({{T}@clients}@silos, e.g. the
+            # cotangents of client data that a backward scan adds up): per member of
+            # the inner placement too, when every placed operand has one member type.
+            others = [o for o in operands if not _is_nested(o.type)]
+            if any(o not in self.constants or _member_of(o.type).shape for o in others):
+                return None
+            if len({(t.placement, t.member) for t in nested}) != 1:
+                return None
+            return nested[0].placement, all(t.all_equal for t in nested), nested[0].member
         placed = [o.type for o in operands if _is_placed(o.type)]
         others = [o for o in operands if not _is_placed(o.type)]
         if not placed or any(o not in self.constants or _member_of(o.type).shape for o in others):
@@ -745,6 +759,18 @@ def _swapped_message(where: str, v: Value, verb: str) -> str:
 
 def _is_placed(t) -> bool:
     return isinstance(t, PlacedType) and t.placement != SERVER and isinstance(t.member, TensorType)
+
+
+def _is_nested(t) -> bool:
+    return (isinstance(t, PlacedType) and t.placement != SERVER
+            and isinstance(t.member, PlacedType))
+
+
+def _with_dtype(t: Type, dtype: str) -> Type:
+    """``t`` with its innermost tensor's dtype replaced."""
+    if isinstance(t, PlacedType):
+        return PlacedType(_with_dtype(t.member, dtype), t.placement, t.all_equal)
+    return TensorType(dtype, t.shape)
 
 
 def _open(j):

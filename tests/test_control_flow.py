@@ -292,3 +292,40 @@ def test_export_rejects_server_control_flow_naming_the_op():
 def _passthru(x, flag):
     u = jax.lax.cond(flag, lambda u: u, lambda u: u * 3.0, fcir.map_fn(lambda v: 2.0 * v, x))
     return fcir.reduce_mean(u)
+
+
+# --- gradients w.r.t. client data through server loops over silos -------------------------
+
+
+def silo_scan(length):
+    @fcir.program(placements={"silos": 2, "clients": 3})
+    def program(w, x):
+        def one_round(w, _):
+            def silo(w, x):
+                return fcir.reduce_mean(fcir.map_fn(lambda w, x: jnp.tanh(x @ w),
+                                                    (fcir.broadcast(w), x)))
+
+            return w + 0.1 * jnp.sum(fcir.reduce_mean(fcir.map_fn(silo, (fcir.broadcast(w), x)))), None
+
+        return jax.lax.scan(one_round, w, None, length=length)[0]
+
+    return program
+
+
+@pytest.mark.parametrize("length", [1, 2])
+def test_gradient_wrt_client_data_through_a_server_scan_over_silos(length):
+    # The backward scan carries the cotangent of x as {{f32[5,3]}@clients}@silos and
+    # adds each round's to it: an elementwise op per member of the nested placement.
+    program = silo_scan(length)
+    args = _f(3), _f(2, 3, 5, 3)
+    m = assert_runs_everywhere(fcir.program(placements={"silos": 2, "clients": 3})(
+        jax.grad(_loss(program), (0, 1))), *args)
+    (back,) = [op for op in m.main.body.ops if op.name == "jax.scan"][1:]
+    assert "{{f32[5,3]}@clients}@silos" in [str(r.type) for r in back.results]
+    # A hand-edited nested add whose result is typed at the server does not check.
+    text = m.to_text()
+    line = next(ln for ln in text.splitlines() if "= jax.add_any" in ln and "}@silos =" in ln)
+    bad = text.replace(line, line.replace("{{f32[5,3]}@clients}@silos =", "f32[2,3,5,3]@server ="))
+    assert bad != text
+    with pytest.raises(PlacementError, match="local/C1"):
+        fcir.check(fcir.parse(bad))
