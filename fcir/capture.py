@@ -238,6 +238,13 @@ class _Converter:
         # Values a jax.scan stacked from per-iteration placed values: the IR keeps their
         # member axis first, where the jaxpr has the scan axis first (control_flow.py).
         self.swapped: set[Value] = set()
+        # jaxpr variables holding a placed value with its member axis second, the batch
+        # axis of a jax.vmap first (``transpose`` of a map's batched result, which JAX's
+        # scan batching inserts to stack batched ys): the IR keeps the placed value and
+        # drops the transposes (``views``), also per iteration of a scan that stacked
+        # them (``stacked_views``: the scan's stacked result and its xs slices).
+        self.views: set = set()
+        self.stacked_views: set = set()
 
     # -- types ----------------------------------------------------------------------------
 
@@ -374,7 +381,7 @@ class _Converter:
     # -- conversion -----------------------------------------------------------------------
 
     def convert_closed(self, closed, level: int, label: str, param_types=None,
-                       swapped=()) -> Region:
+                       swapped=(), view_yields: bool = False) -> Region:
         """``swapped[i]``: parameter i is a stacked per-round placed value (only a
         fed.map body gets those, and only a fed.map body may yield them)."""
         jx = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
@@ -388,6 +395,8 @@ class _Converter:
             env[var] = self.constant(region, val, level)
         self.convert_eqns(jx, env, region, level)
         region.results = [self.read(env, v, region, level) for v in jx.outvars]
+        if not view_yields:  # a scan body's ys may be views: the scan stacks them
+            self.no_view_yields(jx.outvars, f"the region {label}")
         for v in region.results:
             if v in self.swapped and label != "member":
                 raise PlacementError(_swapped_message(f"the region {label}", v, "yields"))
@@ -423,6 +432,8 @@ class _Converter:
         for eqn in jx.eqns:
             name = eqn.primitive.name
             operands = [self.read(env, a, region, level) for a in eqn.invars]
+            if self.batch_view(eqn, operands, env):
+                continue
             self.check_swapped(eqn, operands)
             placed = any(CF.is_placed(o.type) for o in operands)
             try:
@@ -446,6 +457,31 @@ class _Converter:
                 if not isinstance(var, core.DropVar):
                     env[var] = val
 
+    def batch_view(self, eqn, operands, env) -> bool:
+        """Handles ``transpose`` swapping axes 0 and 1 of a placed value (into a view,
+        see ``views``) or of a view (back to the placed value); True if it did. Any
+        other op reading a view is refused: its layout is not the IR's."""
+        views = [a for a in eqn.invars if _is_var(a) and (a in self.views
+                                                           or a in self.stacked_views)]
+        name = eqn.primitive.name
+        if name == "transpose" and len(operands) == 1 and _swaps01(eqn.params["permutation"]):
+            (a,), (x,), (out,) = eqn.invars, operands, eqn.outvars
+            if _is_var(a) and a in self.views:
+                env[out] = x
+                return True
+            t = x.type
+            if (not views and _is_placed(t) and x not in self.swapped and len(t.member.shape) >= 1):
+                env[out] = x
+                self.views.add(out)
+                return True
+        if views and name not in ("scan", *_INLINE_IF_FEDERATED):
+            raise PlacementError(
+                f"jax.{name}: reads a placed value whose member axis jax.vmap moved second "
+                "(batch axis first); fcir keeps the member axis of placed values first. "
+                "Batch the values inside fcir.map_fn instead"
+            )
+        return False
+
     def inline(self, eqn, operands, region: Region, level: int) -> list[Value]:
         sub = eqn.params[_INLINE_IF_FEDERATED[eqn.primitive.name]]
         jx = _open(sub)
@@ -458,8 +494,27 @@ class _Converter:
             raise UnsupportedError(f"jax.{eqn.primitive.name}: more operands than parameters")
         # custom_vjp/jvp calls pass their consts as leading operands already.
         env.update(zip(jx.invars, operands))
+        self.pass_views(eqn.invars, jx.invars)
         self.convert_eqns(jx, env, region, level)
+        self.pass_views(jx.outvars, eqn.outvars)
         return [self.read(env, v, region, level) for v in jx.outvars]
+
+    def no_view_yields(self, outvars, where: str) -> None:
+        if any(_is_var(v) and v in self.views for v in outvars):
+            raise PlacementError(
+                f"{where} yields a placed value whose member axis jax.vmap moved second; "
+                "fcir keeps the member axis of placed values first: batch the values "
+                "inside fcir.map_fn instead"
+            )
+
+    def pass_views(self, outer, inner) -> None:
+        """Marks ``inner[i]`` a view (stacked view) where ``outer[i]`` is one."""
+        for a, b in zip(outer, inner):
+            if _is_var(a) and _is_var(b):
+                if a in self.views:
+                    self.views.add(b)
+                if a in self.stacked_views:
+                    self.stacked_views.add(b)
 
     def check_swapped(self, eqn, operands) -> None:
         """Stacked placed values (scan ``ys``) may only be scanned over again."""
@@ -480,8 +535,9 @@ class _Converter:
         types = [o.type for o in operands]
         converted: list[tuple[object, Region]] = []
 
-        def convert(jx, types):
-            sub = self.convert_closed(jx, level, "r", param_types=list(types))
+        def convert(jx, types, view_yields=False):
+            sub = self.convert_closed(jx, level, "r", param_types=list(types),
+                                      view_yields=view_yields)
             converted.append((jx, sub))
             return sub
 
@@ -506,6 +562,16 @@ class _Converter:
 
         if name == "scan":
             nc, nk, length = params["num_consts"], params["num_carry"], params["length"]
+            body_jx = params["jaxpr"].jaxpr
+            for i, a in enumerate(eqn.invars):
+                if _is_var(a) and (a in self.views or a in self.stacked_views):
+                    if i < nc + nk or a in self.views:
+                        raise PlacementError(
+                            "jax.scan: carries or scans over a placed value whose member "
+                            "axis jax.vmap moved second; batch the values inside "
+                            "fcir.map_fn instead"
+                        )
+                    self.views.add(body_jx.invars[i])  # one slice: batch first, members
             xs = []
             for i in range(nc + nk, len(operands)):
                 if CF.is_placed(types[i]) and operands[i] not in self.swapped:
@@ -518,7 +584,7 @@ class _Converter:
             carry = types[nc:nc + nk]
             for _ in range(nk + 2):
                 converted.clear()
-                body = convert(params["jaxpr"], types[:nc] + carry + xs)
+                body = convert(params["jaxpr"], types[:nc] + carry + xs, view_yields=True)
                 outs = [r.type for r in body.results]
                 new = [join(f"carry {k}", a, b, nc + k)
                        for k, (a, b) in enumerate(zip(carry, outs))]
@@ -527,9 +593,13 @@ class _Converter:
                 if new == carry:
                     break
                 carry = new
+            self.no_view_yields(body_jx.outvars[:nk], "jax.scan: the carry")
             out_types = carry + [CF.stack(t, length) for t in outs[nk:]]
             results = [Value(t) for t in out_types]
             self.swapped.update(v for v in results[nk:] if CF.is_placed(v.type))
+            for y, out in zip(body_jx.outvars[nk:], eqn.outvars[nk:]):
+                if _is_var(y) and y in self.views:
+                    self.stacked_views.add(out)
         elif name == "while":
             cn, bn = params["cond_nconsts"], params["body_nconsts"]
             carry = types[cn + bn:]
@@ -759,6 +829,15 @@ def _swapped_message(where: str, v: Value, verb: str) -> str:
 
 def _is_placed(t) -> bool:
     return isinstance(t, PlacedType) and t.placement != SERVER and isinstance(t.member, TensorType)
+
+
+def _is_var(a) -> bool:
+    return isinstance(a, core.Var) and not isinstance(a, core.DropVar)
+
+
+def _swaps01(perm) -> bool:
+    perm = tuple(int(p) for p in perm)
+    return len(perm) >= 2 and perm[:2] == (1, 0) and perm[2:] == tuple(range(2, len(perm)))
 
 
 def _is_nested(t) -> bool:

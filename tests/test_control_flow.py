@@ -329,3 +329,34 @@ def test_gradient_wrt_client_data_through_a_server_scan_over_silos(length):
     assert bad != text
     with pytest.raises(PlacementError, match="local/C1"):
         fcir.check(fcir.parse(bad))
+
+
+# --- second-order and batched gradients of multi-round scans -------------------------------
+
+
+def _server_lr_objective():
+    from tests.corpus import scan_rounds
+
+    program = scan_rounds.build()
+    w, m, lr, x, y = scan_rounds.make_args()
+
+    def objective(lr, w, m, x, y):
+        w, m, losses = program(w, m, lr, x, y)
+        return jnp.sum(w**2) + jnp.sum(losses)
+
+    return objective, (lr, w, m, x, y)
+
+
+def test_hessian_and_batched_gradients_wrt_the_server_learning_rate():
+    # JAX's scan batching stacks the batched per-round client residuals with the batch
+    # axis first (transposes of placed values at the server); the IR keeps them placed,
+    # member axis first, and drops the transposes.
+    objective, (lr, *rest) = _server_lr_objective()
+    hessian = clients(jax.hessian(objective))
+    m = assert_runs_everywhere(hessian, lr, *rest)
+    assert "jax.transpose" not in "\n".join(
+        ln for ln in m.to_text().splitlines() if "@clients =" in ln
+    )
+    lrs = jnp.asarray([0.3, 0.7, 1.1, 1.5], jnp.float32)
+    batched = clients(jax.vmap(jax.grad(objective), in_axes=(0, None, None, None, None)))
+    assert_runs_everywhere(batched, lrs, *rest)
