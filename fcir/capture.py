@@ -95,7 +95,20 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
             f"capture(name={name!r}): a module name is an ASCII identifier "
             f"([A-Za-z_][A-Za-z0-9_]*), e.g. {sanitize_name(name)!r}"
         )
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
+        # Python control flow on a traced value: eager calls (and jax.grad outside jit)
+        # run it, capture traces abstractly like jax.jit.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedError(
+            f"capture: the program needs the value of a traced array in Python ({first}), "
+            "e.g. `if fcir.reduce_mean(loss) > t:` choosing whether a second exchange runs. "
+            "Capture traces the program like jax.jit, without values: branch with "
+            "jax.lax.cond(pred, second_exchange, lambda w: w, w) (its predicate an "
+            "aggregate at the server), loop with jax.lax.scan / fori_loop / while_loop; "
+            "fcir captures those and their gradients (docs/control_flow.md)"
+        ) from e
     _, in_tree = jax.tree_util.tree_flatten((args, kwargs) if kwargs else args)
     _, out_tree = jax.tree_util.tree_flatten(out_shape)
     return from_jaxpr(

@@ -360,3 +360,39 @@ def test_hessian_and_batched_gradients_wrt_the_server_learning_rate():
     lrs = jnp.asarray([0.3, 0.7, 1.1, 1.5], jnp.float32)
     batched = clients(jax.vmap(jax.grad(objective), in_axes=(0, None, None, None, None)))
     assert_runs_everywhere(batched, lrs, *rest)
+
+
+# --- a second exchange only when the aggregate says so ------------------------------------
+
+
+def _mean_loss(w, x, y):
+    per_client = fcir.map_fn(lambda w, x, y: jnp.mean((x @ w - y) ** 2), (fcir.broadcast(w), x, y))
+    return fcir.reduce_mean(per_client)
+
+
+def adaptive(threshold, python_if):
+    @clients
+    def program(w, x, y):
+        w = fed_round(w, x, y)
+        again = _mean_loss(w, x, y) > threshold
+        if python_if:
+            return fed_round(w, x, y) if again else w
+        return jax.lax.cond(again, lambda w: fed_round(w, x, y), lambda w: w, w)
+
+    return program
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 1e6], ids=["second_exchange", "none"])
+def test_gradient_of_an_aggregate_deciding_a_second_exchange(threshold):
+    # Written with a Python `if`, jax.grad runs it eagerly, but capture (like jax.jit)
+    # has no value to branch on: an FcirError that says to use jax.lax.cond...
+    eager = jax.grad(_loss(adaptive(threshold, True)), (0, 1, 2))
+    want = eager(W, X, Y)
+    with pytest.raises(fcir.UnsupportedError, match=r"jax\.lax\.cond\(pred, second_exchange"):
+        fcir.capture(clients(eager), W, X, Y)
+    # ...whose gradient captures, checks and computes what the eager gradient does.
+    grad = clients(jax.grad(_loss(adaptive(threshold, False)), (0, 1, 2)))
+    m = assert_runs_everywhere(grad, W, X, Y)
+    assert any(op.name == "jax.cond" for op in m.main.body.ops)
+    for got, exp in zip(reference.run(m, W, X, Y), want):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(exp), rtol=1e-5, atol=1e-6)
