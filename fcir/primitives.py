@@ -191,18 +191,29 @@ def _weighted_mean_batch(args, dims, *, placement, n):
     (x, w), (dx, dw) = args, dims
     not_mapped = None  # batching's NotMapped
     if dx is not_mapped:
-        size = w.shape[dw]
-        x = jnp.broadcast_to(jnp.expand_dims(x, 1), (x.shape[0], size, *x.shape[1:]))
+        x = _member_repeat(x, w.shape[dw], placement, n)
     else:
         x = _moveaxis_to(x, dx, 1)
     if dw is not_mapped:
         # A per-member weight stays a prefix of the value once the batch axis sits at 1
         # only when it is a scalar per member; otherwise broadcast it along the batch.
         if w.ndim > 1:
-            w = jnp.broadcast_to(jnp.expand_dims(w, 1), (w.shape[0], x.shape[1], *w.shape[1:]))
+            w = _member_repeat(w, x.shape[1], placement, n)
     else:
         w = _moveaxis_to(w, dw, 1)
     return weighted_mean_p.bind(x, w, placement=placement, n=n), 0
+
+
+def _member_repeat(x, size: int, placement: str, n: int):
+    """Each member's value of placed ``x`` repeated ``size`` times along a new axis 1 (a
+    batch axis), inside a fed.map: no op at the server reads a placed value."""
+
+    def body(m):
+        return [jnp.broadcast_to(jnp.expand_dims(m, 0), (size, *m.shape))]
+
+    closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+    (out,) = map_p.bind(x, body=closed, placement=placement, n=n)
+    return out
 
 
 weighted_mean_p.def_impl(_weighted_mean_impl)
