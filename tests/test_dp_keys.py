@@ -217,3 +217,29 @@ def test_straight_line_releases_two_arguments_constants_and_cond_branches():
     for program, args in ((derived, (W, KEY, XS)), (either, (W, KEY, XS, True))):
         module = fcir.capture(program, *args)
         np.testing.assert_array_equal(xla.compile(module)(*args), jax.jit(program)(*args))
+
+
+def test_a_dp_op_inside_a_map_over_silos_needs_a_key_per_silo():
+    silos, per_silo = 2, 3
+
+    def hierarchical(per_member_keys):
+        @fcir.program(placements={"silos": silos, "clients": per_silo}, private=True)
+        def program(w, key, x):
+            def silo(w, k, x):
+                upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+                return fcir.dp_mean(upd, 1.0, 1.0, k)
+
+            keys = key if per_member_keys else fcir.broadcast(key)
+            return fcir.reduce_mean(fcir.map_fn(silo, (fcir.broadcast(w), keys, x)))
+
+        return program
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(silos, per_silo, 3)), jnp.float32)
+    # One key broadcast to the silos: every silo's release has the same noise.
+    with pytest.raises(fcir.PrivacyError, match="privacy/C4: .*every member of the fed.map"):
+        fcir.capture(hierarchical(False), W, KEY, x)
+    # A key per silo (the caller's, like a key argument) passes.
+    keys = jax.random.split(KEY, silos)
+    program = hierarchical(True)
+    module = fcir.capture(program, W, keys, x)
+    np.testing.assert_array_equal(xla.compile(module)(W, keys, x), jax.jit(program)(W, keys, x))
