@@ -231,7 +231,11 @@ class _Keys:
         else:
             for r, sub in enumerate(op.regions):  # an op that is not modelled: no keys
                 self.region(sub, (*path, r), frames, record)
-            outs = [_local(op, ins)] + [None] * (len(op.results) - 1)
+            try:
+                first = _local(op, ins)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+                first = None  # attributes it cannot read: nothing known of the result
+            outs = [first] + [None] * (len(op.results) - 1)
         self.set(op.results, outs)
 
     def fed_map(self, op, ins, path, frames, record):
