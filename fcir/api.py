@@ -127,6 +127,10 @@ class _pushed:
         _CONTEXT.stack.pop()
 
 
+# The name scope of the ops a private program traces (see ``program``).
+PRIVATE_SCOPE = "fcir_private_program"
+
+
 def program(
     *, placements: Mapping[str, int], mesh=None, private: bool = False
 ) -> Callable[[Callable], Callable]:
@@ -148,7 +152,13 @@ def program(
         @functools.wraps(fn)
         def run(*args, **kwargs):
             with _pushed(_Frame(spec, -1, mesh)):
-                return fn(*args, **kwargs)
+                if not private:
+                    return fn(*args, **kwargs)
+                # Every op traced here carries the scope in its name stack, through
+                # jit, grad, vmap, scan bodies: capture of any function that calls this
+                # one sees it and makes the module private.
+                with jax.named_scope(PRIVATE_SCOPE):
+                    return fn(*args, **kwargs)
 
         run.fcir_placements = spec
         run.fcir_private = private

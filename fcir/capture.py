@@ -72,13 +72,26 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
             f"capture(name={name!r}): a module name is an ASCII identifier "
             f"([A-Za-z_][A-Za-z0-9_]*), e.g. {sanitize_name(name)!r}"
         )
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
+        # Python control flow on a traced value: eager calls (and jax.grad outside jit)
+        # run it, capture traces abstractly like jax.jit.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedError(
+            f"capture: the program needs the value of a traced array in Python ({first}), "
+            "e.g. `if fcir.reduce_mean(loss) > t:` choosing whether a second exchange runs. "
+            "Capture traces the program like jax.jit, without values: branch with "
+            "jax.lax.cond(pred, second_exchange, lambda w: w, w) (its predicate an "
+            "aggregate at the server), loop with jax.lax.scan / fori_loop / while_loop; "
+            "fcir captures those and their gradients (docs/control_flow.md)"
+        ) from e
     _, in_tree = jax.tree_util.tree_flatten((args, kwargs) if kwargs else args)
     _, out_tree = jax.tree_util.tree_flatten(out_shape)
     return from_jaxpr(
         closed, in_tree, out_tree, name=name or _name_of(fn),
         placements=_placements(fn, closed.jaxpr), locations=locations,
-        private=_private(fn),
+        private=_private(fn) or _calls_private(closed.jaxpr),
     )
 
 
@@ -119,6 +132,25 @@ def _declared(fn, attr: str):
 def _private(fn) -> bool:
     """True if ``fn`` (or what it wraps) is an ``fcir.program(private=True)``."""
     return bool(_declared(fn, "fcir_private"))
+
+
+def _calls_private(jaxpr: core.Jaxpr) -> bool:
+    """True if an op of ``jaxpr`` (or of a jaxpr inside it) was traced inside an
+    ``fcir.program(private=True)``: a function that calls a private program (under
+    jax.grad, vmap, jit, a scan body...) is private too."""
+    from fcir.api import PRIVATE_SCOPE
+
+    stack, seen = [jaxpr], set()
+    while stack:
+        jx = stack.pop()
+        if id(jx) in seen:
+            continue
+        seen.add(id(jx))
+        for eqn in jx.eqns:
+            if PRIVATE_SCOPE in str(eqn.source_info.name_stack):
+                return True
+            stack.extend(core.jaxprs_in_params(eqn.params))
+    return False
 
 
 def _name_of(fn) -> str:
@@ -196,6 +228,13 @@ class _Converter:
         # Values a jax.scan stacked from per-iteration placed values: the IR keeps their
         # member axis first, where the jaxpr has the scan axis first (control_flow.py).
         self.swapped: set[Value] = set()
+        # jaxpr variables holding a placed value with its member axis second, the batch
+        # axis of a jax.vmap first (``transpose`` of a map's batched result, which JAX's
+        # scan batching inserts to stack batched ys): the IR keeps the placed value and
+        # drops the transposes (``views``), also per iteration of a scan that stacked
+        # them (``stacked_views``: the scan's stacked result and its xs slices).
+        self.views: set = set()
+        self.stacked_views: set = set()
 
     # -- types ----------------------------------------------------------------------------
 
@@ -333,7 +372,7 @@ class _Converter:
     # -- conversion -----------------------------------------------------------------------
 
     def convert_closed(self, closed, level: int, label: str, param_types=None,
-                       swapped=()) -> Region:
+                       swapped=(), view_yields: bool = False) -> Region:
         """``swapped[i]``: parameter i is a stacked per-round placed value (only a
         fed.map body gets those, and only a fed.map body may yield them)."""
         jx = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
@@ -347,6 +386,8 @@ class _Converter:
             env[var] = self.constant(region, val, level)
         self.convert_eqns(jx, env, region, level)
         region.results = [self.read(env, v, region, level) for v in jx.outvars]
+        if not view_yields:  # a scan body's ys may be views: the scan stacks them
+            self.no_view_yields(jx.outvars, f"the region {label}")
         for v in region.results:
             if v in self.swapped and label != "member":
                 raise PlacementError(_swapped_message(f"the region {label}", v, "yields"))
@@ -382,6 +423,8 @@ class _Converter:
         for eqn in jx.eqns:
             name = eqn.primitive.name
             operands = [self.read(env, a, region, level) for a in eqn.invars]
+            if self.batch_view(eqn, operands, env):
+                continue
             self.check_swapped(eqn, operands)
             placed = any(CF.is_placed(o.type) for o in operands)
             try:
@@ -405,6 +448,31 @@ class _Converter:
                 if not isinstance(var, core.DropVar):
                     env[var] = val
 
+    def batch_view(self, eqn, operands, env) -> bool:
+        """Handles ``transpose`` swapping axes 0 and 1 of a placed value (into a view,
+        see ``views``) or of a view (back to the placed value); True if it did. Any
+        other op reading a view is refused: its layout is not the IR's."""
+        views = [a for a in eqn.invars if _is_var(a) and (a in self.views
+                                                           or a in self.stacked_views)]
+        name = eqn.primitive.name
+        if name == "transpose" and len(operands) == 1 and _swaps01(eqn.params["permutation"]):
+            (a,), (x,), (out,) = eqn.invars, operands, eqn.outvars
+            if _is_var(a) and a in self.views:
+                env[out] = x
+                return True
+            t = x.type
+            if (not views and _is_placed(t) and x not in self.swapped and len(t.member.shape) >= 1):
+                env[out] = x
+                self.views.add(out)
+                return True
+        if views and name not in ("scan", *_INLINE_IF_FEDERATED):
+            raise PlacementError(
+                f"jax.{name}: reads a placed value whose member axis jax.vmap moved second "
+                "(batch axis first); fcir keeps the member axis of placed values first. "
+                "Batch the values inside fcir.map_fn instead"
+            )
+        return False
+
     def inline(self, eqn, operands, region: Region, level: int) -> list[Value]:
         sub = eqn.params[_INLINE_IF_FEDERATED[eqn.primitive.name]]
         jx = _open(sub)
@@ -417,8 +485,27 @@ class _Converter:
             raise UnsupportedError(f"jax.{eqn.primitive.name}: more operands than parameters")
         # custom_vjp/jvp calls pass their consts as leading operands already.
         env.update(zip(jx.invars, operands))
+        self.pass_views(eqn.invars, jx.invars)
         self.convert_eqns(jx, env, region, level)
+        self.pass_views(jx.outvars, eqn.outvars)
         return [self.read(env, v, region, level) for v in jx.outvars]
+
+    def no_view_yields(self, outvars, where: str) -> None:
+        if any(_is_var(v) and v in self.views for v in outvars):
+            raise PlacementError(
+                f"{where} yields a placed value whose member axis jax.vmap moved second; "
+                "fcir keeps the member axis of placed values first: batch the values "
+                "inside fcir.map_fn instead"
+            )
+
+    def pass_views(self, outer, inner) -> None:
+        """Marks ``inner[i]`` a view (stacked view) where ``outer[i]`` is one."""
+        for a, b in zip(outer, inner):
+            if _is_var(a) and _is_var(b):
+                if a in self.views:
+                    self.views.add(b)
+                if a in self.stacked_views:
+                    self.stacked_views.add(b)
 
     def check_swapped(self, eqn, operands) -> None:
         """Stacked placed values (scan ``ys``) may only be scanned over again."""
@@ -439,8 +526,9 @@ class _Converter:
         types = [o.type for o in operands]
         converted: list[tuple[object, Region]] = []
 
-        def convert(jx, types):
-            sub = self.convert_closed(jx, level, "r", param_types=list(types))
+        def convert(jx, types, view_yields=False):
+            sub = self.convert_closed(jx, level, "r", param_types=list(types),
+                                      view_yields=view_yields)
             converted.append((jx, sub))
             return sub
 
@@ -465,6 +553,16 @@ class _Converter:
 
         if name == "scan":
             nc, nk, length = params["num_consts"], params["num_carry"], params["length"]
+            body_jx = params["jaxpr"].jaxpr
+            for i, a in enumerate(eqn.invars):
+                if _is_var(a) and (a in self.views or a in self.stacked_views):
+                    if i < nc + nk or a in self.views:
+                        raise PlacementError(
+                            "jax.scan: carries or scans over a placed value whose member "
+                            "axis jax.vmap moved second; batch the values inside "
+                            "fcir.map_fn instead"
+                        )
+                    self.views.add(body_jx.invars[i])  # one slice: batch first, members
             xs = []
             for i in range(nc + nk, len(operands)):
                 if CF.is_placed(types[i]) and operands[i] not in self.swapped:
@@ -477,7 +575,7 @@ class _Converter:
             carry = types[nc:nc + nk]
             for _ in range(nk + 2):
                 converted.clear()
-                body = convert(params["jaxpr"], types[:nc] + carry + xs)
+                body = convert(params["jaxpr"], types[:nc] + carry + xs, view_yields=True)
                 outs = [r.type for r in body.results]
                 new = [join(f"carry {k}", a, b, nc + k)
                        for k, (a, b) in enumerate(zip(carry, outs))]
@@ -486,9 +584,13 @@ class _Converter:
                 if new == carry:
                     break
                 carry = new
+            self.no_view_yields(body_jx.outvars[:nk], "jax.scan: the carry")
             out_types = carry + [CF.stack(t, length) for t in outs[nk:]]
             results = [Value(t) for t in out_types]
             self.swapped.update(v for v in results[nk:] if CF.is_placed(v.type))
+            for y, out in zip(body_jx.outvars[nk:], eqn.outvars[nk:]):
+                if _is_var(y) and y in self.views:
+                    self.stacked_views.add(out)
         elif name == "while":
             cn, bn = params["cond_nconsts"], params["body_nconsts"]
             carry = types[cn + bn:]
@@ -642,7 +744,10 @@ class _Converter:
         results = []
         for var in eqn.outvars:
             t = tensor_of(var.aval)
-            if placed is not None:
+            if placed is not None and len(placed) == 3:  # nested: the operands' member type
+                member = _with_dtype(placed[2], t.dtype)
+                results.append(Value(PlacedType(member, placed[0], placed[1])))
+            elif placed is not None:
                 results.append(Value(PlacedType(TensorType(t.dtype, t.shape[1:]), *placed)))
             else:
                 results.append(Value(self.local(t, level)))
@@ -656,6 +761,17 @@ class _Converter:
         placement (scalar constants may join: they are known everywhere)."""
         if name not in ELEMENTWISE:
             return None
+        nested = [o.type for o in operands if _is_nested(o.type)]
+        if nested:
+            # Values placed at a nested placement ({{T}@clients}@silos, e.g. the
+            # cotangents of client data that a backward scan adds up): per member of
+            # the inner placement too, when every placed operand has one member type.
+            others = [o for o in operands if not _is_nested(o.type)]
+            if any(o not in self.constants or _member_of(o.type).shape for o in others):
+                return None
+            if len({(t.placement, t.member) for t in nested}) != 1:
+                return None
+            return nested[0].placement, all(t.all_equal for t in nested), nested[0].member
         placed = [o.type for o in operands if _is_placed(o.type)]
         others = [o for o in operands if not _is_placed(o.type)]
         if not placed or any(o not in self.constants or _member_of(o.type).shape for o in others):
@@ -699,6 +815,27 @@ def _swapped_message(where: str, v: Value, verb: str) -> str:
 
 def _is_placed(t) -> bool:
     return isinstance(t, PlacedType) and t.placement != SERVER and isinstance(t.member, TensorType)
+
+
+def _is_var(a) -> bool:
+    return isinstance(a, core.Var) and not isinstance(a, core.DropVar)
+
+
+def _swaps01(perm) -> bool:
+    perm = tuple(int(p) for p in perm)
+    return len(perm) >= 2 and perm[:2] == (1, 0) and perm[2:] == tuple(range(2, len(perm)))
+
+
+def _is_nested(t) -> bool:
+    return (isinstance(t, PlacedType) and t.placement != SERVER
+            and isinstance(t.member, PlacedType))
+
+
+def _with_dtype(t: Type, dtype: str) -> Type:
+    """``t`` with its innermost tensor's dtype replaced."""
+    if isinstance(t, PlacedType):
+        return PlacedType(_with_dtype(t.member, dtype), t.placement, t.all_equal)
+    return TensorType(dtype, t.shape)
 
 
 def _open(j):

@@ -28,7 +28,7 @@ Local ops' result types and attributes, and the size of every value, are checked
 tests/test_soundness.py).
 
 A private module (``@fcir.program(..., private=True)``) also gets the leak check of
-``fcir.privacy`` (``privacy/C1``-``C3``, raised as PrivacyError).
+``fcir.privacy`` (``privacy/C1``-``C4``, raised as PrivacyError).
 """
 
 from __future__ import annotations
@@ -351,11 +351,25 @@ class _Checker:
             member = ctx.member_of_local(v.type) if ctx.is_local(v.type) else None
             if not isinstance(member, TensorType) or member.shape != ():
                 return False
+        if isinstance(placed[0].member, PlacedType):  # nested: one member type throughout
+            return all(t.member == placed[0].member for t in placed) and all(
+                isinstance(r.type, PlacedType) and r.type.placement == p
+                and _same_but_dtype(r.type.member, placed[0].member)
+                for r in op.results
+            )
         return all(
             isinstance(r.type, PlacedType) and r.type.placement == p
-            and r.type.member.shape == placed[0].member.shape
+            and getattr(r.type.member, "shape", None) == placed[0].member.shape
             for r in op.results
         )
+
+
+def _same_but_dtype(a, b) -> bool:
+    """Two types that differ at most in their innermost tensor's dtype."""
+    if isinstance(a, PlacedType) and isinstance(b, PlacedType):
+        return (a.placement, a.all_equal) == (b.placement, b.all_equal) and _same_but_dtype(
+            a.member, b.member)
+    return isinstance(a, TensorType) and isinstance(b, TensorType) and a.shape == b.shape
 
 
 def _leading(t) -> int | None:

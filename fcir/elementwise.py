@@ -4,7 +4,8 @@ streaming backend read.
 ``ELEMENTWISE``: JAX primitives applied elementwise whose params name no axis and no
 shape. On values placed at one placement they are per-member computations, and run on
 a chunk of members they mean the same as on all members. ``add_any`` is how JAX's
-backward pass sums the cotangents of a placed value used twice.
+backward pass sums the cotangents of a placed value used twice; ``stop_gradient`` is
+the identity (FedProx's anchor: ``stop_gradient(fcir.broadcast(w))``).
 
 ``LAYOUT``: ops that only change where a value lives. Under a mesh the frontend adds
 them to placed values, which stay placed (capture, ``local/C2``); their params carry
@@ -23,7 +24,8 @@ ELEMENTWISE = frozenset(
     floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne
     neg nextafter not or population_count pow real reduce_precision rem round rsqrt
     select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt
-    square sub tan tanh xor""".split()
+    square sub tan tanh xor stop_gradient bessel_i0e bessel_i1e clz igamma igamma_grad_a
+    igammac polygamma regularized_incomplete_beta zeta""".split()
 )
 LAYOUT = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
 PER_MEMBER = ELEMENTWISE | LAYOUT

@@ -221,18 +221,29 @@ def _weighted_mean_batch(args, dims, *, placement, n):
     (x, w), (dx, dw) = args, dims
     not_mapped = None  # batching's NotMapped
     if dx is not_mapped:
-        size = w.shape[dw]
-        x = jnp.broadcast_to(jnp.expand_dims(x, 1), (x.shape[0], size, *x.shape[1:]))
+        x = _member_repeat(x, w.shape[dw], placement, n)
     else:
         x = _moveaxis_to(x, dx, 1)
     if dw is not_mapped:
         # A per-member weight stays a prefix of the value once the batch axis sits at 1
         # only when it is a scalar per member; otherwise broadcast it along the batch.
         if w.ndim > 1:
-            w = jnp.broadcast_to(jnp.expand_dims(w, 1), (w.shape[0], x.shape[1], *w.shape[1:]))
+            w = _member_repeat(w, x.shape[1], placement, n)
     else:
         w = _moveaxis_to(w, dw, 1)
     return weighted_mean_p.bind(x, w, placement=placement, n=n), 0
+
+
+def _member_repeat(x, size: int, placement: str, n: int):
+    """Each member's value of placed ``x`` repeated ``size`` times along a new axis 1 (a
+    batch axis), inside a fed.map: no op at the server reads a placed value."""
+
+    def body(m):
+        return [jnp.broadcast_to(jnp.expand_dims(m, 0), (size, *m.shape))]
+
+    closed = jax.make_jaxpr(body)(jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+    (out,) = map_p.bind(x, body=closed, placement=placement, n=n)
+    return out
 
 
 weighted_mean_p.def_impl(_weighted_mean_impl)
@@ -366,17 +377,41 @@ def _dp_batch(prim):
     def batch(args, dims, **params):
         # Unrolled over the batch axis: the clip couples all leaves of one member, so a
         # batch element cannot ride along on the members' axis.
+        # The placed leaves are sliced member by member (inside a fed.map, so that no op
+        # at the server reads them); the key, where the result lives, directly.
         size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        *xs, key = args
+        *xdims, kdim = dims
+        xs = [x if d is None or d > 0 else _moveaxis_to(x, 0, 1) for x, d in zip(xs, xdims)]
+        xdims = [d if d is None or d > 0 else 1 for d in xdims]
         per = []
         for b in range(size):
-            sliced = [
-                a if d is None else jax.lax.index_in_dim(a, b, d, keepdims=False)
-                for a, d in zip(args, dims)
-            ]
-            per.append(prim.bind(*sliced, **params))
+            sliced = _member_slices(xs, xdims, b, params["placement"], params["n"])
+            k = key if kdim is None else jax.lax.index_in_dim(key, b, kdim, keepdims=False)
+            per.append(prim.bind(*sliced, k, **params))
         return [jnp.stack(list(outs)) for outs in zip(*per)], [0] * len(per[0])
 
     return batch
+
+
+def _member_slices(xs, dims, b: int, placement: str, n: int) -> list:
+    """Element ``b`` of the batch axis ``dims[i]`` (>= 1) of each placed ``xs[i]``,
+    taken by a fed.map over the members (unbatched leaves as they are)."""
+    batched = [i for i, d in enumerate(dims) if d is not None]
+    if not batched:
+        return list(xs)
+
+    def body(*members):
+        return [jax.lax.index_in_dim(m, b, dims[i] - 1, keepdims=False)
+                for i, m in zip(batched, members)]
+
+    avals = [jax.ShapeDtypeStruct(xs[i].shape[1:], xs[i].dtype) for i in batched]
+    closed = jax.make_jaxpr(body)(*avals)
+    outs = map_p.bind(*[xs[i] for i in batched], body=closed, placement=placement, n=n)
+    got = list(xs)
+    for i, o in zip(batched, outs):
+        got[i] = o
+    return got
 
 
 def _make_dp(name: str, mean: bool):

@@ -16,7 +16,10 @@ regions' parameters, the regions' yielded values its results), so it sees throug
 * ``privacy/C2``: ``main`` returns a client-placed value derived from client data
   (a per-client result returned as-is);
 * ``privacy/C3``: any other op whose server result is derived from client data (e.g.
-  server control flow whose branch or trip count depends on client data).
+  server control flow whose branch or trip count depends on client data);
+* ``privacy/C4``: a DP op whose noise is not provably distinct from that of every other
+  release the accountant counts (the same key in every iteration of a scan, or for two
+  DP ops; a constant key): ``fcir.dp_keys`` follows each key to its origin.
 
 ``fed.dp_sum`` and ``fed.dp_mean`` are the only way through: their results are not
 derived from client data in this sense (the Gaussian mechanism makes them safe to
@@ -49,11 +52,14 @@ from fcir.ir import Module, Op, Region, Value, value_numbering
 from fcir.ops import DP_OPS
 from fcir.types import SERVER, PlacedType
 
-__all__ = ["DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
+__all__ = ["CONSTRAINTS", "DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
 CONSTRAINTS = {
     "privacy/C1": "a fed op releases client data to the server only with noise",
-    "privacy/C2": "main returns no client-placed value derived from client data",
-    "privacy/C3": "no other server value depends on client data",
+    "privacy/C2": "main returns no per-client value derived from client data",
+    "privacy/C3": "no other server value depends on client data (operands, branch index, "
+    "loop condition)",
+    "privacy/C4": "every DP release draws noise from a key provably distinct from every other "
+    "release's (fcir.dp_keys)",
 }
 
 # What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):
@@ -234,8 +240,12 @@ def _wiring(op: Op) -> list[tuple[list[int | None], list[tuple[str, int]] | None
 
 def leaks(module: Module) -> list[Leak]:
     """Every path by which client data reaches the server other than through the DP
-    aggregates (empty for a leak-free program), each naming its op."""
-    return _Taint(module).run()
+    aggregates (empty for a leak-free program), each naming its op; and every DP op
+    whose noise another release may repeat (``privacy/C4``)."""
+    from fcir.dp_keys import problems
+
+    found = _Taint(module).run()
+    return found + [Leak("privacy/C4", p.message, p.path, p.op) for p in problems(module)]
 
 
 # --- accounting -----------------------------------------------------------------------------
@@ -321,6 +331,7 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
             f"fcir.privacy.epsilon: sampling_rate must be in (0, 1], got {sampling_rate!r}"
         )
     rels = releases(module)
+    _distinct_noise(module)
     if not rels:
         if module.private:
             return 0.0
@@ -344,19 +355,30 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
     return float(acc.get_epsilon(float(delta)))
 
 
+def _distinct_noise(module: Module) -> None:
+    """The accountant counts each release as independent: refuse a module where two
+    may draw the same noise (private or not)."""
+    from fcir.dp_keys import problems
+
+    found = problems(module)
+    if found:
+        raise PrivacyError(f"fcir.privacy.epsilon: {found[0].message}")
+
+
 def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
     """The privacy cost of one round (every client taking part), for the cost report
     and ``fcir show``; None when the module has no DP ops."""
     try:
         rels = releases(module)
+        if not rels:
+            return None
+        per_round = epsilon(module, 1, delta)
     except PrivacyError as e:
         return {"error": str(e)}
-    if not rels:
-        return None
     return {
         "releases": [dataclasses.asdict(r) for r in rels],
         "delta": delta,
-        "epsilon_per_round": epsilon(module, 1, delta),
+        "epsilon_per_round": per_round,
         "accountant": "rdp",
     }
 

@@ -930,3 +930,32 @@ def test_meta_learning_example_improves_post_round_loss():
     args = module.EXAMPLE_ARGS["post_round_loss"]()
     jaxpr = jax.make_jaxpr(jax.grad(module.post_round_loss))(*args)
     assert federated_violations(jaxpr) == []
+
+
+# --- identities on placed values at the server ------------------------------------------------
+
+
+def test_stop_gradient_of_a_broadcast_model_is_per_member_and_its_gradient_runs_like_jit():
+    # FedProx's anchor: the proximal term pulls towards the broadcast model, held fixed.
+    from fcir.interpreters import reference, xla
+
+    @fcir.program(placements=CLIENTS)
+    def prox_round(w, x):
+        at = fcir.broadcast(w)
+        anchor = jax.lax.stop_gradient(at)
+
+        def client(w, anchor, x):
+            return jnp.sum((x - w) ** 2) + 0.5 * jnp.sum((w - anchor) ** 2)
+
+        return fcir.reduce_mean(fcir.map_fn(client, (at, anchor, x)))
+
+    w = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(N, 3)), jnp.float32)
+    for fn in (prox_round, jax.grad(prox_round, (0, 1))):
+        module = fcir.capture(fcir.program(placements=CLIENTS)(fn), w, x)
+        text = module.to_text()
+        assert "jax.stop_gradient" not in text or "f32[3]@clients! = jax.stop_gradient" in text
+        want = jax.jit(fn)(w, x)
+        assert_close(reference.run(module, w, x), want)
+        for got, exp in zip(jax.tree.leaves(xla.compile(module)(w, x)), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(got, exp)
