@@ -286,7 +286,7 @@ def cmd_data(a) -> int:
     import jax
     from fcir.interpreters.production.cli import _read_npz
 
-    from fcir.targets import is_ir_file, load_module, load_python_target
+    from fcir.loading import is_ir_file, load_module, load_python_target
 
     from .data import split_arguments
 
