@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from fcir.interpreters import production
-from production import cases
+from production import cases, iree_faults
 
 import fcir
 from fcir.cli import main
@@ -66,36 +66,22 @@ def test_iree_modules_are_compiled_for_cpu_only_without_the_platform_case(tmp_pa
     assert len(exported.in_avals) == len(specs)
 
 
-def _demoting(monkeypatch, levels):
-    """compile_module that builds a genuinely wrong module at ``levels``: f32 math
-    demoted to f16 (a real IREE option), ~1e-3 off, far outside rtol 1e-5."""
-    original = iree.compile_module
-    seen = []
-
-    def compile_module(stablehlo, target, level, extra_flags=()):
-        seen.append(level)
-        flags = ["--iree-input-demote-f32-to-f16"] if level in levels else []
-        return original(stablehlo, target, level, extra_flags=[*extra_flags, *flags])
-
-    monkeypatch.setattr(iree, "compile_module", compile_module)
-    return seen
-
-
 def test_a_module_that_disagrees_with_xla_is_an_export_error_and_nothing_is_written(
     tmp_path, monkeypatch
 ):
-    seen = _demoting(monkeypatch, set(iree.OPT_LEVELS))
+    seen = iree_faults.wrong_at(monkeypatch, set(iree.OPT_LEVELS))
     with pytest.raises(fcir.ExportError) as e:
         _write("own:fedavg_pytree", tmp_path)
     msg = str(e.value)
     assert "client_work" in msg and "--device-runtime jax" in msg
     assert all(f"{level}:" in msg for level in iree.OPT_LEVELS)  # every level was tried
+    assert "max error" in msg and "allowed rtol 1e-05" in msg  # wrong numbers, not a crash
     assert seen == list(iree.OPT_LEVELS)
     assert not (tmp_path / "b").exists()
 
 
 def test_a_wrong_level_is_skipped_for_the_next_that_matches(tmp_path, monkeypatch):
-    _demoting(monkeypatch, {"O2"})
+    iree_faults.wrong_at(monkeypatch, {"O2"})
     out = _write("own:fedavg_pytree", tmp_path)
     entry = json.loads((out / "manifest.json").read_text())["parts"]["client_work"]["iree"]
     assert entry["opt_level"] == "O3"

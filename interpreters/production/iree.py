@@ -278,7 +278,7 @@ def compile_verified(part: str, fn, specs, targets, extra_inputs=()) -> Compiled
                 why = f"host check: {_first_error(e)}"
         if why is None:
             return Compiled(modules, level, entry, verified, len(input_sets))
-        failures.append(f"{level}: {why}")
+        failures.append(f"{level}: {' '.join(why.split())[:400]}")
     raise ExportError(
         f"--device-runtime iree: {part} cannot be compiled with IREE to match XLA at any "
         f"optimization level ({'; '.join(failures)}); export it with --device-runtime jax"
@@ -329,3 +329,20 @@ def round_client_inputs(plan, leaves) -> list[list[np.ndarray]]:
             )
         sets.append(row)
     return sets
+
+
+def client_modules(plan, name: str, client: dict, artifacts: dict, targets) -> tuple[dict, dict]:
+    """A Flower app's client step with IREE modules (``name@target`` artifacts, verified)
+    in place of client work's jax.export artifact ``name``: (step entry, artifacts)."""
+    from . import lowering
+
+    artifacts = {k: v for k, v in artifacts.items() if k != name}
+    if not client["results"]:
+        return client, artifacts
+    fn, specs = lowering.flat_function(plan.code("client_work"))
+    compiled = compile_verified(name, fn, specs, targets)
+    keys = {t: f"{name}@{t}" for t in compiled.modules}
+    artifacts.update({keys[t]: data for t, data in compiled.modules.items()})
+    client = {k: v for k, v in client.items() if k != "artifact"}
+    client["iree"] = compiled.manifest(keys)
+    return client, artifacts

@@ -103,3 +103,20 @@ class Module:
             out = (out,)
         # Copies: the results must outlive the runtime buffers they were read from.
         return [np.array(o.to_host() if hasattr(o, "to_host") else o) for o in out]
+
+
+_MODULES: dict = {}
+
+
+def call(part: dict, env: dict, read, requested: str | None = None) -> None:
+    """Runs ``part`` (a plan entry: params, results, and ``iree``: the modules) on
+    ``env``'s values with this device's module; ``read(key)`` gives a module's bytes."""
+    if not part["results"]:
+        return
+    entry = part["iree"]
+    target = pick_target(entry["modules"], entry["host_arch"], requested)
+    key = entry["modules"][target]["file"]
+    if key not in _MODULES:
+        _MODULES[key] = Module(read(key))
+    outs = _MODULES[key](*(env[tuple(p)] for p in part["params"]))
+    env.update(zip((tuple(r) for r in part["results"]), outs))
