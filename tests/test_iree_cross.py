@@ -18,9 +18,10 @@ import tempfile
 import zipfile
 
 import jax
-import numpy as np
 import pytest
-from production import cases
+from production import cases, iree_faults
+
+import fcir
 
 pytest.importorskip("iree.compiler", reason="needs iree-base-compiler (pip install 'fcir[iree]')")
 from fcir.interpreters.production import iree, lowering  # noqa: E402
@@ -31,8 +32,9 @@ AARCH64 = ("aarch64-linux-android34", "aarch64-apple-ios17")
 
 
 @pytest.fixture(scope="module")
-def run_module():
-    """``iree-run-module`` for aarch64 under qemu: ``(vmfb, inputs, n_results) -> arrays``."""
+def aarch64_tool():
+    """The aarch64 ``iree-run-module`` from PyPI's manylinux wheel (cached in the temp
+    dir); skips where it, qemu-aarch64 or the sysroot is missing."""
     qemu = shutil.which("qemu-aarch64")
     if qemu is None:
         pytest.skip("qemu-aarch64 is missing: apt-get install qemu-user")
@@ -57,23 +59,12 @@ def run_module():
             z.extract("iree/_runtime_libs/iree-run-module", cache)
         tool.chmod(0o755)
 
-    def run(vmfb: bytes, inputs, n_results: int, tmp: pathlib.Path) -> list[np.ndarray]:
-        (tmp / "m.vmfb").write_bytes(vmfb)
-        cmd = [qemu, "-L", str(SYSROOT), str(tool), "--device=local-sync",
-               f"--module={tmp / 'm.vmfb'}", "--function=main"]
-        for i, x in enumerate(inputs):
-            np.save(tmp / f"in{i}.npy", np.asarray(x))
-            cmd.append(f"--input=@{tmp / f'in{i}.npy'}")
-        cmd += [f"--output=@{tmp / f'out{j}.npy'}" for j in range(n_results)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-        return [np.load(tmp / f"out{j}.npy") for j in range(n_results)]
-
-    return run
+    return str(tool)
 
 
 @pytest.mark.parametrize("name", ["own:fedavg_pytree", "own:secure", "corpus:fedavg_mlp"])
-def test_aarch64_modules_under_qemu_match_xla(name, run_module, tmp_path):
+def test_aarch64_modules_under_qemu_match_xla(name, aarch64_tool, tmp_path, monkeypatch):
+    monkeypatch.delenv("FCIR_IREE_AARCH64_RUN_MODULE", raising=False)  # not verified at export
     plan = cases.plan(name)
     out = plan.write(tmp_path / "b", device_runtime="iree", device_targets=["llvm-cpu", *AARCH64])
     entry = json.loads((out / "manifest.json").read_text())["parts"]["client_work"]["iree"]
@@ -83,11 +74,43 @@ def test_aarch64_modules_under_qemu_match_xla(name, run_module, tmp_path):
     _, args = cases.fn_and_args(name)
     input_sets = [iree.seeded_inputs(exported.in_avals, s) for s in iree.SEEDS]
     input_sets += iree.round_client_inputs(plan, jax.tree_util.tree_leaves(args))[:2]
+    monkeypatch.setenv("FCIR_IREE_AARCH64_RUN_MODULE", aarch64_tool)
+    load = iree.emulator("aarch64", len(exported.out_avals))
+    assert load is not None
     for target in AARCH64:
         assert entry["modules"][target]["arch"] == "aarch64"
-        vmfb = (out / entry["modules"][target]["file"]).read_bytes()
+        assert "not run at export" in entry["modules"][target]["verified"]
+        run = load((out / entry["modules"][target]["file"]).read_bytes())
         for k, inputs in enumerate(input_sets):
             want = xla(*inputs)
-            got = run_module(vmfb, inputs, len(want), tmp_path)
+            got = run(*inputs)
+            assert len(got) == len(want)
             for j, (g, w) in enumerate(zip(got, want)):
                 assert iree.mismatch(g, w) is None, (target, k, j, iree.mismatch(g, w))
+
+
+def test_export_runs_aarch64_modules_under_qemu_when_set_up(aarch64_tool, tmp_path, monkeypatch):
+    monkeypatch.setenv("FCIR_IREE_AARCH64_RUN_MODULE", aarch64_tool)
+    out = cases.plan("own:weighted").write(
+        tmp_path / "b", device_runtime="iree", device_targets=["llvm-cpu", *AARCH64]
+    )
+    entry = json.loads((out / "manifest.json").read_text())["parts"]["client_work"]["iree"]
+    for target in AARCH64:
+        assert entry["modules"][target]["verified"] == (
+            f"ran and matched XLA on 2 input set(s) under qemu-aarch64 {aarch64_tool}"
+        )
+
+
+def test_an_aarch64_module_only_qemu_sees_wrong_is_an_export_error(
+    aarch64_tool, tmp_path, monkeypatch
+):
+    """The host module is right, the Android one wrong: only running it under qemu at
+    export catches that, and then nothing is written."""
+    iree_faults.wrong_at(monkeypatch, set(iree.OPT_LEVELS), targets={"aarch64-linux-android34"})
+    monkeypatch.setenv("FCIR_IREE_AARCH64_RUN_MODULE", aarch64_tool)
+    with pytest.raises(fcir.ExportError, match="aarch64-linux-android34: input set 0.*max error"):
+        cases.plan("own:weighted").write(
+            tmp_path / "b", device_runtime="iree",
+            device_targets=["llvm-cpu", "aarch64-linux-android34"],
+        )
+    assert not (tmp_path / "b").exists()

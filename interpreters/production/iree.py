@@ -18,13 +18,23 @@ default, then ``O3``, ``O1``, ``O0``): the first level at which every target com
 and every module this host can run matches is kept. Otherwise ``ExportError`` names the
 part and says to export with ``--device-runtime jax``: a wrong number never reaches a
 device. Modules for another architecture are compiled from the same input at the
-verified level; this host cannot run them (the tests run the aarch64 ones under qemu).
+verified level and, where an emulator is set up, run and verified too: with
+``FCIR_IREE_AARCH64_RUN_MODULE`` naming the aarch64 ``iree-run-module`` (from PyPI's
+manylinux aarch64 iree-base-runtime wheel) and ``qemu-aarch64`` on PATH (Debian's
+qemu-user; sysroot ``FCIR_QEMU_AARCH64_SYSROOT``, default /usr/aarch64-linux-gnu), the
+aarch64 modules run under qemu on the same inputs. Otherwise the manifest says they
+were not run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 import platform
+import shutil
+import subprocess
+import tempfile
 
 import jax
 import numpy as np
@@ -181,7 +191,58 @@ def reference(exported):
     return run
 
 
-def _check(module: iree_runtime.Module, ref, input_sets) -> str | None:
+def emulator(arch: str, n_results: int):
+    """``module(vmfb)(*arrays) -> list`` running ``arch`` modules on this host through
+    ``iree-run-module`` (under qemu for aarch64 on another host); None when not set up."""
+    if arch != "aarch64":
+        return None
+    tool = os.environ.get("FCIR_IREE_AARCH64_RUN_MODULE")
+    if not tool or not pathlib.Path(tool).is_file():
+        return None
+    prefix: list[str] = []
+    if host_arch() != "aarch64":
+        qemu = shutil.which("qemu-aarch64")
+        sysroot = os.environ.get("FCIR_QEMU_AARCH64_SYSROOT", "/usr/aarch64-linux-gnu")
+        if qemu is None or not pathlib.Path(sysroot).is_dir():
+            return None
+        prefix = [qemu, "-L", sysroot]
+
+    def load(vmfb: bytes):
+        def run(*args):
+            with tempfile.TemporaryDirectory(prefix="fcir-iree-emu-") as d:
+                d = pathlib.Path(d)
+                (d / "m.vmfb").write_bytes(vmfb)
+                cmd = [
+                    *prefix,
+                    tool,
+                    "--device=local-sync",
+                    f"--module={d / 'm.vmfb'}",
+                    f"--function={ENTRY}",
+                ]
+                for i, x in enumerate(args):
+                    np.save(d / f"in{i}.npy", np.asarray(x))
+                    cmd.append(f"--input=@{d / f'in{i}.npy'}")
+                cmd += [f"--output=@{d / f'out{j}.npy'}" for j in range(n_results)]
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if p.returncode != 0:
+                    raise RuntimeError((p.stderr or p.stdout).strip()[-500:])
+                return [np.load(d / f"out{j}.npy") for j in range(n_results)]
+
+        return run
+
+    load.description = f"{' '.join(os.path.basename(x) for x in prefix[:1])} {tool}".strip()
+    return load
+
+
+def _npy_safe(avals) -> bool:
+    """Whether ``iree-run-module`` can read and write these dtypes as .npy (not bf16)."""
+    return all(
+        np.dtype(a.dtype).name not in ("bfloat16",) and "float8" not in np.dtype(a.dtype).name
+        for a in avals
+    )
+
+
+def _check(module, ref, input_sets) -> str | None:
     for k, args in enumerate(input_sets):
         want = ref(*args)
         try:
@@ -206,6 +267,7 @@ class Compiled:
     entry: str
     verified_on: dict[str, int]  # target -> number of input sets it matched XLA on
     input_sets: int
+    emulated: dict[str, str] = dataclasses.field(default_factory=dict)  # target -> how
 
     def manifest(self, files: dict[str, str]) -> dict:
         """The manifest / plan entry: each target's file (or key), arch and verification."""
@@ -222,9 +284,11 @@ class Compiled:
                     "arch": arch_of(t),
                     "verified": (
                         f"ran and matched XLA on {self.verified_on[t]} input set(s)"
+                        + (f" under {self.emulated[t]}" if t in self.emulated else "")
                         if t in self.verified_on
                         else f"compiled at {self.opt_level}, where the host's module matched; "
-                        f"not run at export ({arch_of(t)} is not this host's {host_arch()})"
+                        f"not run at export ({arch_of(t)} is not this host's {host_arch()}; "
+                        "set FCIR_IREE_AARCH64_RUN_MODULE to run aarch64 modules under qemu)"
                     ),
                 }
                 for t in self.modules
@@ -254,22 +318,28 @@ def compile_verified(part: str, fn, specs, targets, extra_inputs=()) -> Compiled
             except Exception as e:  # noqa: BLE001  (CompilerToolError carries the log)
                 why = f"{t} does not compile: {_first_error(e)}"
                 break
+        emulated: dict[str, str] = {}
         if why is None:
             for t in targets:
                 if arch_of(t) != host_arch():
-                    continue
-                try:
-                    module = iree_runtime.Module(modules[t], ENTRY)
-                except iree_runtime.DeviceRuntimeError as e:
-                    why = f"{t}: {e}"
-                    break
-                entry = module.name
+                    emu = emulator(arch_of(t), len(exported.out_avals))
+                    if emu is None or not _npy_safe([*exported.in_avals, *exported.out_avals]):
+                        continue
+                    emulated[t] = emu.description
+                    module = emu(modules[t])
+                else:
+                    try:
+                        module = iree_runtime.Module(modules[t], ENTRY)
+                    except iree_runtime.DeviceRuntimeError as e:
+                        why = f"{t}: {e}"
+                        break
+                    entry = module.name
                 why = _check(module, ref, input_sets)
                 if why:
                     why = f"{t}: {why}"
                     break
                 verified[t] = len(input_sets)
-        if why is None and not verified:
+        if why is None and not any(arch_of(t) == host_arch() for t in targets):
             # Nothing this host can run: verify a host module at this level instead.
             try:
                 module = iree_runtime.Module(compile_module(stablehlo, DEFAULT_TARGET, level))
@@ -277,7 +347,7 @@ def compile_verified(part: str, fn, specs, targets, extra_inputs=()) -> Compiled
             except Exception as e:  # noqa: BLE001
                 why = f"host check: {_first_error(e)}"
         if why is None:
-            return Compiled(modules, level, entry, verified, len(input_sets))
+            return Compiled(modules, level, entry, verified, len(input_sets), emulated)
         failures.append(f"{level}: {' '.join(why.split())[:400]}")
     raise ExportError(
         f"--device-runtime iree: {part} cannot be compiled with IREE to match XLA at any "

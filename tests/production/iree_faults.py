@@ -8,7 +8,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def wrong_at(monkeypatch, levels) -> list:
+def wrong_at(monkeypatch, levels, targets=None) -> list:
+    """Wrong modules at ``levels`` (for ``targets`` only, when given); returns the
+    levels compiled, in order."""
     from fcir.interpreters.production import iree
 
     real_export, real_compile = iree.cpu_export, iree.compile_module
@@ -27,7 +29,8 @@ def wrong_at(monkeypatch, levels) -> list:
 
     def compile_module(stablehlo, target, level, extra_flags=()):
         seen.append(level)
-        code = wrong_code["stablehlo"] if level in levels else stablehlo
+        wrong = level in levels and (targets is None or target in targets)
+        code = wrong_code["stablehlo"] if wrong else stablehlo
         return real_compile(code, target, level, extra_flags)
 
     monkeypatch.setattr(iree, "cpu_export", cpu_export)
