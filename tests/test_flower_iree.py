@@ -91,6 +91,8 @@ def test_fedavg_app_runs_client_work_as_iree_modules(tmp_path):
     (step,) = _client_steps(plan)
     assert plan["device_runtime"] == "iree"
     assert "artifact" not in step["client"]  # no jax.export artifact for the clients
+    # two seeded input sets, and one per client on the server's real inputs (--inputs)
+    assert step["client"]["iree"]["input_sets"] == 2 + N
     assert step["client"]["iree"]["modules"]["llvm-cpu"]["verified"].startswith("ran and matched")
     artifacts = json.loads((app / "fcir_app" / "artifacts.json").read_text())
     assert "client_work" not in artifacts and "client_work@llvm-cpu" in artifacts
@@ -312,7 +314,16 @@ def test_the_client_app_runs_in_a_process_that_cannot_import_jax(tmp_path, monke
 
 # --- real SuperNodes from a venv without jax ----------------------------------------------
 
-NODE_PACKAGES = ("flwr==1.42.0", "numpy>=2.0", "iree-base-runtime>=3.13,<3.14")
+def _app_dependencies() -> tuple[str, ...]:
+    """What an exported IREE app's pyproject.toml tells a device to install."""
+    import tomllib
+
+    from fcir.interpreters.flower.writer import _pyproject
+
+    return tuple(tomllib.loads(_pyproject("x", "iree"))["project"]["dependencies"])
+
+
+NODE_PACKAGES = _app_dependencies()
 
 
 def node_venv() -> pathlib.Path:

@@ -116,16 +116,21 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
     if device is not None:  # --device-runtime iree: verified modules replace the artifact
         from ..production.iree import client_modules
 
-        steps[1]["client"], artifacts = client_modules(plan, art("client_work"), steps[1]["client"], artifacts, device)
+        targets, given = device
+        steps[1]["client"], artifacts = client_modules(
+            plan, art("client_work"), steps[1]["client"], artifacts, targets, given
+        )
     return steps, artifacts
 
 
-def build_plan(module, device_targets=None) -> tuple[dict, dict[str, bytes]]:
+def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, dict[str, bytes]]:
     """The app's plan.json and its artifacts (key -> bytes) for a round: one phase per
     broadcast/aggregate exchange, each split by the production export.
 
     ``device_targets`` (a list, for ``--device-runtime iree``): client work as IREE
-    modules for those targets instead of jax.export artifacts."""
+    modules for those targets instead of jax.export artifacts, verified on
+    the server's inputs too when given (the first phase's: later ones take carried
+    values)."""
     from ..production import export as production_export
     from .phases import split_phases
 
@@ -135,7 +140,14 @@ def build_plan(module, device_targets=None) -> tuple[dict, dict[str, bytes]]:
     for k, phase in enumerate(phases, 1):
         plan = production_export(phase.module)
         plans.append(plan)
-        s, a = _phase_steps(plan, phase, k, multi, device_targets)
+        device = None
+        if device_targets is not None:
+            leaves = [i for i in sorted(plan.split.server_args) if i < len(module.main.body.params)]
+            given = None
+            if k == 1 and server_inputs is not None and len(leaves) == len(server_inputs):
+                given = dict(zip(leaves, server_inputs))
+            device = (device_targets, given)
+        s, a = _phase_steps(plan, phase, k, multi, device)
         steps += s
         artifacts.update(a)
     first = plans[0].split
@@ -235,8 +247,11 @@ _DEPENDENCIES = {
     "jax": """# A device needs jax and flwr, never fcir: client work is a jax.export artifact.
 dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0"]""",
     "iree": """# A device needs flwr, numpy and IREE's runtime, never jax nor fcir: client work is
-# IREE modules. The ServerApp's host also needs jax (the server extra).
-dependencies = ["flwr==1.42.0", "numpy>=2.0", "iree-base-runtime>=3.13,<3.14"]
+# IREE modules. The ServerApp's host also needs jax (the server extra). ml_dtypes (which
+# iree.runtime imports) 0.7.0 took ~2 s to import on numpy 2.4, 0.5/0.6 10-30 ms.
+dependencies = [
+  "flwr==1.42.0", "numpy>=2.0", "iree-base-runtime>=3.13,<3.14", "ml_dtypes>=0.5,<0.7",
+]
 
 [project.optional-dependencies]
 server = ["jax>=0.10.2,<0.13"]""",
@@ -256,9 +271,8 @@ def write_app(
         raise ExportError(f"device runtime {device_runtime!r}: choose jax or iree")
     if device_targets and device_runtime != "iree":
         raise ExportError("--device-target goes with --device-runtime iree")
-    doc, artifacts = build_plan(
-        module, list(device_targets) if device_runtime == "iree" else None
-    )
+    iree = device_runtime == "iree"
+    doc, artifacts = build_plan(module, list(device_targets) if iree else None, inputs)
     if inputs is not None:
         specs = doc["server_inputs"]
         if len(inputs) != len(specs):

@@ -401,16 +401,33 @@ def round_client_inputs(plan, leaves) -> list[list[np.ndarray]]:
     return sets
 
 
-def client_modules(plan, name: str, client: dict, artifacts: dict, targets) -> tuple[dict, dict]:
+def client_modules(
+    plan, name: str, client: dict, artifacts: dict, targets, server_inputs=None
+) -> tuple[dict, dict]:
     """A Flower app's client step with IREE modules (``name@target`` artifacts, verified)
-    in place of client work's jax.export artifact ``name``: (step entry, artifacts)."""
+    in place of client work's jax.export artifact ``name``: (step entry, artifacts).
+
+    ``server_inputs`` (leaf index -> array): the server's real inputs; with seeded
+    client data they give each client's broadcast values to verify on as well."""
+    from fcir.types import runtime_type
+
     from . import lowering
 
     artifacts = {k: v for k, v in artifacts.items() if k != name}
     if not client["results"]:
         return client, artifacts
     fn, specs = lowering.flat_function(plan.code("client_work"))
-    compiled = compile_verified(name, fn, specs, targets)
+    extra = ()
+    if server_inputs is not None:
+        leaves = []
+        for i, v in enumerate(plan.round.main.body.params):
+            if i in server_inputs:
+                leaves.append(np.asarray(server_inputs[i]))
+            else:  # a client argument: seeded rows, one per client
+                t = runtime_type(v.type, plan.round.cardinality)
+                leaves.append(seeded_inputs([jax.ShapeDtypeStruct(t.shape, t.np_dtype)], 2)[0])
+        extra = round_client_inputs(plan, leaves)
+    compiled = compile_verified(name, fn, specs, targets, extra)
     keys = {t: f"{name}@{t}" for t in compiled.modules}
     artifacts.update({keys[t]: data for t, data in compiled.modules.items()})
     client = {k: v for k, v in client.items() if k != "artifact"}
