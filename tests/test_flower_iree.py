@@ -94,6 +94,8 @@ def test_fedavg_app_runs_client_work_as_iree_modules(tmp_path):
     # two seeded input sets, and one per client on the server's real inputs (--inputs)
     assert step["client"]["iree"]["input_sets"] == 2 + N
     assert step["client"]["iree"]["modules"]["llvm-cpu"]["verified"].startswith("ran and matched")
+    assert (app / "fcir_app" / "iree_runtime.py").is_file()
+    assert not (tmp_path / "jax" / "fcir_app" / "iree_runtime.py").exists()
     artifacts = json.loads((app / "fcir_app" / "artifacts.json").read_text())
     assert "client_work" not in artifacts and "client_work@llvm-cpu" in artifacts
     _assert_same_numbers(got, jax_outs)

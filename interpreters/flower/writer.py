@@ -40,9 +40,8 @@ APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
 FORMAT_VERSION = 1
 FAB_LIMIT = 10 * 1024 * 1024  # flwr.common.constant.FAB_MAX_SIZE
-SOURCES = (
-    "__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py", "iree_runtime.py",
-)
+SOURCES = ("__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py")
+IREE_SOURCES = ("iree_runtime.py",)  # only in --device-runtime iree apps
 
 # Run config keys and their defaults (flwr run --run-config overrides only declared keys).
 RUN_CONFIG = {
@@ -322,7 +321,7 @@ def write_app(
         pkg = tmp / APP_PACKAGE
         pkg.mkdir()
         src = pathlib.Path(__file__).resolve().parent / "app"
-        for name in SOURCES:
+        for name in SOURCES + (IREE_SOURCES if iree else ()):
             shutil.copyfile(src / name, pkg / name)
         for name, text in files.items():
             (pkg / name).write_text(text)
