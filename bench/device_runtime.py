@@ -154,7 +154,9 @@ def cold_start(python: str, app, sent, data, step) -> tuple[float, float, float]
     start = time.perf_counter()
     proc = subprocess.Popen(
         [python, "-c", CHILD, str(app), str(sent), str(data), str(step)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     line = proc.stdout.readline()
@@ -201,8 +203,12 @@ def per_call(apps, step, values, data_leaves, n: int) -> dict:
 def run_round(dep, app, out) -> tuple[float, float | None]:
     start = time.perf_counter()
     proc = subprocess.run(
-        dep.run_command(app, f'rounds=1 output="{out}"'), env=env_for(dep.cli_home),
-        capture_output=True, text=True, timeout=600, check=False,
+        dep.run_command(app, f'rounds=1 output="{out}"'),
+        env=env_for(dep.cli_home),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     wall = time.perf_counter() - start
     text = proc.stdout + proc.stderr
@@ -245,14 +251,19 @@ def main() -> int:
         np.savez(sent, **{k.replace("/", "|"): v for k, v in values.items()})
 
         sizes = install_sizes()
-        venv = next(pathlib.Path(tempfile.gettempdir()).glob("fcir-iree-node-venv-*/.complete"), None)
-        pythons = {"jax": sys.executable, "iree": str(venv.parent / "bin" / "python") if venv else sys.executable}
+        venv = next(
+            pathlib.Path(tempfile.gettempdir()).glob("fcir-iree-node-venv-*/.complete"), None
+        )
+        pythons = {
+            "jax": sys.executable,
+            "iree": str(venv.parent / "bin" / "python") if venv else sys.executable,
+        }
 
         cold: dict[str, list] = {"jax": [], "iree": []}
         first: dict[str, list] = {"jax": [], "iree": []}
         imports: dict[str, list] = {"jax": [], "iree": []}
         for k in range(reps if a.smoke else reps + 1):  # rep 0 warms the page cache
-            for rt in (("jax", "iree") if k % 2 == 0 else ("iree", "jax")):
+            for rt in ("jax", "iree") if k % 2 == 0 else ("iree", "jax"):
                 t, imp, f = cold_start(pythons[rt], apps[rt], sent, nodes[100]["data-path"], step)
                 if a.smoke or k > 0:
                     cold[rt].append(t)
@@ -268,7 +279,7 @@ def main() -> int:
                 for rt in ("jax", "iree"):
                     run_round(dep, apps[rt], work / f"warm-{rt}.npz")
             for k in range(reps):
-                for rt in (("jax", "iree") if k % 2 == 0 else ("iree", "jax")):
+                for rt in ("jax", "iree") if k % 2 == 0 else ("iree", "jax"):
                     wall, rnd = run_round(dep, apps[rt], work / f"{rt}-{k}.npz")
                     walls[rt].append(wall)
                     if rnd is not None:
@@ -281,14 +292,22 @@ def main() -> int:
 
     mib = 2**20
     print()
-    print(f"node install (beyond flwr's {sizes['flwr_closure_bytes'] / mib:.0f} MiB, same for both):")
-    print(f"  jax  {sizes['jax_node_bytes'] / mib:8.1f} MiB  {', '.join(sizes['jax_node_packages'])}")
-    print(f"  iree {sizes['iree_node_bytes'] / mib:8.1f} MiB  {', '.join(sizes['iree_node_packages'])}")
+    print(
+        f"node install (beyond flwr's {sizes['flwr_closure_bytes'] / mib:.0f} MiB, same for both):"
+    )
+    print(
+        f"  jax  {sizes['jax_node_bytes'] / mib:8.1f} MiB  {', '.join(sizes['jax_node_packages'])}"
+    )
+    print(
+        f"  iree {sizes['iree_node_bytes'] / mib:8.1f} MiB  {', '.join(sizes['iree_node_packages'])}"
+    )
     ratio = sizes["iree_node_bytes"] / sizes["jax_node_bytes"]
     print(f"  iree/jax {ratio:.3f} (goal <= 0.25)")
     if "jax_free_test_venv_bytes" in sizes:
-        print(f"  the jax-free test venv (flwr, numpy, iree-base-runtime, pip): "
-              f"{sizes['jax_free_test_venv_bytes'] / mib:.0f} MiB on disk")
+        print(
+            f"  the jax-free test venv (flwr, numpy, iree-base-runtime, pip): "
+            f"{sizes['jax_free_test_venv_bytes'] / mib:.0f} MiB on disk"
+        )
     print("cold start, spawn to first reply (a fresh ClientApp process):")
     for rt in ("jax", "iree"):
         print(f"  {rt:<4} {_spread(cold[rt], 1e3, ' ms')}  [{pythons[rt]}]")
@@ -313,13 +332,20 @@ def main() -> int:
     print(f"max |iree - jax| over the round's outputs: {max_diff:.2e}")
     print(f"load: {os.getloadavg()}")
     _record.write(
-        ROOT / "bench" / "results", "device_runtime",
+        ROOT / "bench" / "results",
+        "device_runtime",
         {
-            "sizes": sizes, "cold_start_s": cold, "cold_imports_s": imports,
-            "cold_first_step_s": first, "per_call_s": calls, "round_wall_s": walls,
-            "round_server_s": rounds_s, "max_abs_diff": max_diff,
+            "sizes": sizes,
+            "cold_start_s": cold,
+            "cold_imports_s": imports,
+            "cold_first_step_s": first,
+            "per_call_s": calls,
+            "round_wall_s": walls,
+            "round_server_s": rounds_s,
+            "max_abs_diff": max_diff,
             "versions": _record.versions("flwr", "iree-base-runtime", "iree-base-compiler"),
-            "machine": _record.machine(), "loadavg": os.getloadavg(),
+            "machine": _record.machine(),
+            "loadavg": os.getloadavg(),
         },
         tag="smoke" if a.smoke else None,
     )

@@ -137,7 +137,9 @@ def test_a_dp_round_clips_on_the_iree_device_and_noises_at_the_server(tmp_path):
     program = fcir.program(placements={"clients": N}, private=True)(_private_round)
     module = fcir.capture(program, w, b, key, x, y)
     rows = [[np.asarray(x[i]), np.asarray(y[i])] for i in range(N)]
-    got, jax_outs, plan = _both(module, tmp_path, [np.asarray(w), np.asarray(b), np.asarray(key)], rows)
+    got, jax_outs, plan = _both(
+        module, tmp_path, [np.asarray(w), np.asarray(b), np.asarray(key)], rows
+    )
     assert "fed.dp_mean" in json.dumps(plan["privacy"])
     assert "iree" in _client_steps(plan)[0]["client"]
     _assert_same_numbers(got, jax_outs)
@@ -161,11 +163,14 @@ def test_a_multi_exchange_round_runs_each_phase_through_iree(tmp_path):
     scale = jnp.float32(2.0)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(N, 5, 4)), jnp.float32)
     module = fcir.capture(mean_then_variance, scale, x)
-    got, jax_outs, plan = _both(module, tmp_path, [np.asarray(scale)], [[np.asarray(x[i])] for i in range(N)])
+    got, jax_outs, plan = _both(
+        module, tmp_path, [np.asarray(scale)], [[np.asarray(x[i])] for i in range(N)]
+    )
     steps = _client_steps(plan)
     assert len(steps) == 2
     assert [sorted(s["client"]["iree"]["modules"].values(), key=str)[0]["file"] for s in steps] == [
-        "1.client_work@llvm-cpu", "2.client_work@llvm-cpu",
+        "1.client_work@llvm-cpu",
+        "2.client_work@llvm-cpu",
     ]
     _assert_same_numbers(got, jax_outs)
     expected = [np.asarray(v) for v in jax.tree.leaves(reference.run(module, scale, x))]
@@ -179,7 +184,9 @@ def test_a_phase_iree_gets_wrong_is_an_export_error_naming_it(tmp_path, monkeypa
     scale = jnp.float32(2.0)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(N, 5, 4)), jnp.float32)
     module = fcir.capture(mean_then_variance, scale, x)
-    with pytest.raises(flower.ExportError, match=r"1\.client_work .*max error.*--device-runtime jax"):
+    with pytest.raises(
+        flower.ExportError, match=r"1\.client_work .*max error.*--device-runtime jax"
+    ):
         flower.export(module, tmp_path / "app", inputs=[np.asarray(scale)], device_runtime="iree")
     assert not (tmp_path / "app").exists()
 
@@ -187,7 +194,9 @@ def test_a_phase_iree_gets_wrong_is_an_export_error_naming_it(tmp_path, monkeypa
 def test_device_target_without_iree_is_an_export_error(tmp_path):
     r = rounds.corpus_round("fedavg_mlp")
     with pytest.raises(flower.ExportError, match="--device-target goes with --device-runtime iree"):
-        flower.export(r.module, tmp_path / "app", inputs=r.server_leaves, device_targets=["x86_64-linux"])
+        flower.export(
+            r.module, tmp_path / "app", inputs=r.server_leaves, device_targets=["x86_64-linux"]
+        )
 
 
 # --- a node picks its module --------------------------------------------------------------
@@ -216,7 +225,10 @@ def test_a_node_picks_its_module_by_platform_or_node_config(tmp_path):
 def test_node_config_device_target_selects_the_module_the_client_runs(tmp_path, monkeypatch):
     r = rounds.corpus_round("fedavg_mlp")
     app = flower.export(
-        r.module, tmp_path / "app", inputs=r.server_leaves, device_runtime="iree",
+        r.module,
+        tmp_path / "app",
+        inputs=r.server_leaves,
+        device_runtime="iree",
         device_targets=["llvm-cpu", "x86_64-linux"],
     )
     plan = rounds.plan_of(app)
@@ -302,9 +314,19 @@ def test_the_client_app_runs_in_a_process_that_cannot_import_jax(tmp_path, monke
     step, values, cfg, res = seen[0]
     np.savez(tmp_path / "sent.npz", **{k.replace("/", "|"): v for k, v in values.items()})
     p = subprocess.run(
-        [sys.executable, "-c", _NO_JAX_CLIENT, str(app), str(tmp_path / "sent.npz"),
-         cfg["data-path"], str(tmp_path / "res.npz"), str(step)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            _NO_JAX_CLIENT,
+            str(app),
+            str(tmp_path / "sent.npz"),
+            cfg["data-path"],
+            str(tmp_path / "res.npz"),
+            str(step),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
     with np.load(tmp_path / "res.npz") as f:
@@ -315,6 +337,7 @@ def test_the_client_app_runs_in_a_process_that_cannot_import_jax(tmp_path, monke
 
 
 # --- real SuperNodes from a venv without jax ----------------------------------------------
+
 
 def _app_dependencies() -> tuple[str, ...]:
     """What an exported IREE app's pyproject.toml tells a device to install."""
@@ -344,7 +367,9 @@ def node_venv() -> pathlib.Path:
     ):
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if p.returncode != 0:
-            pytest.skip(f"cannot build the jax-free node venv ({' '.join(cmd[:4])}): {p.stderr[-500:]}")
+            pytest.skip(
+                f"cannot build the jax-free node venv ({' '.join(cmd[:4])}): {p.stderr[-500:]}"
+            )
     probe = subprocess.run([str(py), "-c", "import jax"], capture_output=True)
     assert probe.returncode != 0, "the node venv must not have jax"
     (root / ".complete").write_text("")
@@ -375,25 +400,45 @@ def test_real_supernodes_without_jax_run_the_round(tmp_path):
         for i in range(N):  # the devices: the jax-free venv's Flower runs the ClientApp
             home = dep.root / f"home-node{i}"
             home.mkdir()
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+            env = {
+                k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))
+            }
             env.update(
-                FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
+                FLWR_HOME=str(home),
+                FLWR_TELEMETRY_ENABLED="0",
+                FLWR_DISABLE_UPDATE_CHECK="1",
                 PATH=f"{venv / 'bin'}{os.pathsep}/usr/bin:/bin",
             )
             # The SuperNode starts flwr-clientapp by name: the jax-free venv's.
-            assert shutil.which("flwr-clientapp", path=env["PATH"]) == str(venv / "bin" / "flwr-clientapp")
+            assert shutil.which("flwr-clientapp", path=env["PATH"]) == str(
+                venv / "bin" / "flwr-clientapp"
+            )
             log = open(dep.root / f"node{i}.log", "ab")  # noqa: SIM115
             dep.procs[f"node-{i}"] = subprocess.Popen(
-                [str(venv / "bin" / "flower-supernode"), "--insecure", "--superlink", dep.address,
-                 "--port", str(dep.node_ports[i]), "--node-config",
-                 f'partition-id={i} num-partitions={N} data-path="{paths[i]}"'],
-                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=home, start_new_session=True,
+                [
+                    str(venv / "bin" / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    dep.address,
+                    "--port",
+                    str(dep.node_ports[i]),
+                    "--node-config",
+                    f'partition-id={i} num-partitions={N} data-path="{paths[i]}"',
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=home,
+                start_new_session=True,
             )
             log.close()
         out = tmp_path / "out.npz"
         p = subprocess.run(
-            dep.run_command(app, f'rounds=1 output="{out}"'), env=env_for(dep.cli_home),
-            capture_output=True, text=True, timeout=400,
+            dep.run_command(app, f'rounds=1 output="{out}"'),
+            env=env_for(dep.cli_home),
+            capture_output=True,
+            text=True,
+            timeout=400,
         )
         logs = "\n".join(dep.log_tail(f"node{i}", 20) for i in range(N))
         assert out.is_file(), f"{p.stdout[-3000:]}\n{logs}"

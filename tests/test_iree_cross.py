@@ -48,9 +48,24 @@ def aarch64_tool():
     if not tool.is_file():
         cache.mkdir(exist_ok=True)
         p = subprocess.run(
-            [sys.executable, "-m", "pip", "download", WHEEL, "--no-deps", "--only-binary=:all:",
-             "--platform", "manylinux_2_28_aarch64", "--python-version", "3.11", "-d", str(cache)],
-            capture_output=True, text=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                WHEEL,
+                "--no-deps",
+                "--only-binary=:all:",
+                "--platform",
+                "manylinux_2_28_aarch64",
+                "--python-version",
+                "3.11",
+                "-d",
+                str(cache),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         wheels = sorted(cache.glob("iree_base_runtime-*aarch64*.whl"))
         if p.returncode != 0 or not wheels:
@@ -110,7 +125,8 @@ def test_an_aarch64_module_only_qemu_sees_wrong_is_an_export_error(
     monkeypatch.setenv("FCIR_IREE_AARCH64_RUN_MODULE", aarch64_tool)
     with pytest.raises(fcir.ExportError, match="aarch64-linux-android34: input set 0.*max error"):
         cases.plan("own:weighted").write(
-            tmp_path / "b", device_runtime="iree",
+            tmp_path / "b",
+            device_runtime="iree",
             device_targets=["llvm-cpu", "aarch64-linux-android34"],
         )
     assert not (tmp_path / "b").exists()
