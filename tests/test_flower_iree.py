@@ -446,3 +446,21 @@ def test_real_supernodes_without_jax_run_the_round(tmp_path):
         assert_trees_match(_outputs(out), rounds.reference_outputs(r), rtol=1e-5, atol=1e-5)
     finally:
         dep.stop()
+
+
+def test_cli_exports_a_flower_app_with_iree_modules_per_target(tmp_path, capsys):
+    from fcir.cli import main
+
+    r = rounds.corpus_round("fedavg_mlp")
+    src = tmp_path / "round.fcir"
+    src.write_text(r.module.to_text(full_constants=True))
+    np.savez(tmp_path / "in.npz", *r.server_leaves)
+    args = ["export", "--target", "flower", str(src), "-o", str(tmp_path / "app")]
+    args += ["--inputs", str(tmp_path / "in.npz"), "--device-runtime", "iree"]
+    args += ["--device-target", "llvm-cpu", "--device-target", "aarch64-linux-android34"]
+    assert main(args) == 0, capsys.readouterr().err
+    (step,) = _client_steps(rounds.plan_of(tmp_path / "app"))
+    assert sorted(step["client"]["iree"]["modules"]) == ["aarch64-linux-android34", "llvm-cpu"]
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--target", "flower", str(src), "-o", "x", "--device-runtime", "tpu"])
+    assert e.value.code == 2

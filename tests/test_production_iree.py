@@ -240,3 +240,23 @@ def test_cli_device_target_needs_iree(tmp_path, capsys):
     assert rc != 0
     assert "--device-target goes with --device-runtime iree" in err
     assert "Traceback" not in err
+
+
+def test_cli_device_targets_are_the_exporters_and_unknown_ones_are_usage_errors(tmp_path):
+    from fcir.interpreters.production import cli
+
+    assert cli.DEVICE_TARGETS == iree.TARGETS
+    with pytest.raises(SystemExit) as e:
+        _fcir(
+            "export",
+            "--target",
+            "production",
+            f"{ROUNDS_PY}:weighted",
+            "-o",
+            tmp_path / "b",
+            "--device-runtime",
+            "iree",
+            "--device-target",
+            "riscv64",
+        )
+    assert e.value.code == 2

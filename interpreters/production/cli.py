@@ -10,6 +10,8 @@ import zipfile
 from fcir.errors import FcirError
 
 TARGETS = ("production", "flower")
+# --device-target choices (interpreters/flower/app/iree_runtime.py ARCH, without importing it)
+DEVICE_TARGETS = ("llvm-cpu", "x86_64-linux", "aarch64-linux-android34", "aarch64-apple-ios17")
 
 
 def register(subparsers) -> None:
@@ -62,6 +64,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--device-target",
         action="append",
+        choices=DEVICE_TARGETS,
         metavar="T",
         help="with --device-runtime iree, a target to compile client work for; repeat "
         "for several: llvm-cpu (default: this host's CPU), x86_64-linux, "
