@@ -30,6 +30,7 @@ Goals (issue 18): node install <= 1/4 of jax's, cold start >= 50x faster, round 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import pathlib
 import re
@@ -180,8 +181,9 @@ def per_call(apps, step, values, data_leaves, n: int) -> dict:
             env[(g, name)] = x
         args = [env[tuple(p)] for p in part["params"]]
         if runtime == "iree":
-            rt = sys.modules[ns.client.__name__.rsplit(".", 1)[0] + ".runtime"]
-            ir = __import__(ns.client.__name__.rsplit(".", 1)[0] + ".iree_runtime", fromlist=["x"])
+            pkg = ns.client.__name__.rsplit(".", 1)[0]
+            rt = importlib.import_module(pkg + ".runtime")
+            ir = importlib.import_module(pkg + ".iree_runtime")
             entry = part["iree"]
             key = entry["modules"][ir.pick_target(entry["modules"], entry["host_arch"])]["file"]
             module = ir.Module(rt.artifact_bytes(key))

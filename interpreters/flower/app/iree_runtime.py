@@ -11,6 +11,7 @@ client's values as numpy arrays, leaf by leaf, and returns its results the same 
 from __future__ import annotations
 
 import platform
+import sys
 import threading
 
 import numpy as np
@@ -42,7 +43,7 @@ def machine_arch(name: str | None = None) -> str:
 
 
 def system_name() -> str:
-    if hasattr(__import__("sys"), "getandroidapilevel"):
+    if hasattr(sys, "getandroidapilevel"):
         return "android"
     s = platform.system().lower()
     return "ios" if s in ("ios", "ipados") else s
