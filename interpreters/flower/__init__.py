@@ -25,12 +25,22 @@ from .writer import RUN_CONFIG, write_app
 __all__ = ["RUN_CONFIG", "ExportError", "export"]
 
 
-def export(module: Module, directory, *, inputs: list | None = None) -> pathlib.Path:
+def export(
+    module: Module, directory, *, inputs: list | None = None, device_runtime: str = "jax",
+    device_targets=(),
+) -> pathlib.Path:
     """Writes the Flower app of ``module`` (one round) to ``directory``.
 
     ``inputs``: the server's initial inputs (the server argument leaves, in leaf order),
     embedded in the app; without them ``flwr run`` needs run config ``inputs=FILE``.
     Raises ExportError naming the op when the round cannot run on Flower. Nothing is
     written unless the whole app is.
+
+    ``device_runtime="iree"``: client work as IREE modules verified against XLA, one per
+    ``device_targets`` entry (default the host's ``llvm-cpu``); nodes then need flwr,
+    numpy and iree-base-runtime, not jax (docs/flower.md, "Devices without JAX").
     """
-    return write_app(module, directory, inputs=inputs)
+    return write_app(
+        module, directory, inputs=inputs, device_runtime=device_runtime,
+        device_targets=device_targets,
+    )

@@ -14,7 +14,10 @@ def cmd_export_flower(module, a) -> int:
     inputs = _read_npz(a.inputs) if a.inputs else None
     if a.aggregate_with != "intrinsics":
         raise FcirError("--aggregate-with is for --target production; a Flower app aggregates itself")
-    out = export(module, a.output, inputs=inputs)
+    out = export(
+        module, a.output, inputs=inputs, device_runtime=a.device_runtime,
+        device_targets=a.device_target or (),
+    )
     print(f"@{module.name}: wrote Flower app to {out}")
     print(f"run it: {run_hint(out)}")
     return 0

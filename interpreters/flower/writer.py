@@ -41,6 +41,7 @@ FORMAT = "fcir.flower.app"
 FORMAT_VERSION = 1
 FAB_LIMIT = 10 * 1024 * 1024  # flwr.common.constant.FAB_MAX_SIZE
 SOURCES = ("__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py", "training.py", "program.py")
+IREE_SOURCES = ("iree_runtime.py",)  # only in --device-runtime iree apps
 
 # Run config keys and their defaults (flwr run --run-config overrides only declared keys).
 RUN_CONFIG = {
@@ -91,7 +92,7 @@ def leaf_paths(structure, n: int) -> dict[int, str]:
     return out
 
 
-def _phase_steps(plan, phase, k: int, multi: bool) -> tuple[list, dict[str, bytes]]:
+def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, dict[str, bytes]]:
     """Phase ``k``'s steps (server_prepare, the exchange, server_result) and artifacts.
 
     With several phases, each phase's groups are prefixed ``<k>.`` (its own values),
@@ -140,12 +141,24 @@ def _phase_steps(plan, phase, k: int, multi: bool) -> tuple[list, dict[str, byte
     artifacts = {
         art(name): stablehlo[name][0] for name in PARTS if name != "server_to_client_broadcast"
     }
+    if device is not None:  # --device-runtime iree: verified modules replace the artifact
+        from ..production.iree import client_modules
+
+        targets, given = device
+        steps[1]["client"], artifacts = client_modules(
+            plan, art("client_work"), steps[1]["client"], artifacts, targets, given
+        )
     return steps, artifacts
 
 
-def build_plan(module) -> tuple[dict, dict[str, bytes]]:
+def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, dict[str, bytes]]:
     """The app's plan.json and its artifacts (key -> bytes) for a round: one phase per
-    broadcast/aggregate exchange, each split by the production export."""
+    broadcast/aggregate exchange, each split by the production export.
+
+    ``device_targets`` (a list, for ``--device-runtime iree``): client work as IREE
+    modules for those targets instead of jax.export artifacts, verified on
+    the server's inputs too when given (the first phase's: later ones take carried
+    values)."""
     from ..production import export as production_export
     from .loops import find_loop, loop_plan
     from .phases import split_phases
@@ -159,7 +172,14 @@ def build_plan(module) -> tuple[dict, dict[str, bytes]]:
     for k, phase in enumerate(phases, 1):
         plan = production_export(phase.module)
         plans.append(plan)
-        s, a = _phase_steps(plan, phase, k, multi)
+        device = None
+        if device_targets is not None:
+            leaves = [i for i in sorted(plan.split.server_args) if i < len(module.main.body.params)]
+            given = None
+            if k == 1 and server_inputs is not None and len(leaves) == len(server_inputs):
+                given = dict(zip(leaves, server_inputs))
+            device = (device_targets, given)
+        s, a = _phase_steps(plan, phase, k, multi, device)
         steps += s
         artifacts.update(a)
     first = plans[0].split
@@ -194,6 +214,8 @@ def build_plan(module) -> tuple[dict, dict[str, bytes]]:
         "output_order": order,
         "steps": steps,
     }
+    if device_targets is not None:
+        doc["device_runtime"] = "iree"
     privacy = _privacy(module)
     if privacy is not None:
         doc["privacy"] = privacy
@@ -228,7 +250,7 @@ def _privacy(module) -> dict | None:
     }
 
 
-def _pyproject(name: str) -> str:
+def _pyproject(name: str, device_runtime: str = "jax") -> str:
     def value(v):
         return json.dumps(v) if isinstance(v, (str, bool)) else repr(v)  # TOML: true, "text"
 
@@ -246,8 +268,7 @@ name = "{name}"
 version = "1.0.0"
 description = "fcir round @{name} as a Flower app"
 license = "Apache-2.0"
-# A device needs jax and flwr, never fcir: client work is a jax.export artifact.
-dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0"]
+{_DEPENDENCIES[device_runtime]}
 
 [tool.hatch.build.targets.wheel]
 packages = ["."]
@@ -264,13 +285,36 @@ clientapp = "{APP_PACKAGE}.client_app:app"
 """
 
 
-def write_app(module, directory, *, inputs: list | None = None) -> pathlib.Path:
+_DEPENDENCIES = {
+    "jax": """# A device needs jax and flwr, never fcir: client work is a jax.export artifact.
+dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0"]""",
+    "iree": """# A device needs flwr, numpy and IREE's runtime, never jax nor fcir: client work is
+# IREE modules. The ServerApp's host also needs jax (the server extra). ml_dtypes (which
+# iree.runtime imports) 0.7.0 took ~2 s to import on numpy 2.4, 0.5/0.6 10-30 ms.
+dependencies = [
+  "flwr==1.42.0", "numpy>=2.0", "iree-base-runtime>=3.13,<3.14", "ml_dtypes>=0.5,<0.7",
+]
+
+[project.optional-dependencies]
+server = ["jax>=0.10.2,<0.13"]""",
+}
+
+
+def write_app(
+    module, directory, *, inputs: list | None = None, device_runtime: str = "jax",
+    device_targets=(),
+) -> pathlib.Path:
     """Writes the Flower app of ``module`` to ``directory`` atomically (see the module doc).
 
     ``inputs``: the server's initial inputs (server leaves, in leaf order), embedded
     as ``inputs.json``; without them the run config ``inputs=FILE`` must name them.
     """
-    doc, artifacts = build_plan(module)
+    if device_runtime not in _DEPENDENCIES:
+        raise ExportError(f"device runtime {device_runtime!r}: choose jax or iree")
+    if device_targets and device_runtime != "iree":
+        raise ExportError("--device-target goes with --device-runtime iree")
+    iree = device_runtime == "iree"
+    doc, artifacts = build_plan(module, list(device_targets) if iree else None, inputs)
     if inputs is not None:
         specs = doc["server_inputs"]
         if len(inputs) != len(specs):
@@ -320,12 +364,12 @@ def write_app(module, directory, *, inputs: list | None = None) -> pathlib.Path:
         pkg = tmp / APP_PACKAGE
         pkg.mkdir()
         src = pathlib.Path(__file__).resolve().parent / "app"
-        for name in SOURCES:
+        for name in SOURCES + (IREE_SOURCES if iree else ()):
             shutil.copyfile(src / name, pkg / name)
         for name, text in files.items():
             (pkg / name).write_text(text)
         project = "fcir-" + doc["round"].replace("_", "-").lower()
-        (tmp / "pyproject.toml").write_text(_pyproject(project))
+        (tmp / "pyproject.toml").write_text(_pyproject(project, device_runtime))
         os.chmod(tmp, 0o755)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -3,12 +3,15 @@ command line by ``fcir.cli`` (``register(subparsers)``)."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import zipfile
 
 from fcir.errors import FcirError
 
 TARGETS = ("production", "flower")
+# --device-target choices (interpreters/flower/app/iree_runtime.py ARCH, without importing it)
+DEVICE_TARGETS = ("llvm-cpu", "x86_64-linux", "aarch64-linux-android34", "aarch64-apple-ios17")
 
 
 def register(subparsers) -> None:
@@ -46,7 +49,26 @@ def register(subparsers) -> None:
         "--inputs",
         metavar="IN.npz",
         help="--target flower: the server's initial inputs (server argument leaves, "
-        "arr_0, arr_1, ... in leaf order), embedded in the app",
+        "arr_0, arr_1, ... in leaf order), embedded in the app; --target production "
+        "with --device-runtime iree: the round's argument leaves (as run-plan takes "
+        "them), on which the IREE modules are verified besides seeded inputs",
+    )
+    p.add_argument(
+        "--device-runtime",
+        choices=("jax", "iree"),
+        default="jax",
+        help="what runs client work on the devices: 'jax' (default; jax.export "
+        "artifacts, nodes install jax) or 'iree' (modules compiled by IREE at export "
+        "and verified against XLA; nodes install only numpy and iree-base-runtime)",
+    )
+    p.add_argument(
+        "--device-target",
+        action="append",
+        choices=DEVICE_TARGETS,
+        metavar="T",
+        help="with --device-runtime iree, a target to compile client work for; repeat "
+        "for several: llvm-cpu (default: this host's CPU), x86_64-linux, "
+        "aarch64-linux-android34, aarch64-apple-ios17",
     )
     p.add_argument(
         "--args",
@@ -83,6 +105,13 @@ def register(subparsers) -> None:
         help="flattened argument leaves (arr_0, arr_1, ...)",
     )
     p.add_argument("-o", "--output", metavar="OUT.npz", help="where to write the output leaves")
+    p.add_argument(
+        "--device-runtime",
+        choices=("jax", "iree"),
+        default="jax",
+        help="run client work as the bundle's jax.export artifact (default) or as its IREE "
+        "module (a bundle exported with --device-runtime iree)",
+    )
     p.set_defaults(func=cmd_run_plan)
 
 
@@ -96,13 +125,28 @@ def cmd_export(a) -> int:
         from fcir.interpreters.flower.cli import cmd_export_flower
 
         return cmd_export_flower(module, a)
-    if a.inputs:
-        raise FcirError("--inputs goes with --target flower; a production bundle takes none")
+    if a.device_target and a.device_runtime != "iree":
+        raise FcirError("--device-target goes with --device-runtime iree")
+    if a.inputs and a.device_runtime != "iree":
+        raise FcirError(
+            "--inputs goes with --target flower, or with --device-runtime iree (to verify "
+            "the modules on them); a production bundle takes none"
+        )
     plan = export(module, aggregate_with=a.aggregate_with)
-    out = plan.write(a.output)
+    inputs = _read_npz(a.inputs) if a.inputs else None
+    out = plan.write(
+        a.output,
+        device_runtime=a.device_runtime,
+        device_targets=a.device_target or (),
+        inputs=inputs,
+    )
     print(f"@{module.name}: {plan.round_signature()}")
     for name in plan.parts:
         print(f"  {name:<29} {plan.signature(name)}")
+    client = json.loads((out / "manifest.json").read_text())["parts"]["client_work"]
+    if "iree" in client:
+        e = client["iree"]
+        print(f"  client_work as IREE modules ({e['opt_level']}): {', '.join(e['modules'])}")
     print(f"wrote production bundle to {out}")
     return 0
 
@@ -135,7 +179,7 @@ def cmd_run_plan(a) -> int:
     from .bundle import Bundle
 
     bundle = Bundle(a.DIR)
-    leaves = bundle.run_flat(_read_npz(a.inputs))
+    leaves = bundle.run_flat(_read_npz(a.inputs), device_runtime=a.device_runtime)
     structure = bundle.round().main.result_structure
     order = structure.leaves() if structure is not None else range(len(leaves))
     outs = [np.asarray(leaves[i]) for i in order]

@@ -87,11 +87,25 @@ class Plan:
         """The round as a serialized federated_language ``Computation``."""
         return self.computation.SerializeToString(deterministic=True)
 
-    def write(self, directory) -> pathlib.Path:
-        """Writes the production bundle into ``directory`` (created if missing)."""
+    def write(
+        self, directory, *, device_runtime: str = "jax", device_targets=(), inputs=None
+    ) -> pathlib.Path:
+        """Writes the production bundle into ``directory`` (created if missing).
+
+        ``device_runtime="iree"`` adds client work as IREE modules, one per
+        ``device_targets`` entry (default the host's ``llvm-cpu``), each verified
+        against XLA on seeded inputs and on ``inputs`` (the round's argument leaves)
+        when given; ExportError when IREE does not match (interpreters/production/iree.py).
+        """
         from .bundle import write
 
-        return write(self, directory)
+        return write(
+            self,
+            directory,
+            device_runtime=device_runtime,
+            device_targets=device_targets,
+            inputs=inputs,
+        )
 
     def __repr__(self) -> str:
         return f"<production.Plan @{self.round.name}: {self.round_signature()}>"

@@ -79,7 +79,13 @@ def compute(step_index: int, values: dict, context) -> dict:
     for key, x in values.items():
         group, _, name = key.partition("/")
         env[(group, name)] = x
-    runtime.call(step["client"], env)
+    if "iree" in step["client"]:  # --device-runtime iree: no jax on this node
+        from . import iree_runtime
+
+        requested = context.node_config.get("device-target")
+        iree_runtime.call(step["client"], env, runtime.artifact_bytes, requested)
+    else:
+        runtime.call(step["client"], env)
     return {f"{g}/{n}": env[(g, n)] for g, n in step["client"]["results"]}
 
 

@@ -58,16 +58,21 @@ def _artifacts() -> dict:
     return json.loads((HERE / ARTIFACTS_FILE).read_text())
 
 
+def artifact_bytes(key: str) -> bytes:
+    """The artifact stored under ``key``, its sha256 checked."""
+    entry = _artifacts()[key]
+    data = base64.b64decode(entry["base64"])
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise AppError(f"artifact {key}: sha256 mismatch (corrupt or modified app)")
+    return data
+
+
 @functools.cache
 def exported(key: str):
     """The ``jax.export.Exported`` stored under ``key``, its sha256 checked."""
     import jax
 
-    entry = _artifacts()[key]
-    data = base64.b64decode(entry["base64"])
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise AppError(f"artifact {key}: sha256 mismatch (corrupt or modified app)")
-    return jax.export.deserialize(bytearray(data))
+    return jax.export.deserialize(bytearray(artifact_bytes(key)))
 
 
 _COMPILED: dict = {}
