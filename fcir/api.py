@@ -201,6 +201,11 @@ def map_fn(fn: Callable, arg, *, mesh=None):
     visible ``fed.broadcast``.
     """
     frame = _current("fcir.map_fn")
+    if not callable(fn):
+        raise PlacementError(
+            f"fcir.map_fn(fn, arg): fn must be a function of one member's values, got "
+            f"{type(fn).__name__}"
+        )
     name, n = frame.child("fcir.map_fn")
     mesh = frame.mesh if mesh is None else mesh
     leaves, in_tree = _flatten(arg)
@@ -358,7 +363,14 @@ def _dp(prim, what: str, x, clip_norm, noise_multiplier, key):
     if not leaves:
         raise PlacementError(f"{what}: x has no array leaves")
     _check_placed(leaves, name, n, what)
-    key = jax.numpy.asarray(key) if not isinstance(key, (jax.Array, core.Tracer)) else key
+    if not isinstance(key, (jax.Array, core.Tracer)):
+        try:
+            key = jax.numpy.asarray(key)
+        except (TypeError, ValueError):
+            raise PlacementError(
+                f"{what}: key must be a PRNG key at the server (jax.random.key(seed)), got "
+                f"{type(key).__name__}"
+            ) from None
     out = prim.bind(*leaves, key, placement=name, n=n, clip_norm=clip, noise_multiplier=z)
     return jax.tree_util.tree_unflatten(tree, out)
 

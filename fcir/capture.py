@@ -87,6 +87,11 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
                       **kwargs) -> Module:
     """Like :func:`capture` but returns the Module even when it does not check, so that
     ``fcir check`` can report every problem with its op."""
+    if not callable(fn):
+        raise IRTypeError(
+            f"fcir.capture(fn, *args): fn must be a function (an @fcir.program, or "
+            f"jax.grad of one), got {type(fn).__name__}"
+        )
     if name is not None and not is_name(name):
         raise IRTypeError(
             f"capture(name={name!r}): a module name is an ASCII identifier "

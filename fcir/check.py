@@ -263,8 +263,8 @@ class _Checker:
             return op
         try:
             xs, ys = CF.scan_slices(op.attrs, len(op.operands), len(op.results))
-        except (KeyError, TypeError, ValueError):
-            return op  # attributes check_local rejects itself
+        except CF.BindingError:
+            return op  # attributes region_bindings reports as flow/C1
 
         def view(v: Value, sliced: bool) -> Value:
             rt = self.types.runtime(v.type)
@@ -364,6 +364,9 @@ def placement_axes(op: Op, placements) -> set[str]:
 
 def verify(module: Module) -> list[Diagnostic]:
     """Every diagnostic for ``module`` (empty when it checks)."""
+    from fcir.ir import expect_module
+
+    expect_module(module, "fcir.check")
     return _Checker(module).run()
 
 

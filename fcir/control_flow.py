@@ -189,6 +189,7 @@ def bindings(name: str, attrs: dict, operands: int, results: int, regions: int) 
 
 
 def scan_slices(attrs: dict, operands: int, results: int) -> tuple[range, range]:
-    """(operand indices of ``xs``, result indices of ``ys``) of a ``jax.scan``."""
-    nc, nk = int(attrs["num_consts"]), int(attrs["num_carry"])
+    """(operand indices of ``xs``, result indices of ``ys``) of a ``jax.scan``; a
+    ``BindingError`` when the counts are not non-negative ints."""
+    nc, nk = _int(attrs, "num_consts"), _int(attrs, "num_carry")
     return range(nc + nk, operands), range(nk, results)

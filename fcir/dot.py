@@ -46,6 +46,9 @@ _NOTABLE = frozenset(
 
 def to_dot(module: Module) -> str:
     """The dataflow graph of ``module`` in Graphviz ``dot`` syntax (deterministic)."""
+    from fcir.ir import expect_module
+
+    expect_module(module, "fcir.dot.to_dot")
     return _Drawing(module).draw()
 
 

@@ -86,8 +86,9 @@ class Interpreter:
     def run(self, module: Module, *args, intermediates: bool = False):
         """Runs ``main`` on pytree ``args``; returns the result pytree (and, when
         ``intermediates``, a dict value-number -> value)."""
-        from fcir.ir import value_numbering
+        from fcir.ir import expect_module, value_numbering
 
+        expect_module(module, f"{type(self).__name__}.run")
         self.module = module
         func = module.main
         leaves = jax.tree_util.tree_leaves(args)

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterator
 
 from fcir import control_flow as cf
 from fcir.errors import PrivacyError
-from fcir.ir import Module, Op, Region, Value, value_numbering
+from fcir.ir import Module, Op, Region, Value, expect_module, value_numbering
 from fcir.ops import DP_OPS
 from fcir.types import SERVER, PlacedType
 
@@ -219,6 +220,7 @@ def _wiring(op: Op) -> list[tuple[list[int | None], list[tuple[str, int]] | None
 def leaks(module: Module) -> list[Leak]:
     """Every path by which client data reaches the server other than through the DP
     aggregates (empty for a leak-free program), each naming its op."""
+    expect_module(module, "fcir.privacy.leaks")
     return _Taint(module).run()
 
 
@@ -237,6 +239,7 @@ class Release:
 
 def releases(module: Module) -> list[Release]:
     """The DP ops of one round, in program order, with how often each runs."""
+    expect_module(module, "fcir.privacy.releases")
     return list(_releases(module.main.body, 1))
 
 
@@ -284,6 +287,18 @@ def _round_event(rels: list[Release], sampling_rate: float):
     return dpa.PoissonSampledDpEvent(sampling_rate, dpa.GaussianDpEvent(z))
 
 
+def _probability(who: str, name: str, value, interval: str) -> float:
+    """``value`` as a float in ``interval`` ("(0, 1)" or "(0, 1]"), else a PrivacyError
+    that names the argument (None, strings and NaN included)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = 0.0 < value < 1.0 or (interval == "(0, 1]" and value == 1.0)
+    if not ok:
+        raise PrivacyError(f"{who}: {name} must be a number in {interval}, got {value!r}")
+    return value
+
+
 def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.0, *,
             accountant: str = "rdp") -> float:
     """ε of ``rounds`` rounds of ``module`` at ``delta``, clients Poisson-sampled at
@@ -296,14 +311,12 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
     """
     import dp_accounting as dpa
 
+    expect_module(module, "fcir.privacy.epsilon")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise PrivacyError(f"fcir.privacy.epsilon: rounds must be an int >= 0, got {rounds!r}")
-    if not 0.0 < float(delta) < 1.0:
-        raise PrivacyError(f"fcir.privacy.epsilon: delta must be in (0, 1), got {delta!r}")
-    if not 0.0 < float(sampling_rate) <= 1.0:
-        raise PrivacyError(
-            f"fcir.privacy.epsilon: sampling_rate must be in (0, 1], got {sampling_rate!r}"
-        )
+    delta = _probability("fcir.privacy.epsilon", "delta", delta, "(0, 1)")
+    sampling_rate = _probability("fcir.privacy.epsilon", "sampling_rate", sampling_rate,
+                                 "(0, 1]")
     rels = releases(module)
     if not rels:
         if module.private:
@@ -331,6 +344,7 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
 def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
     """The privacy cost of one round (every client taking part), for the cost report
     and ``fcir show``; None when the module has no DP ops."""
+    delta = _probability("fcir.privacy.round_cost", "delta", delta, "(0, 1)")
     try:
         rels = releases(module)
     except PrivacyError as e:

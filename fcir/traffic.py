@@ -77,6 +77,9 @@ def _member(t: Type) -> Type:
 
 def transfers(module: Module) -> Iterator[Transfer]:
     """Every federated op that communicates, in program order, with its bytes."""
+    from fcir.ir import expect_module
+
+    expect_module(module, "fcir.traffic")
     yield from _transfers(module, module.main.body, 1, 1)
 
 
@@ -111,6 +114,9 @@ def communication_bytes(module: Module) -> dict[str, dict[str, int]]:
     ``aggregate``: bytes they send into reductions. Every declared placement has an
     entry, outermost first.
     """
+    from fcir.ir import expect_module
+
+    expect_module(module, "fcir.traffic.communication_bytes")
     out = {p: {"broadcast": 0, "aggregate": 0} for p, _ in module.placements}
     for t in transfers(module):
         out[t.placement][t.kind] += t.bytes
