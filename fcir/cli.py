@@ -36,18 +36,91 @@ def _add_target(p, what="TARGET"):
     )
 
 
-def _load_inputs(path: str) -> list:
+def leaf_paths(structure, n: int) -> list[str]:
+    """Where each of ``n`` argument leaves sits in the arguments, as
+    ``jax.tree_util.keystr`` writes it with the argument tuple first: ``[0]['b1']``."""
+    paths = [""] * n
+    if structure is None:
+        return [f"[{i}]" for i in range(n)]
+
+    def walk(s, prefix):
+        if s.kind == "leaf":
+            if 0 <= s.leaf < n:
+                paths[s.leaf] = prefix
+            return
+        for i, c in enumerate(s.children):
+            if s.kind in ("tuple", "list"):
+                walk(c, f"{prefix}[{i}]")
+            elif s.kind == "dict":
+                walk(c, f"{prefix}[{s.names[i]!r}]")
+            else:
+                walk(c, f"{prefix}.{s.names[i]}" if i < len(s.names) else f"{prefix}[{i}]")
+
+    walk(structure, "")
+    return paths
+
+
+def _expected_leaves(module) -> list[str]:
+    from fcir.types import runtime_type
+
+    params = module.main.body.params
+    paths = leaf_paths(module.main.arg_structure, len(params))
+    return [
+        f"arr_{i}: {runtime_type(v.type, module.cardinality)} (%{i}: {v.type}"
+        + (f", argument {paths[i]})" if paths[i] else ")")
+        for i, v in enumerate(params)
+    ]
+
+
+def load_inputs(path: str, module) -> list:
+    """The argument leaves of ``module`` from ``path``, an .npz of ``arr_0, arr_1, ...``
+    in ``jax.tree_util`` flatten order (what ``np.savez(path, *leaves)`` writes). An
+    error names each missing or unexpected array and lists the leaves the program
+    takes. Leaves are converted as ``jax.jit`` would (``fcir.interpreter.as_input``:
+    float64 -> float32), with a note on stderr for each one converted."""
+    import re
+    import zipfile
+
     import numpy as np
 
+    from fcir.interpreter import as_input
+
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise FcirError(f"no such inputs file: {path}")
     try:
-        with np.load(path, allow_pickle=False) as data:
-            keys = sorted((k for k in data.files if k.startswith("arr_")),
-                          key=lambda k: int(k[4:]) if k[4:].isdigit() else -1)
-            if [k for k in keys] != [f"arr_{i}" for i in range(len(keys))]:
-                raise FcirError(f"{path}: expected arrays arr_0, arr_1, ... (np.savez(*leaves))")
-            return [data[k] for k in keys]
-    except (OSError, ValueError) as e:
-        raise FcirError(f"cannot read inputs {path}: {e}") from None
+        with np.load(p, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise FcirError(f"cannot read inputs {path}: {type(e).__name__}: {e}") from None
+    n = len(module.main.body.params)
+    expected = _expected_leaves(module)
+    listed = "; ".join(expected[:8]) + ("; ..." if n > 8 else "")
+    takes = (f"@{module.name} takes {n} argument leaves ({listed}): save them in "
+             "jax.tree_util flatten order with np.savez(path, *jax.tree_util.tree_leaves(args))")
+    named = sorted(k for k in arrays if not re.fullmatch(r"arr_(0|[1-9][0-9]*)", k))
+    if named:
+        shown = ", ".join(named[:8]) + (" ..." if len(named) > 8 else "")
+        raise FcirError(f"{path} holds arrays named {shown}: inputs are read by position, as "
+                        f"arr_0, arr_1, ...; {takes}")
+    index = {int(k[4:]) for k in arrays}
+    missing = [i for i in range(n) if i not in index]
+    extra = sorted(i for i in index if i >= n)
+    if missing:
+        raise FcirError(f"{path} has no {', '.join(expected[i] for i in missing[:8])}"
+                        f"{' ...' if len(missing) > 8 else ''}; {takes}")
+    if extra:
+        raise FcirError(f"{path} holds {', '.join(f'arr_{i}' for i in extra)} beyond the "
+                        f"program's arguments; {takes}")
+    leaves = []
+    for i in range(n):
+        x = arrays[f"arr_{i}"]
+        y = as_input(x)
+        if y.dtype != x.dtype:
+            print(f"note: {path}: arr_{i} is {x.dtype}, converted to {y.dtype} as jax.jit "
+                  "does (JAX's x64 mode is off)", file=sys.stderr)
+        leaves.append(y)
+    return leaves
 
 
 def _write_outputs(outputs, path: str | None) -> None:
@@ -231,7 +304,7 @@ def cmd_run(a) -> int:
     if a.clients_per_step is not None and a.backend != "xla":
         raise _Usage("--clients-per-step streams members on the xla backend: add --backend xla")
     module = load_module(a.FILE, a.args)
-    leaves = _load_inputs(a.inputs)
+    leaves = load_inputs(a.inputs, module)
     args = _unflatten_args(module, leaves)
     if a.backend == "reference":
         from fcir.interpreters import reference

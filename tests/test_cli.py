@@ -177,6 +177,59 @@ def test_run_on_xla(files, capsys):
         np.testing.assert_array_equal(data["arr_0"], np.asarray(jax.jit(ns["fedavg"])(*args)))
 
 
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+def test_float64_inputs_run_as_float32_on_every_backend_with_a_note(files, capsys, backend):
+    """One input rule (jax.jit's): float64 numpy leaves become float32, on every backend,
+    and the command line says so instead of converting silently."""
+    paths, ns, args = files
+    f64 = paths["inputs"].with_name("f64.npz")
+    np.savez(f64, *[np.asarray(a, np.float64) for a in args])
+    code, _, err = run_main(
+        ["run", paths["pb"], "--backend", backend, "--inputs", f64, "-o", paths["out"]], capsys
+    )
+    assert code == 0, err
+    assert "arr_0 is float64, converted to float32 as jax.jit does" in err
+    with np.load(paths["out"]) as data:
+        np.testing.assert_allclose(
+            data["arr_0"], np.asarray(jax.jit(ns["fedavg"])(*args)), rtol=1e-6
+        )
+
+
+def test_reference_and_xla_take_float64_numpy_alike_from_python():
+    from fcir.interpreters import reference, xla
+
+    @fcir.program(placements={"clients": 3})
+    def mean(x):
+        return fcir.reduce_mean(x)
+
+    x = np.arange(6, dtype=np.float64).reshape(3, 2) / 7
+    m = fcir.capture(mean, x.astype(np.float32))
+    by_reference, by_xla = reference.run(m, x), xla.compile(m)(x)
+    assert by_reference.dtype == by_xla.dtype == np.float32
+    np.testing.assert_allclose(by_reference, by_xla, rtol=1e-6)
+
+
+def test_inputs_saved_by_name_are_refused_listing_the_leaves_by_position(files, capsys):
+    paths, _, _ = files
+    named = paths["inputs"].with_name("named.npz")
+    np.savez(named, b1=np.ones((4, 2), np.float32), w1=np.ones((3, 5, 4), np.float32))
+    code, _, err = run_main(["run", paths["pb"], "--inputs", named], capsys)
+    assert code == 1
+    assert "holds arrays named b1, w1: inputs are read by position, as arr_0, arr_1" in err
+    assert "arr_0: f32[4,2] (%0: f32[4,2]@server, argument [0])" in err
+    assert "arr_1: f32[3,5,4] (%1: {f32[5,4]}@clients, argument [1])" in err
+    assert "the inputs hold 0" not in err
+
+
+def test_a_missing_input_leaf_is_named(files, capsys):
+    paths, _, args = files
+    short = paths["inputs"].with_name("short.npz")
+    np.savez(short, np.asarray(args[0]))
+    code, _, err = run_main(["run", paths["pb"], "--inputs", short], capsys)
+    assert code == 1
+    assert "short.npz has no arr_1: f32[3,5,4] (%1: {f32[5,4]}@clients, argument [1])" in err
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 

@@ -135,7 +135,9 @@ def cmd_run_plan(a) -> int:
     from .bundle import Bundle
 
     bundle = Bundle(a.DIR)
-    leaves = bundle.run_flat(_read_npz(a.inputs))
+    from fcir.cli import load_inputs
+
+    leaves = bundle.run_flat(load_inputs(a.inputs, bundle.round()))
     structure = bundle.round().main.result_structure
     order = structure.leaves() if structure is not None else range(len(leaves))
     outs = [np.asarray(leaves[i]) for i in order]
