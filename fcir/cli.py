@@ -31,8 +31,10 @@ def _add_target(p, what="TARGET"):
         "--args",
         nargs="+",
         metavar="SPEC",
-        help="argument types in IR syntax, one per argument: 'f32[16,1]' '(f32[8,32,16], "
-        "f32[8,32,1])'; default: the file's EXAMPLE_ARGS",
+        help="argument types, one per argument: arrays in IR syntax 'f32[16,1]' "
+        "('key<fry>[]' a PRNG key), tuples '(f32[8,32,16], f32[8,32,1])', lists "
+        "'[f32[3], f32[3]]', dicts '{\"w\": f32[64,10], \"b\": f32[10]}', 'none'; "
+        "default: the file's EXAMPLE_ARGS",
     )
 
 

@@ -365,3 +365,67 @@ def test_python_dash_m_fcir_cli(files):
     assert results["diff"][0][0].startswith(f"--- {paths['pb']}\n+++ {paths['other']}\n")
     assert results["check garbage"][0][1].startswith("fcir check: error: line 2, column")
     assert "Traceback" in results["debug"][0][1] and "ParseError" in results["debug"][0][1]
+
+
+# --- --args specs for dicts and lists (issue 17, item 17) ----------------------------------
+
+HINTED = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, fcir
+
+    @fcir.program(placements={"clients": 3})
+    def plain(model, data):
+        x, n = data
+        step = lambda m, x, n: jax.tree.map(lambda p: p - jnp.mean(x) * n, m)
+        return fcir.reduce_mean(fcir.map_fn(step, (fcir.broadcast(model), x, n)))
+
+    @fcir.program(placements={"clients": 3})
+    def keyed(model, key, data):
+        return plain(model, data)
+
+    EXAMPLE_ARGS = {"keyed": lambda: (
+        {"w": jnp.zeros((4, 2)), "b": [jnp.zeros(2), jnp.zeros((), jnp.int32)]},
+        jax.random.key(0),
+        (jnp.ones((3, 5)), jnp.ones((3,), jnp.int32)),
+    )}
+    """
+)
+
+
+def test_args_specs_describe_dicts_lists_tuples_keys_and_none():
+    from fcir.targets import format_arg_spec, parse_arg_specs
+
+    specs = ['{"w": f32[4,2], b: [f32[2], i32[]]}', "(f32[3,5],)", "key<fry>[]", "none",
+             "[(bf16[1], u8[2]), {}]"]
+    w, x, k, none, nested = parse_arg_specs(specs)
+    assert set(w) == {"w", "b"} and w["w"].shape == (4, 2) and w["b"][1].dtype == np.int32
+    assert isinstance(w["b"], list) and x[0].shape == (3, 5) and none is None
+    assert str(k.dtype) == "key<fry>" and nested[1] == {}
+    for tree in (w, x, k, none, nested):
+        again = parse_arg_specs([format_arg_spec(tree)])[0]
+        assert jax.tree.structure(again) == jax.tree.structure(tree)
+        assert jax.tree.leaves(again) == jax.tree.leaves(tree)
+
+
+@pytest.mark.parametrize("spec", ['{"w": f32[2], "w": f32[2]}', "{w f32[2]}", "[f32[2]",
+                                  "{1: f32[2]}", "(,)"])
+def test_bad_args_specs_are_usage_errors_not_tracebacks(tmp_path, capsys, spec):
+    src = tmp_path / "hinted.py"
+    src.write_text(HINTED)
+    code, _, err = run_main(["compile", f"{src}:plain", "--emit", "ir", "--args", spec], capsys)
+    assert code == 1 and "fcir compile: error: line 1" in err
+    assert_no_traceback(err)
+
+
+def test_missing_example_args_hint_is_an_args_that_parses_and_compiles(tmp_path, capsys):
+    import shlex
+
+    src = tmp_path / "hinted.py"
+    src.write_text(HINTED)
+    code, _, err = run_main(["compile", f"{src}:plain", "--emit", "ir"], capsys)
+    assert code == 1 and "defines no EXAMPLE_ARGS['plain']" in err
+    hint = shlex.split(err[err.rindex("--args ") :])
+    assert hint[0] == "--args" and len(hint) == 3  # model and data, not keyed's key
+    code, out, err = run_main(["compile", f"{src}:plain", "--emit", "ir", *hint], capsys)
+    assert code == 0, err
+    assert '.args ({"b": [$0, $1], "w": $2}, ($3, $4))' in out
