@@ -169,6 +169,7 @@ def cmd_compile(a) -> int:
         from fcir.interpreters import xla
 
         exe = xla.compile(module, mesh=mesh, clients_per_step=a.clients_per_step)
+        _say_chosen_k(exe)
     if not a.output:
         if "ir" in emit:
             sys.stdout.write(module.to_text())
@@ -210,6 +211,18 @@ def cmd_compile(a) -> int:
     return 0
 
 
+def _say_chosen_k(exe) -> None:
+    """With ``--clients-per-step auto``, which k the memory analysis chose (stderr, so
+    printed IR or outputs stay clean)."""
+    s = getattr(exe, "streaming", None)
+    if not s or s.get("mode") != "auto":
+        return
+    tried = ", ".join(f"k={k}: {int(b):,} B" for k, b in s.get("candidates", {}).items())
+    print(f"clients-per-step auto: k={s['clients_per_step']} members per step and device "
+          f"(predicted peak {int(s['predicted_peak_bytes']):,} B of a "
+          f"{int(s['memory_limit_bytes']):,} B limit; tried {tried})", file=sys.stderr)
+
+
 def _mesh(spec: str):
     import jax
     import numpy as np
@@ -233,24 +246,20 @@ def cmd_show(a) -> int:
 
     module = load_module(a.FILE, a.args)
     if a.format == "text":
-        sys.stdout.write(module.to_text(full_constants=a.full_constants, locations=False))
         from fcir.privacy import format_round_cost, round_cost
 
+        text = module.to_text(full_constants=a.full_constants, locations=False)
         # As comments, so the output still parses as IR.
-        for line in format_round_cost(round_cost(module)):
-            sys.stdout.write(f"// {line}\n")
-        return 0
-    from fcir import dot
+        text += "".join(f"// {line}\n" for line in format_round_cost(round_cost(module)))
+    else:
+        from fcir import dot
 
-    if a.format == "dot":
-        sys.stdout.write(dot.to_dot(module))
-        return 0
-    svg = dot.to_svg(module)
+        text = dot.to_dot(module) if a.format == "dot" else dot.to_svg(module)
     if a.output:
-        pathlib.Path(a.output).write_text(svg)
+        pathlib.Path(a.output).write_text(text)
         print(f"wrote {a.output}")
     else:
-        sys.stdout.write(svg)
+        sys.stdout.write(text)
     return 0
 
 
@@ -315,7 +324,9 @@ def cmd_run(a) -> int:
     else:
         from fcir.interpreters import xla
 
-        outputs = xla.compile(module, clients_per_step=a.clients_per_step)(*args)
+        exe = xla.compile(module, clients_per_step=a.clients_per_step)
+        _say_chosen_k(exe)
+        outputs = exe(*args)
     _write_outputs(outputs, a.output)
     return 0
 
@@ -368,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "dot", "svg"), default="text")
     p.add_argument("--full-constants", action="store_true",
                    help="print every constant in full instead of type + sha256")
-    p.add_argument("-o", "--output", metavar="FILE", help="where to write svg output")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="write the text, dot or svg to FILE (else print it)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("check", help="type and placement check; exit 1 with the errors",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -429,3 +430,27 @@ def test_missing_example_args_hint_is_an_args_that_parses_and_compiles(tmp_path,
     code, out, err = run_main(["compile", f"{src}:plain", "--emit", "ir", *hint], capsys)
     assert code == 0, err
     assert '.args ({"b": [$0, $1], "w": $2}, ($3, $4))' in out
+
+
+# --- show -o and --clients-per-step auto (issue 17, item 20) -------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["text", "dot"])
+def test_show_writes_text_and_dot_to_the_output_file(files, capsys, tmp_path, fmt):
+    paths, _, _ = files
+    out = tmp_path / f"shown.{fmt}"
+    code, printed, err = run_main(["show", paths["fcir"], "--format", fmt, "-o", out], capsys)
+    assert code == 0, err
+    assert printed == f"wrote {out}\n"
+    body = out.read_text()
+    assert body.startswith("fcir.module @fedavg" if fmt == "text" else "digraph")
+
+
+def test_run_with_auto_clients_per_step_says_which_k_it_chose(files, capsys):
+    pytest.importorskip("fcir.interpreters.xla")
+    paths, _, _ = files
+    code, _, err = run_main(["run", paths["pb"], "--backend", "xla", "--inputs",
+                             paths["inputs"], "--clients-per-step", "auto"], capsys)
+    assert code == 0, err
+    assert re.search(r"clients-per-step auto: k=\d+ members per step and device "
+                     r"\(predicted peak [\d,]+ B of a [\d,]+ B limit; tried k=1: ", err), err
