@@ -47,6 +47,7 @@ from fcir import control_flow as cf
 from fcir.errors import PrivacyError
 from fcir.ir import Module, Op, Region, Value, expect_module, value_numbering
 from fcir.ops import DP_OPS
+from fcir.traffic import call_unit
 from fcir.types import SERVER, PlacedType
 
 __all__ = ["DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
@@ -356,6 +357,7 @@ def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
         "delta": delta,
         "epsilon_per_round": epsilon(module, 1, delta),
         "accountant": "rdp",
+        "unit": call_unit(module),  # "round", or a call of a program that loops over rounds
     }
 
 
@@ -365,7 +367,7 @@ def format_round_cost(cost: dict | None) -> list[str]:
         return []
     if "error" in cost:
         return [f"privacy: {cost['error']}"]
-    lines = ["privacy (per round, every client taking part):"]
+    lines = [f"privacy (per {cost.get('unit', 'round')}, every client taking part):"]
     for r in cost["releases"]:
         times = f" x{r['count']}" if r["count"] > 1 else ""
         lines.append(
@@ -374,6 +376,7 @@ def format_round_cost(cost: dict | None) -> list[str]:
         )
     lines.append(
         f"  epsilon={cost['epsilon_per_round']:.4g} at delta={cost['delta']:g} "
-        f"({cost['accountant'].upper()}; fcir.privacy.epsilon composes rounds)"
+        f"({cost['accountant'].upper()}; fcir.privacy.epsilon composes "
+        f"{'rounds' if cost.get('unit', 'round') == 'round' else 'calls'})"
     )
     return lines

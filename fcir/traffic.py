@@ -107,6 +107,28 @@ def _transfers(module: Module, region: Region, members: int, repeats: int):
                 yield from _transfers(module, sub, members, inner)
 
 
+def call_unit(module: Module) -> str:
+    """What one call of ``main`` is, for reports that count per call: ``"round"`` for
+    straight-line rounds, else ``"call of @name (jax.scan x5 of rounds)"`` when the
+    server runs federated ops in loops (a call is then many rounds)."""
+    loops = []
+    for op in module.main.body.ops:
+        if op.regions and op.name.startswith("jax.") and _federated(op):
+            name = op.name
+            if name == "jax.scan" and "length" in op.attrs:
+                name += f" x{op.attrs['length']}"
+            loops.append(name)
+    loops = [n for n in loops if n.startswith(("jax.scan", "jax.while"))]
+    if not loops:
+        return "round"
+    return f"call of @{module.name} ({', '.join(loops)} of rounds)"
+
+
+def _federated(op: Op) -> bool:
+    return any(o.name.startswith("fed.") or (o.regions and _federated(o))
+               for r in op.regions for o in r.ops)
+
+
 def communication_bytes(module: Module) -> dict[str, dict[str, int]]:
     """Bytes per round, per placement: ``{"clients": {"broadcast": b, "aggregate": a}}``.
 
