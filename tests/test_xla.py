@@ -9,11 +9,10 @@ XLA's cost analysis of the two executables reports the same flops.
 
 from __future__ import annotations
 
-import re
-
 import functools
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
