@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus import CASES, case
-from fcir.interpreters import xla
+from fcir.interpreters import reference, xla
 from fcir.interpreters.xla import budget
 from fcir.interpreters.xla.interpreter import XlaInterpreter
 from fcir.interpreters.xla.streaming import StreamingInterpreter, plan_region
@@ -166,6 +166,38 @@ def mixed_args(n=5):
         rng.normal(size=(n, 3)).astype(np.float32),
         rng.uniform(0.5, 2, size=n).astype(np.float32),
     )
+
+
+@fcir.program(placements={"clients": 5})
+def _broadcast_only(w, x):
+    """Maps whose operands are all broadcast values (nothing per member to slice)."""
+    wb = fcir.broadcast(w)
+    y = fcir.map_fn(lambda w: jnp.sin(w) * 2, wb)
+    z = fcir.map_fn(lambda w, x: w + x, (wb, x))
+    return fcir.reduce_sum(y), fcir.reduce_mean(z), y
+
+
+@fcir.program(placements={"silos": 2, "clients": 3})
+def _broadcast_only_nested(w):
+    def silo(ws):
+        return fcir.reduce_sum(fcir.map_fn(lambda v: v * 3, fcir.broadcast(ws)))
+
+    return fcir.reduce_mean(fcir.map_fn(silo, fcir.broadcast(w)))
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, "auto"])
+def test_a_map_of_only_broadcast_values_streams_under_every_budget(k):
+    w, x = jnp.arange(3.0), jnp.ones((5, 3))
+    module = fcir.capture(_broadcast_only, w, x)
+    want = reference.run(module, w, x)
+    assert_streamed_equal(xla.compile(module, clients_per_step=k)(w, x), want, exact=False,
+                          what=f"k={k}")
+    nested = fcir.capture(_broadcast_only_nested, w)
+    exe = xla.compile(nested, clients_per_step=k)
+    assert_streamed_equal(exe(w), reference.run(nested, w), exact=False, what=f"nested k={k}")
+    grad = jax.grad(lambda w: exe(w).sum())(w)
+    np.testing.assert_allclose(grad, jax.grad(lambda w: _broadcast_only_nested(w).sum())(w),
+                               rtol=1e-6)
 
 
 def test_plan_accumulates_reductions_and_keeps_per_member_results():

@@ -370,7 +370,8 @@ class StreamingInterpreter(XlaInterpreter):
                 if v not in s.batched
             )
         )
-        vmapped = jax.vmap(one_member, in_axes=(0, None))
+        # axis_size: a map whose operands are all broadcast values has nothing batched.
+        vmapped = jax.vmap(one_member, in_axes=(0, None), axis_size=k)
 
         def chunk_values(start) -> dict:
             b_chunk = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
