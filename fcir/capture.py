@@ -47,6 +47,7 @@ ELEMENTWISE = frozenset(
     sharding_constraint reshard mesh_cast add_any
     """.split()
 )
+_LAYOUT = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
 # (sharding_constraint, reshard and mesh_cast only change a value's layout: under a mesh
 # the frontend adds them to placed values, which stay placed. add_any is how JAX's
 # backward pass sums the cotangents of a placed value used twice.)
@@ -269,6 +270,11 @@ class _Converter:
                 for v in eqn.invars[:-1] if name in _DP else eqn.invars:
                     if isinstance(v, core.Var):
                         require(v, PlacedType(self.member_type(v.aval), p))
+            elif name in _LAYOUT and CF.is_placed(req.get(eqn.outvars[0])):
+                # A layout change keeps the type whole, nested placements included
+                # ({{T}@clients}@silos under jax.set_mesh with a "silos" axis).
+                for v, o in zip(eqn.invars, eqn.outvars):
+                    require(v, req.get(o))
             elif name in ELEMENTWISE:
                 outs = [req.get(o) for o in eqn.outvars]
                 p = next((t.placement for t in outs if _is_placed(t)), None)
@@ -667,6 +673,14 @@ class _Converter:
             return A.RegionRef(len(regions) - 1, closed)
 
         attrs = {k: A.encode(v, name, k, add_region) for k, v in sorted(eqn.params.items())}
+        if name in _LAYOUT and len(operands) == len(eqn.outvars) and any(
+            CF.is_placed(o.type) and not _is_placed(o.type) for o in operands
+        ):  # a layout change of nested placed values ({{T}@clients}@silos): same types
+            results = [Value(o.type) for o in operands]
+            region.ops.append(
+                Op(f"jax.{name}", operands, results, attrs, regions, location=self.location(eqn))
+            )
+            return results
         placed = self.elementwise_placement(name, operands)
         results = []
         for var in eqn.outvars:

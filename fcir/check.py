@@ -294,6 +294,10 @@ class _Checker:
         results_local = all(ctx.is_local(v.type) for v in op.results)
         if operands_local and results_local:
             return
+        if prim in check_local.LAYOUT and [v.type for v in op.results] == [
+            v.type for v in op.operands
+        ]:
+            return  # a layout change passes any value on, nested placements included
         if prim in ELEMENTWISE and self.elementwise_ok(op, ctx):
             return
         bad = next((v.type for v in op.operands if not ctx.is_local(v.type)), None)
@@ -329,9 +333,10 @@ class _Checker:
             member = ctx.member_of_local(v.type) if ctx.is_local(v.type) else None
             if not isinstance(member, TensorType) or member.shape != ():
                 return False
+        shape = getattr(placed[0].member, "shape", placed[0].member)  # nested: the type
         return all(
             isinstance(r.type, PlacedType) and r.type.placement == p
-            and r.type.member.shape == placed[0].member.shape
+            and getattr(r.type.member, "shape", r.type.member) == shape
             for r in op.results
         )
 

@@ -47,6 +47,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from fcir.check_local import LAYOUT
 from fcir.ir import Func, Module, Op, Region, Value, value_numbering
 from fcir.ops import dtype_bits
 from fcir.primitives import mean_result_dtype
@@ -370,6 +371,10 @@ class _Splitter:
                 for sub in body.ops:
                     fused.ops.append(clone_op(sub, inner))
                 env.update(zip(op.results, (inner[y] for y in body.results)))
+            elif op.name.removeprefix("jax.") in LAYOUT:
+                # A layout op over the member axis (capture under jax.set_mesh): one
+                # client's value has no member axis to lay out, so it passes through.
+                env.update(zip(op.results, (env[v] for v in op.operands)))
             else:  # per-member elementwise op, or a constant it uses
                 fused.ops.append(clone_op(op, env, member_type))
         outputs: dict[str, Value] = {}
