@@ -71,3 +71,28 @@ def test_bad_arguments_to_public_functions_are_fcir_errors_naming_them(call):
     fn, words = _BAD_CALLS[call]
     with pytest.raises(fcir.FcirError, match=words):
         fn()
+
+
+# --- item 12: export errors name the user's ops, not those of the DP decomposition -------
+
+
+@fcir.program(placements={"clients": N}, private=True)
+def _two_dp_exchanges(w, x, key):
+    k1, k2 = jax.random.split(key)
+    d1 = fcir.dp_mean(fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x)), 1.0, 1.0, k1)
+    w2 = w + d1
+    d2 = fcir.dp_mean(fcir.map_fn(lambda w, x: x * w, (fcir.broadcast(w2), x)), 1.0, 1.0, k2)
+    return w2 + d2
+
+
+def test_export_refusal_of_two_dp_exchanges_names_the_users_ops():
+    module = fcir.capture(_two_dp_exchanges, jnp.zeros(3), jnp.ones((N, 3)), jax.random.key(0))
+    text = module.to_text()
+    second_broadcast = "%15: f32[3]@clients! = fed.broadcast %14"
+    first_dp = "%13: f32[3]@server = fed.dp_mean %9, %5"
+    assert second_broadcast in text and first_dp in text  # the ops the message must name
+    with pytest.raises(fcir.ExportError) as info:
+        production.export(module)
+    message = str(info.value)
+    assert "fed.broadcast (op 9, defining %15)" in message
+    assert "fed.dp_mean (op 7, defining %13), at its fed.sum in production" in message

@@ -129,8 +129,8 @@ def split(module: Module) -> Split:
     from . import dp
 
     privacy = dp.manifest_entry(module)
+    checks.check_structure(module)  # on the user's ops, so errors name them
     module = dp.decompose(module)
-    checks.check_structure(module)
     out = _Splitter(module).run()
     out.privacy = privacy
     return out
@@ -159,12 +159,23 @@ class _Splitter:
 
     def where(self, v: Value) -> str:
         if v in self.index:
-            i = self.index[v]
-            return checks.op_where(self.m, (i,), self.ops[i], self.names)
+            return self.op_where(self.index[v])
         return f"argument %{self.names[v]}"
 
     def op_where(self, i: int) -> str:
-        return checks.op_where(self.m, (i,), self.ops[i], self.names)
+        """Op ``i``, named as the user wrote it: an op of the DP decomposition is named
+        by the user's DP op it came from (``dp.user_op``)."""
+        from . import dp
+
+        user = dp.user_op(self.m, i)
+        if user is None:
+            return checks.op_where(self.m, (i,), self.ops[i], self.names)
+        module, j = user
+        op = module.main.body.ops[j]
+        where = checks.op_where(module, (j,), op, value_numbering(module.main))
+        if op.name != self.ops[i].name:
+            where += f", at its {self.ops[i].name} in production"
+        return where
 
     def fail(self, where: str, reason: str, detail: str):
         return checks.fail(self.m, where, reason, detail)
