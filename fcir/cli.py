@@ -244,11 +244,11 @@ def _mesh(spec: str):
 def cmd_show(a) -> int:
     from fcir.targets import load_module
 
-    module = load_module(a.FILE, a.args)
+    module = load_module(a.FILE, a.args, locations=a.locations)
     if a.format == "text":
         from fcir.privacy import format_round_cost, round_cost
 
-        text = module.to_text(full_constants=a.full_constants, locations=False)
+        text = module.to_text(full_constants=a.full_constants, locations=a.locations)
         # As comments, so the output still parses as IR.
         text += "".join(f"// {line}\n" for line in format_round_cost(round_cost(module)))
     else:
@@ -286,7 +286,8 @@ def _capture_unchecked(target, specs):
     from fcir.targets import load_python_target
 
     fn, args = load_python_target(target, specs)
-    return capture_unchecked(fn, *args, name=target.rpartition(":")[2])
+    # With locations, so each error names the user's source line.
+    return capture_unchecked(fn, *args, name=target.rpartition(":")[2], locations=True)
 
 
 def cmd_diff(a) -> int:
@@ -381,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every constant in full instead of type + sha256")
     p.add_argument("-o", "--output", metavar="FILE",
                    help="write the text, dot or svg to FILE (else print it)")
+    p.add_argument("--locations", action="store_true",
+                   help="text: print each op's source line, loc(\"file.py:12\") (Python "
+                   "targets; errors name it without this flag)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("check", help="type and placement check; exit 1 with the errors",

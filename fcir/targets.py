@@ -239,8 +239,10 @@ def example_args(fn_name: str, module, fn=None) -> tuple:
     return args if isinstance(args, tuple) else (args,)
 
 
-def load_module(target: str, arg_specs: list[str] | None = None) -> Module:
-    """Any target -> a captured (or loaded) Module."""
+def load_module(target: str, arg_specs: list[str] | None = None, *,
+                locations: bool = False) -> Module:
+    """Any target -> a captured (or loaded) Module (``locations``: capture records each
+    op's source line)."""
     if is_ir_file(target):
         if arg_specs:
             raise FcirError("--args applies to Python targets only; IR files carry their types")
@@ -250,7 +252,7 @@ def load_module(target: str, arg_specs: list[str] | None = None) -> Module:
     args = parse_arg_specs(arg_specs) if arg_specs else example_args(name, module, fn)
     from fcir.capture import capture
 
-    return capture(fn, *args, name=name)
+    return capture(fn, *args, name=name, locations=locations)
 
 
 def load_python_target(target: str, arg_specs: list[str] | None = None):

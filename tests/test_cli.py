@@ -454,3 +454,23 @@ def test_run_with_auto_clients_per_step_says_which_k_it_chose(files, capsys):
     assert code == 0, err
     assert re.search(r"clients-per-step auto: k=\d+ members per step and device "
                      r"\(predicted peak [\d,]+ B of a [\d,]+ B limit; tried k=1: ", err), err
+
+
+# --- source lines (issue 17, item 16) --------------------------------------------------------
+
+
+def test_check_of_a_python_target_names_the_source_line(files, capsys):
+    paths, _, _ = files
+    code, out, _ = run_main(["check", f"{paths['py']}:peeks"], capsys)
+    lines = TARGET.splitlines()
+    line = next(i for i, t in enumerate(lines) if "return x[0] + fcir.reduce_sum" in t)
+    assert code == 1
+    assert f"at target.py:{line + 1}: local/C1" in out
+
+
+def test_show_locations_prints_each_ops_source_line(files, capsys):
+    paths, _, _ = files
+    code, out, _ = run_main(["show", f"{paths['py']}:fedavg", "--locations"], capsys)
+    assert code == 0 and 'loc("target.py:' in out
+    code, out, _ = run_main(["show", f"{paths['py']}:fedavg"], capsys)
+    assert code == 0 and "loc(" not in out

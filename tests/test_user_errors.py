@@ -96,3 +96,69 @@ def test_export_refusal_of_two_dp_exchanges_names_the_users_ops():
     message = str(info.value)
     assert "fed.broadcast (op 9, defining %15)" in message
     assert "fed.dp_mean (op 7, defining %13), at its fed.sum in production" in message
+
+
+# --- item 15: declaring client data; forgetting fcir.broadcast ------------------------------
+
+
+def _local(w, x):
+    return w - 0.1 * x
+
+
+def test_a_server_model_with_the_cohorts_leading_axis_is_refused_when_client_data_is_declared():
+    @fcir.program(placements={"clients": N}, client_data=("x",))
+    def forgot(w, x):
+        return fcir.reduce_mean(fcir.map_fn(_local, (w, x)))
+
+    # w is f32[4, 3]: its leading axis equals the cohort, so undeclared it would be
+    # silently typed client data and the round would train the wrong thing.
+    undeclared = fcir.capture(fcir.program(placements={"clients": N})(forgot.__wrapped__),
+                              jnp.ones((N, 3)), jnp.ones((N, 3)))
+    assert str(undeclared.main.body.params[0].type) == "{f32[3]}@clients"
+    with pytest.raises(fcir.PlacementError, match=r"argument 'w' \(%0: \{f32\[3\]\}@clients\) "
+                       r"is used as client data.*did you mean fcir.broadcast\(w\)\?"):
+        fcir.capture(forgot, jnp.ones((N, 3)), jnp.ones((N, 3)))
+
+
+def test_declared_client_data_is_checked_and_a_correct_round_captures():
+    @fcir.program(placements={"clients": N}, client_data="x")
+    def good(w, x):
+        return fcir.reduce_mean(fcir.map_fn(_local, (fcir.broadcast(w), x)))
+
+    module = fcir.capture(good, jnp.ones((N, 3)), jnp.ones((N, 3)))
+    assert str(module.main.body.params[0].type) == "f32[4,3]@server"
+    with pytest.raises(fcir.PlacementError, match="argument 'x' is declared client data"):
+        fcir.capture(good, jnp.ones(3), jnp.ones((N + 1, 3)))
+    with pytest.raises(fcir.PlacementError, match="has no argument 'y'"):
+        fcir.program(placements={"clients": N}, client_data=("y",))(good.__wrapped__)
+    with pytest.raises(fcir.PlacementError, match="client_data must name arguments"):
+        fcir.program(placements={"clients": N}, client_data=[0])
+
+
+def test_a_server_value_given_to_map_fn_says_did_you_mean_broadcast():
+    @fcir.program(placements={"clients": N})
+    def forgot(w, x):
+        return fcir.reduce_mean(fcir.map_fn(_local, (w, x)))
+
+    with pytest.raises(fcir.PlacementError, match=r"did you mean fcir.broadcast"):
+        fcir.capture(forgot, jnp.ones(3), jnp.ones((N, 3)))
+
+
+# --- item 16: capture errors name the user's source line -----------------------------------
+
+
+def test_capture_error_names_the_source_line_without_locations():
+    import inspect
+
+    @fcir.program(placements={"clients": N})
+    def leaky(x):
+        means = fcir.map_fn(jnp.mean, x)
+        return means[0]  # the line the error must name
+
+    line = inspect.getsourcelines(leaky)[1] + 3  # `return means[0]`
+    with pytest.raises(fcir.PlacementError) as info:
+        fcir.capture(leaky, jnp.ones((N, 3)))
+    assert f"(op 1, defining %6) at test_user_errors.py:{line}: local/C1" in str(info.value)
+    # The module of a successful capture stays without locations (text and goldens).
+    ok = fcir.capture(_round, jnp.zeros(3), jnp.ones((N, 3)))
+    assert all(op.location == "" or op.location is None for op in ok.main.body.ops)
