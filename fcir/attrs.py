@@ -474,9 +474,12 @@ def _decode_mesh(rec: Record):
     # context's abstract mesh, which also carries the device kind and, in shard_map,
     # Manual axis types: the same axes there mean that mesh.
     current = jax.sharding.get_abstract_mesh()
-    if names and current is not None and tuple(current.axis_names) == names and tuple(
-        current.axis_sizes
-    ) == sizes:
+    if (
+        names and current is not None and tuple(current.axis_names) == names
+        and tuple(current.axis_sizes) == sizes
+        and all(c == t or c == jax.sharding.AxisType.Manual
+                for c, t in zip(current.axis_types, types or current.axis_types))
+    ):
         return current
     return jax.sharding.AbstractMesh(sizes, names, axis_types=types or None)
 
