@@ -182,6 +182,9 @@ def cmd_compile(a) -> int:
             print(xla.format_cost(exe.cost()))
         return 0
     out = pathlib.Path(a.output)
+    if out.exists() and not out.is_dir():
+        raise FcirError(f"-o {a.output}: exists and is not a directory; compile writes a "
+                        "directory of files")
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
@@ -250,7 +253,11 @@ def cmd_show(a) -> int:
 
         text = module.to_text(full_constants=a.full_constants, locations=a.locations)
         # As comments, so the output still parses as IR.
-        text += "".join(f"// {line}\n" for line in format_round_cost(round_cost(module)))
+        try:
+            notes = format_round_cost(round_cost(module))
+        except FcirError as e:  # an ill-formed file is still shown, with why not costed
+            notes = [f"privacy: not accounted: {e}"]
+        text += "".join(f"// {line}\n" for line in notes)
     else:
         from fcir import dot
 

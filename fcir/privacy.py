@@ -258,7 +258,7 @@ def _releases(region: Region, times: int) -> Iterator[Release]:
             )
         elif op.name == "jax.scan":
             for sub in op.regions:
-                yield from _releases(sub, times * int(op.attrs.get("length", 1)))
+                yield from _releases(sub, times * cf.scan_length(op))
         else:
             for sub in op.regions:
                 yield from _releases(sub, times)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from fcir.control_flow import scan_length
 from fcir.ir import Module, Op, Region
 from fcir.types import PlacedType, Type, runtime_type
 
@@ -102,7 +103,7 @@ def _transfers(module: Module, region: Region, members: int, repeats: int):
             n = module.cardinality(op.operands[0].type.placement)
             yield from _transfers(module, op.regions[0], members * n, repeats)
         elif op.regions:
-            inner = repeats * int(op.attrs.get("length", 1)) if op.name == "jax.scan" else repeats
+            inner = repeats * scan_length(op) if op.name == "jax.scan" else repeats
             for sub in op.regions:
                 yield from _transfers(module, sub, members, inner)
 

@@ -162,3 +162,29 @@ def test_capture_error_names_the_source_line_without_locations():
     # The module of a successful capture stays without locations (text and goldens).
     ok = fcir.capture(_round, jnp.zeros(3), jnp.ones((N, 3)))
     assert all(op.location == "" or op.location is None for op in ok.main.body.ops)
+
+
+# --- item 6, beyond fcir check: readers of an unchecked module's scan length -------------
+
+
+@pytest.mark.parametrize("length", ["1e309", "-3", "2.5"])
+def test_a_bad_scan_length_is_an_fcir_error_in_show_dot_cost_and_export(tmp_path, capsys,
+                                                                         length):
+    import test_soundness
+
+    from fcir import cli
+
+    path = tmp_path / "bad.fcir"
+    path.write_text(test_soundness.FLOW.replace("length=2", f"length={length}"))
+    out = tmp_path / "out"
+    assert cli.main(["show", str(path)]) == 0  # shown, with why it is not costed
+    for argv in (["show", str(path), "--format", "dot"],
+                 ["compile", str(path), "--emit", "cost", "-o", str(out)],
+                 ["export", "--target", "production", str(path), "-o", str(out)]):
+        assert cli.main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert "length" in err and "run with --debug" not in err, err  # an FcirError
+    module = fcir.parse(path.read_text())
+    for fn in (traffic.communication_bytes, fcir.privacy.releases, dot.to_dot):
+        with pytest.raises(fcir.FcirError, match="length"):
+            fn(module)

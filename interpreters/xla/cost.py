@@ -32,6 +32,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from fcir.control_flow import scan_length
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Module, Op, Region
 from fcir.privacy import format_round_cost, round_cost
@@ -161,7 +162,7 @@ def _visit_control_flow(module, op: Op, times: float, once: float, levels, maps,
                         notes) -> None:
     name = op.name.removeprefix("jax.")
     if name == "scan":
-        times *= int(op.attrs.get("length", 1))
+        times *= scan_length(op)
     elif name == "while":
         notes.append(f"{op.name}: federated ops in a while loop are counted once per call")
     elif name == "cond":
