@@ -122,31 +122,46 @@ def make_example_args(num_clients: int = NUM_CLIENTS, seed: int = 0):
     return init_model(), jax.random.key(seed), clients
 
 
-EXAMPLE_ARGS = {"dp_fedavg_round": make_example_args}
+def make_fedavg_example_args(num_clients: int = NUM_CLIENTS, seed: int = 0):
+    model, _, clients = make_example_args(num_clients, seed)
+    return model, clients
+
+
+EXAMPLE_ARGS = {"dp_fedavg_round": make_example_args, "fedavg_round": make_fedavg_example_args}
 fedavg_round, dp_fedavg_round = make_rounds(NUM_CLIENTS, 0.5, 4.0)
 
 
-def plot(path: str, fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float) -> None:
+def figure(fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float, num_clients: int):
+    """The two panels (accuracy, ε) as a matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rounds = np.arange(1, len(fedavg_acc) + 1)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     a1.plot(rounds, fedavg_acc, "o-", ms=3, label="FedAvg")
     a1.plot(rounds, dp_acc, "s-", ms=3, label=f"DP-FedAvg (z={noise_multiplier:g})")
-    a1.set_xlabel("round")
     a1.set_ylabel("held-out accuracy")
     a1.set_ylim(0, 1)
-    a1.grid(alpha=0.3)
     a1.legend(loc="lower right")
-    a1.set_title("digits, 50 non-IID clients")
+    a1.set_title(f"digits, {num_clients} non-IID clients")
     a2.plot(rounds, eps, "s-", ms=3, color="C1")
-    a2.set_xlabel("round")
     a2.set_ylabel("ε")
-    a2.grid(alpha=0.3)
     a2.set_title(f"DP-FedAvg privacy spent (δ={delta:g}, RDP)")
+    for ax in (a1, a2):
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole rounds, also for 2 or 3
+    return fig
+
+
+def plot(path: str, fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float,
+         num_clients: int) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(fedavg_acc, dp_acc, eps, delta, noise_multiplier, num_clients)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -185,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"(loss {float(loss):.3f}) | DP-FedAvg acc {dp_acc[-1]:.3f} | "
             f"ε {eps[-1]:.2f} at δ={args.delta:g}"
         )
-    plot(args.output, fedavg_acc, dp_acc, eps, args.delta, args.noise_multiplier)
+    plot(args.output, fedavg_acc, dp_acc, eps, args.delta, args.noise_multiplier, args.clients)
     print(f"wrote {args.output} ({time.perf_counter() - start:.1f} s)")
     return {"fedavg": fedavg_acc, "dp_fedavg": dp_acc, "epsilon": eps}
 

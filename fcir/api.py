@@ -132,7 +132,7 @@ PRIVATE_SCOPE = "fcir_private_program"
 
 
 def program(
-    *, placements: Mapping[str, int], mesh=None, private: bool = False
+    *, placements: Mapping[str, int], mesh=None, private: bool = False, client_data=None
 ) -> Callable[[Callable], Callable]:
     """Declares a federated program's placements, outermost first.
 
@@ -143,14 +143,37 @@ def program(
     ``private=True`` marks the captured Module private: ``fcir.check`` then rejects
     every path by which client data reaches the server other than through
     ``fcir.dp_sum`` / ``fcir.dp_mean`` (see ``fcir.privacy``).
+
+    ``client_data=("x", "y")`` names the arguments that hold client data (one entry per
+    member of the outermost placement along each leaf's leading axis). Calls check
+    their leading axes, and ``fcir.capture`` refuses a program that uses any other
+    argument as client data: a server model passed to ``map_fn`` without
+    ``fcir.broadcast`` (silently client data when its leading axis happens to equal the
+    cohort size).
     """
     spec = Placements.from_mapping(placements)
     if not isinstance(private, bool):
         raise PlacementError(f"fcir.program: private must be True or False, got {private!r}")
+    if isinstance(client_data, str):
+        client_data = (client_data,)
+    if client_data is not None and (
+        not isinstance(client_data, (tuple, list))
+        or not all(isinstance(c, str) for c in client_data)
+    ):
+        raise PlacementError(
+            f"fcir.program: client_data must name arguments, e.g. client_data=('x', 'y'), "
+            f"got {client_data!r}"
+        )
 
     def decorate(fn: Callable) -> Callable:
+        declared = None if client_data is None else _client_data_indices(fn, client_data)
+        outer, n = spec.names[0], spec.sizes[0]
+
         @functools.wraps(fn)
         def run(*args, **kwargs):
+            for i, arg_name in declared or ():
+                if i < len(args):
+                    _check_client_data(args[i], arg_name, outer, n)
             with _pushed(_Frame(spec, -1, mesh)):
                 if not private:
                     return fn(*args, **kwargs)
@@ -162,9 +185,39 @@ def program(
 
         run.fcir_placements = spec
         run.fcir_private = private
+        run.fcir_client_data = declared
         return run
 
     return decorate
+
+
+def _client_data_indices(fn, names) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``client_data`` names; PlacementError for a
+    name ``fn`` does not take positionally."""
+    import inspect
+
+    params = [
+        p.name for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    unknown = [c for c in names if c not in params]
+    if unknown:
+        raise PlacementError(
+            f"fcir.program(client_data=...): {fn.__name__}({', '.join(params)}) has no "
+            f"argument {', '.join(map(repr, unknown))}"
+        )
+    return tuple((params.index(c), c) for c in names)
+
+
+def _check_client_data(arg, name: str, placement: str, n: int) -> None:
+    for leaf in jax.tree_util.tree_leaves(arg):
+        shape = np.shape(leaf)
+        if len(shape) == 0 or shape[0] != n:
+            raise PlacementError(
+                f"argument {name!r} is declared client data (fcir.program(client_data=...)), "
+                f"so each leaf needs a leading axis of {n}, one entry per member of "
+                f"'{placement}'; got a leaf of shape {tuple(shape)}"
+            )
 
 
 def _flatten(x):
@@ -175,9 +228,14 @@ def _check_placed(leaves, placement: str, n: int, what: str) -> None:
     for leaf in leaves:
         shape = np.shape(leaf)
         if len(shape) == 0 or shape[0] != n:
+            hint = (
+                f"; did you mean fcir.broadcast(...) of it? A server value (a model) reaches "
+                f"the members only through fcir.broadcast: "
+                f"{what}(fn, (fcir.broadcast(w), x))" if what == "fcir.map_fn" else ""
+            )
             raise PlacementError(
                 f"{what}: a leaf of shape {tuple(shape)} is not placed at '{placement}': its "
-                f"leading axis must be the cardinality of '{placement}' ({n})"
+                f"leading axis must be the cardinality of '{placement}' ({n}){hint}"
             )
 
 
@@ -211,6 +269,11 @@ def map_fn(fn: Callable, arg, *, mesh=None):
     visible ``fed.broadcast``.
     """
     frame = _current("fcir.map_fn")
+    if not callable(fn):
+        raise PlacementError(
+            f"fcir.map_fn(fn, arg): fn must be a function of one member's values, got "
+            f"{type(fn).__name__}"
+        )
     name, n = frame.child("fcir.map_fn")
     mesh = frame.mesh if mesh is None else mesh
     leaves, in_tree = _flatten(arg)
@@ -368,7 +431,14 @@ def _dp(prim, what: str, x, clip_norm, noise_multiplier, key):
     if not leaves:
         raise PlacementError(f"{what}: x has no array leaves")
     _check_placed(leaves, name, n, what)
-    key = jax.numpy.asarray(key) if not isinstance(key, (jax.Array, core.Tracer)) else key
+    if not isinstance(key, (jax.Array, core.Tracer)):
+        try:
+            key = jax.numpy.asarray(key)
+        except (TypeError, ValueError):
+            raise PlacementError(
+                f"{what}: key must be a PRNG key at the server (jax.random.key(seed)), got "
+                f"{type(key).__name__}"
+            ) from None
     out = prim.bind(*leaves, key, placement=name, n=n, clip_norm=clip, noise_multiplier=z)
     return jax.tree_util.tree_unflatten(tree, out)
 

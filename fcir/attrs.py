@@ -470,6 +470,17 @@ def _decode_mesh(rec: Record):
     names = tuple(rec.get("axis_names", ()))
     sizes = tuple(rec.get("axis_sizes", ()))
     types = tuple(jax.sharding.AxisType[t.member] for t in rec.get("axis_types", ()))
+    # Under ``jax.set_mesh`` (and inside shard_map) JAX compares meshes with the
+    # context's abstract mesh, which also carries the device kind and, in shard_map,
+    # Manual axis types: the same axes there mean that mesh.
+    current = jax.sharding.get_abstract_mesh()
+    if (
+        names and current is not None and tuple(current.axis_names) == names
+        and tuple(current.axis_sizes) == sizes
+        and all(c == t or c == jax.sharding.AxisType.Manual
+                for c, t in zip(current.axis_types, types or current.axis_types))
+    ):
+        return current
     return jax.sharding.AbstractMesh(sizes, names, axis_types=types or None)
 
 

@@ -24,7 +24,7 @@ from fcir import attrs as A
 from fcir import captured, pytrees
 from fcir import control_flow as CF
 from fcir import primitives as P
-from fcir.elementwise import PER_MEMBER
+from fcir.elementwise import LAYOUT, PER_MEMBER
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
 from fcir.fed import by_primitive
 from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
@@ -41,6 +41,7 @@ from fcir.types import (
 # Primitives applied member by member (fcir.elementwise): on values placed at one
 # placement they stay per-member computations, so capture keeps the placement.
 ELEMENTWISE = PER_MEMBER
+_LAYOUT = LAYOUT
 
 # Call-like primitives that are inlined when their body contains federated ops or they
 # are called on placed values, so that placements never hide inside a local call.
@@ -57,16 +58,40 @@ def capture(fn, *args, name: str | None = None, locations: bool = False, **kwarg
     ``args`` are arrays or ``jax.ShapeDtypeStruct`` pytrees. Works on anything that
     traces to a jaxpr with fcir primitives, e.g. ``jax.grad(round_fn)``. Raises
     PlacementError for client-to-client communication (see ``fcir.check``).
+
+    ``locations=True`` records each op's source line in the module (printed by
+    ``to_text(locations=True)``). Without it an error still names the user's source
+    line: the failing conversion or check runs once more with locations.
     """
     from fcir.check import check
 
-    return check(capture_unchecked(fn, *args, name=name, locations=locations, **kwargs))
+    traced = _trace(fn, args, kwargs, name)
+    try:
+        return check(_convert(traced, locations))
+    except FcirError as error:
+        if locations:
+            raise
+        try:
+            check(_convert(traced, True))
+        except FcirError as located:
+            if type(located) is type(error):
+                raise located from None
+        raise
 
 
 def capture_unchecked(fn, *args, name: str | None = None, locations: bool = False,
                       **kwargs) -> Module:
     """Like :func:`capture` but returns the Module even when it does not check, so that
     ``fcir check`` can report every problem with its op."""
+    return _convert(_trace(fn, args, kwargs, name), locations)
+
+
+def _trace(fn, args, kwargs, name):
+    if not callable(fn):
+        raise IRTypeError(
+            f"fcir.capture(fn, *args): fn must be a function (an @fcir.program, or "
+            f"jax.grad of one), got {type(fn).__name__}"
+        )
     if name is not None and not is_name(name):
         raise IRTypeError(
             f"capture(name={name!r}): a module name is an ASCII identifier "
@@ -88,11 +113,47 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
         ) from e
     _, in_tree = jax.tree_util.tree_flatten((args, kwargs) if kwargs else args)
     _, out_tree = jax.tree_util.tree_flatten(out_shape)
-    return from_jaxpr(
+    return fn, closed, in_tree, out_tree, name
+
+
+def _convert(traced, locations: bool) -> Module:
+    fn, closed, in_tree, out_tree, name = traced
+    module = from_jaxpr(
         closed, in_tree, out_tree, name=name or _name_of(fn),
         placements=_placements(fn, closed.jaxpr), locations=locations,
         private=_private(fn) or _calls_private(closed.jaxpr),
     )
+    _check_client_data(fn, module)
+    return module
+
+
+def _check_client_data(fn, module: Module) -> None:
+    """With ``fcir.program(client_data=...)``: no other argument may be client data."""
+    declared = _declared(fn, "fcir_client_data")
+    structure = module.main.arg_structure
+    if declared is None or structure is None or structure.kind != "tuple":
+        return
+    import inspect
+
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        names = []
+    allowed = {i for i, _ in declared}
+    params = module.main.body.params
+    for i, arg in enumerate(structure.children):
+        if i in allowed:
+            continue
+        for leaf in arg.leaves():
+            t = params[leaf].type
+            if isinstance(t, PlacedType) and t.placement != SERVER and not t.all_equal:
+                name = names[i] if i < len(names) else f"argument {i}"
+                said = ", ".join(repr(c) for _, c in declared) or "none"
+                raise PlacementError(
+                    f"@{module.name}: argument {name!r} (%{leaf}: {t}) is used as client "
+                    f"data, but fcir.program(client_data=...) declares only {said}: if "
+                    f"{name!r} is a server value, did you mean fcir.broadcast({name})?"
+                )
 
 
 def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="program",
@@ -284,6 +345,11 @@ class _Converter:
                 for v in (eqn.invars[i] for i in placed):
                     if isinstance(v, core.Var):
                         require(v, PlacedType(self.member_type(v.aval), p))
+            elif name in _LAYOUT and CF.is_placed(req.get(eqn.outvars[0])):
+                # A layout change keeps the type whole, nested placements included
+                # ({{T}@clients}@silos under jax.set_mesh with a "silos" axis).
+                for v, o in zip(eqn.invars, eqn.outvars):
+                    require(v, req.get(o))
             elif name in ELEMENTWISE:
                 outs = [req.get(o) for o in eqn.outvars]
                 p = next((t.placement for t in outs if _is_placed(t)), None)
@@ -419,6 +485,16 @@ class _Converter:
 
         return f"{os.path.basename(frame.file_name)}:{frame.start_line}"
 
+    def located(self, error: FcirError, eqn) -> FcirError:
+        """``error`` naming the user's source line of ``eqn`` (innermost first), when
+        locations are recorded (``capture`` retries a failed conversion with them)."""
+        loc = self.location(eqn)
+        if not loc or getattr(error, "fcir_located", False):
+            return error
+        new = type(error)(f"{error} (at {loc})")
+        new.fcir_located = True
+        return new
+
     def convert_eqns(self, jx: core.Jaxpr, env, region: Region, level: int) -> None:
         for eqn in jx.eqns:
             name = eqn.primitive.name
@@ -440,10 +516,12 @@ class _Converter:
                     results = self.control_flow(eqn, operands, region, level)
                 else:
                     results = self.local_op(eqn, operands, region, level)
-            except FcirError:
-                raise
+            except FcirError as e:
+                raise self.located(e, eqn) from None
             except Exception as e:  # a JAX param we cannot represent, or a bug: name the op
-                raise UnsupportedError(f"capturing jax.{name}: {type(e).__name__}: {e}") from e
+                raise self.located(
+                    UnsupportedError(f"capturing jax.{name}: {type(e).__name__}: {e}"), eqn
+                ) from e
             for var, val in zip(eqn.outvars, results):
                 if not isinstance(var, core.DropVar):
                     env[var] = val
@@ -740,6 +818,14 @@ class _Converter:
             return A.RegionRef(len(regions) - 1, closed)
 
         attrs = {k: A.encode(v, name, k, add_region) for k, v in sorted(eqn.params.items())}
+        if name in _LAYOUT and len(operands) == len(eqn.outvars) and any(
+            CF.is_placed(o.type) and not _is_placed(o.type) for o in operands
+        ):  # a layout change of nested placed values ({{T}@clients}@silos): same types
+            results = [Value(o.type) for o in operands]
+            region.ops.append(
+                Op(f"jax.{name}", operands, results, attrs, regions, location=self.location(eqn))
+            )
+            return results
         placed = self.elementwise_placement(name, operands)
         results = []
         for var in eqn.outvars:

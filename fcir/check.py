@@ -285,8 +285,8 @@ class _Checker:
             return op
         try:
             xs, ys = CF.scan_slices(op.attrs, len(op.operands), len(op.results))
-        except (KeyError, TypeError, ValueError):
-            return op  # attributes check_local rejects itself
+        except CF.BindingError:
+            return op  # attributes region_bindings reports as flow/C1
 
         def view(v: Value, sliced: bool) -> Value:
             rt = self.types.runtime(v.type)
@@ -316,6 +316,10 @@ class _Checker:
         results_local = all(ctx.is_local(v.type) for v in op.results)
         if operands_local and results_local:
             return
+        if prim in check_local.LAYOUT and [v.type for v in op.results] == [
+            v.type for v in op.operands
+        ]:
+            return  # a layout change passes any value on, nested placements included
         if prim in ELEMENTWISE and self.elementwise_ok(op, ctx):
             return
         bad = next((v.type for v in op.operands if not ctx.is_local(v.type)), None)
@@ -400,6 +404,9 @@ def placement_axes(op: Op, placements) -> set[str]:
 
 def verify(module: Module) -> list[Diagnostic]:
     """Every diagnostic for ``module`` (empty when it checks)."""
+    from fcir.ir import expect_module
+
+    expect_module(module, "fcir.check")
     return _Checker(module).run()
 
 

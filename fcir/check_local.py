@@ -60,7 +60,7 @@ MAX_BYTES = 1 << 62
 # Layout ops change where a value lives, never its type; their params name a mesh that
 # only exists where the program runs (the reference interpreter ignores them), so
 # their rule is checked here directly: each result has its operand's type.
-_LAYOUT = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
+LAYOUT = _LAYOUT = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
 
 # Call-like primitives: one region, called with the op's operands. (Control flow,
 # whose regions take a part of the operands, is typed by fcir.check itself.)

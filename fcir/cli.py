@@ -31,23 +31,11 @@ def _add_target(p, what="TARGET"):
         "--args",
         nargs="+",
         metavar="SPEC",
-        help="argument types in IR syntax, one per argument: 'f32[16,1]' '(f32[8,32,16], "
-        "f32[8,32,1])'; default: the file's EXAMPLE_ARGS",
+        help="argument types, one per argument: arrays in IR syntax 'f32[16,1]' "
+        "('key<fry>[]' a PRNG key), tuples '(f32[8,32,16], f32[8,32,1])', lists "
+        "'[f32[3], f32[3]]', dicts '{\"w\": f32[64,10], \"b\": f32[10]}', 'none'; "
+        "default: the file's EXAMPLE_ARGS",
     )
-
-
-def _load_inputs(path: str) -> list:
-    import numpy as np
-
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            keys = sorted((k for k in data.files if k.startswith("arr_")),
-                          key=lambda k: int(k[4:]) if k[4:].isdigit() else -1)
-            if [k for k in keys] != [f"arr_{i}" for i in range(len(keys))]:
-                raise FcirError(f"{path}: expected arrays arr_0, arr_1, ... (np.savez(*leaves))")
-            return [data[k] for k in keys]
-    except (OSError, ValueError) as e:
-        raise FcirError(f"cannot read inputs {path}: {e}") from None
 
 
 def _write_outputs(outputs, path: str | None) -> None:
@@ -94,6 +82,7 @@ def cmd_compile(a) -> int:
         from fcir.interpreters import xla
 
         exe = xla.compile(module, mesh=mesh, clients_per_step=a.clients_per_step)
+        _say_chosen_k(exe)
     if not a.output:
         if "ir" in emit:
             sys.stdout.write(module.to_text())
@@ -106,6 +95,9 @@ def cmd_compile(a) -> int:
             print(xla.format_cost(exe.cost()))
         return 0
     out = pathlib.Path(a.output)
+    if out.exists() and not out.is_dir():
+        raise FcirError(f"-o {a.output}: exists and is not a directory; compile writes a "
+                        "directory of files")
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
@@ -135,6 +127,18 @@ def cmd_compile(a) -> int:
     return 0
 
 
+def _say_chosen_k(exe) -> None:
+    """With ``--clients-per-step auto``, which k the memory analysis chose (stderr, so
+    printed IR or outputs stay clean)."""
+    s = getattr(exe, "streaming", None)
+    if not s or s.get("mode") != "auto":
+        return
+    tried = ", ".join(f"k={k}: {int(b):,} B" for k, b in s.get("candidates", {}).items())
+    print(f"clients-per-step auto: k={s['clients_per_step']} members per step and device "
+          f"(predicted peak {int(s['predicted_peak_bytes']):,} B of a "
+          f"{int(s['memory_limit_bytes']):,} B limit; tried {tried})", file=sys.stderr)
+
+
 def _mesh(spec: str):
     import jax
     import numpy as np
@@ -156,26 +160,26 @@ def _mesh(spec: str):
 def cmd_show(a) -> int:
     from fcir.loading import load_module
 
-    module = load_module(a.FILE, a.args)
+    module = load_module(a.FILE, a.args, locations=a.locations)
     if a.format == "text":
-        sys.stdout.write(module.to_text(full_constants=a.full_constants, locations=False))
         from fcir.privacy import format_round_cost, round_cost
 
+        text = module.to_text(full_constants=a.full_constants, locations=a.locations)
         # As comments, so the output still parses as IR.
-        for line in format_round_cost(round_cost(module)):
-            sys.stdout.write(f"// {line}\n")
-        return 0
-    from fcir import dot
+        try:
+            notes = format_round_cost(round_cost(module))
+        except FcirError as e:  # an ill-formed file is still shown, with why not costed
+            notes = [f"privacy: not accounted: {e}"]
+        text += "".join(f"// {line}\n" for line in notes)
+    else:
+        from fcir import dot
 
-    if a.format == "dot":
-        sys.stdout.write(dot.to_dot(module))
-        return 0
-    svg = dot.to_svg(module)
+        text = dot.to_dot(module) if a.format == "dot" else dot.to_svg(module)
     if a.output:
-        pathlib.Path(a.output).write_text(svg)
+        pathlib.Path(a.output).write_text(text)
         print(f"wrote {a.output}")
     else:
-        sys.stdout.write(svg)
+        sys.stdout.write(text)
     return 0
 
 
@@ -202,7 +206,8 @@ def _capture_unchecked(target, specs):
     from fcir.loading import load_python_target
 
     fn, args = load_python_target(target, specs)
-    return capture_unchecked(fn, *args, name=target.rpartition(":")[2])
+    # With locations, so each error names the user's source line.
+    return capture_unchecked(fn, *args, name=target.rpartition(":")[2], locations=True)
 
 
 def cmd_diff(a) -> int:
@@ -226,12 +231,12 @@ def cmd_diff(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from fcir.loading import load_module
+    from fcir.loading import load_inputs, load_module
 
     if a.clients_per_step is not None and a.backend != "xla":
         raise _Usage("--clients-per-step streams members on the xla backend: add --backend xla")
     module = load_module(a.FILE, a.args)
-    leaves = _load_inputs(a.inputs)
+    leaves = load_inputs(a.inputs, module)
     args = _unflatten_args(module, leaves)
     if a.backend == "reference":
         from fcir.interpreters import reference
@@ -240,7 +245,9 @@ def cmd_run(a) -> int:
     else:
         from fcir.interpreters import xla
 
-        outputs = xla.compile(module, clients_per_step=a.clients_per_step)(*args)
+        exe = xla.compile(module, clients_per_step=a.clients_per_step)
+        _say_chosen_k(exe)
+        outputs = exe(*args)
     _write_outputs(outputs, a.output)
     return 0
 
@@ -293,7 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "dot", "svg"), default="text")
     p.add_argument("--full-constants", action="store_true",
                    help="print every constant in full instead of type + sha256")
-    p.add_argument("-o", "--output", metavar="FILE", help="where to write svg output")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="write the text, dot or svg to FILE (else print it)")
+    p.add_argument("--locations", action="store_true",
+                   help="text: print each op's source line, loc(\"file.py:12\") (Python "
+                   "targets; errors name it without this flag)")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("check", help="type and placement check; exit 1 with the errors",

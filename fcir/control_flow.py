@@ -188,7 +188,19 @@ def bindings(name: str, attrs: dict, operands: int, results: int, regions: int) 
     raise BindingError(f"jax.{name} is not a control-flow op")
 
 
+def scan_length(op) -> int:
+    """A ``jax.scan``'s trip count; IRTypeError (not OverflowError from ``int(inf)``)
+    when a hand-edited module's ``length`` is not a non-negative int."""
+    v = op.attrs.get("length", 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        from fcir.errors import IRTypeError
+
+        raise IRTypeError(f"{op.name}: attribute length={v!r} must be a non-negative int")
+    return v
+
+
 def scan_slices(attrs: dict, operands: int, results: int) -> tuple[range, range]:
-    """(operand indices of ``xs``, result indices of ``ys``) of a ``jax.scan``."""
-    nc, nk = int(attrs["num_consts"]), int(attrs["num_carry"])
+    """(operand indices of ``xs``, result indices of ``ys``) of a ``jax.scan``; a
+    ``BindingError`` when the counts are not non-negative ints."""
+    nc, nk = _int(attrs, "num_consts"), _int(attrs, "num_carry")
     return range(nc + nk, operands), range(nk, results)

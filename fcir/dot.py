@@ -30,7 +30,7 @@ import subprocess
 
 from fcir.errors import FcirError
 from fcir.ir import Module, Op, Region, Value, walk
-from fcir.traffic import REDUCTIONS, Transfer, format_bytes, nbytes, transfers
+from fcir.traffic import REDUCTIONS, Transfer, call_unit, format_bytes, nbytes, transfers
 from fcir.types import SERVER, PlacedType, Structure
 
 __all__ = ["to_dot", "to_svg"]
@@ -46,6 +46,9 @@ _NOTABLE = frozenset(
 
 def to_dot(module: Module) -> str:
     """The dataflow graph of ``module`` in Graphviz ``dot`` syntax (deterministic)."""
+    from fcir.ir import expect_module
+
+    expect_module(module, "fcir.dot.to_dot")
     return _Drawing(module).draw()
 
 
@@ -106,13 +109,14 @@ class _Edge:
             return ""
         color = _BROADCAST_COLOR if self.kind == "broadcast" else _AGGREGATE_COLOR
         times = f" x {self.repeats} times" if self.repeats > 1 else ""
-        label = (
-            f"{format_bytes(self.bytes)}/round\n{self.members} x {format_bytes(self.per_member)}"
-        )
+        # Per round is one run of the op; in a loop of rounds the call runs it repeats times.
+        per_round = self.per_member * self.members
+        label = f"{format_bytes(per_round)}/round\n{self.members} x {format_bytes(self.per_member)}"
         who = "receives" if self.kind == "broadcast" else "sends"
         tooltip = (
-            f"{self.kind}: {format_bytes(self.bytes)} per round; each of {self.members} "
+            f"{self.kind}: {format_bytes(per_round)} per round; each of {self.members} "
             f"members {who} {format_bytes(self.per_member)}{times}"
+            + (f"; {format_bytes(self.bytes)} per call" if self.repeats > 1 else "")
         )
         return (
             f' [class="{self.kind}", color="{color}", fontcolor="{color}", penwidth=2.2, '
@@ -247,7 +251,7 @@ class _Drawing:
         places = [SERVER, *(p for p, _ in m.placements)]
         total = sum(t.bytes for t in self.traffic.values())
         title = f"@{m.name}: {' > '.join(_place_title(m, p) for p in places)}"
-        title += f"; {format_bytes(total)} communicated per round"
+        title += f"; {format_bytes(total)} communicated per {call_unit(m)}"
         lines = [
             f"digraph {_quote('fcir_' + m.name)} {{",
             f"  label={_quote(title)};",

@@ -91,6 +91,20 @@ def jax_primitive(name: str) -> core.Primitive:
     return prim
 
 
+def as_input(x):
+    """An argument leaf as ``jax.jit`` takes it: Python scalars become arrays, and host
+    (numpy) arrays of a 64-bit dtype the 32-bit one while JAX's x64 mode is off
+    (``jax.dtypes.canonicalize_dtype``: float64 -> float32, int64 -> int32). The one
+    input rule of every backend (reference, xla, production bundles), so a float64
+    numpy array runs on each alike, as under ``jax.jit``."""
+    if not hasattr(x, "dtype"):
+        return jax.numpy.asarray(x)
+    if isinstance(x, (jax.Array, core.Tracer)):
+        return x
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    return x if dtype == x.dtype else np.asarray(x, dtype)
+
+
 class Interpreter:
     """Runs a Module. ``verbose=True`` logs each op; ``run(..., intermediates=True)``
     also returns every value computed, keyed by the printer's value number."""
@@ -112,8 +126,9 @@ class Interpreter:
     def run(self, module: Module, *args, intermediates: bool = False):
         """Runs ``main`` on pytree ``args``; returns the result pytree (and, when
         ``intermediates``, a dict value-number -> value)."""
-        from fcir.ir import value_numbering
+        from fcir.ir import expect_module, value_numbering
 
+        expect_module(module, f"{type(self).__name__}.run")
         self.module = module
         func = module.main
         leaves = jax.tree_util.tree_leaves(args)
@@ -124,7 +139,7 @@ class Interpreter:
             )
         from fcir.types import dtype_name
 
-        leaves = [x if hasattr(x, "dtype") else jax.numpy.asarray(x) for x in leaves]
+        leaves = [as_input(x) for x in leaves]
         for i, (x, v) in enumerate(zip(leaves, params)):
             expected = runtime_type(v.type, module.cardinality)
             shape, dtype = tuple(np.shape(x)), x.dtype

@@ -23,6 +23,18 @@ IR_VERSION = 1  # major version of the fcir.v1 Module format this fcir reads and
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+def expect_module(module, who: str) -> None:
+    """Raises ``IRTypeError`` unless ``module`` is a :class:`Module` (what ``who``, a
+    public function, takes), instead of an AttributeError deep inside it."""
+    if not isinstance(module, Module):
+        from fcir.errors import IRTypeError
+
+        raise IRTypeError(
+            f"{who}: expected an fcir.Module (from fcir.capture, fcir.parse or "
+            f"fcir.Module.deserialize), got {type(module).__name__}"
+        )
+
+
 def is_name(name) -> bool:
     """Whether ``name`` is a valid module, func or placement name (an ASCII identifier)."""
     return isinstance(name, str) and _NAME.fullmatch(name) is not None

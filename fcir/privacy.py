@@ -43,13 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterator
 
 from fcir import control_flow as cf
 from fcir import fed as F
 from fcir.errors import PrivacyError
-from fcir.ir import Module, Op, Region, Value, value_numbering
+from fcir.ir import Module, Op, Region, Value, expect_module, value_numbering
 from fcir.ops import DP_OPS
+from fcir.traffic import call_unit
 from fcir.types import SERVER, PlacedType
 
 __all__ = ["CONSTRAINTS", "DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
@@ -244,6 +246,7 @@ def leaks(module: Module) -> list[Leak]:
     whose noise another release may repeat (``privacy/C4``)."""
     from fcir.dp_keys import problems
 
+    expect_module(module, "fcir.privacy.leaks")
     found = _Taint(module).run()
     return found + [Leak("privacy/C4", p.message, p.path, p.op) for p in problems(module)]
 
@@ -263,6 +266,7 @@ class Release:
 
 def releases(module: Module) -> list[Release]:
     """The DP ops of one round, in program order, with how often each runs."""
+    expect_module(module, "fcir.privacy.releases")
     return list(_releases(module.main.body, 1))
 
 
@@ -280,7 +284,7 @@ def _releases(region: Region, times: int) -> Iterator[Release]:
             )
         elif op.name == "jax.scan":
             for sub in op.regions:
-                yield from _releases(sub, times * int(op.attrs.get("length", 1)))
+                yield from _releases(sub, times * cf.scan_length(op))
         else:
             for sub in op.regions:
                 yield from _releases(sub, times)
@@ -310,6 +314,18 @@ def _round_event(rels: list[Release], sampling_rate: float):
     return dpa.PoissonSampledDpEvent(sampling_rate, dpa.GaussianDpEvent(z))
 
 
+def _probability(who: str, name: str, value, interval: str) -> float:
+    """``value`` as a float in ``interval`` ("(0, 1)" or "(0, 1]"), else a PrivacyError
+    that names the argument (None, strings and NaN included)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = 0.0 < value < 1.0 or (interval == "(0, 1]" and value == 1.0)
+    if not ok:
+        raise PrivacyError(f"{who}: {name} must be a number in {interval}, got {value!r}")
+    return value
+
+
 def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.0, *,
             accountant: str = "rdp") -> float:
     """ε of ``rounds`` rounds of ``module`` at ``delta``, clients Poisson-sampled at
@@ -322,14 +338,12 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
     """
     import dp_accounting as dpa
 
+    expect_module(module, "fcir.privacy.epsilon")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise PrivacyError(f"fcir.privacy.epsilon: rounds must be an int >= 0, got {rounds!r}")
-    if not 0.0 < float(delta) < 1.0:
-        raise PrivacyError(f"fcir.privacy.epsilon: delta must be in (0, 1), got {delta!r}")
-    if not 0.0 < float(sampling_rate) <= 1.0:
-        raise PrivacyError(
-            f"fcir.privacy.epsilon: sampling_rate must be in (0, 1], got {sampling_rate!r}"
-        )
+    delta = _probability("fcir.privacy.epsilon", "delta", delta, "(0, 1)")
+    sampling_rate = _probability("fcir.privacy.epsilon", "sampling_rate", sampling_rate,
+                                 "(0, 1]")
     rels = releases(module)
     _distinct_noise(module)
     if not rels:
@@ -368,6 +382,7 @@ def _distinct_noise(module: Module) -> None:
 def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
     """The privacy cost of one round (every client taking part), for the cost report
     and ``fcir show``; None when the module has no DP ops."""
+    delta = _probability("fcir.privacy.round_cost", "delta", delta, "(0, 1)")
     try:
         rels = releases(module)
         if not rels:
@@ -380,6 +395,7 @@ def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
         "delta": delta,
         "epsilon_per_round": per_round,
         "accountant": "rdp",
+        "unit": call_unit(module),  # "round", or a call of a program that loops over rounds
     }
 
 
@@ -389,7 +405,7 @@ def format_round_cost(cost: dict | None) -> list[str]:
         return []
     if "error" in cost:
         return [f"privacy: {cost['error']}"]
-    lines = ["privacy (per round, every client taking part):"]
+    lines = [f"privacy (per {cost.get('unit', 'round')}, every client taking part):"]
     for r in cost["releases"]:
         times = f" x{r['count']}" if r["count"] > 1 else ""
         lines.append(
@@ -398,6 +414,7 @@ def format_round_cost(cost: dict | None) -> list[str]:
         )
     lines.append(
         f"  epsilon={cost['epsilon_per_round']:.4g} at delta={cost['delta']:g} "
-        f"({cost['accountant'].upper()}; fcir.privacy.epsilon composes rounds)"
+        f"({cost['accountant'].upper()}; fcir.privacy.epsilon composes "
+        f"{'rounds' if cost.get('unit', 'round') == 'round' else 'calls'})"
     )
     return lines

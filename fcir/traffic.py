@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from fcir import fed as F
+from fcir.control_flow import scan_length
 from fcir.ir import Module, Op, Region
 from fcir.types import PlacedType, Type, runtime_type
 
@@ -80,6 +81,9 @@ def _member(t: Type) -> Type:
 
 def transfers(module: Module) -> Iterator[Transfer]:
     """Every federated op that communicates, in program order, with its bytes."""
+    from fcir.ir import expect_module
+
+    expect_module(module, "fcir.traffic")
     yield from _transfers(module, module.main.body, 1, 1)
 
 
@@ -102,9 +106,31 @@ def _transfers(module: Module, region: Region, members: int, repeats: int):
             n = module.cardinality(op.operands[0].type.placement)
             yield from _transfers(module, op.regions[0], members * n, repeats)
         elif op.regions:
-            inner = repeats * int(op.attrs.get("length", 1)) if op.name == "jax.scan" else repeats
+            inner = repeats * scan_length(op) if op.name == "jax.scan" else repeats
             for sub in op.regions:
                 yield from _transfers(module, sub, members, inner)
+
+
+def call_unit(module: Module) -> str:
+    """What one call of ``main`` is, for reports that count per call: ``"round"`` for
+    straight-line rounds, else ``"call of @name (jax.scan x5 of rounds)"`` when the
+    server runs federated ops in loops (a call is then many rounds)."""
+    loops = []
+    for op in module.main.body.ops:
+        if op.regions and op.name.startswith("jax.") and _federated(op):
+            name = op.name
+            if name == "jax.scan" and "length" in op.attrs:
+                name += f" x{op.attrs['length']}"
+            loops.append(name)
+    loops = [n for n in loops if n.startswith(("jax.scan", "jax.while"))]
+    if not loops:
+        return "round"
+    return f"call of @{module.name} ({', '.join(loops)} of rounds)"
+
+
+def _federated(op: Op) -> bool:
+    return any(o.name.startswith("fed.") or (o.regions and _federated(o))
+               for r in op.regions for o in r.ops)
 
 
 def communication_bytes(module: Module) -> dict[str, dict[str, int]]:
@@ -114,6 +140,9 @@ def communication_bytes(module: Module) -> dict[str, dict[str, int]]:
     ``aggregate``: bytes they send into reductions. Every declared placement has an
     entry, outermost first.
     """
+    from fcir.ir import expect_module
+
+    expect_module(module, "fcir.traffic.communication_bytes")
     out = {p: {"broadcast": 0, "aggregate": 0} for p, _ in module.placements}
     for t in transfers(module):
         out[t.placement][t.kind] += t.bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -177,6 +178,59 @@ def test_run_on_xla(files, capsys):
         np.testing.assert_array_equal(data["arr_0"], np.asarray(jax.jit(ns["fedavg"])(*args)))
 
 
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+def test_float64_inputs_run_as_float32_on_every_backend_with_a_note(files, capsys, backend):
+    """One input rule (jax.jit's): float64 numpy leaves become float32, on every backend,
+    and the command line says so instead of converting silently."""
+    paths, ns, args = files
+    f64 = paths["inputs"].with_name("f64.npz")
+    np.savez(f64, *[np.asarray(a, np.float64) for a in args])
+    code, _, err = run_main(
+        ["run", paths["pb"], "--backend", backend, "--inputs", f64, "-o", paths["out"]], capsys
+    )
+    assert code == 0, err
+    assert "arr_0 is float64, converted to float32 as jax.jit does" in err
+    with np.load(paths["out"]) as data:
+        np.testing.assert_allclose(
+            data["arr_0"], np.asarray(jax.jit(ns["fedavg"])(*args)), rtol=1e-6
+        )
+
+
+def test_reference_and_xla_take_float64_numpy_alike_from_python():
+    from fcir.interpreters import reference, xla
+
+    @fcir.program(placements={"clients": 3})
+    def mean(x):
+        return fcir.reduce_mean(x)
+
+    x = np.arange(6, dtype=np.float64).reshape(3, 2) / 7
+    m = fcir.capture(mean, x.astype(np.float32))
+    by_reference, by_xla = reference.run(m, x), xla.compile(m)(x)
+    assert by_reference.dtype == by_xla.dtype == np.float32
+    np.testing.assert_allclose(by_reference, by_xla, rtol=1e-6)
+
+
+def test_inputs_saved_by_name_are_refused_listing_the_leaves_by_position(files, capsys):
+    paths, _, _ = files
+    named = paths["inputs"].with_name("named.npz")
+    np.savez(named, b1=np.ones((4, 2), np.float32), w1=np.ones((3, 5, 4), np.float32))
+    code, _, err = run_main(["run", paths["pb"], "--inputs", named], capsys)
+    assert code == 1
+    assert "holds arrays named b1, w1: inputs are read by position, as arr_0, arr_1" in err
+    assert "arr_0: f32[4,2] (%0: f32[4,2]@server, argument [0])" in err
+    assert "arr_1: f32[3,5,4] (%1: {f32[5,4]}@clients, argument [1])" in err
+    assert "the inputs hold 0" not in err
+
+
+def test_a_missing_input_leaf_is_named(files, capsys):
+    paths, _, args = files
+    short = paths["inputs"].with_name("short.npz")
+    np.savez(short, np.asarray(args[0]))
+    code, _, err = run_main(["run", paths["pb"], "--inputs", short], capsys)
+    assert code == 1
+    assert "short.npz has no arr_1: f32[3,5,4] (%1: {f32[5,4]}@clients, argument [1])" in err
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 
@@ -312,3 +366,111 @@ def test_python_dash_m_fcir_cli(files):
     assert results["diff"][0][0].startswith(f"--- {paths['pb']}\n+++ {paths['other']}\n")
     assert results["check garbage"][0][1].startswith("fcir check: error: line 2, column")
     assert "Traceback" in results["debug"][0][1] and "ParseError" in results["debug"][0][1]
+
+
+# --- --args specs for dicts and lists (issue 17, item 17) ----------------------------------
+
+HINTED = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, fcir
+
+    @fcir.program(placements={"clients": 3})
+    def plain(model, data):
+        x, n = data
+        step = lambda m, x, n: jax.tree.map(lambda p: p - jnp.mean(x) * n, m)
+        return fcir.reduce_mean(fcir.map_fn(step, (fcir.broadcast(model), x, n)))
+
+    @fcir.program(placements={"clients": 3})
+    def keyed(model, key, data):
+        return plain(model, data)
+
+    EXAMPLE_ARGS = {"keyed": lambda: (
+        {"w": jnp.zeros((4, 2)), "b": [jnp.zeros(2), jnp.zeros((), jnp.int32)]},
+        jax.random.key(0),
+        (jnp.ones((3, 5)), jnp.ones((3,), jnp.int32)),
+    )}
+    """
+)
+
+
+def test_args_specs_describe_dicts_lists_tuples_keys_and_none():
+    from fcir.targets import format_arg_spec, parse_arg_specs
+
+    specs = ['{"w": f32[4,2], b: [f32[2], i32[]]}', "(f32[3,5],)", "key<fry>[]", "none",
+             "[(bf16[1], u8[2]), {}]"]
+    w, x, k, none, nested = parse_arg_specs(specs)
+    assert set(w) == {"w", "b"} and w["w"].shape == (4, 2) and w["b"][1].dtype == np.int32
+    assert isinstance(w["b"], list) and x[0].shape == (3, 5) and none is None
+    assert str(k.dtype) == "key<fry>" and nested[1] == {}
+    for tree in (w, x, k, none, nested):
+        again = parse_arg_specs([format_arg_spec(tree)])[0]
+        assert jax.tree.structure(again) == jax.tree.structure(tree)
+        assert jax.tree.leaves(again) == jax.tree.leaves(tree)
+
+
+@pytest.mark.parametrize("spec", ['{"w": f32[2], "w": f32[2]}', "{w f32[2]}", "[f32[2]",
+                                  "{1: f32[2]}", "(,)"])
+def test_bad_args_specs_are_usage_errors_not_tracebacks(tmp_path, capsys, spec):
+    src = tmp_path / "hinted.py"
+    src.write_text(HINTED)
+    code, _, err = run_main(["compile", f"{src}:plain", "--emit", "ir", "--args", spec], capsys)
+    assert code == 1 and "fcir compile: error: line 1" in err
+    assert_no_traceback(err)
+
+
+def test_missing_example_args_hint_is_an_args_that_parses_and_compiles(tmp_path, capsys):
+    import shlex
+
+    src = tmp_path / "hinted.py"
+    src.write_text(HINTED)
+    code, _, err = run_main(["compile", f"{src}:plain", "--emit", "ir"], capsys)
+    assert code == 1 and "defines no EXAMPLE_ARGS['plain']" in err
+    hint = shlex.split(err[err.rindex("--args ") :])
+    assert hint[0] == "--args" and len(hint) == 3  # model and data, not keyed's key
+    code, out, err = run_main(["compile", f"{src}:plain", "--emit", "ir", *hint], capsys)
+    assert code == 0, err
+    assert '.args ({"b": [$0, $1], "w": $2}, ($3, $4))' in out
+
+
+# --- show -o and --clients-per-step auto (issue 17, item 20) -------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["text", "dot"])
+def test_show_writes_text_and_dot_to_the_output_file(files, capsys, tmp_path, fmt):
+    paths, _, _ = files
+    out = tmp_path / f"shown.{fmt}"
+    code, printed, err = run_main(["show", paths["fcir"], "--format", fmt, "-o", out], capsys)
+    assert code == 0, err
+    assert printed == f"wrote {out}\n"
+    body = out.read_text()
+    assert body.startswith("fcir.module @fedavg" if fmt == "text" else "digraph")
+
+
+def test_run_with_auto_clients_per_step_says_which_k_it_chose(files, capsys):
+    pytest.importorskip("fcir.interpreters.xla")
+    paths, _, _ = files
+    code, _, err = run_main(["run", paths["pb"], "--backend", "xla", "--inputs",
+                             paths["inputs"], "--clients-per-step", "auto"], capsys)
+    assert code == 0, err
+    assert re.search(r"clients-per-step auto: k=\d+ members per step and device "
+                     r"\(predicted peak [\d,]+ B of a [\d,]+ B limit; tried k=1: ", err), err
+
+
+# --- source lines (issue 17, item 16) --------------------------------------------------------
+
+
+def test_check_of_a_python_target_names_the_source_line(files, capsys):
+    paths, _, _ = files
+    code, out, _ = run_main(["check", f"{paths['py']}:peeks"], capsys)
+    lines = TARGET.splitlines()
+    line = next(i for i, t in enumerate(lines) if "return x[0] + fcir.reduce_sum" in t)
+    assert code == 1
+    assert f"at target.py:{line + 1}: local/C1" in out
+
+
+def test_show_locations_prints_each_ops_source_line(files, capsys):
+    paths, _, _ = files
+    code, out, _ = run_main(["show", f"{paths['py']}:fedavg", "--locations"], capsys)
+    assert code == 0 and 'loc("target.py:' in out
+    code, out, _ = run_main(["show", f"{paths['py']}:fedavg"], capsys)
+    assert code == 0 and "loc(" not in out

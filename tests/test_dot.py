@@ -127,8 +127,11 @@ def test_federated_ops_inside_scan_count_once_per_iteration():
     assert communication_bytes(module) == {"clients": {"broadcast": 240, "aggregate": 240}}
     text = dot.to_dot(module)
     assert_well_formed(text, module)
-    assert ("broadcast", "240 B/round\\n3 x 16 B x 5 times") in comm_edges(text)
+    # One iteration of the scan is one round (3 clients x 16 B), run 5 times a call.
+    assert ("broadcast", "48 B/round\\n3 x 16 B x 5 times") in comm_edges(text)
     assert "(in scan x5)" in text
+    assert "480 B communicated per call of @rounds (jax.scan x5 of rounds)" in text
+    assert "communicated per round" not in text
 
 
 # --- communication_bytes ---------------------------------------------------------------------
@@ -194,3 +197,21 @@ def test_cli_show_writes_svg(tmp_path, capsys):
     out = tmp_path / "small.svg"
     assert cli.main(["show", str(path), "--format", "svg", "-o", str(out)]) == 0
     assert "</svg>" in out.read_text()
+
+
+def test_show_states_privacy_per_call_for_rounds_in_a_scan(tmp_path, capsys):
+    @fcir.program(placements={"clients": 4}, private=True)
+    def rounds(w, x, key):
+        def one(w, i):
+            up = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+            return fcir.dp_mean(up, 1.0, 1.0, jax.random.fold_in(key, i)), None
+
+        return jax.lax.scan(one, w, jnp.arange(5))[0]
+
+    module = fcir.capture(rounds, jnp.zeros(3), jnp.ones((4, 3)), jax.random.key(0))
+    path = tmp_path / "rounds.fcir"
+    path.write_text(module.to_text(full_constants=True))
+    assert cli.main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "// privacy (per call of @rounds (jax.scan x5 of rounds), every client" in out
+    assert "fcir.privacy.epsilon composes calls" in out

@@ -141,3 +141,26 @@ def test_progress_summary_after_an_early_break():
     assert len(lines) == 2 and lines[0].startswith("round  1/10 | ")
     assert lines[1].startswith("1 round in ")
     assert len(progress.history) == 1
+
+
+# --- examples/dp_fedavg_digits.py (issue 17, items 17 and 20) ------------------------------
+
+
+def test_digits_plot_title_names_the_clients_given_and_round_ticks_are_whole():
+    pytest.importorskip("matplotlib")
+    digits = load("dp_fedavg_digits")
+    fig = digits.figure([0.5, 0.6], [0.4, 0.5], [1.0, 1.5], 1e-5, 4.0, num_clients=7)
+    fig.canvas.draw()
+    accuracy, privacy = fig.axes
+    assert accuracy.get_title() == "digits, 7 non-IID clients"
+    for ax in (accuracy, privacy):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_both_digits_rounds_compile_from_the_command_line(tmp_path):
+    pytest.importorskip("sklearn")
+    for fn in ("fedavg_round", "dp_fedavg_round"):
+        target = f"{EXAMPLES / 'dp_fedavg_digits'}.py:{fn}"
+        assert cli.main(["compile", target, "--emit", "ir", "-o", str(tmp_path)]) == 0
+        fcir.check(fcir.parse((tmp_path / f"{fn}.fcir").read_text()))

@@ -171,17 +171,33 @@ def test_run_plan_prints_a_summary(tmp_path, capsys):
     assert out[1].startswith("arr_1: int32[] ")
 
 
+def test_run_plan_takes_int64_inputs_as_int32_like_run_with_a_note(tmp_path, capsys):
+    name = "corpus:secure_histogram"
+    _, args = cases.fn_and_args(name)
+    leaves = jax.tree_util.tree_leaves(args)
+    np.savez(tmp_path / "in.npz", *[np.asarray(x, np.int64) for x in leaves])
+    assert main(["run-plan", cases.bundle(name), "--inputs", str(tmp_path / "in.npz"),
+                 "-o", str(tmp_path / "out.npz")]) == 0
+    assert "arr_0 is int64, converted to int32 as jax.jit does" in capsys.readouterr().err
+    with np.load(tmp_path / "out.npz") as data:
+        got = [data[f"arr_{i}"] for i in range(len(data.files))]
+    cases.assert_close(got, jax.tree_util.tree_leaves(cases.expected(name)), name=name)
+
+
 def test_run_plan_bad_inputs_are_one_line_errors(tmp_path, capsys):
     bundle = cases.bundle("corpus:secure_histogram")
     np.savez(tmp_path / "short.npz", np.zeros((6, 16), np.int32))
     assert main(["run-plan", bundle, "--inputs", str(tmp_path / "short.npz")]) == 1
-    assert "takes 2 argument leaves, got 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "short.npz has no arr_1: i32[6,16] (%1: {i32[16]}@clients" in err
+    assert err.count("\n") == 1
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
     assert main(["run-plan", bundle, "--inputs", str(tmp_path / "junk.npz")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("fcir run-plan: error: cannot read inputs") and err.count("\n") == 1
     np.savez(tmp_path / "named.npz", x=np.zeros(3))
     assert main(["run-plan", bundle, "--inputs", str(tmp_path / "named.npz")]) == 1
-    assert "expected arrays arr_0, arr_1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "named.npz holds arrays named x: inputs are read by position, as arr_0" in err
     assert main(["run-plan", str(tmp_path), "--inputs", str(tmp_path / "short.npz")]) == 1
     assert "not a production bundle" in capsys.readouterr().err

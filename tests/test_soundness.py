@@ -485,7 +485,8 @@ def test_hostile_integer_is_a_parse_error(old, new):
 
 _HOSTILE = [BIG, "^²", "^٣", "$٣", "$" + BIG, "%" + BIG, "@héllo", "héllo", "f32[99999999999]",
             "1" + "0" * 400, "1e-400", "+5", "-0", "dense<i8[]: 300>", "dense<bool[1]: [2]>",
-            "\u2028", "\x00", "\ufeff", "[", "]", "{", "}", ",", "=", ":", "none", "^0"]
+            "\u2028", "\x00", "\ufeff", "[", "]", "{", "}", ",", "=", ":", "none", "^0",
+            "1e309", "-1e309", "1e3", "2.5", "-0.0", "1e-400"]
 _SUM_TOKENS = re.findall(r"\s+|[%$^#@]?[\w.<>-]+|.", SUM, re.DOTALL)
 
 
@@ -504,6 +505,63 @@ def test_text_with_hostile_tokens_raises_only_fcir_errors(edits, replace):
     except FcirError:
         return
     try:
+        fcir.check(m)
+    except FcirError:
+        return
+    _round_trips(m)
+
+
+# Control flow holds integer attributes (counts, lengths) that the checker and the
+# interpreters read as ints: a float-ish token there (1e309 parses as inf) must be an
+# FcirError, not an OverflowError or ValueError from int(inf).
+FLOW = """\
+fcir.module @p ir_version=1 placements=[clients:2]
+func @main(%0: f32[3]@server, %1: {f32[3]}@clients, %2: i32[]@server) -> (f32[3]@server) {
+  %3: f32[3]@server = jax.scan %1, %0 {jaxpr=^0, length=2, num_carry=1, num_consts=1, reverse=false, unroll=1} {
+    ^r0(%4: {f32[3]}@clients, %5: f32[3]@server):
+      %6: f32[3]@clients! = fed.broadcast %5 {to="clients"}
+      %7: {f32[3]}@clients = fed.map %6, %4 {
+        ^member(%8: f32[3], %9: f32[3]):
+          %10: f32[3] = jax.sub %9, %8
+          yield %10
+      }
+      %11: f32[3]@server = fed.mean %7
+      yield %11
+  }
+  %12: i32[]@server = fcir.constant {value=dense<i32[]: 0>}
+  %13: i32[]@server, %14: i32[]@server, %15: f32[3]@server = jax.while %12, %2, %3 {body_jaxpr=^0, body_nconsts=0, cond_jaxpr=^1, cond_nconsts=0} {
+    ^r0(%16: i32[]@server, %17: i32[]@server, %18: f32[3]@server):
+      %19: i32[]@server = fcir.constant {value=dense<i32[]: 1>}
+      %20: i32[]@server = jax.add %16, %19
+      %21: f32[3]@server = jax.mul %18, %18 {out_dtype=none}
+      yield %20, %17, %21
+  }, {
+    ^r1(%22: i32[]@server, %23: i32[]@server, %24: f32[3]@server):
+      %25: bool[]@server = jax.lt %22, %23
+      yield %25
+  }
+  return %15
+}
+"""
+_INT_ATTRS = [m.start(1) for m in re.finditer(r"[=\[ ](\d+)[,\]}]", FLOW)]
+_FLOATISH = ["1e309", "-1e309", "1e3", "2.5", "-0.0", "1e-400", "nan", "inf", "-1", "1" * 30]
+
+
+def test_flow_base_checks_and_has_integer_attributes_to_fuzz():
+    fcir.check(fcir.parse(FLOW))
+    assert len(_INT_ATTRS) >= 8
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(_INT_ATTRS), st.sampled_from(_FLOATISH)),
+                min_size=1, max_size=2, unique_by=lambda e: e[0]))
+def test_float_tokens_for_integer_attributes_raise_only_fcir_errors(edits):
+    text = FLOW
+    for at, tok in sorted(edits, reverse=True):
+        end = at + len(re.match(r"\d+", text[at:]).group())
+        text = text[:at] + tok + text[end:]
+    try:
+        m = fcir.parse(text)
         fcir.check(m)
     except FcirError:
         return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -260,21 +261,56 @@ def test_cost_of_hierarchical_program():
 def test_cost_counts_ops_in_scan_per_iteration():
     @fcir.program(placements={"clients": 4})
     def rounds(w, data):
-        def one_round(w, x):
-            deltas = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+        def one_round(w, _):
+            deltas = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), data))
             return w + fcir.reduce_mean(deltas), None
 
-        w, _ = jax.lax.scan(one_round, w, data)
+        w, _ = jax.lax.scan(one_round, w, None, length=5)
         return w
 
-    w, data = jnp.zeros(3), jnp.ones((5, 4, 3))  # 5 rounds of [clients, 3]
-    try:
-        module = fcir.capture(rounds, w, data)
-    except fcir.FcirError as e:
-        pytest.skip(f"capture does not take federated ops inside scan yet: {e}")
+    w, data = jnp.zeros(3), jnp.ones((4, 3))  # 4 clients, f32[3] each
+    module = fcir.capture(rounds, w, data)
     report = xla.compile(module).cost()
     (clients,) = report["placements"]
-    assert clients["bytes_broadcast_per_member"] == 5 * 3 * 4
+    assert clients["bytes_broadcast_per_member"] == 5 * 3 * 4  # 5 broadcasts of f32[3]
+    assert clients["bytes_aggregated_per_member"] == 5 * 3 * 4
+
+
+def _local_sgd(w, x):
+    def step(w, _):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w), None
+
+    return jax.lax.scan(step, w, None, length=3)[0]
+
+
+@fcir.program(placements={"clients": 4})
+def _one_round(w, x):
+    return fcir.reduce_mean(fcir.map_fn(_local_sgd, (fcir.broadcast(w), x)))
+
+
+@fcir.program(placements={"clients": 4})
+def _five_rounds(w, x):
+    return jax.lax.scan(lambda w, _: (_one_round(w, x), None), w, None, length=5)[0]
+
+
+def test_cost_of_rounds_in_a_scan_counts_every_iteration_and_says_per_call():
+    w, x = jnp.zeros(8), jnp.ones((4, 16, 8))
+    one = xla.compile(fcir.capture(_one_round, w, x)).cost()
+    five = xla.compile(fcir.capture(_five_rounds, w, x)).cost()
+    # The local scan's 3 steps and the 5 rounds both count: 5 rounds cost 5 rounds.
+    (c1,), (c5,) = one["placements"], five["placements"]
+    assert c5["flops_per_member"] == pytest.approx(5 * c1["flops_per_member"], rel=1e-6)
+    assert five["flops_per_call"] > 4 * five["hlo_flops"]
+    # XLA counts each loop body once; our parts counted the same way add up to it.
+    for report in (one, five):
+        assert report["flops_accounted"] == pytest.approx(report["hlo_flops"], rel=0.05)
+    assert (one["unit"], five["unit"]) == ("round", "call of @_five_rounds (jax.scan x5 of rounds)")
+    table = xla.format_cost(five)
+    assert "\nper call of @_five_rounds (jax.scan x5 of rounds)\n" in table
+    assert "per round" not in table
+    accounted = next(line for line in table.splitlines() if "accounted" in line)
+    numbers = [float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*", accounted)]
+    assert numbers[0] <= numbers[1] * 1.05  # never "1,847,314 of 371,508"
 
 
 def test_format_cost_table():

@@ -34,6 +34,7 @@ import numpy as np
 import fcir
 from fcir import pytrees
 from fcir.errors import FcirError
+from fcir.interpreter import as_input
 from fcir.ir import Module
 from fcir.types import dtype_name, runtime_type
 
@@ -317,7 +318,7 @@ class Bundle:
             )
         env: dict[tuple[str, str], object] = {}
         for entry, x in zip(inputs, leaves):
-            x = np.asarray(x) if not hasattr(x, "dtype") else x
+            x = as_input(x)  # float64 numpy -> float32, as on every backend
             want = entry["runtime"]
             got = f"{dtype_name(x.dtype)}[{','.join(str(d) for d in np.shape(x))}]"
             if got != want:

@@ -4,8 +4,6 @@ command line by ``fcir.cli`` (``register(subparsers)``)."""
 from __future__ import annotations
 
 import json
-import pathlib
-import zipfile
 
 from fcir.errors import FcirError
 
@@ -133,7 +131,9 @@ def cmd_export(a) -> int:
             "the modules on them); a production bundle takes none"
         )
     plan = export(module, aggregate_with=a.aggregate_with)
-    inputs = _read_npz(a.inputs) if a.inputs else None
+    from fcir.loading import load_inputs
+
+    inputs = load_inputs(a.inputs, module) if a.inputs else None
     out = plan.write(
         a.output,
         device_runtime=a.device_runtime,
@@ -151,35 +151,16 @@ def cmd_export(a) -> int:
     return 0
 
 
-def _read_npz(path: str) -> list:
-    import numpy as np
-
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise FcirError(f"no such inputs file: {path}")
-    try:
-        with np.load(p, allow_pickle=False) as data:
-            keys = [k for k in data.files if k.startswith("arr_") and k[4:].isdigit()]
-            keys.sort(key=lambda k: int(k[4:]))
-            if keys != [f"arr_{i}" for i in range(len(keys))] or len(keys) != len(data.files):
-                raise FcirError(
-                    f"{path}: expected arrays arr_0, arr_1, ... as np.savez(*leaves) "
-                    f"writes them, found {sorted(data.files)}"
-                )
-            return [data[k] for k in keys]
-    except FcirError:
-        raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        raise FcirError(f"cannot read inputs {path}: {type(e).__name__}: {e}") from None
-
-
 def cmd_run_plan(a) -> int:
     import numpy as np
 
     from .bundle import Bundle
 
     bundle = Bundle(a.DIR)
-    leaves = bundle.run_flat(_read_npz(a.inputs), device_runtime=a.device_runtime)
+    from fcir.loading import load_inputs
+
+    leaves = bundle.run_flat(load_inputs(a.inputs, bundle.round()),
+                             device_runtime=a.device_runtime)
     structure = bundle.round().main.result_structure
     order = structure.leaves() if structure is not None else range(len(leaves))
     outs = [np.asarray(leaves[i]) for i in order]

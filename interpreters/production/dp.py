@@ -20,6 +20,8 @@ original round goes into the manifest.
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 
 from fcir.errors import ExportError
@@ -54,19 +56,37 @@ def decompose(module: Module) -> Module:
     body = main.body
     env: dict[Value, Value] = {v: Value(v.type) for v in body.params}
     new = Region([env[v] for v in body.params], [], [], body.label)
-    for op in body.ops:
+    origin: list[int] = []  # new top-level op -> index of the user's op it comes from
+    for i, op in enumerate(body.ops):
         if op.name not in DP_OPS:
             new.ops.append(clone_op(op, env))
-            continue
-        outs = _splice(module, op, new, [env[v] for v in op.operands])
-        env.update(zip(op.results, outs))
+        else:
+            outs = _splice(module, op, new, [env[v] for v in op.operands])
+            env.update(zip(op.results, outs))
+        origin.extend([i] * (len(new.ops) - len(origin)))
     new.results = [env[v] for v in body.results]
     from fcir.check import check
     from fcir.ir import Func
 
     func = Func(main.name, new, main.arg_structure, main.result_structure)
     func.result_treedef = main.result_treedef
-    return check(Module(module.name, list(module.placements), [func], module.ir_version))
+    out = check(Module(module.name, list(module.placements), [func], module.ir_version))
+    # Errors about the decomposed round name the user's ops (see user_op).
+    _ORIGINS[out] = (module, origin)
+    return out
+
+
+# decomposed module -> (the user's module, new op index -> user's op index)
+_ORIGINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def user_op(module: Module, index: int):
+    """(the user's module, the user's op index) for top-level op ``index`` of a module
+    that ``decompose`` made; None for any other module."""
+    entry = _ORIGINS.get(module)
+    if entry is None or index >= len(entry[1]):
+        return None
+    return entry[0], entry[1][index]
 
 
 def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> list[Value]:

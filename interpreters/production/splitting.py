@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fcir import fed as F
+from fcir.elementwise import LAYOUT
 from fcir.ir import Func, Module, Op, Region, Value, value_numbering
 from fcir.ops import dtype_bits
 from fcir.primitives import mean_result_dtype
@@ -137,8 +138,8 @@ def split(module: Module) -> Split:
     from . import dp
 
     privacy = dp.manifest_entry(module)
+    checks.check_structure(module)  # on the user's ops, so errors name them
     module = dp.decompose(module)
-    checks.check_structure(module)
     out = _Splitter(module).run()
     out.privacy = privacy
     return out
@@ -167,12 +168,23 @@ class _Splitter:
 
     def where(self, v: Value) -> str:
         if v in self.index:
-            i = self.index[v]
-            return checks.op_where(self.m, (i,), self.ops[i], self.names)
+            return self.op_where(self.index[v])
         return f"argument %{self.names[v]}"
 
     def op_where(self, i: int) -> str:
-        return checks.op_where(self.m, (i,), self.ops[i], self.names)
+        """Op ``i``, named as the user wrote it: an op of the DP decomposition is named
+        by the user's DP op it came from (``dp.user_op``)."""
+        from . import dp
+
+        user = dp.user_op(self.m, i)
+        if user is None:
+            return checks.op_where(self.m, (i,), self.ops[i], self.names)
+        module, j = user
+        op = module.main.body.ops[j]
+        where = checks.op_where(module, (j,), op, value_numbering(module.main))
+        if op.name != self.ops[i].name:
+            where += f", at its {self.ops[i].name} in production"
+        return where
 
     def fail(self, where: str, reason: str, detail: str):
         return checks.fail(self.m, where, reason, detail)
@@ -382,6 +394,10 @@ class _Splitter:
                 for sub in body.ops:
                     fused.ops.append(clone_op(sub, inner))
                 env.update(zip(op.results, (inner[y] for y in body.results)))
+            elif op.name.removeprefix("jax.") in LAYOUT:
+                # A layout op over the member axis (capture under jax.set_mesh): one
+                # client's value has no member axis to lay out, so it passes through.
+                env.update(zip(op.results, (env[v] for v in op.operands)))
             else:  # per-member elementwise op, or a constant it uses
                 fused.ops.append(clone_op(op, env, member_type))
         outputs: dict[str, Value] = {}

@@ -408,4 +408,9 @@ class _NoMesh:
 
 def _mesh_context(mesh: Mesh | None):
     # Explicit axes type values by the mesh in context; with Auto axes it changes nothing.
-    return _NoMesh() if mesh is None else jax.set_mesh(mesh)
+    if mesh is None or jax.sharding.get_abstract_mesh() == mesh.abstract_mesh:
+        return _NoMesh()  # none, or the caller's jax.set_mesh already set it
+    try:
+        return jax.set_mesh(mesh)
+    except ValueError:  # called inside a trace (jax.grad, jax.jit of exe): set_mesh refuses
+        return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)

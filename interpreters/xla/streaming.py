@@ -329,13 +329,15 @@ class StreamingInterpreter(XlaInterpreter):
     def _run_stream(self, s: Stream, env: dict) -> list:
         batched = [jnp.asarray(env[v]) for v in s.batched]
         unbatched = [env[v] for v in s.unbatched]
-        axis = self._mesh_axis(s)
+        mesh = self._stream_mesh(s)
+        axis = self._mesh_axis(s, mesh)
         if axis is None:
+            batched = [_unshard_members(x) for x in batched]
             accs, bufs = self._stream_local(s, batched, unbatched, s.n)
             if self.mesh is not None:
                 bufs = [self.constrain(b, s.placement) for b in bufs]
         else:
-            devices = self.mesh.shape[axis]
+            devices = mesh.shape[axis]
 
             def local(batched, unbatched):
                 accs, bufs = self._stream_local(s, batched, unbatched, s.n // devices)
@@ -348,7 +350,7 @@ class StreamingInterpreter(XlaInterpreter):
             member = PartitionSpec(axis)
             partial, bufs = jax.shard_map(
                 local,
-                mesh=self.mesh,
+                mesh=mesh,
                 in_specs=([member] * len(batched), [PartitionSpec()] * len(unbatched)),
                 out_specs=(
                     [[member] * len(_acc_parts(op)) for op in s.reductions],
@@ -360,8 +362,12 @@ class StreamingInterpreter(XlaInterpreter):
             accs = [_combine(op, acc) for op, acc in zip(s.reductions, partial)]
         return [_finish(op, a, s.n) for op, a in zip(s.reductions, accs)] + list(bufs)
 
-    def _mesh_axis(self, s: Stream) -> str | None:
-        mesh = self.mesh
+    def _stream_mesh(self, s: Stream):
+        """The compile's mesh. Without one, the loop runs unsharded (under ``jax.set_mesh``
+        with Explicit axes its inputs are resharded first: ``_unshard_members``)."""
+        return self.mesh
+
+    def _mesh_axis(self, s: Stream, mesh) -> str | None:
         if mesh is None or s.placement not in mesh.axis_names:
             return None
         return s.placement if s.n % mesh.shape[s.placement] == 0 else None
@@ -394,7 +400,8 @@ class StreamingInterpreter(XlaInterpreter):
                 if v not in s.batched
             )
         )
-        vmapped = jax.vmap(one_member, in_axes=(0, None))
+        # axis_size: a map whose operands are all broadcast values has nothing batched.
+        vmapped = jax.vmap(one_member, in_axes=(0, None), axis_size=k)
 
         def chunk_values(start) -> dict:
             b_chunk = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
@@ -430,6 +437,19 @@ class StreamingInterpreter(XlaInterpreter):
         else:
             (_, accs, bufs), _ = lax.scan(step, init, None, length=steps)
         return accs, bufs
+
+
+def _unshard_members(x):
+    """``x`` with its member axis not explicitly sharded: a chunk is a dynamic slice of
+    it, which JAX refuses on an Explicit-sharded axis (``jax.set_mesh`` with Explicit
+    axes, when the loop does not run under shard_map)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or spec[0] is None or getattr(sharding.mesh, "empty", True):
+        return x
+    if all(t != jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types):
+        return x
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(None, *spec[1:]))
 
 
 # --- accumulators -----------------------------------------------------------------------
