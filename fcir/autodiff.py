@@ -91,6 +91,8 @@ from jax.sharding import PartitionSpec
 from fcir.primitives import (
     broadcast_p,
     clip_member,
+    ddp_mean_p,
+    ddp_sum_p,
     dp_mean_p,
     dp_sum_p,
     map_p,
@@ -376,6 +378,27 @@ def _dp_jvp(prim, primals, tangents, *, placement, n, clip_norm, noise_multiplie
 
 ad.primitive_jvps[dp_sum_p] = functools.partial(_dp_jvp, dp_sum_p)
 ad.primitive_jvps[dp_mean_p] = functools.partial(_dp_jvp, dp_mean_p)
+
+
+def _ddp_jvp(prim, mean, primals, tangents, **params):
+    """fed.ddp_*: like fed.dp_*, the noise and the rounding are constants, so the tangent
+    is the sum (mean) of the clipped members' tangents."""
+    *xs, _ = primals
+    ys = prim.bind(*primals, **params)
+    nonzero = tuple(not _is_zero(t) for t in tangents[:-1])
+    if not any(nonzero):
+        return ys, [ad_util.p2tz(y) for y in ys]
+    ts = [t for t, nz in zip(tangents, nonzero) if nz]
+    placement, n = params["placement"], params["n"]
+    clipped = member_map(
+        _clip_tangent_region, (params["clip_norm"], nonzero), placement, n, *xs, *ts
+    )
+    out = [sum_p.bind(c, placement=placement, n=n) for c in clipped]
+    return ys, [o / n for o in out] if mean else out
+
+
+ad.primitive_jvps[ddp_sum_p] = functools.partial(_ddp_jvp, ddp_sum_p, False)
+ad.primitive_jvps[ddp_mean_p] = functools.partial(_ddp_jvp, ddp_mean_p, True)
 
 
 # --- fed.map: JVP ---------------------------------------------------------------------------

@@ -66,6 +66,8 @@ FED_OP_NAMES = {
     "fed_secure_sum": "fed.secure_sum",
     "fed_dp_sum": "fed.dp_sum",
     "fed_dp_mean": "fed.dp_mean",
+    "fed_ddp_sum": "fed.ddp_sum",
+    "fed_ddp_mean": "fed.ddp_mean",
 }
 # DP aggregates take the PRNG key, a value where the result lives, as their last operand.
 _DP = frozenset({"fed_dp_sum", "fed_dp_mean"})
@@ -641,8 +643,10 @@ class _Converter:
             # A stacked value passes through the map unchanged (member axis first).
             self.swapped.update(v for v, r in zip(out, sub.results) if r in self.swapped)
             op = Op("fed.map", operands, out, {}, [sub], location=loc)
-        elif name in _DP:
+        elif name in _DP or name in ("fed_ddp_sum", "fed_ddp_mean"):
             attrs = {k: float(eqn.params[k]) for k in ("clip_norm", "noise_multiplier")}
+            if "bits" in eqn.params:
+                attrs["bits"] = int(eqn.params["bits"])
             out = [Value(self.local(tensor_of(v.aval), level)) for v in eqn.outvars]
             op = Op(FED_OP_NAMES[name], operands, out, attrs, location=loc)
         else:

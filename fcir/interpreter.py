@@ -239,6 +239,19 @@ class Interpreter:
     def dp_mean(self, op, *args):
         return self._dp(P.dp_mean_p, op, *args)
 
+    @impl("fed.ddp_sum")
+    def ddp_sum(self, op, *args):
+        return self._ddp(P.ddp_sum_p, op, *args)
+
+    @impl("fed.ddp_mean")
+    def ddp_mean(self, op, *args):
+        return self._ddp(P.ddp_mean_p, op, *args)
+
+    def _ddp(self, prim, op, *args):
+        p = op.operands[0].type.placement
+        return prim.bind(*args, placement=p, n=self.module.cardinality(p),
+                         **{k: op.attrs[k] for k in ("clip_norm", "noise_multiplier", "bits")})
+
     @impl("jax.custom_jvp_call")
     def custom_jvp_call(self, op, *args):
         # Derivative rules are not kept in the IR; the primal is the region, inlined as
@@ -309,7 +322,8 @@ class Interpreter:
 
 _REMAT = ("remat2", "checkpoint")
 # Fed ops whose impls return a list of results even when there is one.
-_MULTI_RESULT_FED = frozenset({"fed.map", "fed.dp_sum", "fed.dp_mean"})
+_MULTI_RESULT_FED = frozenset({"fed.map", "fed.dp_sum", "fed.dp_mean", "fed.ddp_sum",
+                               "fed.ddp_mean"})
 
 
 def _collect_impls(cls) -> None:

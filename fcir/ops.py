@@ -366,8 +366,9 @@ class DpMean(DpSum):
 
 # The ops that release client data to the placement above only through the Gaussian
 # mechanism: the privacy check lets their results through, the accountant counts them.
-DP_OPS = frozenset({"fed.dp_sum", "fed.dp_mean"})
+DP_OPS = frozenset({"fed.dp_sum", "fed.dp_mean", "fed.ddp_sum", "fed.ddp_mean"})
 
+from fcir import ddp_ops as _ddp_ops  # noqa: E402, F401  (registers fed.ddp_sum/mean)
 
 FED_OPS: dict[str, type[FedOp]] = dict(FedOp.registry)
 

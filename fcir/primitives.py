@@ -31,6 +31,8 @@ __all__ = [
     "secure_sum_p",
     "dp_sum_p",
     "dp_mean_p",
+    "ddp_sum_p",
+    "ddp_mean_p",
     "clip_member",
     "dp_noise",
     "REDUCTIONS",
@@ -434,3 +436,68 @@ REDUCTIONS = {
     "fed_dp_mean": dp_mean_p,
 }
 FEDERATED_PRIMITIVES = {"fed_broadcast": broadcast_p, "fed_map": map_p, **REDUCTIONS}
+
+
+# --- fed.ddp_sum / fed.ddp_mean (distributed DP; the numerics are fcir.ddp's) ---------------
+#
+# Operands: the placed leaves of one pytree, then the clients' PRNG keys (placed too).
+
+
+def _ddp_impl(*args, placement, n, clip_norm, noise_multiplier, bits, mean):
+    from fcir import ddp
+
+    del placement
+    *xs, keys = args
+    p = ddp.params(ddp.member_dim(x.shape[1:] for x in xs), n, clip_norm, noise_multiplier,
+                   bits)
+    encoded = jax.vmap(lambda k, *m: ddp.encode(m, k, p))(keys, *xs)
+    like = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
+    return ddp.decode(ddp.aggregate(encoded, p), p, like, mean)
+
+
+def _ddp_abstract_eval(*avals, placement, n, clip_norm, noise_multiplier, bits, mean):
+    from fcir import ddp
+
+    what = "fed.ddp_mean" if mean else "fed.ddp_sum"
+    *xs, keys = avals
+    if not xs:
+        raise IRTypeError(f"{what}/C1: needs at least one value leaf before the keys")
+    member_key = _member_aval(keys, placement, n, f"{what} keys")
+    if not _is_key(member_key):
+        raise IRTypeError(
+            f"{what}/C3: the keys must be one PRNG key per client (jax.random.split(key, "
+            f"n), or raw uint32[n, 2]), got {keys.str_short()}"
+        )
+    out = []
+    for i, x in enumerate(xs):
+        member = _member_aval(x, placement, n, f"{what} operand {i}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise IRTypeError(
+                f"{what}/C4: operand {i} must be a floating-point tensor, got {x.dtype}: "
+                "cast it (x.astype(jnp.float32)) before the DP aggregate"
+            )
+        out.append(member.update(weak_type=False))
+    ddp.params(ddp.member_dim(x.shape[1:] for x in xs), n, clip_norm, noise_multiplier, bits,
+               what)
+    return out
+
+
+def _make_ddp(name: str, mean: bool):
+    prim = core.Primitive(name)
+    prim.multiple_results = True
+
+    def impl(*args, **params):
+        return _ddp_impl(*args, mean=mean, **params)
+
+    prim.def_impl(impl)
+    prim.def_abstract_eval(lambda *avals, **params: _ddp_abstract_eval(*avals, mean=mean,
+                                                                       **params))
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    batching.primitive_batchers[prim] = _dp_batch(prim)
+    return prim
+
+
+ddp_sum_p = _make_ddp("fed_ddp_sum", mean=False)
+ddp_mean_p = _make_ddp("fed_ddp_mean", mean=True)
+REDUCTIONS.update({"fed_ddp_sum": ddp_sum_p, "fed_ddp_mean": ddp_mean_p})
+FEDERATED_PRIMITIVES.update({"fed_ddp_sum": ddp_sum_p, "fed_ddp_mean": ddp_mean_p})

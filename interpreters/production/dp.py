@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import jax
 
+from fcir.ddp_ops import DDP_OPS
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, Region, Value
 from fcir.privacy import DP_OPS
 from fcir.types import runtime_type
 
+from .ddp import decomposed_program
 from .rewrite import clone_op
 
 __all__ = ["decompose", "has_dp", "manifest_entry"]
@@ -88,6 +90,10 @@ def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> li
             noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
             out.append(noisy / n if mean else noisy)
         return out
+
+    if op.name in DDP_OPS:  # distributed DP: interpreters/production/ddp.py
+        shapes = [(v.type.member.shape, v.type.member.np_dtype) for v in op.operands[:-1]]
+        decomposed = decomposed_program(op, placement, n, shapes)  # noqa: F811
 
     *xs, key = op.operands
     specs = [

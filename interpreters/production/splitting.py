@@ -94,6 +94,12 @@ OP_RULES = {
     "server_result: Gaussian noise",
     "fed.dp_mean": "client_work: clip; client_to_server_aggregation: federated_sum; "
     "server_result: Gaussian noise, divided by the cardinality",
+    # Distributed DP (interpreters/production/ddp.py): noised on the clients.
+    "fed.ddp_sum": "client_work: clip, rotate, quantize, discrete Gaussian noise; "
+    "client_to_server_aggregation: federated_secure_sum_bitwidth; server_result: decode",
+    "fed.ddp_mean": "client_work: clip, rotate, quantize, discrete Gaussian noise; "
+    "client_to_server_aggregation: federated_secure_sum_bitwidth; server_result: decode, "
+    "divided by the cardinality",
 }
 
 
