@@ -312,3 +312,12 @@ def decode(total, p: DdpParams, like, mean: bool):
 def member_dim(shapes) -> int:
     """``d``: the number of elements of one member's pytree."""
     return int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes))
+
+
+def op_params(module, op) -> DdpParams:
+    """The parameters of a ``fed.ddp_*`` op of ``module`` (cardinality from the module,
+    dimension from the operands' member types)."""
+    n = module.cardinality(op.operands[0].type.placement)
+    dim = member_dim(v.type.member.shape for v in op.operands[:-1])
+    a = op.attrs
+    return params(dim, n, a["clip_norm"], a["noise_multiplier"], a["bits"], op.name)

@@ -235,14 +235,30 @@ class Release:
     count: int
 
 
+@dataclasses.dataclass(frozen=True)
+class DdpRelease(Release):
+    """A distributed DP op (``fed.ddp_*``): accounted as the Gaussian mechanism with
+    ``accounted_noise_multiplier`` (``fcir.ddp.rdp_noise_multiplier``, at most
+    ``noise_multiplier``)."""
+
+    bits: int = 0
+    accounted_noise_multiplier: float = 0.0
+
+
 def releases(module: Module) -> list[Release]:
     """The DP ops of one round, in program order, with how often each runs."""
-    return list(_releases(module.main.body, 1))
+    return list(_releases(module.main.body, 1, module))
 
 
-def _releases(region: Region, times: int) -> Iterator[Release]:
+def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
     for op in region.ops:
-        if op.name in DP_OPS:
+        if op.name in DP_OPS and "bits" in op.attrs:  # fed.ddp_*: fcir.ddp
+            from fcir.ddp import op_params, rdp_noise_multiplier
+
+            yield DdpRelease(op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"],
+                             times, op.attrs["bits"],
+                             rdp_noise_multiplier(op_params(module, op)))
+        elif op.name in DP_OPS:
             yield Release(
                 op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"], times
             )
@@ -254,25 +270,31 @@ def _releases(region: Region, times: int) -> Iterator[Release]:
             )
         elif op.name == "jax.scan":
             for sub in op.regions:
-                yield from _releases(sub, times * int(op.attrs.get("length", 1)))
+                yield from _releases(sub, times * int(op.attrs.get("length", 1)), module)
         else:
             for sub in op.regions:
-                yield from _releases(sub, times)
+                yield from _releases(sub, times, module)
 
 
 def _has_dp(region: Region) -> bool:
     return any(op.name in DP_OPS or any(_has_dp(r) for r in op.regions) for op in region.ops)
 
 
+def _z(r: Release) -> float:
+    return r.accounted_noise_multiplier if isinstance(r, DdpRelease) else r.noise_multiplier
+
+
 def _round_event(rels: list[Release], sampling_rate: float):
     import dp_accounting as dpa
 
-    if any(r.noise_multiplier == 0 for r in rels):
+    if any(_z(r) == 0 for r in rels):
         return dpa.NonPrivateDpEvent()
+    if any(isinstance(r, DdpRelease) for r in rels):
+        sampling_rate = 1.0  # fcir.ddp: no amplification by sampling is claimed
     if sampling_rate >= 1.0:
         events = [
-            dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(r.noise_multiplier), r.count)
-            if r.count > 1 else dpa.GaussianDpEvent(r.noise_multiplier)
+            dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(_z(r)), r.count)
+            if r.count > 1 else dpa.GaussianDpEvent(_z(r))
             for r in rels
         ]
         return events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
@@ -280,7 +302,7 @@ def _round_event(rels: list[Release], sampling_rate: float):
     # one sampled event. Releases of one client's clipped data with noise multipliers
     # z_i are together exactly one Gaussian mechanism with 1/z^2 = sum 1/z_i^2 (the
     # subsampled events of the accountants take a single Gaussian inside).
-    z = 1.0 / math.sqrt(sum(r.count / r.noise_multiplier**2 for r in rels))
+    z = 1.0 / math.sqrt(sum(r.count / _z(r) ** 2 for r in rels))
     return dpa.PoissonSampledDpEvent(sampling_rate, dpa.GaussianDpEvent(z))
 
 
@@ -315,6 +337,12 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
         )
     if rounds == 0:
         return 0.0
+    if accountant == "pld" and any(isinstance(r, DdpRelease) for r in rels):
+        raise PrivacyError(
+            "fcir.privacy.epsilon: fed.ddp_* ops are accounted by their Rényi DP bound "
+            "(fcir.ddp), which a privacy loss distribution does not use: pass "
+            "accountant='rdp'"
+        )
     if accountant == "rdp":
         acc = dpa.rdp.RdpAccountant()
     elif accountant == "pld":
