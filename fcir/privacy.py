@@ -48,7 +48,7 @@ from fcir.ir import Module, Op, Region, Value, value_numbering
 from fcir.ops import DP_OPS
 from fcir.types import SERVER, PlacedType
 
-__all__ = ["DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
+__all__ = ["DP_OPS", "Budget", "Release", "epsilon", "leaks", "releases", "round_cost"]
 _AGGREGATES = frozenset(
     {"fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum"}
 )
@@ -391,3 +391,6 @@ def format_round_cost(cost: dict | None) -> list[str]:
         f"({cost['accountant'].upper()}; fcir.privacy.epsilon composes rounds)"
     )
     return lines
+
+
+from fcir.budget import Budget  # noqa: E402  (fcir.privacy.Budget)
