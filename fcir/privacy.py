@@ -219,7 +219,10 @@ def _wiring(op: Op) -> list[tuple[list[int | None], list[tuple[str, int]] | None
 def leaks(module: Module) -> list[Leak]:
     """Every path by which client data reaches the server other than through the DP
     aggregates (empty for a leak-free program), each naming its op."""
-    return _Taint(module).run()
+    from fcir.ddp_check import key_leaks
+
+    taint = _Taint(module)
+    return taint.run() + key_leaks(module, taint.tainted, Leak)
 
 
 # --- accounting -----------------------------------------------------------------------------

@@ -390,3 +390,86 @@ def test_releases_state_the_accounted_noise_and_pld_is_refused():
     assert r.accounted_noise_multiplier == ddp.rdp_noise_multiplier(p) < 1.0
     with pytest.raises(fcir.PrivacyError, match="accountant='rdp'"):
         fcir.privacy.epsilon(m, 3, 1e-5, accountant="pld")
+
+
+# --- the checker's key rules (fcir.ddp_check) ------------------------------------------------
+
+N = 4
+
+
+def _fold(keys, i):
+    return fcir.map_fn(lambda k: jax.random.fold_in(k, i), keys)
+
+
+def _capture_private(body, *args):
+    @fcir.program(placements={"clients": N}, private=True)
+    def round_(w, keys, x):
+        return body(w, keys, x)
+
+    return fcir.capture(round_, *args)
+
+
+def _upd(w, x):
+    return fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+
+
+ARGS = (jnp.zeros(3), jax.random.split(jax.random.key(0), N), jnp.ones((N, 3)))
+
+
+def test_keys_from_server_data_only_are_rejected_naming_the_op():
+    def body(w, keys, x):
+        same = fcir.map_fn(lambda w: jax.random.key(7), fcir.broadcast(w))
+        return fcir.ddp_sum(_upd(w, x), 1.0, 1.0, same, bits=12)
+
+    with pytest.raises(fcir.PrivacyError, match=r"privacy/C4: fed.ddp_sum takes keys that"):
+        _capture_private(body, *ARGS)
+
+
+def test_keys_reused_by_two_releases_are_rejected():
+    def body(w, keys, x):
+        a = fcir.ddp_mean(_upd(w, x), 1.0, 1.0, keys, bits=12)
+        return fcir.ddp_mean(_upd(a, x), 1.0, 1.0, keys, bits=12)
+
+    with pytest.raises(fcir.PrivacyError, match=r"privacy/C5: fed.ddp_mean reuses the keys"):
+        _capture_private(body, *ARGS)
+
+
+def test_distinct_keys_per_release_pass():
+    def body(w, keys, x):
+        a = fcir.ddp_mean(_upd(w, x), 1.0, 1.0, _fold(keys, 0), bits=12)
+        return fcir.ddp_mean(_upd(a, x), 1.0, 1.0, _fold(keys, 1), bits=12)
+
+    m = _capture_private(body, *ARGS)
+    assert [r.count for r in fcir.privacy.releases(m)] == [1, 1]
+
+
+def test_keys_constant_across_scan_iterations_are_rejected_and_folded_ones_pass():
+    def loop(fold: bool):
+        def body(w, keys, x):
+            def step(carry, _):
+                w, t = carry
+                k = (
+                    fcir.map_fn(lambda k, t: jax.random.fold_in(k, t), (keys, fcir.broadcast(t)))
+                    if fold
+                    else keys
+                )
+                return (w + fcir.ddp_mean(_upd(w, x), 1.0, 1.0, k, bits=12), t + 1), None
+
+            return jax.lax.scan(step, (w, jnp.int32(0)), None, length=3)[0][0]
+
+        return body
+
+    with pytest.raises(fcir.PrivacyError, match="every iteration of its loop"):
+        _capture_private(loop(False), *ARGS)
+    m = _capture_private(loop(True), *ARGS)
+    assert [r.count for r in fcir.privacy.releases(m)] == [3]
+
+
+def test_ddp_results_are_releases_for_the_leak_check():
+    """A private program may return what ddp_* release, and not the plain sum."""
+
+    def body(w, keys, x):
+        return fcir.ddp_sum(_upd(w, x), 1.0, 1.0, keys, bits=12), fcir.reduce_sum(x)
+
+    with pytest.raises(fcir.PrivacyError, match="privacy/C1"):
+        _capture_private(body, *ARGS)
