@@ -15,7 +15,25 @@ computes bit for bit what the op computes.
 
 from __future__ import annotations
 
-__all__ = ["decomposed_program"]
+__all__ = ["MECHANISM", "decomposed_program", "mechanism"]
+
+MECHANISM = (
+    "distributed discrete Gaussian (fcir.ddp): each client clips, rotates, quantizes its "
+    "update and adds its share of discrete Gaussian noise in client_work, the shares are "
+    "summed modulo 2**bits by federated_secure_sum_bitwidth, the server decodes the "
+    "noised sum in server_result; client-level DP (one client's update replaced by zero); "
+    "epsilon assumes every client's noise share is in the sum"
+)
+
+
+def mechanism(entry: dict | None) -> str | None:
+    """The mechanism text of a manifest/plan privacy entry with ``fed.ddp_*`` releases
+    (None without them)."""
+    if not entry or not any(r["op"].startswith("fed.ddp_") for r in entry["releases"]):
+        return None
+    if all(r["op"].startswith("fed.ddp_") for r in entry["releases"]):
+        return MECHANISM
+    return MECHANISM + "; the fed.dp_* releases: Gaussian noise added at the server"
 
 
 def decomposed_program(op, placement: str, n: int, member_shapes):

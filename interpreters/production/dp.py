@@ -119,12 +119,14 @@ def manifest_entry(module: Module) -> dict | None:
     cost = round_cost(module)
     if cost is None:
         return None
+    from .ddp import mechanism
+
     return {
         **cost,
         "private_program_checked": bool(module.private),
-        "mechanism": "Gaussian: each client's update clipped in client_work, summed with "
-        "federated_sum, noise added in server_result; client-level DP (add or remove one "
-        "client)",
+        "mechanism": mechanism(cost) or "Gaussian: each client's update clipped in "
+        "client_work, summed with federated_sum, noise added in server_result; "
+        "client-level DP (add or remove one client)",
     }
 
 
