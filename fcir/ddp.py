@@ -321,3 +321,29 @@ def op_params(module, op) -> DdpParams:
     dim = member_dim(v.type.member.shape for v in op.operands[:-1])
     a = op.attrs
     return params(dim, n, a["clip_norm"], a["noise_multiplier"], a["bits"], op.name)
+
+
+def noise_multiplier_for(
+    target: float, dim: int, n: int, clip_norm: float, bits: int, tol: float = 1e-9
+) -> float:
+    """The ``noise_multiplier`` of a ``ddp_*`` op that fcir.privacy accounts exactly as
+    central DP with noise multiplier ``target`` (the same ε for any rounds, delta and
+    accountant "rdp"): ``rdp_noise_multiplier`` is increasing in the noise multiplier,
+    so bisection finds it. IRTypeError when ``bits`` cannot reach ``target`` (the
+    rounding's share of the sensitivity stays too large)."""
+
+    def accounted(z):
+        return rdp_noise_multiplier(params(dim, n, clip_norm, z, bits))
+
+    lo, hi = float(target), float(target)
+    while accounted(hi) < target:
+        hi *= 2
+        if hi > 1e6 * max(target, 1.0):
+            raise IRTypeError(
+                f"fcir.ddp: bits={bits} cannot match central DP's noise multiplier "
+                f"{target:g} for {dim} elements and {n} clients: use more bits"
+            )
+    while hi - lo > tol * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if accounted(mid) < target else (lo, mid)
+    return hi

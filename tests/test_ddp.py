@@ -473,3 +473,26 @@ def test_ddp_results_are_releases_for_the_leak_check():
 
     with pytest.raises(fcir.PrivacyError, match="privacy/C1"):
         _capture_private(body, *ARGS)
+
+
+@pytest.mark.parametrize("bits", [16, 20])
+def test_noise_multiplier_for_matches_central_epsilon(bits):
+    z = ddp.noise_multiplier_for(4.0, 650, 50, 0.5, bits)
+    assert z > 4.0
+    got = fcir.privacy.epsilon(_ddp_module(50, 650, z, bits, clip=0.5), 40, 1e-5)
+    want = fcir.privacy.epsilon(_central_module(50, 650, 4.0, clip=0.5), 40, 1e-5)
+    assert got == pytest.approx(want, rel=1e-6)
+    with pytest.raises(fcir.IRTypeError, match="use more bits"):
+        ddp.noise_multiplier_for(4.0, 2**16, 50, 0.5, 7)
+
+
+def test_example_trains_distributed_dp_at_the_central_epsilon(tmp_path):
+    from test_examples import load
+
+    png = tmp_path / "dp.png"
+    curves = load("dp_fedavg_digits").main(
+        ["--rounds", "2", "--ddp-bits", "16", "--output", str(png)]
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(curves["ddp_16"]) == 2 and all(0 <= a <= 1 for a in curves["ddp_16"])
+    np.testing.assert_allclose(curves["ddp_16_epsilon"], curves["epsilon"], rtol=1e-6)
