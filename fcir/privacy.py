@@ -385,9 +385,11 @@ def format_round_cost(cost: dict | None) -> list[str]:
     lines = ["privacy (per round, every client taking part):"]
     for r in cost["releases"]:
         times = f" x{r['count']}" if r["count"] > 1 else ""
+        ddp = (f" bits={r['bits']} (accounted as {r['accounted_noise_multiplier']:.4g})"
+               if "bits" in r else "")
         lines.append(
             f"  {r['op']}{times}: clip_norm={r['clip_norm']:g} "
-            f"noise_multiplier={r['noise_multiplier']:g}"
+            f"noise_multiplier={r['noise_multiplier']:g}{ddp}"
         )
     lines.append(
         f"  epsilon={cost['epsilon_per_round']:.4g} at delta={cost['delta']:g} "

@@ -33,7 +33,7 @@ __all__ = [
 
 REDUCTIONS = frozenset(
     ["fed.sum", "fed.mean", "fed.min", "fed.max", "fed.weighted_mean", "fed.secure_sum",
-     "fed.dp_sum", "fed.dp_mean"]
+     "fed.dp_sum", "fed.dp_mean", "fed.ddp_sum", "fed.ddp_mean"]
 )
 
 
@@ -90,10 +90,15 @@ def _transfers(module: Module, region: Region, members: int, repeats: int):
         elif op.name in REDUCTIONS:
             p = op.operands[0].type.placement
             # The DP aggregates' last operand is the server's key: it is not sent.
-            sizes = tuple(
-                nbytes(module, _member(o.type)) for o in op.operands
-                if isinstance(o.type, PlacedType) and o.type.placement == p
-            )
+            if "bits" in op.attrs:  # fed.ddp_*: one uint32 residue per rotated coordinate
+                from fcir.ddp import op_params
+
+                sizes = (4 * op_params(module, op).padded_dim,)
+            else:
+                sizes = tuple(
+                    nbytes(module, _member(o.type)) for o in op.operands
+                    if isinstance(o.type, PlacedType) and o.type.placement == p
+                )
             yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
         elif op.name == "fed.map":
             n = module.cardinality(op.operands[0].type.placement)

@@ -496,3 +496,20 @@ def test_example_trains_distributed_dp_at_the_central_epsilon(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(curves["ddp_16"]) == 2 and all(0 <= a <= 1 for a in curves["ddp_16"])
     np.testing.assert_allclose(curves["ddp_16_epsilon"], curves["epsilon"], rtol=1e-6)
+
+
+def test_traffic_counts_the_residues_clients_send_not_their_keys():
+    from fcir.traffic import communication_bytes
+
+    m = fcir.capture(_program(True), *_args())  # 3 + 2 elements: D = 8 residues
+    assert communication_bytes(m)["clients"]["aggregate"] == 5 * 8 * 4
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_streaming_clients_per_step_gives_the_same_bits(k):
+    fn, args = _program(True), _args()
+    m = fcir.capture(fn, *args)
+    want = reference.run(m, *args)
+    got = xla.compile(m, clients_per_step=k)(*args)
+    for key in want:
+        assert np.array_equal(got[key], want[key])
