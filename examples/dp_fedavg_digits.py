@@ -23,6 +23,9 @@ sees an un-noised value. Its noise multiplier is calibrated
 (``fcir.ddp.noise_multiplier_for``) so that ``fcir.privacy.epsilon`` gives the same ε
 as the central run's after every round: the curves compare accuracy at equal privacy.
 
+With ``--max-epsilon E`` a ``fcir.privacy.Budget`` of the private round is spent
+each round, and training stops before the round that would pass ε = E.
+
 Each round prints test accuracy and ε; at the end one PNG shows both::
 
     pip install -e ".[examples]"
@@ -208,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--noise-multiplier", type=float, default=4.0)
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-epsilon", type=float, default=None,
+                        help="stop before the round whose ε would pass this")
     parser.add_argument("--ddp-bits", type=int, nargs="*", default=[16, 20],
                         help="secure-sum widths of the distributed DP runs (none: skip)")
     parser.add_argument("--output", default="dp_fedavg_digits.png", help="the PNG to write")
@@ -228,9 +233,19 @@ def main(argv: list[str] | None = None) -> dict:
         ddp_module = fcir.capture(rnd, model, round_keys(key, 1, args.clients), clients)
         ddp_runs[bits] = [jax.jit(rnd), ddp_module, model, [], [], z]
 
+    budget = None
+    if args.max_epsilon is not None:
+        budget = fcir.privacy.Budget(module, args.delta, args.max_epsilon)
+
     fedavg_acc, dp_acc, eps = [], [], []
     m_plain = m_dp = model
     for r in range(1, args.rounds + 1):
+        if budget is not None and not budget.can_spend():
+            print(f"stopping before round {r}: ε would pass --max-epsilon "
+                  f"{args.max_epsilon:g} (spent ε {budget.epsilon:.2f} in {budget.rounds} rounds)")
+            break
+        if budget is not None:
+            budget.spend()
         m_plain, loss = run_plain(m_plain, clients)
         m_dp = run_private(m_dp, jax.random.fold_in(key, r), clients)
         fedavg_acc.append(accuracy(m_plain, x_test, y_test))

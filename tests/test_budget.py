@@ -90,3 +90,15 @@ def test_bad_parameters_are_privacy_errors(kw):
         fcir.privacy.Budget(_module(), **args)
     with pytest.raises(fcir.PrivacyError):
         fcir.privacy.Budget(_module(), 1e-5, 10.0).spend(rounds=-1)
+
+
+def test_the_digits_example_stops_before_the_round_that_would_pass_max_epsilon(tmp_path, capsys):
+    from test_examples import load
+
+    example = load("dp_fedavg_digits")
+    # ε after 2 rounds at the example's defaults is 1.48, after 3 rounds 1.85
+    curves = example.main(
+        ["--rounds", "5", "--max-epsilon", "1.6", "--ddp-bits", "--output", str(tmp_path / "p.png")]
+    )
+    assert len(curves["dp_fedavg"]) == 2 and curves["epsilon"][-1] <= 1.6
+    assert "stopping before round 3" in capsys.readouterr().out
