@@ -216,15 +216,18 @@ def fwht(x):
 
 @functools.lru_cache(maxsize=64)
 def _sign_table(D: int) -> np.ndarray:
-    bits = np.random.default_rng(ROTATION_SEED).integers(0, 2, size=D)
+    # The raw stream of a NumPy BitGenerator is stable across NumPy versions (unlike
+    # Generator methods), so every party and every version derives the same signs.
+    words = np.random.PCG64(ROTATION_SEED).random_raw((D + 63) // 64).astype(np.uint64)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:D]
     out = np.where(bits == 1, np.float32(1), np.float32(-1)).astype(np.float32)
     out.flags.writeable = False
     return out
 
 
 def _signs(D: int):
-    """The public rotation's signs: a constant of the program (numpy's PCG64 seeded with
-    ``ROTATION_SEED``), the same for every client and the server."""
+    """The public rotation's signs: a constant of the program (the bits of NumPy's PCG64
+    raw stream seeded with ``ROTATION_SEED``), the same for every client and the server."""
     return jnp.asarray(_sign_table(D))
 
 

@@ -513,3 +513,14 @@ def test_streaming_clients_per_step_gives_the_same_bits(k):
     got = xla.compile(m, clients_per_step=k)(*args)
     for key in want:
         assert np.array_equal(got[key], want[key])
+
+
+PINNED_SIGNS = np.array([-1, -1, 1, 1, 1, 1, 1, 1], np.float32)
+
+
+def test_rotation_signs_are_a_fixed_public_constant():
+    """The signs come from PCG64's raw stream (stable across NumPy versions): pinned."""
+    signs = np.asarray(ddp._signs(16))
+    assert signs.dtype == np.float32 and set(np.unique(signs)) == {-1.0, 1.0}
+    assert np.array_equal(signs[:8], PINNED_SIGNS)
+    assert abs(float(np.asarray(ddp._signs(4096)).mean())) < 0.05
