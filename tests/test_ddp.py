@@ -281,6 +281,12 @@ def test_production_noises_at_clients_and_aggregates_with_a_bitwidth_secure_sum(
     assert (a.intrinsic, a.bitwidth) == ("federated_secure_sum_bitwidth", 16)
     assert "random" not in plan.parts["server_result"].to_text()  # no noise at the server
     out = plan.write(tmp_path / "bundle")
+    import json
+
+    privacy = json.loads((out / "manifest.json").read_text())["privacy"]
+    (release,) = privacy["releases"]
+    assert (release["op"], release["bits"]) == ("fed.ddp_mean", 16)
+    assert privacy["mechanism"].startswith("distributed discrete Gaussian")
     want = reference.run(module, w, raw, x)
     got = production.run_bundle(out, w, raw, x)
     for k in want:
@@ -524,3 +530,23 @@ def test_rotation_signs_are_a_fixed_public_constant():
     assert signs.dtype == np.float32 and set(np.unique(signs)) == {-1.0, 1.0}
     assert np.array_equal(signs[:8], PINNED_SIGNS)
     assert abs(float(np.asarray(ddp._signs(4096)).mean())) < 0.05
+
+
+def test_ddp_inside_silos_releases_per_silo_bit_for_bit():
+    """Under {"silos": 2, "clients": 3}, a ddp_sum inside the silo map sums each silo's
+    clients; reference and XLA agree bit for bit and the accountant counts it once."""
+
+    @fcir.program(placements={"silos": 2, "clients": 3})
+    def per_silo(w, keys, x):
+        def silo(w, keys, x):
+            upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+            return fcir.ddp_sum(upd, 1.0, 1.0, keys, bits=12)
+
+        return fcir.map_fn(silo, (fcir.broadcast(w), keys, x))
+
+    keys = jax.random.split(jax.random.key(1), 6).reshape(2, 3)
+    args = (jnp.zeros(3), keys, jax.random.normal(jax.random.key(2), (2, 3, 3)))
+    m = fcir.capture(per_silo, *args)
+    assert np.array_equal(reference.run(m, *args), xla.compile(m)(*args))
+    (r,) = fcir.privacy.releases(m)
+    assert (r.op, r.count, r.bits) == ("fed.ddp_sum", 1, 12)
