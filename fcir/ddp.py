@@ -96,7 +96,9 @@ __all__ = [
     "aggregate",
     "decode",
     "discrete_gaussian",
+    "discrete_gaussian_batch",
     "encode",
+    "encode_batch",
     "fwht",
     "params",
     "rdp_noise_multiplier",
@@ -234,21 +236,32 @@ def _signs(D: int):
 def discrete_gaussian(key, shape, stddev: float):
     """int32 samples of the discrete Gaussian ``P(y) ∝ exp(-y**2 / (2 stddev**2))``
     (Canonne, Kamath, Steinke 2020, Algorithm 3; see the module docstring)."""
+    return discrete_gaussian_batch(jnp.asarray(key)[None], shape, stddev)[0]
+
+
+def discrete_gaussian_batch(keys, shape, stddev: float):
+    """``discrete_gaussian`` for each key of ``keys`` (a leading axis): ``int32[len(keys),
+    *shape]``, row ``i`` what ``discrete_gaussian(keys[i], ...)`` gives. Only the draws
+    are vmapped over the keys; the rejection loop runs once over the whole batch (a
+    loop under vmap would take the keys' sharding into its carry)."""
     shape = tuple(shape)
+    n = keys.shape[0]
     if stddev == 0:
-        return jnp.zeros(shape, jnp.int32)
+        return jnp.zeros((n, *shape), jnp.int32)
     s = float(stddev)
     t = float(math.floor(s) + 1)
     s2 = s * s
 
-    def propose(i):
+    def draws(key, i):
         k1, k2, k3 = jax.random.split(jax.random.fold_in(key, i), 3)
-        g1 = jnp.floor(t * jax.random.exponential(k1, shape, jnp.float32))
-        g2 = jnp.floor(t * jax.random.exponential(k2, shape, jnp.float32))
-        y = g1 - g2
-        accept = jax.random.uniform(k3, shape, jnp.float32) < jnp.exp(
-            -jnp.square(jnp.abs(y) - s2 / t) / (2.0 * s2)
-        )
+        e1 = jax.random.exponential(k1, shape, jnp.float32)
+        e2 = jax.random.exponential(k2, shape, jnp.float32)
+        return e1, e2, jax.random.uniform(k3, shape, jnp.float32)
+
+    def propose(i):
+        e1, e2, u = jax.vmap(draws, in_axes=(0, None))(keys, i)
+        y = jnp.floor(t * e1) - jnp.floor(t * e2)
+        accept = u < jnp.exp(-jnp.square(jnp.abs(y) - s2 / t) / (2.0 * s2))
         return y.astype(jnp.int32), accept
 
     def cond(state):
@@ -261,7 +274,10 @@ def discrete_gaussian(key, shape, stddev: float):
         take = jnp.logical_and(acc, jnp.logical_not(done))
         return i + 1, jnp.where(take, y, out), jnp.logical_or(done, acc)
 
-    init = (jnp.int32(0), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool))
+    # The first pass runs outside the loop, so the carry is typed (sharding included,
+    # on a mesh) like what the body computes.
+    y, acc = propose(0)
+    init = (jnp.int32(1), jnp.where(acc, y, jnp.zeros_like(y)), acc)
     return jax.lax.while_loop(cond, body, init)[1]
 
 
@@ -273,16 +289,24 @@ def _flat(leaves, D: int):
 def encode(leaves, key, p: DdpParams):
     """One client's ``uint32[D]`` residues modulo ``2**bits``: clip, rotate, scale,
     round at random, add its discrete Gaussian share, wrap. ``key``: the client's."""
+    return encode_batch([jnp.asarray(x)[None] for x in leaves], jnp.asarray(key)[None], p)[0]
+
+
+def encode_batch(leaves, keys, p: DdpParams):
+    """``encode`` for a batch of clients (a leading axis on every leaf and on ``keys``):
+    ``uint32[k, D]``, row ``i`` bit for bit ``encode`` of client ``i``."""
     from fcir.primitives import clip_member
 
     D = p.padded_dim
-    clipped = clip_member(list(leaves), p.clip_norm)
-    v = fwht(_flat(clipped, D) * _signs(D)) * jnp.float32(p.scale / math.sqrt(D))
-    k_round, k_noise = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    clipped = jax.vmap(lambda *m: clip_member(list(m), p.clip_norm))(*leaves)
+    flat = jax.vmap(lambda *m: _flat(m, D))(*clipped)
+    v = fwht(flat * _signs(D)) * jnp.float32(p.scale / math.sqrt(D))
+    k_round = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
+    k_noise = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
     low = jnp.floor(v)
-    up = jax.random.uniform(k_round, (D,), jnp.float32) < (v - low)
-    q = low.astype(jnp.int32) + up.astype(jnp.int32)
-    q = q + discrete_gaussian(k_noise, (D,), p.local_stddev)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (D,), jnp.float32))(k_round)
+    q = low.astype(jnp.int32) + (u < (v - low)).astype(jnp.int32)
+    q = q + discrete_gaussian_batch(k_noise, (D,), p.local_stddev)
     return jnp.bitwise_and(q.astype(jnp.uint32), jnp.uint32(p.modulus - 1))
 
 

@@ -450,7 +450,7 @@ def _ddp_impl(*args, placement, n, clip_norm, noise_multiplier, bits, mean):
     *xs, keys = args
     p = ddp.params(ddp.member_dim(x.shape[1:] for x in xs), n, clip_norm, noise_multiplier,
                    bits)
-    encoded = jax.vmap(lambda k, *m: ddp.encode(m, k, p))(keys, *xs)
+    encoded = ddp.encode_batch(xs, keys, p)
     like = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
     return ddp.decode(ddp.aggregate(encoded, p), p, like, mean)
 

@@ -511,10 +511,17 @@ def test_traffic_counts_the_residues_clients_send_not_their_keys():
     assert communication_bytes(m)["clients"]["aggregate"] == 5 * 8 * 4
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_streaming_clients_per_step_gives_the_same_bits(k):
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_streaming_accumulates_residues_and_gives_the_same_bits(k):
+    """With clients_per_step the op is a streamed reduction: the map's per-client
+    updates are never materialized, only the uint32 modular sum is carried."""
+    from fcir.interpreters.xla.streaming import plan_region
+
     fn, args = _program(True), _args()
     m = fcir.capture(fn, *args)
+    (stream,) = plan_region(m.main.body, m.cardinality)
+    assert [op.name for op in stream.reductions] == ["fed.ddp_mean"]
+    assert stream.materialized == []
     want = reference.run(m, *args)
     got = xla.compile(m, clients_per_step=k)(*args)
     for key in want:
@@ -550,3 +557,42 @@ def test_ddp_inside_silos_releases_per_silo_bit_for_bit():
     assert np.array_equal(reference.run(m, *args), xla.compile(m)(*args))
     (r,) = fcir.privacy.releases(m)
     assert (r.op, r.count, r.bits) == ("fed.ddp_sum", 1, 12)
+
+
+MESH_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, fcir
+from fcir.interpreters import reference, xla
+
+@fcir.program(placements={"clients": 6}, private=True)
+def r(w, keys, x):
+    upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+    return w + fcir.ddp_mean(upd, 1.0, 1.0, keys, bits=16)
+
+args = (jnp.zeros(3), jax.random.split(jax.random.key(0), 6),
+        jax.random.normal(jax.random.key(1), (6, 3)))
+m = fcir.capture(r, *args)
+mesh = jax.make_mesh((2,), ("clients",))
+want = np.asarray(reference.run(m, *args))
+for k in (None, 1, 2):
+    got = np.asarray(xla.compile(m, mesh=mesh, clients_per_step=k)(*args))
+    assert np.array_equal(got, want), k
+print("ok")
+"""
+
+
+def test_on_a_two_device_mesh_streamed_or_not_the_bits_are_the_references(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    out = subprocess.run(
+        [sys.executable, "-c", MESH_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
