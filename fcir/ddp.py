@@ -71,8 +71,9 @@ Gaussian up to float32 rounding of the uniform draws (about ``2**-24`` per
 probability), which the accounting does not add to delta.
 
 Every function here is plain JAX (jit, vmap, eager alike) and deterministic for its
-keys, so the reference interpreter (client by client, eagerly) and the XLA backend
-(all clients in one vmap) agree bit for bit.
+keys, so the reference interpreter (client by client, eagerly), the XLA backend (all
+clients in one batch, ``encode_batch``) and the streamed one (``k`` at a time) agree
+bit for bit.
 """
 
 from __future__ import annotations
