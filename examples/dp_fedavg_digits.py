@@ -16,6 +16,16 @@ client data reaches the server any other way (returning the mean client loss too
 the FedAvg round does, would be rejected), and ``fcir.privacy.epsilon`` reads the noise
 from the captured round to give ε after each round (client-level DP, δ = ``--delta``).
 
+Distributed DP (``--ddp-bits 16 20``, the default) trains the same round with
+``fcir.ddp_mean`` instead: each client clips, quantizes and noises its own update into
+integers modulo ``2**bits`` and the server only decodes their secure sum, so it never
+sees an un-noised value. Its noise multiplier is calibrated
+(``fcir.ddp.noise_multiplier_for``) so that ``fcir.privacy.epsilon`` gives the same ε
+as the central run's after every round: the curves compare accuracy at equal privacy.
+
+With ``--max-epsilon E`` a ``fcir.privacy.Budget`` of the private round is spent
+each round, and training stops before the round that would pass ε = E.
+
 Each round prints test accuracy and ε; at the end one PNG shows both::
 
     pip install -e ".[examples]"
@@ -113,6 +123,30 @@ def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float):
     return fedavg_round, dp_fedavg_round
 
 
+def make_ddp_round(num_clients: int, clip_norm: float, noise_multiplier: float, bits: int):
+    @fcir.program(placements={"clients": num_clients}, private=True)
+    def ddp_fedavg_round(model, keys, client_data):
+        """Distributed DP-FedAvg: ``keys`` holds one PRNG key per client (client data)."""
+        updates, _ = fcir.map_fn(local_update, (fcir.broadcast(model), *client_data))
+        mean = fcir.ddp_mean(updates, clip_norm, noise_multiplier, keys, bits=bits)
+        return jax.tree.map(lambda p, u: p + SERVER_LR * u, model, mean)
+
+    return ddp_fedavg_round
+
+
+def ddp_noise_multiplier(num_clients: int, clip_norm: float, central: float, bits: int):
+    """The ddp noise multiplier accounted like central DP's ``central`` (same ε)."""
+    from fcir import ddp
+
+    dim = PIXELS * CLASSES + CLASSES
+    return ddp.noise_multiplier_for(central, dim, num_clients, clip_norm, bits)
+
+
+def round_keys(key, r: int, num_clients: int):
+    """Round ``r``'s client keys: distinct per client and per round."""
+    return jax.random.split(jax.random.fold_in(key, r), num_clients)
+
+
 def accuracy(model, x, y) -> float:
     return float(np.mean(np.argmax(np.asarray(logits(model, x)), axis=1) == y))
 
@@ -127,12 +161,24 @@ def make_fedavg_example_args(num_clients: int = NUM_CLIENTS, seed: int = 0):
     return model, clients
 
 
-EXAMPLE_ARGS = {"dp_fedavg_round": make_example_args, "fedavg_round": make_fedavg_example_args}
+def make_ddp_example_args(num_clients: int = NUM_CLIENTS, seed: int = 0):
+    clients, _ = load_clients(num_clients, 0.5, seed)
+    return init_model(), round_keys(jax.random.key(seed), 1, num_clients), clients
+
+
+EXAMPLE_ARGS = {
+    "dp_fedavg_round": make_example_args,
+    "fedavg_round": make_fedavg_example_args,
+    "ddp_fedavg_round": make_ddp_example_args,
+}
 fedavg_round, dp_fedavg_round = make_rounds(NUM_CLIENTS, 0.5, 4.0)
+ddp_fedavg_round = make_ddp_round(NUM_CLIENTS, 0.5, 4.0, 16)
 
 
-def figure(fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float, num_clients: int):
-    """The two panels (accuracy, ε) as a matplotlib Figure."""
+def figure(fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float, num_clients: int,
+           ddp: dict | None = None):
+    """The two panels (accuracy, ε) as a matplotlib Figure. ``ddp``: bits -> (accuracy
+    per round, ε per round, noise multiplier)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -142,12 +188,19 @@ def figure(fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float, num_c
     rounds = np.arange(1, len(fedavg_acc) + 1)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     a1.plot(rounds, fedavg_acc, "o-", ms=3, label="FedAvg")
-    a1.plot(rounds, dp_acc, "s-", ms=3, label=f"DP-FedAvg (z={noise_multiplier:g})")
+    a1.plot(rounds, dp_acc, "s-", ms=3, label=f"DP-FedAvg, central (z={noise_multiplier:g})")
+    for i, (bits, (acc, _, z)) in enumerate(sorted((ddp or {}).items())):
+        a1.plot(rounds, acc, "^v"[i % 2] + "-", ms=3,
+                label=f"DP-FedAvg, distributed, {bits} bits (z={z:.3g})")
     a1.set_ylabel("held-out accuracy")
     a1.set_ylim(0, 1)
     a1.legend(loc="lower right")
     a1.set_title(f"digits, {num_clients} non-IID clients")
-    a2.plot(rounds, eps, "s-", ms=3, color="C1")
+    a2.plot(rounds, eps, "s-", ms=4, color="C1", label="central")
+    for i, (bits, (_, e, _)) in enumerate(sorted((ddp or {}).items())):
+        a2.plot(rounds, e, ".:", ms=3, color=f"C{i + 2}", label=f"distributed, {bits} bits")
+    if ddp:
+        a2.legend(loc="lower right")
     a2.set_ylabel("ε")
     a2.set_title(f"DP-FedAvg privacy spent (δ={delta:g}, RDP)")
     for ax in (a1, a2):
@@ -158,10 +211,10 @@ def figure(fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float, num_c
 
 
 def plot(path: str, fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float,
-         num_clients: int) -> None:
+         num_clients: int, ddp: dict | None = None) -> None:
     import matplotlib.pyplot as plt
 
-    fig = figure(fedavg_acc, dp_acc, eps, delta, noise_multiplier, num_clients)
+    fig = figure(fedavg_acc, dp_acc, eps, delta, noise_multiplier, num_clients, ddp)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -176,6 +229,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--noise-multiplier", type=float, default=4.0)
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-epsilon", type=float, default=None,
+                        help="stop before the round whose ε would pass this")
+    parser.add_argument("--ddp-bits", type=int, nargs="*", default=[16, 20],
+                        help="secure-sum widths of the distributed DP runs (none: skip)")
     parser.add_argument("--output", default="dp_fedavg_digits.png", help="the PNG to write")
     args = parser.parse_args(argv)
 
@@ -187,22 +244,49 @@ def main(argv: list[str] | None = None) -> dict:
     module = fcir.capture(private, model, key, clients)
     run_plain, run_private = jax.jit(plain), jax.jit(private)
 
+    ddp_runs = {}  # bits -> [jitted round, module, model, accuracies, epsilons, z]
+    for bits in args.ddp_bits:
+        z = ddp_noise_multiplier(args.clients, args.clip_norm, args.noise_multiplier, bits)
+        rnd = make_ddp_round(args.clients, args.clip_norm, z, bits)
+        ddp_module = fcir.capture(rnd, model, round_keys(key, 1, args.clients), clients)
+        ddp_runs[bits] = [jax.jit(rnd), ddp_module, model, [], [], z]
+
+    budget = None
+    if args.max_epsilon is not None:
+        budget = fcir.privacy.Budget(module, args.delta, args.max_epsilon)
+
     fedavg_acc, dp_acc, eps = [], [], []
     m_plain = m_dp = model
     for r in range(1, args.rounds + 1):
+        if budget is not None and not budget.can_spend():
+            print(f"stopping before round {r}: ε would pass --max-epsilon "
+                  f"{args.max_epsilon:g} (spent ε {budget.epsilon:.2f} in {budget.rounds} rounds)")
+            break
+        if budget is not None:
+            budget.spend()
         m_plain, loss = run_plain(m_plain, clients)
         m_dp = run_private(m_dp, jax.random.fold_in(key, r), clients)
         fedavg_acc.append(accuracy(m_plain, x_test, y_test))
         dp_acc.append(accuracy(m_dp, x_test, y_test))
         eps.append(fcir.privacy.epsilon(module, r, args.delta))
-        print(
+        line = (
             f"round {r}/{args.rounds} | FedAvg acc {fedavg_acc[-1]:.3f} "
             f"(loss {float(loss):.3f}) | DP-FedAvg acc {dp_acc[-1]:.3f} | "
             f"ε {eps[-1]:.2f} at δ={args.delta:g}"
         )
-    plot(args.output, fedavg_acc, dp_acc, eps, args.delta, args.noise_multiplier, args.clients)
+        for bits, run in ddp_runs.items():
+            run[2] = run[0](run[2], round_keys(key, r, args.clients), clients)
+            run[3].append(accuracy(run[2], x_test, y_test))
+            run[4].append(fcir.privacy.epsilon(run[1], r, args.delta))
+            line += f" | DDP-{bits} acc {run[3][-1]:.3f} (ε {run[4][-1]:.2f})"
+        print(line)
+    ddp = {bits: (run[3], run[4], run[5]) for bits, run in ddp_runs.items()}
+    plot(args.output, fedavg_acc, dp_acc, eps, args.delta, args.noise_multiplier, args.clients,
+         ddp)
     print(f"wrote {args.output} ({time.perf_counter() - start:.1f} s)")
-    return {"fedavg": fedavg_acc, "dp_fedavg": dp_acc, "epsilon": eps}
+    return {"fedavg": fedavg_acc, "dp_fedavg": dp_acc, "epsilon": eps,
+            **{f"ddp_{bits}": acc for bits, (acc, _, _) in ddp.items()},
+            **{f"ddp_{bits}_epsilon": e for bits, (_, e, _) in ddp.items()}}
 
 
 if __name__ == "__main__":

@@ -372,26 +372,26 @@ def _clip_tangent_region(clip_norm: float, nonzero: tuple[bool, ...]):
     return clip_tangent
 
 
-def _dp_jvp(prim, primals, tangents, *, placement, n, clip_norm, noise_multiplier):
+def dp_jvp(prim, mean: bool, primals, tangents, **params):
+    """The JVP of a DP aggregate (``fed.dp_*``, ``fed.ddp_*``, whose modules register it
+    with ``def_jvp``): the noise (and ddp's rounding) is a constant, so the tangent is
+    the sum (mean) of the members' clipped tangents. The last operand is the key(s)."""
     *xs, _ = primals
-    params = dict(placement=placement, n=n, clip_norm=clip_norm,
-                  noise_multiplier=noise_multiplier)
     ys = prim.bind(*primals, **params)
     nonzero = tuple(not _is_zero(t) for t in tangents[:-1])
     if not any(nonzero):
         return ys, [ad_util.p2tz(y) for y in ys]
     ts = [t for t, nz in zip(tangents, nonzero) if nz]
+    placement, n = params["placement"], params["n"]
     clipped = member_map(
-        _clip_tangent_region, (clip_norm, nonzero), placement, n, *xs, *ts
+        _clip_tangent_region, (params["clip_norm"], nonzero), placement, n, *xs, *ts
     )
     out = [sum_p.bind(c, placement=placement, n=n) for c in clipped]
-    if prim is dp_mean_p:
-        out = [o / n for o in out]
-    return ys, out
+    return ys, [o / n for o in out] if mean else out
 
 
-ad.primitive_jvps[dp_sum_p] = functools.partial(_dp_jvp, dp_sum_p)
-ad.primitive_jvps[dp_mean_p] = functools.partial(_dp_jvp, dp_mean_p)
+ad.primitive_jvps[dp_sum_p] = functools.partial(dp_jvp, dp_sum_p, False)
+ad.primitive_jvps[dp_mean_p] = functools.partial(dp_jvp, dp_mean_p, True)
 
 
 # --- fed.map: JVP ---------------------------------------------------------------------------

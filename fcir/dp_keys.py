@@ -25,6 +25,9 @@ the same noise for each, a per-member key (client-placed, the caller's) is trust
 differ like an argument. Releases in different branches of one ``cond`` never run in
 the same iteration. The keys of separate runs of the program (rounds driven from
 Python) are the caller's: pass a fresh key each run (``jax.random.fold_in(key, round)``).
+
+The distributed DP ops (kind ``ddp``) take one key per client, placed at the clients:
+``fcir.ddp_check`` holds their key rules and reports repeated keys under the same code.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ import itertools
 import numpy as np
 
 from fcir import control_flow as cf
+from fcir.fed import of_kind
 from fcir.ir import Module, Op, Region, Value
-from fcir.ops import DP_OPS
 from fcir.types import PlacedType
 
 __all__ = ["KeyProblem", "problems"]
@@ -55,6 +58,8 @@ _PASS = frozenset(
         "jax.optimization_barrier",
     }
 )
+# The central DP ops, whose key is local to where the result lives.
+_CENTRAL_DP = of_kind("dp")
 _BIG = 1 << 40  # the trip count of a while loop: unknown, so unbounded
 
 
@@ -210,7 +215,7 @@ class _Keys:
     def op(self, op: Op, path, frames, record) -> None:
         name = op.name
         ins = [self.get(v) for v in op.operands]
-        if name in DP_OPS:
+        if name in _CENTRAL_DP:
             if record:
                 self.releases.append(_Release(op, path, _as_key(ins[-1]), frames))
             outs = [None] * len(op.results)

@@ -15,7 +15,7 @@ FED_OPS: dict[str, type[FedOp]] = dict(FedOp.registry)
 
 # The ops that release client data to the placement above only through the Gaussian
 # mechanism: the privacy check lets their results through, the accountant counts them.
-DP_OPS = of_kind("dp")
+DP_OPS = of_kind("dp", "ddp")
 
 # Collectives over a named axis: inside a fed.map over a placement they would be
 # client-to-client communication.

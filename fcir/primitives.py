@@ -31,6 +31,9 @@ __all__ = [
     "secure_sum_p",
     "dp_sum_p",
     "dp_mean_p",
+    "define_dp",
+    "is_key",
+    "member_aval",
     "clip_member",
     "dp_noise",
     "mean_result_dtype",
@@ -433,6 +436,25 @@ def _make_dp(name: str, mean: bool):
 
 dp_sum_p = _make_dp("fed_dp_sum", mean=False)
 dp_mean_p = _make_dp("fed_dp_mean", mean=True)
+
+
+def define_dp(name: str, impl, abstract_eval):
+    """A multiple-results DP aggregate primitive for a fed op module (``fed.ddp_*``):
+    ``impl(*leaves, keys, placement=..., n=..., **params)`` is its eager impl and its
+    lowering, ``abstract_eval(*avals, **params)`` raises the op's constraint errors and
+    gives the results' avals; batching unrolls the batch axis as for ``fed.dp_*``."""
+    prim = core.Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    batching.primitive_batchers[prim] = _dp_batch(prim)
+    return prim
+
+
+# For fed op modules that define their primitive's abstract evaluation.
+member_aval = _member_aval
+is_key = _is_key
 
 
 # --- fed.map --------------------------------------------------------------------------------

@@ -54,14 +54,18 @@ from fcir.ops import DP_OPS
 from fcir.traffic import call_unit
 from fcir.types import SERVER, PlacedType
 
-__all__ = ["CONSTRAINTS", "DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
+__all__ = [
+    "CONSTRAINTS", "DP_OPS", "Budget", "Release", "epsilon", "leaks", "releases", "round_cost"
+]
 CONSTRAINTS = {
     "privacy/C1": "a fed op releases client data to the server only with noise",
     "privacy/C2": "main returns no per-client value derived from client data",
     "privacy/C3": "no other server value depends on client data (operands, branch index, "
     "loop condition)",
     "privacy/C4": "every DP release draws noise from a key provably distinct from every other "
-    "release's (fcir.dp_keys)",
+    "release's (fcir.dp_keys; a distributed DP op's per-client keys: fcir.ddp_check)",
+    "privacy/C5": "a distributed DP op's keys are derived from client data, one key per "
+    "client (fcir.ddp_check)",
 }
 
 # What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):
@@ -73,9 +77,12 @@ _BY_KIND = {
     "map": "its region is checked; taint follows the region's dataflow",
     "reduction": "releases to the server in the clear: privacy/C1 on client data",
     "dp": "noised release: results are untainted, the accountant counts it",
+    "ddp": "noised at the clients, securely summed: results are untainted, the accountant "
+    "counts it; its keys are checked (privacy/C4, privacy/C5)",
 }
 RULES = {cls: _BY_KIND[cls.kind] for cls in F.ops().values()}
 _AGGREGATES = F.of_kind("reduction")
+_DDP = F.of_kind("ddp")
 
 
 def _at_clients(t) -> bool:
@@ -242,13 +249,17 @@ def _wiring(op: Op) -> list[tuple[list[int | None], list[tuple[str, int]] | None
 
 def leaks(module: Module) -> list[Leak]:
     """Every path by which client data reaches the server other than through the DP
-    aggregates (empty for a leak-free program), each naming its op; and every DP op
-    whose noise another release may repeat (``privacy/C4``)."""
+    aggregates (empty for a leak-free program), each naming its op; every DP op whose
+    noise another release may repeat (``privacy/C4``); and every distributed DP op
+    whose keys are not the clients' own (``privacy/C5``)."""
+    from fcir.ddp_check import key_leaks
     from fcir.dp_keys import problems
 
     expect_module(module, "fcir.privacy.leaks")
-    found = _Taint(module).run()
-    return found + [Leak("privacy/C4", p.message, p.path, p.op) for p in problems(module)]
+    taint = _Taint(module)
+    found = taint.run()
+    found += [Leak("privacy/C4", p.message, p.path, p.op) for p in problems(module)]
+    return found + key_leaks(module, taint.tainted, Leak)
 
 
 # --- accounting -----------------------------------------------------------------------------
@@ -264,15 +275,31 @@ class Release:
     count: int
 
 
+@dataclasses.dataclass(frozen=True)
+class DdpRelease(Release):
+    """A distributed DP op (``fed.ddp_*``): accounted as the Gaussian mechanism with
+    ``accounted_noise_multiplier`` (``fcir.ddp.rdp_noise_multiplier``, at most
+    ``noise_multiplier``)."""
+
+    bits: int = 0
+    accounted_noise_multiplier: float = 0.0
+
+
 def releases(module: Module) -> list[Release]:
     """The DP ops of one round, in program order, with how often each runs."""
     expect_module(module, "fcir.privacy.releases")
-    return list(_releases(module.main.body, 1))
+    return list(_releases(module.main.body, 1, module))
 
 
-def _releases(region: Region, times: int) -> Iterator[Release]:
+def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
     for op in region.ops:
-        if op.name in DP_OPS:
+        if op.name in _DDP:  # fed.ddp_*: fcir.ddp
+            from fcir.ddp import op_params, rdp_noise_multiplier
+
+            yield DdpRelease(op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"],
+                             times, op.attrs["bits"],
+                             rdp_noise_multiplier(op_params(module, op)))
+        elif op.name in DP_OPS:
             yield Release(
                 op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"], times
             )
@@ -284,25 +311,31 @@ def _releases(region: Region, times: int) -> Iterator[Release]:
             )
         elif op.name == "jax.scan":
             for sub in op.regions:
-                yield from _releases(sub, times * cf.scan_length(op))
+                yield from _releases(sub, times * cf.scan_length(op), module)
         else:
             for sub in op.regions:
-                yield from _releases(sub, times)
+                yield from _releases(sub, times, module)
 
 
 def _has_dp(region: Region) -> bool:
     return any(op.name in DP_OPS or any(_has_dp(r) for r in op.regions) for op in region.ops)
 
 
+def _z(r: Release) -> float:
+    return r.accounted_noise_multiplier if isinstance(r, DdpRelease) else r.noise_multiplier
+
+
 def _round_event(rels: list[Release], sampling_rate: float):
     import dp_accounting as dpa
 
-    if any(r.noise_multiplier == 0 for r in rels):
+    if any(_z(r) == 0 for r in rels):
         return dpa.NonPrivateDpEvent()
+    if any(isinstance(r, DdpRelease) for r in rels):
+        sampling_rate = 1.0  # fcir.ddp: no amplification by sampling is claimed
     if sampling_rate >= 1.0:
         events = [
-            dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(r.noise_multiplier), r.count)
-            if r.count > 1 else dpa.GaussianDpEvent(r.noise_multiplier)
+            dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(_z(r)), r.count)
+            if r.count > 1 else dpa.GaussianDpEvent(_z(r))
             for r in rels
         ]
         return events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
@@ -310,7 +343,7 @@ def _round_event(rels: list[Release], sampling_rate: float):
     # one sampled event. Releases of one client's clipped data with noise multipliers
     # z_i are together exactly one Gaussian mechanism with 1/z^2 = sum 1/z_i^2 (the
     # subsampled events of the accountants take a single Gaussian inside).
-    z = 1.0 / math.sqrt(sum(r.count / r.noise_multiplier**2 for r in rels))
+    z = 1.0 / math.sqrt(sum(r.count / _z(r) ** 2 for r in rels))
     return dpa.PoissonSampledDpEvent(sampling_rate, dpa.GaussianDpEvent(z))
 
 
@@ -356,6 +389,12 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
         )
     if rounds == 0:
         return 0.0
+    if accountant == "pld" and any(isinstance(r, DdpRelease) for r in rels):
+        raise PrivacyError(
+            "fcir.privacy.epsilon: fed.ddp_* ops are accounted by their Rényi DP bound "
+            "(fcir.ddp), which a privacy loss distribution does not use: pass "
+            "accountant='rdp'"
+        )
     if accountant == "rdp":
         acc = dpa.rdp.RdpAccountant()
     elif accountant == "pld":
@@ -408,9 +447,11 @@ def format_round_cost(cost: dict | None) -> list[str]:
     lines = [f"privacy (per {cost.get('unit', 'round')}, every client taking part):"]
     for r in cost["releases"]:
         times = f" x{r['count']}" if r["count"] > 1 else ""
+        ddp = (f" bits={r['bits']} (accounted as {r['accounted_noise_multiplier']:.4g})"
+               if "bits" in r else "")
         lines.append(
             f"  {r['op']}{times}: clip_norm={r['clip_norm']:g} "
-            f"noise_multiplier={r['noise_multiplier']:g}"
+            f"noise_multiplier={r['noise_multiplier']:g}{ddp}"
         )
     lines.append(
         f"  epsilon={cost['epsilon_per_round']:.4g} at delta={cost['delta']:g} "
@@ -418,3 +459,6 @@ def format_round_cost(cost: dict | None) -> list[str]:
         f"{'rounds' if cost.get('unit', 'round') == 'round' else 'calls'})"
     )
     return lines
+
+
+from fcir.budget import Budget  # noqa: E402  (fcir.privacy.Budget)

@@ -35,8 +35,15 @@ __all__ = [
 
 # How each fed op communicates, by what it does (tests/test_op_coverage.py reads RULES):
 # a broadcast's members each receive its result, a map's members run its region, and
-# every reduction and DP aggregate receives its placed operands from each member.
-_BY_KIND = {"broadcast": "broadcast", "map": "map", "reduction": "aggregate", "dp": "aggregate"}
+# every reduction and DP aggregate receives its placed operands from each member (a
+# distributed DP aggregate: one uint32 residue per rotated coordinate, fcir.ddp).
+_BY_KIND = {
+    "broadcast": "broadcast",
+    "map": "map",
+    "reduction": "aggregate",
+    "dp": "aggregate",
+    "ddp": "aggregate",
+}
 RULES = {cls: _BY_KIND[cls.kind] for cls in F.ops().values()}
 REDUCTIONS = frozenset(cls.name for cls, rule in RULES.items() if rule == "aggregate")
 
@@ -97,10 +104,15 @@ def _transfers(module: Module, region: Region, members: int, repeats: int):
         elif op.name in REDUCTIONS:
             p = op.operands[0].type.placement
             # The DP aggregates' last operand is the server's key: it is not sent.
-            sizes = tuple(
-                nbytes(module, _member(o.type)) for o in op.operands
-                if isinstance(o.type, PlacedType) and o.type.placement == p
-            )
+            if F.ops()[op.name].kind == "ddp":  # one uint32 residue per rotated coordinate
+                from fcir.ddp import op_params
+
+                sizes = (4 * op_params(module, op).padded_dim,)
+            else:
+                sizes = tuple(
+                    nbytes(module, _member(o.type)) for o in op.operands
+                    if isinstance(o.type, PlacedType) and o.type.placement == p
+                )
             yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
         elif op.name == "fed.map":
             n = module.cardinality(op.operands[0].type.placement)

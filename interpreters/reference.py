@@ -131,6 +131,31 @@ class ReferenceInterpreter(Interpreter):
             out.append(noisy / n if mean else noisy)
         return out
 
+    @impl(F.DdpSum)
+    def ddp_sum(self, op, *args):
+        return self._ddp(op, args, mean=False)
+
+    @impl(F.DdpMean)
+    def ddp_mean(self, op, *args):
+        return self._ddp(op, args, mean=True)
+
+    def _ddp(self, op, args, *, mean: bool):
+        """Each client encodes its own pytree with its own key (``fcir.ddp.encode``), the
+        residues are added modulo ``2**bits`` one client at a time in Python integers (the
+        secure sum), and the server decodes: the mechanism as ``fcir.ddp`` states it."""
+        from fcir import ddp
+
+        *xs, keys = args
+        n = xs[0].shape[0]
+        p = ddp.params(ddp.member_dim(x.shape[1:] for x in xs), n, op.attrs["clip_norm"],
+                       op.attrs["noise_multiplier"], op.attrs["bits"], op.name)
+        total = np.zeros(p.padded_dim, dtype=object)
+        for i in range(n):
+            share = np.asarray(ddp.encode([x[i] for x in xs], keys[i], p)).astype(object)
+            total = (total + share) % p.modulus
+        like = [x[0] for x in xs]
+        return ddp.decode(jnp.asarray(total.astype(np.uint32)), p, like, mean)
+
     # Control flow whose regions hold fed ops or placed values runs eagerly, region by
     # region, so that the fed ops inside keep their per-member semantics; local control
     # flow binds its primitive as everywhere else.

@@ -600,6 +600,52 @@ def dp_cases(op: str) -> list:
 
 CASES += dp_cases("fed.dp_sum") + dp_cases("fed.dp_mean")
 
+
+# fed.ddp_sum / fed.ddp_mean: ({T..}@child, {key}@child) -> (T..).
+DDP_TEXT = """\
+fcir.module @ddp ir_version=1 placements=[clients:3]
+func @main(%0: {f32[2]}@clients, %1: {f32[]}@clients, %2: {u32[2]}@clients, \
+%3: f32[2]@server, %4: u32[2]@server) -> (f32[2]@server, f32[]@server) {
+  %5: f32[2]@server, %6: f32[]@server = OP %0, %1, %2 {bits=16, clip_norm=1.0, \
+noise_multiplier=1.1}
+  return %5, %6
+}
+"""
+
+
+def _broadcast_keys(op):
+    def mutate(m):
+        from fcir.ir import Op, Value
+        from fcir.types import PlacedType
+
+        key = param(m, 4)
+        out = Value(PlacedType(t("u32", 2), "clients", True))
+        m.main.body.ops.insert(0, Op("fed.broadcast", [key], [out], {"to": "clients"}))
+        op_named(m, op).operands[2] = out
+
+    return mutate
+
+
+def ddp_cases(op: str) -> list:
+    text = DDP_TEXT.replace("OP", op)
+    return [
+        Case(op, "C1", text, add_result(op), "more results than values"),
+        Case(op, "C1", text, lambda m: op_named(m, op).operands.clear(), "no operands"),
+        Case(op, "C2", text, set_operand(op, 0, lambda m: param(m, 3)), "server value"),
+        Case(op, "C3", text, set_operand(op, 2, lambda m: param(m, 4)), "server key"),
+        Case(op, "C3", text, set_operand(op, 2, lambda m: param(m, 0)), "f32 keys"),
+        Case(op, "C3", text, _broadcast_keys(op), "one key broadcast to all"),
+        Case(op, "C4", text, _int_dp_operand(op), "integer values"),
+        Case(op, "C5", text, set_attr(op, "clip_norm", 0.0), "zero clip norm"),
+        Case(op, "C5", text, set_attr(op, "noise_multiplier", -1.0), "negative noise"),
+        Case(op, "C6", text, retype_result(op, server(t("f32", 3))), "result shape"),
+        Case(op, "C7", text, set_attr(op, "bits", 40), "bits above 24"),
+        Case(op, "C7", text, set_attr(op, "bits", 16.0), "float bits"),
+    ]
+
+
+CASES += ddp_cases("fed.ddp_sum") + ddp_cases("fed.ddp_mean")
+
 def build(case: Case) -> Module:
     if case.program in ("flat", "hier"):
         m = fresh(case.program)

@@ -21,6 +21,8 @@ from .base import (
     ops,
 )
 from .broadcast import Broadcast
+from .ddp_mean import DdpMean
+from .ddp_sum import DdpSum
 from .dp_mean import DpMean
 from .dp_sum import DpSum
 from .map import Map
@@ -37,6 +39,8 @@ __all__ = [
     "KINDS",
     "Broadcast",
     "Context",
+    "DdpMean",
+    "DdpSum",
     "DpMean",
     "DpSum",
     "FedOp",

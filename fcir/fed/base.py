@@ -25,7 +25,10 @@ from fcir.types import SERVER, PlacedType, TensorType, Type
 #   reduction  members -> the placement above, in the clear (the plain aggregates)
 #   dp         members -> the placement above through the Gaussian mechanism; the last
 #              operand is a PRNG key local to where the result lives
-KINDS = ("broadcast", "map", "reduction", "dp")
+#   ddp        members -> the placement above through distributed DP (noised at the
+#              members, summed securely); the last operand holds one PRNG key per
+#              member, placed like the values
+KINDS = ("broadcast", "map", "reduction", "dp", "ddp")
 
 
 @dataclasses.dataclass(frozen=True)

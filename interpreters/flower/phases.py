@@ -37,12 +37,17 @@ RULES: dict[type[F.FedOp], object] = {
     F.SecureSum: "SecAgg+ over 16-bit chunks (app/secagg.py)",
     F.DpSum: "clipped at the nodes, summed and noised by the ServerApp",
     F.DpMean: "clipped at the nodes, summed and noised by the ServerApp",
+    # Decomposed by the production export (interpreters/production/ddp.py).
+    F.DdpSum: "encoded and noised at the nodes, summed modulo 2**bits by SecAgg+ "
+    "(app/secagg.py), decoded by the ServerApp",
+    F.DdpMean: "encoded and noised at the nodes, summed modulo 2**bits by SecAgg+ "
+    "(app/secagg.py), decoded and divided by the cardinality by the ServerApp",
     # Not secure: the ServerApp sees every node's value (docs/flower.md).
     F.Median: "aggregated by the ServerApp over every reply (app/runtime.py aggregate)",
     F.TrimmedMean: "aggregated by the ServerApp over every reply (app/runtime.py aggregate)",
 }
 # The ops that end an exchange: the reductions and the DP aggregates.
-REDUCTIONS = F.of_kind("reduction", "dp")
+REDUCTIONS = F.of_kind("reduction", "dp", "ddp")
 
 
 @dataclasses.dataclass

@@ -227,6 +227,7 @@ def _privacy(module) -> dict | None:
     (every phase's DP ops compose into one round's epsilon), and what a dp_mean divides
     by when clients drop out (docs/flower.md, Participation)."""
     from ..production import dp
+    from ..production.ddp import mechanism
 
     entry = dp.manifest_entry(module)
     if entry is None:
@@ -234,9 +235,9 @@ def _privacy(module) -> dict | None:
     n = module.placements[0][1] if module.placements else 0
     return {
         **entry,
-        "mechanism": "Gaussian: each client's update clipped in client_work (on the "
-        "device), summed by the ServerApp over the replies, noise added in server_result; "
-        "client-level DP (add or remove one client)",
+        "mechanism": mechanism(entry) or "Gaussian: each client's update clipped in "
+        "client_work (on the device), summed by the ServerApp over the replies, noise added "
+        "in server_result; client-level DP (add or remove one client)",
         # The noise is calibrated to the sum's sensitivity (one client's clip_norm). A
         # divisor fixed at export keeps the guarantee; dividing by the number of replies
         # would make the released value depend on who dropped out.

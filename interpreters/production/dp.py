@@ -24,12 +24,16 @@ import weakref
 
 import jax
 
+from fcir import fed as F
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, Region, Value
 from fcir.privacy import DP_OPS
 from fcir.types import runtime_type
 
+from .ddp import decomposed_program
 from .rewrite import clone_op
+
+DDP_OPS = F.of_kind("ddp")
 
 __all__ = ["decompose", "has_dp", "manifest_entry"]
 
@@ -109,6 +113,10 @@ def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> li
             out.append(noisy / n if mean else noisy)
         return out
 
+    if op.name in DDP_OPS:  # distributed DP: interpreters/production/ddp.py
+        shapes = [(v.type.member.shape, v.type.member.np_dtype) for v in op.operands[:-1]]
+        decomposed = decomposed_program(op, placement, n, shapes)  # noqa: F811
+
     *xs, key = op.operands
     specs = [
         jax.ShapeDtypeStruct(rt.shape, rt.np_dtype)
@@ -133,12 +141,14 @@ def manifest_entry(module: Module) -> dict | None:
     cost = round_cost(module)
     if cost is None:
         return None
+    from .ddp import mechanism
+
     return {
         **cost,
         "private_program_checked": bool(module.private),
-        "mechanism": "Gaussian: each client's update clipped in client_work, summed with "
-        "federated_sum, noise added in server_result; client-level DP (add or remove one "
-        "client)",
+        "mechanism": mechanism(cost) or "Gaussian: each client's update clipped in "
+        "client_work, summed with federated_sum, noise added in server_result; "
+        "client-level DP (add or remove one client)",
     }
 
 

@@ -103,6 +103,12 @@ OP_RULES: dict[type[F.FedOp], object] = {
     # Not secure: the aggregator sees every client's value (docs/production.md).
     F.Median: "client_to_server_aggregation: federated_aggregate of every client's value",
     F.TrimmedMean: "client_to_server_aggregation: federated_aggregate of every client's value",
+    # Distributed DP (interpreters/production/ddp.py): noised on the clients.
+    F.DdpSum: "client_work: clip, rotate, quantize, discrete Gaussian noise; "
+    "client_to_server_aggregation: federated_secure_sum_bitwidth; server_result: decode",
+    F.DdpMean: "client_work: clip, rotate, quantize, discrete Gaussian noise; "
+    "client_to_server_aggregation: federated_secure_sum_bitwidth; server_result: decode, "
+    "divided by the cardinality",
 }
 
 

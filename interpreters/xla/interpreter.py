@@ -76,7 +76,7 @@ class XlaInterpreter(Interpreter):
         outs = P.map_p.bind(*args, body=body, placement=placement, n=n)
         return [self.constrain(o, placement) for o in outs]
 
-    @impl(*(c for c in F.ops().values() if c.kind in ("reduction", "dp")))
+    @impl(*(c for c in F.ops().values() if c.kind in ("reduction", "dp", "ddp")))
     def aggregate(self, op: Op, *args):
         """A reduction or DP aggregate: its primitive, lowered by the rule its module in
         ``fcir.fed`` registers."""

@@ -48,6 +48,7 @@ from fcir.errors import InterpreterError
 from fcir.ir import Op, Region, Value
 from fcir.types import PlacedType, runtime_type
 
+from . import streaming_ddp as _ddp
 from .interpreter import XlaInterpreter
 
 __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", "plan_region"]
@@ -74,6 +75,9 @@ RULES: dict[type[F.FedOp], object] = {
     F.SecureSum: ACCUMULATED,
     F.DpSum: _WHOLE,
     F.DpMean: _WHOLE,
+    # interpreters/xla/streaming_ddp.py: only the uint32 modular sum is carried.
+    F.DdpSum: ACCUMULATED,
+    F.DdpMean: ACCUMULATED,
     F.Median: F.Unsupported(_ORDER),
     F.TrimmedMean: F.Unsupported(_ORDER),
 }
@@ -100,7 +104,7 @@ class Stream:
 
     @property
     def outputs(self) -> list[Value]:
-        return [op.results[0] for op in self.reductions] + self.materialized
+        return [r for op in self.reductions for r in op.results] + self.materialized
 
 
 def plan_region(region: Region, cardinality) -> list[Stream]:
@@ -360,7 +364,10 @@ class StreamingInterpreter(XlaInterpreter):
                 check_vma=False,
             )(batched, unbatched)
             accs = [_combine(op, acc) for op, acc in zip(s.reductions, partial)]
-        return [_finish(op, a, s.n) for op, a in zip(s.reductions, accs)] + list(bufs)
+        outs = []
+        for op, a in zip(s.reductions, accs):
+            outs += _ddp.finish(op, a, s.n) if op.name in _ddp.DDP_OPS else [_finish(op, a, s.n)]
+        return outs + list(bufs)
 
     def _stream_mesh(self, s: Stream):
         """The compile's mesh. Without one, the loop runs unsharded (under ``jax.set_mesh``
@@ -412,7 +419,10 @@ class StreamingInterpreter(XlaInterpreter):
         chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
         shapes = dict(zip(needed, jax.eval_shape(lambda b: vmapped(b, unbatched), chunk_specs)))
         shapes.update(zip(s.batched, chunk_specs))
-        accs0 = [_acc_init(op, shapes) for op in s.reductions]
+        accs0 = [
+            _ddp.acc_init(op, shapes, s.n) if op.name in _ddp.DDP_OPS else _acc_init(op, shapes)
+            for op in s.reductions
+        ]
         bufs0 = [_zeros((n, *shapes[v].shape[1:]), shapes[v].dtype) for v in s.materialized]
 
         def step(carry, _):
@@ -422,7 +432,11 @@ class StreamingInterpreter(XlaInterpreter):
             start = jnp.minimum(i * k, n - k) if ragged else i * k
             vals = chunk_values(start)
             valid = (start + jnp.arange(k)) >= i * k if ragged else None
-            accs = [_acc_step(op, a, vals, valid) for op, a in zip(s.reductions, accs)]
+            accs = [
+                _ddp.acc_step(op, a, vals, valid, s.n)
+                if op.name in _ddp.DDP_OPS else _acc_step(op, a, vals, valid)
+                for op, a in zip(s.reductions, accs)
+            ]
             new_bufs = []
             for v, buf in zip(s.materialized, bufs):
                 x = vals[v]

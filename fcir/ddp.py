@@ -1,0 +1,377 @@
+"""Distributed DP: the distributed discrete Gaussian mechanism (DDGauss) of Kairouz, Liu
+and Steinke, "The Distributed Discrete Gaussian Mechanism for Federated Learning with
+Secure Aggregation", ICML 2021 (arXiv:2102.06387), here called [KLS21].
+
+The server never holds an individual or un-noised value: each client turns its update
+into integers modulo ``2**bits`` that already carry its share of the noise, secure
+aggregation sums them modulo ``2**bits``, and the server decodes the sum.
+
+Client (``encode``), for a member's pytree with ``d`` elements in all:
+
+1. clip to global L2 norm ``clip_norm`` (``fcir.primitives.clip_member``, as ``dp_*``);
+2. flatten, zero-pad to ``D = 2**ceil(log2 d)`` and rotate: ``R x = H S x / sqrt(D)``,
+   ``H`` the ``D x D`` Walsh-Hadamard matrix, ``S`` random signs. ``R`` is orthonormal
+   and *public*, the same for every client (the server inverts it on the sum), drawn
+   from the fixed seed ``ROTATION_SEED``; it spreads the update's energy evenly over the
+   coordinates so that the modular sum rarely wraps;
+3. scale by ``scale`` (integers per unit of the update) and round each coordinate at
+   random to one of its two neighbouring integers, up with probability the fractional
+   part (unbiased);
+4. add discrete Gaussian noise ``N_Z(0, local_stddev**2)`` per coordinate, where
+   ``local_stddev = noise_multiplier * clip_norm * scale / sqrt(n)``: the sum of the
+   ``n`` clients' shares has variance ``(noise_multiplier * clip_norm * scale)**2``,
+   i.e. std ``noise_multiplier * clip_norm`` in the update's units, as ``dp_sum``;
+5. reduce modulo ``2**bits`` (``uint32`` values in ``[0, 2**bits)``).
+
+Secure aggregation (``aggregate``): the sum modulo ``2**bits`` of the clients' vectors.
+
+Server (``decode``): map the residues to the centred range ``[-2**(bits-1),
+2**(bits-1))``, rotate back (``R^T y = S H y / sqrt(D)``), drop the padding, divide by
+``scale`` (and ``ddp_mean`` by the cardinality ``n``).
+
+**The scale and the overflow bound.** Decoding is exact unless a coordinate of the
+integer sum leaves ``[-2**(bits-1), 2**(bits-1))``. Coordinate ``j`` of the sum is
+``scale * (R w)_j + E_j + G_j`` with ``w`` the sum of the clipped updates
+(``||w|| <= n * clip_norm``, the worst case of identical updates), ``E_j`` the rounding
+errors (``|E_j| < n`` always) and ``G_j`` the noise. Over the random signs,
+``(R w)_j = sum_l H_jl S_l w_l / sqrt(D)`` is sub-Gaussian with variance proxy
+``||w||**2 / D`` (Hoeffding); a discrete Gaussian ``N_Z(0, s**2)`` is sub-Gaussian with
+variance proxy ``s**2`` (Canonne, Kamath, Steinke 2020, "The Discrete Gaussian for
+Differential Privacy"). So with ``v = (scale * clip_norm)**2 * (n**2 / D +
+noise_multiplier**2)``,
+
+    P(some coordinate wraps) <= 2 D exp(-(2**(bits-1) - n)**2 / (2 v)),
+
+and ``scale`` is the largest value with that bound at ``OVERFLOW_TARGET`` (``2**-30``)
+per release. ``DdpParams.overflow_bound`` is the bound computed for the op's parameters.
+It assumes the updates do not depend on the public signs (they are fixed, not adapted
+to; an adversarial client can at most spoil the sum, not learn from it).
+
+**Sensitivity with rounding.** The privacy analysis needs a bound on each client's
+integer vector before noise: ``||round(scale R x)|| <= scale * clip_norm + sqrt(D)``
+(each coordinate moves by less than 1), the first bound of Delta_2 in [KLS21]
+Theorem 1 (that theorem's tighter second bound needs *conditional* rounding, which is
+not implemented). ``delta2`` adds a float32 margin for the clip and the rotation
+(``(log2 D + 8) * 2**-23`` relative). The accountant (``fcir.privacy``) uses [KLS21]
+Proposition 14, see ``rdp_noise_multiplier``.
+
+**The discrete Gaussian sampler** is Algorithm 3 of Canonne, Kamath, Steinke (2020):
+propose ``Y`` from the discrete Laplace with scale ``t = floor(s) + 1`` (a difference
+of two geometric variables ``floor(t * Exp(1))``), accept with probability
+``exp(-(|Y| - s**2/t)**2 / (2 s**2))``. It is vectorized: every coordinate proposes in
+parallel until all have accepted (a ``lax.while_loop``; each pass draws from
+``fold_in(key, pass)``, and a coordinate keeps its first accepted value), so the
+number of passes is random, about ``log(D) / -log(1 - p)`` with acceptance probability
+``p`` (above 0.44 for every ``s``, the least 0.445 near ``s = 0.3``, about 0.55 for
+``s >= 1``; computed exactly in tests/test_ddp.py). The loop stops after
+``MAX_PASSES`` (256) passes; a coordinate still without a value gets 0, with
+probability below ``0.56**256 < 1e-64`` per coordinate. The arithmetic is float32, as in TensorFlow
+Federated's implementation of the same algorithm: the sampled law is the discrete
+Gaussian up to float32 rounding of the uniform draws (about ``2**-24`` per
+probability), which the accounting does not add to delta.
+
+Every function here is plain JAX (jit, vmap, eager alike) and deterministic for its
+keys, so the reference interpreter (client by client, eagerly), the XLA backend (all
+clients in one batch, ``encode_batch``) and the streamed one (``k`` at a time) agree
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fcir.errors import IRTypeError
+
+__all__ = [
+    "DdpParams",
+    "MAX_BITS",
+    "MIN_BITS",
+    "OVERFLOW_TARGET",
+    "ROTATION_SEED",
+    "aggregate",
+    "decode",
+    "discrete_gaussian",
+    "discrete_gaussian_batch",
+    "encode",
+    "encode_batch",
+    "fwht",
+    "params",
+    "rdp_noise_multiplier",
+]
+
+ROTATION_SEED = 0x5EED
+OVERFLOW_TARGET = 2.0**-30
+MAX_PASSES = 256
+# Integers stay below 2**24 in magnitude, so float32 holds every one exactly.
+MIN_BITS, MAX_BITS = 2, 24
+
+
+@dataclasses.dataclass(frozen=True)
+class DdpParams:
+    """Everything a ``ddp_*`` op derives from its attributes and operand shapes."""
+
+    n: int  # clients
+    dim: int  # elements of one member's pytree
+    padded_dim: int  # D: power of two >= dim
+    bits: int
+    clip_norm: float
+    noise_multiplier: float
+    scale: float  # integers per unit of the update
+    local_stddev: float  # per-client discrete Gaussian std, integer units
+    delta2: float  # L2 sensitivity of one client's rounded vector, integer units
+    overflow_bound: float  # P(the modular sum wraps) per release, upper bound
+
+    @property
+    def modulus(self) -> int:
+        return 1 << self.bits
+
+    @property
+    def tau(self) -> float:
+        """[KLS21] Theorem 1: how far the sum of ``n`` discrete Gaussians is from one."""
+        s2 = self.local_stddev**2
+        return 10.0 * sum(math.exp(-2.0 * math.pi**2 * s2 * k / (k + 1)) for k in range(1, self.n))
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "modulus": self.modulus, "tau": self.tau}
+
+
+def _padded(d: int) -> int:
+    return 1 << max(0, (d - 1).bit_length())
+
+
+def params(
+    dim: int,
+    n: int,
+    clip_norm: float,
+    noise_multiplier: float,
+    bits: int,
+    what: str = "fed.ddp_sum",
+) -> DdpParams:
+    """The scale, noise and bounds of a ``ddp_*`` op (see the module docstring)."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
+        raise IRTypeError(f"{what}: bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
+    half = float(1 << (bits - 1))
+    if half <= n:
+        raise IRTypeError(
+            f"{what}: bits={bits} leaves no room for the sum of {n} clients' values "
+            f"(2**(bits-1) must exceed the cardinality {n}): use more bits"
+        )
+    D = _padded(dim)
+    c, z = float(clip_norm), float(noise_multiplier)
+    k = math.sqrt(2.0 * math.log(2.0 * D / OVERFLOW_TARGET))
+    spread = math.sqrt(n * n / D + z * z)
+    scale = (half - n) / (k * c * spread)
+    v = (scale * c) ** 2 * (n * n / D + z * z)
+    bound = min(1.0, 2.0 * D * math.exp(-((half - n) ** 2) / (2.0 * v)))
+    margin = 1.0 + (math.log2(D) + 8) * 2.0**-23
+    return DdpParams(
+        n=n,
+        dim=dim,
+        padded_dim=D,
+        bits=bits,
+        clip_norm=c,
+        noise_multiplier=z,
+        scale=scale,
+        local_stddev=z * c * scale / math.sqrt(n),
+        delta2=scale * c * margin + math.sqrt(D),
+        overflow_bound=bound,
+    )
+
+
+def rdp_noise_multiplier(p: DdpParams) -> float:
+    """The noise multiplier of the Gaussian mechanism whose RDP bounds this op's.
+
+    [KLS21] Proposition 14 bounds the Rényi divergence of order ``alpha`` of the
+    distributed discrete Gaussian sum by (among others) ``alpha/2 * (Delta_2 / (sqrt(n)
+    s) + sqrt(D) * tau)**2``, ``s`` the local std and ``tau`` of Theorem 1, both in
+    integer units: the RDP curve ``alpha / (2 z**2)`` of a Gaussian with noise
+    multiplier ``z = 1 / (Delta_2 / (sqrt(n) s) + sqrt(D) tau)``. ``Delta_2 >= scale *
+    clip_norm`` and ``tau >= 0``, so ``z <= noise_multiplier``: never less private
+    than central DP claims. 0 when the op adds no noise.
+    """
+    if p.noise_multiplier == 0:
+        return 0.0
+    ratio = p.delta2 / (math.sqrt(p.n) * p.local_stddev) + math.sqrt(p.padded_dim) * p.tau
+    return 1.0 / ratio
+
+
+# --- the numerics ---------------------------------------------------------------------------
+
+
+def fwht(x):
+    """Unnormalized Walsh-Hadamard transform along the last axis (a power of two):
+    ``H x`` with ``H H = D I``; log2(D) butterfly passes."""
+    D = x.shape[-1]
+    h = 1
+    while h < D:
+        y = x.reshape(*x.shape[:-1], D // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = jnp.stack([a + b, a - b], axis=-2).reshape(*x.shape[:-1], D)
+        h *= 2
+    return x
+
+
+@functools.lru_cache(maxsize=64)
+def _sign_table(D: int) -> np.ndarray:
+    # The raw stream of a NumPy BitGenerator is stable across NumPy versions (unlike
+    # Generator methods), so every party and every version derives the same signs.
+    words = np.random.PCG64(ROTATION_SEED).random_raw((D + 63) // 64).astype(np.uint64)
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:D]
+    out = np.where(bits == 1, np.float32(1), np.float32(-1)).astype(np.float32)
+    out.flags.writeable = False
+    return out
+
+
+def _signs(D: int):
+    """The public rotation's signs: a constant of the program (the bits of NumPy's PCG64
+    raw stream seeded with ``ROTATION_SEED``), the same for every client and the server."""
+    return jnp.asarray(_sign_table(D))
+
+
+def discrete_gaussian(key, shape, stddev: float):
+    """int32 samples of the discrete Gaussian ``P(y) ∝ exp(-y**2 / (2 stddev**2))``
+    (Canonne, Kamath, Steinke 2020, Algorithm 3; see the module docstring)."""
+    return discrete_gaussian_batch(jnp.asarray(key)[None], shape, stddev)[0]
+
+
+def discrete_gaussian_batch(keys, shape, stddev: float):
+    """``discrete_gaussian`` for each key of ``keys`` (a leading axis): ``int32[len(keys),
+    *shape]``, row ``i`` what ``discrete_gaussian(keys[i], ...)`` gives. Only the draws
+    are vmapped over the keys; the rejection loop runs once over the whole batch (a
+    loop under vmap would take the keys' sharding into its carry)."""
+    shape = tuple(shape)
+    n = keys.shape[0]
+    if stddev == 0:
+        return jnp.zeros((n, *shape), jnp.int32)
+    s = float(stddev)
+    t = float(math.floor(s) + 1)
+    s2 = s * s
+
+    def draws(key, i):
+        k1, k2, k3 = jax.random.split(jax.random.fold_in(key, i), 3)
+        e1 = jax.random.exponential(k1, shape, jnp.float32)
+        e2 = jax.random.exponential(k2, shape, jnp.float32)
+        return e1, e2, jax.random.uniform(k3, shape, jnp.float32)
+
+    def propose(i):
+        e1, e2, u = jax.vmap(draws, in_axes=(0, None))(keys, i)
+        y = jnp.floor(t * e1) - jnp.floor(t * e2)
+        accept = u < jnp.exp(-jnp.square(jnp.abs(y) - s2 / t) / (2.0 * s2))
+        return y.astype(jnp.int32), accept
+
+    def cond(state):
+        i, _, done = state
+        return jnp.logical_and(i < MAX_PASSES, jnp.logical_not(jnp.all(done)))
+
+    def body(state):
+        i, out, done = state
+        y, acc = propose(i)
+        take = jnp.logical_and(acc, jnp.logical_not(done))
+        return i + 1, jnp.where(take, y, out), jnp.logical_or(done, acc)
+
+    # The first pass runs outside the loop, so the carry is typed (sharding included,
+    # on a mesh) like what the body computes.
+    y, acc = propose(0)
+    init = (jnp.int32(1), jnp.where(acc, y, jnp.zeros_like(y)), acc)
+    return jax.lax.while_loop(cond, body, init)[1]
+
+
+def _flat(leaves, D: int):
+    flat = jnp.concatenate([jnp.ravel(leaf).astype(jnp.float32) for leaf in leaves])
+    return jnp.pad(flat, (0, D - flat.shape[0]))
+
+
+def encode(leaves, key, p: DdpParams):
+    """One client's ``uint32[D]`` residues modulo ``2**bits``: clip, rotate, scale,
+    round at random, add its discrete Gaussian share, wrap. ``key``: the client's."""
+    return encode_batch([jnp.asarray(x)[None] for x in leaves], jnp.asarray(key)[None], p)[0]
+
+
+def encode_batch(leaves, keys, p: DdpParams):
+    """``encode`` for a batch of clients (a leading axis on every leaf and on ``keys``):
+    ``uint32[k, D]``, row ``i`` bit for bit ``encode`` of client ``i``."""
+    from fcir.primitives import clip_member
+
+    D = p.padded_dim
+    clipped = jax.vmap(lambda *m: clip_member(list(m), p.clip_norm))(*leaves)
+    flat = jax.vmap(lambda *m: _flat(m, D))(*clipped)
+    v = fwht(flat * _signs(D)) * jnp.float32(p.scale / math.sqrt(D))
+    k_round = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
+    k_noise = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
+    low = jnp.floor(v)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (D,), jnp.float32))(k_round)
+    q = low.astype(jnp.int32) + (u < (v - low)).astype(jnp.int32)
+    q = q + discrete_gaussian_batch(k_noise, (D,), p.local_stddev)
+    return jnp.bitwise_and(q.astype(jnp.uint32), jnp.uint32(p.modulus - 1))
+
+
+def aggregate(encoded, p: DdpParams):
+    """The secure sum: ``uint32[n, D] -> uint32[D]`` modulo ``2**bits`` (uint32 adds
+    wrap modulo 2**32, a multiple of the modulus)."""
+    total = jnp.sum(encoded, axis=0, dtype=jnp.uint32)
+    return jnp.bitwise_and(total, jnp.uint32(p.modulus - 1))
+
+
+def decode(total, p: DdpParams, like, mean: bool):
+    """The server's leaves from the modular sum ``uint32[D]``: centre, rotate back,
+    unscale (and divide by ``n`` for the mean). ``like``: the member leaves' shapes and
+    dtypes (anything with ``.shape`` and ``.dtype``)."""
+    D = p.padded_dim
+    half = 1 << (p.bits - 1)
+    centred = jnp.where(
+        total >= jnp.uint32(half), total.astype(jnp.int32) - p.modulus, total.astype(jnp.int32)
+    )
+    y = fwht(centred.astype(jnp.float32)) * _signs(D)
+    x = y * jnp.float32(1.0 / (math.sqrt(D) * p.scale * (p.n if mean else 1)))
+    out, start = [], 0
+    for leaf in like:
+        size = int(np.prod(leaf.shape, dtype=np.int64))
+        out.append(x[start : start + size].reshape(leaf.shape).astype(leaf.dtype))
+        start += size
+    return out
+
+
+def member_dim(shapes) -> int:
+    """``d``: the number of elements of one member's pytree."""
+    return int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes))
+
+
+def op_params(module, op) -> DdpParams:
+    """The parameters of a ``fed.ddp_*`` op of ``module`` (cardinality from the module,
+    dimension from the operands' member types)."""
+    n = module.cardinality(op.operands[0].type.placement)
+    dim = member_dim(v.type.member.shape for v in op.operands[:-1])
+    a = op.attrs
+    return params(dim, n, a["clip_norm"], a["noise_multiplier"], a["bits"], op.name)
+
+
+def noise_multiplier_for(
+    target: float, dim: int, n: int, clip_norm: float, bits: int, tol: float = 1e-9
+) -> float:
+    """The ``noise_multiplier`` of a ``ddp_*`` op that fcir.privacy accounts exactly as
+    central DP with noise multiplier ``target`` (the same ε for any rounds, delta and
+    accountant "rdp"): ``rdp_noise_multiplier`` is increasing in the noise multiplier,
+    so bisection finds it. IRTypeError when ``bits`` cannot reach ``target`` (the
+    rounding's share of the sensitivity stays too large)."""
+
+    def accounted(z):
+        return rdp_noise_multiplier(params(dim, n, clip_norm, z, bits))
+
+    lo, hi = float(target), float(target)
+    while accounted(hi) < target:
+        hi *= 2
+        if hi > 1e6 * max(target, 1.0):
+            raise IRTypeError(
+                f"fcir.ddp: bits={bits} cannot match central DP's noise multiplier "
+                f"{target:g} for {dim} elements and {n} clients: use more bits"
+            )
+    while hi - lo > tol * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if accounted(mid) < target else (lo, mid)
+    return hi

@@ -1,0 +1,156 @@
+"""``fed.ddp_sum``: distributed DP through secure aggregation (the distributed discrete
+Gaussian of KLS21; the numerics and their bounds are ``fcir.ddp``'s, the frontend
+``fcir.ddp_api``, the trust model docs/privacy.md).
+
+``({T1}@child, ..., {Tk}@child, {K}@child) -> (T1, ..., Tk)``: the placed leaves of one
+pytree, then one PRNG key per member (``K`` is ``key<...>[]`` or ``u32[2]``), results
+local to the current placement. Attributes: ``clip_norm``, ``noise_multiplier`` (as
+``fed.dp_*``) and ``bits``, the width of the secure sum. ``fed.ddp_mean``
+(``fcir.fed.ddp_mean``) shares the primitive's impl, abstract evaluation and derivative.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fcir import autodiff as AD
+from fcir import ddp
+from fcir import primitives as P
+from fcir.types import PlacedType, TensorType
+
+from .base import FedOp
+from .dp_sum import DpSum
+
+__all__ = ["DdpSum", "ddp_sum_p", "define_ddp"]
+
+
+class DdpSum(FedOp):
+    """Distributed discrete Gaussian sum (``fcir.ddp``): each member clips, rotates,
+    quantizes and noises its pytree into integers modulo ``2**bits`` with its own key;
+    the secure sum of those is decoded where the result lives."""
+
+    name = "fed.ddp_sum"
+    kind = "ddp"
+    multiple_results = True
+    attributes = {"clip_norm": float, "noise_multiplier": float, "bits": int}
+    constraints = {
+        "C1": "takes k >= 1 value operands followed by one keys operand, and gives k results",
+        "C2": "value operands must be placed at the placement directly below the current one",
+        "C3": "the last operand must hold one PRNG key (key<...>[] or u32[2]) per member, "
+        "placed like the values and not all-equal (every member needs its own key)",
+        "C4": "value operands must be floating-point tensors",
+        "C5": "attribute 'clip_norm' must be a finite float > 0 and 'noise_multiplier' a "
+        "finite float >= 0",
+        "C6": "result i must be operand i's member type, local to the current placement",
+        "C7": f"attribute 'bits' must be an int in [{ddp.MIN_BITS}, {ddp.MAX_BITS}]",
+    }
+    placement_constraints = frozenset({"C2", "C3"})
+
+    @classmethod
+    def placed_operands(cls, n_operands: int) -> range:
+        return range(n_operands)  # the keys are placed at the members too
+
+    @classmethod
+    def verify(cls, op, ctx):
+        k = len(op.operands) - 1
+        if k < 1 or len(op.results) != k or op.regions:
+            cls.fail(
+                "C1",
+                f"has {len(op.operands)} operands, {len(op.results)} results, "
+                f"{len(op.regions)} regions",
+            )
+        keys = op.operands[-1].type
+        if not isinstance(keys, PlacedType) or not (
+            isinstance(keys.member, TensorType)
+            and DpSum.is_key(keys.member.dtype, keys.member.shape)
+        ):
+            cls.fail("C3", f"keys operand has type {keys}")
+        if keys.all_equal:
+            cls.fail(
+                "C3",
+                f"keys operand has all-equal type {keys}: one key broadcast to "
+                "every member; pass per-member keys (jax.random.split) as client data",
+            )
+        cls.placed_operand(ctx, op.operands[-1], "C3")
+        for name in ("clip_norm", "noise_multiplier"):
+            a = op.attrs.get(name)
+            low_ok = isinstance(a, float) and ((a > 0) if name == "clip_norm" else (a >= 0))
+            if not low_ok or not np.isfinite(a):
+                cls.fail("C5", f"{name}={a!r}")
+        bits = op.attrs.get("bits")
+        if (
+            isinstance(bits, bool)
+            or not isinstance(bits, int)
+            or not (ddp.MIN_BITS <= bits <= ddp.MAX_BITS)
+        ):
+            cls.fail("C7", f"bits={bits!r}")
+        for i, (v, r) in enumerate(zip(op.operands[:-1], op.results)):
+            t = cls.placed_operand(ctx, v, "C2")
+            if not isinstance(t.member, TensorType) or not DpSum.is_float(t.member.dtype):
+                cls.fail("C4", f"operand {i} has member type {t.member}")
+            if r.type != ctx.local(t.member):
+                cls.fail("C6", f"result {i} is {r.type}, expected {ctx.local(t.member)}")
+
+
+# --- the primitive (operands: the placed leaves of one pytree, then the members' keys) ----
+
+
+def _impl(*args, placement, n, clip_norm, noise_multiplier, bits, mean):
+    del placement
+    *xs, keys = args
+    p = ddp.params(ddp.member_dim(x.shape[1:] for x in xs), n, clip_norm, noise_multiplier, bits)
+    encoded = ddp.encode_batch(xs, keys, p)
+    like = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
+    return ddp.decode(ddp.aggregate(encoded, p), p, like, mean)
+
+
+def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, bits, mean):
+    *xs, keys = avals
+    if not xs:
+        raise op.error("C1", "no value leaf before the keys")
+    member_key = P.member_aval(keys, placement, n, f"{op.name} keys")
+    if not P.is_key(member_key):
+        raise op.error(
+            "C3",
+            f"got {keys.str_short()}; pass jax.random.split(key, n) (or raw "
+            "uint32[n, 2]) as client data",
+        )
+    out = []
+    for i, x in enumerate(xs):
+        member = P.member_aval(x, placement, n, f"{op.name} operand {i}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise op.error(
+                "C4",
+                f"operand {i} has dtype {x.dtype}: cast it (x.astype(jnp.float32)) "
+                "before the DP aggregate",
+            )
+        out.append(member.update(weak_type=False))
+    ddp.params(
+        ddp.member_dim(x.shape[1:] for x in xs),
+        n,
+        clip_norm,
+        noise_multiplier,
+        bits,
+        op.name,
+    )
+    return out
+
+
+def define_ddp(op: type[FedOp], mean: bool):
+    """The primitive of ``op`` (``fed.ddp_sum`` or, with ``mean``, ``fed.ddp_mean``),
+    with its derivative: like ``fed.dp_*``, the noise and the rounding are constants."""
+    prim = P.define_dp(
+        "fed_" + op.name.removeprefix("fed."),
+        functools.partial(_impl, mean=mean),
+        functools.partial(_abstract_eval, op, mean=mean),
+    )
+    AD.def_jvp(prim, functools.partial(AD.dp_jvp, prim, mean))
+    op.primitive = prim
+    return prim
+
+
+ddp_sum_p = define_ddp(DdpSum, mean=False)

@@ -1,0 +1,63 @@
+"""The distributed DP aggregates for production: ``fed.ddp_sum`` / ``fed.ddp_mean``
+decomposed into what a DistributeAggregateForm round runs where (``fcir.ddp``):
+
+* a ``fed.map`` in which every client clips, rotates, quantizes and noises its pytree
+  with its own key into ``uint32`` residues modulo ``2**bits`` (``fcir.ddp.encode``):
+  client_work;
+* one ``fed.secure_sum`` with ``bitwidth=bits``: client_to_server_aggregation, as
+  ``federated_secure_sum_bitwidth``, so the aggregation service only ever adds noised
+  residues and the server only sees their modular sum;
+* the decoding (``fcir.ddp.decode``): server_result.
+
+The decomposition is traced with the very functions the primitive's rules use, so it
+computes bit for bit what the op computes.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MECHANISM", "decomposed_program", "mechanism"]
+
+MECHANISM = (
+    "distributed discrete Gaussian (fcir.ddp): each client clips, rotates, quantizes its "
+    "update and adds its share of discrete Gaussian noise in client_work, the shares are "
+    "summed modulo 2**bits by federated_secure_sum_bitwidth, the server decodes the "
+    "noised sum in server_result; client-level DP (one client's update replaced by zero); "
+    "epsilon assumes every client's noise share is in the sum"
+)
+
+
+def mechanism(entry: dict | None) -> str | None:
+    """The mechanism text of a manifest/plan privacy entry with ``fed.ddp_*`` releases
+    (None without them)."""
+    if not entry or not any(r["op"].startswith("fed.ddp_") for r in entry["releases"]):
+        return None
+    if all(r["op"].startswith("fed.ddp_") for r in entry["releases"]):
+        return MECHANISM
+    return MECHANISM + "; the fed.dp_* releases: Gaussian noise added at the server"
+
+
+def decomposed_program(op, placement: str, n: int, member_shapes):
+    """An ``@fcir.program`` of ``(keys, *xs)`` that computes ``op`` in plain fed ops."""
+    import jax
+
+    import fcir
+    from fcir import ddp
+
+    like = [jax.ShapeDtypeStruct(s, d) for s, d in member_shapes]
+    p = ddp.params(
+        ddp.member_dim(s for s, _ in member_shapes),
+        n,
+        op.attrs["clip_norm"],
+        op.attrs["noise_multiplier"],
+        op.attrs["bits"],
+        op.name,
+    )
+    mean = op.name == "fed.ddp_mean"
+
+    @fcir.program(placements={placement: n})
+    def decomposed(keys, *xs):
+        shares = fcir.map_fn(lambda k, *m: ddp.encode(m, k, p), (keys, *xs))
+        total = fcir.secure_sum(shares, bitwidth=p.bits)
+        return ddp.decode(total, p, like, mean)
+
+    return decomposed
