@@ -596,3 +596,23 @@ def test_on_a_two_device_mesh_streamed_or_not_the_bits_are_the_references(tmp_pa
         check=False,
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_ddp_ops_are_registry_fed_ops_of_kind_ddp_with_placed_keys():
+    """fed.ddp_* live in fcir.fed (one module each) and every list of DP ops reads them
+    from the registry by kind."""
+    from fcir import fed as F
+    from fcir.ops import DP_OPS
+
+    assert F.of_kind("ddp") == {"fed.ddp_sum", "fed.ddp_mean"} <= DP_OPS
+    for name, mod in (("fed.ddp_sum", "fcir.fed.ddp_sum"), ("fed.ddp_mean", "fcir.fed.ddp_mean")):
+        cls = F.ops()[name]
+        assert cls.__module__ == mod and cls.multiple_results
+        assert cls.attributes == {"clip_norm": float, "noise_multiplier": float, "bits": int}
+        assert list(cls.placed_operands(3)) == [0, 1, 2]  # the keys are placed too
+        assert F.by_primitive()[cls.primitive.name] is cls
+
+
+def test_ddp_key_codes_are_privacy_c4_for_repeated_keys_and_c5_for_server_keys():
+    assert "distinct" in fcir.privacy.CONSTRAINTS["privacy/C4"]
+    assert "client data" in fcir.privacy.CONSTRAINTS["privacy/C5"]
