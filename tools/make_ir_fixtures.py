@@ -61,8 +61,9 @@ def _store(prefix: str, leaves) -> tuple[dict, list]:
 
 
 def main(argv=None) -> int:
-    import fcir
     from fcir.interpreters import reference
+
+    import fcir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=None, help="output directory")
