@@ -439,7 +439,7 @@ def _map_linearize(is_vjp, nzs, *primals, body, placement, n):
     return primals_out, nzs_out, residuals, tangent_fun
 
 
-ad.primitive_linearizations[map_p] = _map_linearize
+jc.register_linearization(map_p, _map_linearize)
 
 
 # --- fed.map: partial evaluation (JaxprTrace) -----------------------------------------------

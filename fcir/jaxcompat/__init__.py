@@ -67,6 +67,7 @@ __all__ = [
     "prng",
     "region_kind",
     "register_dce_rule",
+    "register_linearization",
     "register_remat_rule",
     "remat",
     "remat_jaxpr",
@@ -153,6 +154,20 @@ def register_dce_rule(prim, rule) -> None:
         pe.dce_rules[prim] = lambda used_outputs, live_inputs, eqn: rule(used_outputs, eqn)
     else:
         pe.dce_rules[prim] = rule
+
+
+def register_linearization(prim, rule) -> None:
+    """``rule(is_vjp, nonzeros, *primals, **params) -> (primals_out, nonzeros_out,
+    residuals, linearized)`` with ``linearized(residuals, *tangents)``."""
+    if not _MERGED:
+        ad.primitive_linearizations[prim] = rule
+        return
+
+    def new(is_vjp, nonzeros, *primals, **params):
+        out, nzs_out, res, linearized = rule(is_vjp, nonzeros, *primals, **params)
+        return out, nzs_out, res, None, lambda res, _structured, *t: linearized(res, *t)
+
+    ad.primitive_linearizations[prim] = new
 
 
 def linearize_jaxpr(jaxpr, nonzeros, *, instantiate=False, allow_fwds=True, is_vjp: bool):
