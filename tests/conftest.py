@@ -2,7 +2,10 @@
 
 A golden is the canonical text of a corpus program (or of its gradient) under
 tests/golden/. A mismatch fails with a short unified diff and the command that
-updates goldens; a missing golden fails; CI never updates them.
+updates goldens; a missing golden fails; CI never updates them. fcir's IR does not
+depend on the JAX version; where a JAX traces a program itself to other equations (its
+AD rules, its scan residuals), that program's golden for it is tests/golden/jax<X.Y>/
+(``--update-goldens`` writes there only what differs from the shared golden).
 """
 
 from __future__ import annotations
