@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from fcir.errors import IRTypeError, PlacementError
+from fcir.errors import PlacementError
 from fcir.jaxcompat import batching, core, mlir
 
 __all__ = [
