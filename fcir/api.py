@@ -18,18 +18,16 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
 
-# Source locations (and filtered tracebacks) point at the user's code, not at fcir's
-# own frames, as JAX does for its internals.
-from jax._src import source_info_util as _source_info
-
+from fcir import jaxcompat as jc
 from fcir import primitives as P
 from fcir import sharding
 from fcir.errors import PlacementError
 from fcir.ir import is_name
 
-_source_info.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
+# Source locations (and filtered tracebacks) point at the user's code, not at fcir's
+# own frames, as JAX does for its internals.
+jc.source_info_util.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
 
 __all__ = [
     "Placements",
@@ -325,13 +323,13 @@ def _reject_placement_collective(err: NameError, placements: Placements) -> None
         ) from err
 
 
-def _lift_traced_consts(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list]:
+def _lift_traced_consts(closed: jc.ClosedJaxpr) -> tuple[jc.ClosedJaxpr, list]:
     """Turns constants that are tracers of an outer trace into leading invars.
 
     Concrete constants (numpy arrays) stay constants of the region.
     """
     jaxpr = closed.jaxpr
-    traced = [isinstance(c, core.Tracer) for c in closed.consts]
+    traced = [isinstance(c, jc.core.Tracer) for c in closed.consts]
     if not any(traced):
         return closed, []
     keep_vars = [v for v, t in zip(jaxpr.constvars, traced) if not t]
@@ -343,7 +341,7 @@ def _lift_traced_consts(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, lis
         invars=[*lift_vars, *jaxpr.invars],
         debug_info=jaxpr.debug_info._replace(arg_names=None),
     )
-    return core.ClosedJaxpr(new, keep_vals), lift_vals
+    return jc.closed_jaxpr(new, keep_vals), lift_vals
 
 
 def _reduce(prim, what: str, x, **params):
@@ -431,7 +429,7 @@ def _dp(prim, what: str, x, clip_norm, noise_multiplier, key):
     if not leaves:
         raise PlacementError(f"{what}: x has no array leaves")
     _check_placed(leaves, name, n, what)
-    if not isinstance(key, (jax.Array, core.Tracer)):
+    if not isinstance(key, (jax.Array, jc.core.Tracer)):
         try:
             key = jax.numpy.asarray(key)
         except (TypeError, ValueError):

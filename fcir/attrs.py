@@ -176,7 +176,7 @@ def _qualname(cls) -> str:
 
 def encode(value, prim: str, key: str, add_region) -> Any:
     """JAX param value -> attribute. ``add_region(jaxpr, closed)`` returns a RegionRef."""
-    from jax._src import core
+    from fcir import jaxcompat
 
     if value is None or isinstance(value, (bool, str)):
         return value
@@ -186,10 +186,9 @@ def encode(value, prim: str, key: str, add_region) -> Any:
         return int(value)
     if isinstance(value, (float, np.floating)):
         return float(value)
-    if isinstance(value, core.ClosedJaxpr):
-        return add_region(value, True)
-    if isinstance(value, core.Jaxpr):
-        return add_region(value, False)
+    closed = jaxcompat.region_kind(value, prim, key)
+    if closed is not None:
+        return add_region(value, closed)
     if isinstance(value, np.dtype) or hasattr(value, "_impl") and hasattr(value, "name"):
         return DType(dtype_name(value))
     if isinstance(value, type) and issubclass(value, np.generic):
@@ -224,8 +223,8 @@ def encode(value, prim: str, key: str, add_region) -> Any:
 
 def _encode_special(value, prim, key, add_region):
     import jax
-    from jax._src import named_sharding
-    from jax._src.random import prng
+
+    from fcir.jaxcompat import named_sharding, prng
 
     if isinstance(value, named_sharding.UnspecifiedValue):
         return Enum("Sharding", "UNSPECIFIED")
@@ -269,7 +268,7 @@ def _encode_special(value, prim, key, add_region):
             "jax.debug.print, which is kept as its format string, or call the function "
             "outside the captured program"
         )
-    from jax._src import core
+    from fcir.jaxcompat import core
 
     if isinstance(value, core.Primitive):
         if value.name not in PARAM_PRIMITIVES:
@@ -373,8 +372,8 @@ def decode(attr, get_region) -> Any:
 
 def _decode_enum(attr: Enum):
     import jax
-    from jax._src import named_sharding
-    from jax._src.random import prng
+
+    from fcir.jaxcompat import named_sharding, prng
 
     if attr.type_name == "Sharding" and attr.member == "UNSPECIFIED":
         return named_sharding.UNSPECIFIED

@@ -81,13 +81,21 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import ad_util, api_util, core, dtypes, source_info_util
-from jax._src import linear_util as lu
-from jax._src.interpreters import ad, remat
-from jax._src.interpreters import partial_eval as pe
-from jax._src.util import merge_lists, partition_list, split_list, weakref_lru_cache
 from jax.sharding import PartitionSpec
 
+from fcir import jaxcompat as jc
+from fcir.jaxcompat import (
+    ad,
+    ad_util,
+    core,
+    dtypes,
+    merge_lists,
+    partition_list,
+    pe,
+    source_info_util,
+    split_list,
+    weakref_lru_cache,
+)
 from fcir.primitives import (
     broadcast_p,
     clip_member,
@@ -135,15 +143,13 @@ def _map_out_avals(in_avals, body, placement: str, n: int):
     return out_avals
 
 
-def _trace_region(fn, avals, name: str) -> core.ClosedJaxpr:
+def _trace_region(fn, avals, name: str) -> jc.ClosedJaxpr:
     """Traces ``fn`` over one member's values (``avals``) to a closed region."""
-    dbg = api_util.debug_info(f"fcir.{name}", fn, tuple(avals), {})
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=dbg), avals)
-    return core.ClosedJaxpr(jaxpr, consts)
+    return jc.trace_closed(fn, avals, f"fcir.{name}")
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_region(builder, member_avals: tuple, static: tuple) -> core.ClosedJaxpr:
+def _cached_region(builder, member_avals: tuple, static: tuple) -> jc.ClosedJaxpr:
     return _trace_region(builder(*static), member_avals, builder.__name__)
 
 
@@ -159,7 +165,7 @@ def member_map(builder, static: tuple, placement: str, n: int, *placed):
     return map_p.bind(*placed, body=body, placement=placement, n=n)
 
 
-def _bake_const_residuals(jaxpr: core.ClosedJaxpr, is_const, const_vals, num_rest: int):
+def _bake_const_residuals(jaxpr: jc.ClosedJaxpr, is_const, const_vals, num_rest: int):
     """Turns the leading residual binders flagged ``is_const`` into constants of ``jaxpr``.
 
     ``jaxpr`` takes ``[*residuals, *rest]``. Residuals that are constants of the
@@ -171,8 +177,8 @@ def _bake_const_residuals(jaxpr: core.ClosedJaxpr, is_const, const_vals, num_res
     moved = pe.move_binders_to_front(jaxpr, [*is_const, *([False] * num_rest)])
     k = sum(is_const)
     assert not moved.jaxpr.constvars and not moved.consts
-    new = pe.convert_invars_to_constvars(moved.jaxpr, k)
-    return core.ClosedJaxpr(new, list(const_vals))
+    assert k == len(const_vals)
+    return jc.with_leading_consts(moved, const_vals)
 
 
 def _split_fwd_residuals(fwds, num_consts, consts, ins, ext_res):
@@ -418,7 +424,7 @@ ad.primitive_jvps[map_p] = _map_jvp
 def _map_linearize(is_vjp, nzs, *primals, body, placement, n):
     nzs = [nz and _inexact(a.dtype) for nz, a in zip(nzs, body.in_avals)]
     num_consts = len(body.consts)
-    primal_jaxpr, num_res, nzs_out, fwds, tangent_jaxpr = ad.linearize_jaxpr(
+    primal_jaxpr, num_res, nzs_out, fwds, tangent_jaxpr = jc.linearize_jaxpr(
         body, nzs, instantiate=False, allow_fwds=True, is_vjp=is_vjp
     )
     num_out = len(body.out_avals)
@@ -449,7 +455,7 @@ def _map_linearize(is_vjp, nzs, *primals, body, placement, n):
     return primals_out, nzs_out, residuals, tangent_fun
 
 
-ad.primitive_linearizations[map_p] = _map_linearize
+jc.register_linearization(map_p, _map_linearize)
 
 
 # --- fed.map: partial evaluation (JaxprTrace) -----------------------------------------------
@@ -527,8 +533,8 @@ def _map_partial_eval_custom(saveable, unks_in, inst_in, eqn):
         ensure_out_inst=True,
         saveable=saveable,
     )
-    jaxpr_known = core.ClosedJaxpr(jaxpr_known_, body.consts)
-    jaxpr_staged = core.ClosedJaxpr(jaxpr_staged_, body.consts)
+    jaxpr_known = jc.closed_jaxpr(jaxpr_known_, body.consts)
+    jaxpr_staged = jc.closed_jaxpr(jaxpr_staged_, body.consts)
     # Residuals are computed per member by the known map and stay placed (leading n).
     ins_known, _ = partition_list(unks_in, eqn.invars)
     known_out_avals = _map_out_avals([x.aval for x in ins_known], jaxpr_known, placement, n)
@@ -569,16 +575,16 @@ pe.partial_eval_jaxpr_custom_rules[map_p] = _map_partial_eval_custom
 
 
 @weakref_lru_cache
-def _dce_body(body: core.ClosedJaxpr, used_outputs: tuple[bool, ...]):
+def _dce_body(body: jc.ClosedJaxpr, used_outputs: tuple[bool, ...]):
     jaxpr, used_inputs = pe.dce_jaxpr(body.jaxpr, used_outputs)
-    return core.ClosedJaxpr(jaxpr, body.consts), used_inputs
+    return jc.closed_jaxpr(jaxpr, body.consts), used_inputs
 
 
 @weakref_lru_cache
-def _dce_body_keep_first(body: core.ClosedJaxpr, used_outputs: tuple[bool, ...]):
+def _dce_body_keep_first(body: jc.ClosedJaxpr, used_outputs: tuple[bool, ...]):
     keep = (True,) + (False,) * (len(body.jaxpr.invars) - 1)
     jaxpr, used_inputs = pe.dce_jaxpr(body.jaxpr, used_outputs, instantiate=keep)
-    return core.ClosedJaxpr(jaxpr, body.consts), used_inputs
+    return jc.closed_jaxpr(jaxpr, body.consts), used_inputs
 
 
 def _map_dce(used_outputs, eqn):
@@ -604,14 +610,14 @@ def _map_dce(used_outputs, eqn):
     return used_inputs, new_eqn
 
 
-pe.dce_rules[map_p] = _map_dce
+jc.register_dce_rule(map_p, _map_dce)
 
 
 # --- fed.map: transpose ---------------------------------------------------------------------
 
 
 @weakref_lru_cache
-def _transpose_body(body: core.ClosedJaxpr, linear: tuple[bool, ...], ct_nz: tuple[bool, ...]):
+def _transpose_body(body: jc.ClosedJaxpr, linear: tuple[bool, ...], ct_nz: tuple[bool, ...]):
     """The per-member backward pass: ``(residuals, nonzero cts) -> nonzero input cts``.
 
     Returns the region and, per linear input, whether its cotangent is nonzero.
@@ -674,15 +680,15 @@ ad.primitive_transposes[map_p] = _map_transpose
 # --- fed.map: remat (jax's remat transform) -------------------------------------------------
 
 
-def _map_remat(policy, *args, body, placement, n):
-    body_fwd, body_rem, num_res = remat.remat_jaxpr(body, policy)
+def _map_remat(ctx, *args, body, placement, n):
+    body_fwd, body_rem, num_res = jc.remat_jaxpr(ctx, body)
     outs = map_p.bind(*args, body=body_fwd, placement=placement, n=n)
     primals_out, res = split_list(outs, [len(body.out_avals)])
 
-    def rem(*args):
+    def rem(res, *args):
         return map_p.bind(*res, *args, body=body_rem, placement=placement, n=n)
 
-    return primals_out, rem
+    return primals_out, res, rem
 
 
-remat.rules[map_p] = _map_remat
+jc.register_remat_rule(map_p, _map_remat)

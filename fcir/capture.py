@@ -18,16 +18,17 @@ import functools
 
 import jax
 import numpy as np
-from jax._src import core, source_info_util
 
 from fcir import attrs as A
 from fcir import captured, pytrees
 from fcir import control_flow as CF
+from fcir import jaxcompat as jc
 from fcir import primitives as P
 from fcir.elementwise import LAYOUT, PER_MEMBER
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
 from fcir.fed import by_primitive
 from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
+from fcir.jaxcompat import core, schema, source_info_util
 from fcir.types import (
     SERVER,
     PlacedType,
@@ -156,7 +157,7 @@ def _check_client_data(fn, module: Module) -> None:
                 )
 
 
-def from_jaxpr(closed: core.ClosedJaxpr, in_tree=None, out_tree=None, *, name="program",
+def from_jaxpr(closed: jc.ClosedJaxpr, in_tree=None, out_tree=None, *, name="program",
                placements=None, locations: bool = False, private: bool = False) -> Module:
     """Converts an already traced jaxpr (unchecked). ``in_tree``/``out_tree`` are the
     PyTreeDefs of the flat arguments and results; placements default to those the
@@ -381,7 +382,7 @@ class _Converter:
     def control_flow_requirements(self, eqn, req, level: int) -> list:
         """Placements a scan/while/cond needs of its operands, from its regions' uses and
         from the uses of its results (a fixed point through the loop carry)."""
-        name, params = eqn.primitive.name, eqn.params
+        name, params = eqn.primitive.name, schema.to_fcir(eqn.primitive.name, eqn.params)
         outs = [req.get(o) for o in eqn.outvars]
         n = len(eqn.invars)
         found: list = [None] * n
@@ -441,8 +442,8 @@ class _Converter:
                        swapped=(), view_yields: bool = False) -> Region:
         """``swapped[i]``: parameter i is a stacked per-round placed value (only a
         fed.map body gets those, and only a fed.map body may yield them)."""
-        jx = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
-        consts = closed.consts if isinstance(closed, core.ClosedJaxpr) else ()
+        jx = closed.jaxpr if isinstance(closed, jc.ClosedJaxpr) else closed
+        consts = closed.consts if isinstance(closed, jc.ClosedJaxpr) else ()
         types = param_types if param_types is not None else self.param_types(jx, level)
         params = [Value(t) for t in types]
         self.swapped.update(v for v, s in zip(params, swapped) if s)
@@ -471,9 +472,17 @@ class _Converter:
         if isinstance(atom, core.Literal):
             return self.constant(region, atom.val if hasattr(atom, "val") else atom, level)
         try:
-            return env[atom]
+            v = env[atom]
         except KeyError:
             raise UnsupportedError(f"jaxpr variable {atom} is used before it is defined") from None
+        if isinstance(v, _TraceConst):
+            # As JAX 0.10 inlined while tracing: a scalar constant is a literal at each
+            # use, a larger one a constant made where it is first used.
+            c = self.constant(region, v.value, level)
+            if np.ndim(v.value):
+                env[atom] = c
+            return c
+        return v
 
     def location(self, eqn) -> str:
         if not self.locations:
@@ -498,6 +507,18 @@ class _Converter:
     def convert_eqns(self, jx: core.Jaxpr, env, region: Region, level: int) -> None:
         for eqn in jx.eqns:
             name = eqn.primitive.name
+            if name in _INLINE_IF_FEDERATED and schema.inlined_while_tracing(name, eqn.params):
+                # JAX 0.10 inlined this call while tracing: its literal operands are
+                # literals at their uses inside, not constants made at the call.
+                operands = [
+                    _TraceConst(a.val) if isinstance(a, core.Literal)
+                    else self.read(env, a, region, level)
+                    for a in eqn.invars
+                ]
+                for var, val in zip(eqn.outvars, self.inline(eqn, operands, region, level)):
+                    if not isinstance(var, core.DropVar):
+                        env[var] = val
+                continue
             operands = [self.read(env, a, region, level) for a in eqn.invars]
             if self.batch_view(eqn, operands, env):
                 continue
@@ -554,10 +575,11 @@ class _Converter:
     def inline(self, eqn, operands, region: Region, level: int) -> list[Value]:
         sub = eqn.params[_INLINE_IF_FEDERATED[eqn.primitive.name]]
         jx = _open(sub)
-        consts = sub.consts if isinstance(sub, core.ClosedJaxpr) else ()
+        consts = sub.consts if isinstance(sub, jc.ClosedJaxpr) else ()
         env = {}
+        traced = schema.inlined_while_tracing(eqn.primitive.name, eqn.params)
         for var, val in zip(jx.constvars, consts):
-            env[var] = self.constant(region, val, level)
+            env[var] = _TraceConst(val) if traced else self.constant(region, val, level)
         extra = len(jx.invars) - len(operands)
         if extra < 0:
             raise UnsupportedError(f"jax.{eqn.primitive.name}: more operands than parameters")
@@ -592,7 +614,7 @@ class _Converter:
             return  # passed on unchanged: the body's uses are checked
         xs = range(0)
         if name == "scan":
-            xs = range(eqn.params["num_consts"] + eqn.params["num_carry"], len(operands))
+            xs = range(sum(schema.scan_counts(eqn.params)), len(operands))
         for i, o in enumerate(operands):
             if o in self.swapped and i not in xs:
                 raise PlacementError(_swapped_message(f"jax.{name}", o, "reads"))
@@ -600,7 +622,7 @@ class _Converter:
     def control_flow(self, eqn, operands, region: Region, level: int) -> list[Value]:
         """A scan/while/cond whose regions hold fed ops or get placed values: its regions
         are typed from its operands, to a fixed point through the loop carry."""
-        name, params = eqn.primitive.name, eqn.params
+        name, params = eqn.primitive.name, schema.to_fcir(eqn.primitive.name, eqn.params)
         types = [o.type for o in operands]
         converted: list[tuple[object, Region]] = []
 
@@ -817,7 +839,8 @@ class _Converter:
             regions.append(self.convert_closed(jx, level, f"r{len(regions)}"))
             return A.RegionRef(len(regions) - 1, closed)
 
-        attrs = {k: A.encode(v, name, k, add_region) for k, v in sorted(eqn.params.items())}
+        params = schema.to_fcir(name, eqn.params)
+        attrs = {k: A.encode(v, name, k, add_region) for k, v in sorted(params.items())}
         if name in _LAYOUT and len(operands) == len(eqn.outvars) and any(
             CF.is_placed(o.type) and not _is_placed(o.type) for o in operands
         ):  # a layout change of nested placed values ({{T}@clients}@silos): same types
@@ -924,8 +947,15 @@ def _with_dtype(t: Type, dtype: str) -> Type:
     return TensorType(dtype, t.shape)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TraceConst:
+    """A constant of a call that JAX 0.10 would have inlined while tracing."""
+
+    value: object
+
+
 def _open(j):
-    return j.jaxpr if isinstance(j, core.ClosedJaxpr) else j
+    return j.jaxpr if isinstance(j, jc.ClosedJaxpr) else j
 
 
 def abstract_args(args):

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import weakref
 
-from jax._src import core
-
+from fcir import jaxcompat as jc
 from fcir.ir import Module, Region
 
 __all__ = ["captured_jaxpr", "forget", "remember", "snapshot", "unchanged"]
@@ -32,14 +31,14 @@ _JAXPRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MAX_CONSTANT_BYTES = 16 << 20
 
 
-def remember(module: Module, closed: core.ClosedJaxpr) -> None:
+def remember(module: Module, closed: jc.ClosedJaxpr) -> None:
     """Records that ``module``'s ``main`` is ``closed`` (called by capture)."""
     if _constant_bytes(closed) > MAX_CONSTANT_BYTES:
         return
     _JAXPRS[module] = (closed, snapshot(module))
 
 
-def _constant_bytes(closed: core.ClosedJaxpr) -> int:
+def _constant_bytes(closed: jc.ClosedJaxpr) -> int:
     """Bytes of the constants of ``closed`` and of every closed jaxpr in its eqns."""
     total = sum(getattr(c, "nbytes", 0) for c in closed.consts)
     stack = [closed.jaxpr]
@@ -47,10 +46,10 @@ def _constant_bytes(closed: core.ClosedJaxpr) -> int:
         for eqn in stack.pop().eqns:
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, core.ClosedJaxpr):
+                    if isinstance(sub, jc.ClosedJaxpr):
                         total += sum(getattr(c, "nbytes", 0) for c in sub.consts)
                         stack.append(sub.jaxpr)
-                    elif isinstance(sub, core.Jaxpr):
+                    elif isinstance(sub, jc.core.Jaxpr):
                         stack.append(sub)
     return total
 
@@ -61,7 +60,7 @@ def forget(module: Module) -> None:
     _JAXPRS.pop(module, None)
 
 
-def captured_jaxpr(module: Module) -> core.ClosedJaxpr | None:
+def captured_jaxpr(module: Module) -> jc.ClosedJaxpr | None:
     """The jaxpr ``main`` was converted from, or None when unknown or edited since."""
     entry = _JAXPRS.get(module)
     if entry is None:

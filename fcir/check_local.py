@@ -38,11 +38,12 @@ import math
 from typing import Any
 
 import numpy as np
-from jax._src import core
 
 from fcir import attrs as A
+from fcir import jaxcompat as jc
 from fcir.errors import FcirError
 from fcir.ir import Op, Region
+from fcir.jaxcompat import core, schema
 from fcir.ops import COLLECTIVES
 from fcir.types import SERVER, PlacedType, TensorType, Type, dtype_from_name
 
@@ -268,13 +269,12 @@ def _dtype_name(dtype) -> str:
 def _stub(sig, closed: bool):
     """A jaxpr with the region's types and no equations: what abstract evaluation of a
     control-flow or call primitive reads (in_avals, out_avals, effects)."""
-    from jax._src import linear_util as lu
-
+    lu = jc.lu
     params, results = sig
     jaxpr = core.Jaxpr([], [core.Var(_aval(p)) for p in params],
                        [core.Var(_aval(r)) for r in results], [],
                        debug_info=lu.DebugInfo("fcir.check", "<region>", None, None))
-    return core.ClosedJaxpr(jaxpr, []) if closed else jaxpr
+    return jc.closed_jaxpr(jaxpr, []) if closed else jaxpr
 
 
 def _derive(op: Op, operand_types, region_sigs) -> list | None:
@@ -309,6 +309,10 @@ def _derive(op: Op, operand_types, region_sigs) -> list | None:
                 "local/C5", f"local/C5: jax.{name} attribute {key} must be {check[1]}, got "
                 f"{_short(op.attrs[key])}"
             )
+    try:
+        params = schema.to_jax(name, params)
+    except Exception as e:
+        raise _Failure("local/C5", f"local/C5: jax.{name} attributes: {_what(e)}") from None
     if name in _LAYOUT:
         return list(operand_types)
     if name in COLLECTIVES or name == "shard_map":
@@ -364,7 +368,7 @@ def _short(attr) -> str:
 
 
 def _is_precision(v, ops, res) -> bool:
-    from jax._src.lax.lax import DotAlgorithm, DotAlgorithmPreset, Precision
+    from fcir.jaxcompat import DotAlgorithm, DotAlgorithmPreset, Precision
 
     if v is None or isinstance(v, (DotAlgorithm, DotAlgorithmPreset)):
         return True
@@ -372,14 +376,15 @@ def _is_precision(v, ops, res) -> bool:
 
 
 def _is_accuracy(v, ops, res) -> bool:
-    from jax._src.lax.lax import AccuracyMode, Tolerance
+    from fcir.jaxcompat import AccuracyMode, Tolerance
 
     return v is None or isinstance(v, (AccuracyMode, Tolerance))
 
 
 def _is_sharding(v) -> bool:
     import jax
-    from jax._src import named_sharding
+
+    from fcir.jaxcompat import named_sharding
 
     return isinstance(
         v, (jax.sharding.NamedSharding, jax.sharding.PartitionSpec,

@@ -21,14 +21,15 @@ from typing import Any, ClassVar
 
 import jax
 import numpy as np
-from jax._src import core
 
 from fcir import attrs as A
 from fcir import control_flow, pytrees
+from fcir import jaxcompat as jc
 from fcir import primitives as P
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.fed import FedOp
 from fcir.ir import Module, Op, Region, describe, walk
+from fcir.jaxcompat import core, schema
 from fcir.types import PlacedType, runtime_type
 
 _log = logging.getLogger("fcir.interpreter")
@@ -118,7 +119,7 @@ class Interpreter:
     def __init__(self, *, verbose: bool = False):
         self.verbose = verbose
         self.module: Module | None = None
-        self._jaxpr_cache: dict[tuple, core.ClosedJaxpr] = {}
+        self._jaxpr_cache: dict[tuple, jc.ClosedJaxpr] = {}
         self._record: dict | None = None
 
     # -- entry points -----------------------------------------------------------------------
@@ -307,7 +308,7 @@ class Interpreter:
         params = self.params(op)
         if prim.name in _REMAT:
             # remat takes an open jaxpr; constants of the retraced region become operands.
-            from jax._src.interpreters import partial_eval as pe
+            from fcir.jaxcompat import pe
 
             closed = self.region_jaxpr(op.regions[0])
             params["jaxpr"] = pe.convert_constvars_jaxpr(closed.jaxpr)
@@ -333,9 +334,10 @@ class Interpreter:
                 raise UnsupportedError(f"{op.name}: open region ^{ref.index} needs constants")
             return closed.jaxpr
 
-        return {k: A.decode(v, region) for k, v in op.attrs.items()}
+        params = {k: A.decode(v, region) for k, v in op.attrs.items()}
+        return schema.to_jax(op.name.removeprefix("jax."), params)
 
-    def region_jaxpr(self, region: Region, specs: list | None = None) -> core.ClosedJaxpr:
+    def region_jaxpr(self, region: Region, specs: list | None = None) -> jc.ClosedJaxpr:
         """Traces a region with this interpreter into a ClosedJaxpr (cached). ``specs``
         (ShapeDtypeStructs, e.g. with shardings) default to the parameters' IR types."""
         if specs is None:

@@ -14,11 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import batching, mlir
 from jax.sharding import AxisType, PartitionSpec
 
 from fcir.errors import PlacementError
+from fcir.jaxcompat import batching, core, mlir
 
 __all__ = [
     "broadcast_p",

@@ -62,12 +62,9 @@ AMBIENT = AmbientMesh()
 
 
 def _physical_mesh():
-    try:  # not the deprecated ``jax.interpreters.pxla.thread_resources`` alias
-        from jax._src.mesh import thread_resources
-    except ImportError:  # pragma: no cover - older or newer JAX layouts
-        return None
-    physical = thread_resources.env.physical_mesh
-    return None if physical.empty else physical
+    from fcir.jaxcompat import physical_mesh
+
+    return physical_mesh()
 
 
 def resolve_mesh(mesh=None):

@@ -41,7 +41,7 @@ def dtype_name(dtype) -> str:
 
 
 def _key_impls():
-    from jax._src.random import prng
+    from fcir.jaxcompat import prng
 
     return {impl.tag: impl for impl in prng.prngs.values()}
 

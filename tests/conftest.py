@@ -2,7 +2,10 @@
 
 A golden is the canonical text of a corpus program (or of its gradient) under
 tests/golden/. A mismatch fails with a short unified diff and the command that
-updates goldens; a missing golden fails; CI never updates them.
+updates goldens; a missing golden fails; CI never updates them. fcir's IR does not
+depend on the JAX version; where a JAX traces a program itself to other equations (its
+AD rules, its scan residuals), that program's golden for it is tests/golden/jax<X.Y>/
+(``--update-goldens`` writes there only what differs from the shared golden).
 """
 
 from __future__ import annotations
@@ -23,6 +26,16 @@ if "--xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
 import pytest
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
+
+
+def _jax_dir() -> str:
+    from importlib.metadata import version
+
+    major, minor = version("jax").split(".")[:2]
+    return f"jax{major}.{minor}"
+
+
+_JAX_DIR = _jax_dir()
 _USED: set[str] = set()
 
 
@@ -43,8 +56,13 @@ def golden(request):
     def compare(name: str, text: str) -> None:
         _USED.add(name)
         path = GOLDEN_DIR / f"{name}.fcir"
+        # Where the running JAX itself traces a program differently (other primitives
+        # from its AD rules, other scan residuals), its golden is under golden/jax<X.Y>/.
+        versioned = GOLDEN_DIR / _JAX_DIR / f"{name}.fcir"
+        if versioned.exists() or (update and path.exists() and path.read_text() != text):
+            path = versioned
         if update:
-            GOLDEN_DIR.mkdir(exist_ok=True)
+            path.parent.mkdir(exist_ok=True)
             path.write_text(text)
             return
         if not path.exists():
@@ -62,7 +80,7 @@ def golden(request):
             )
             shown = "\n".join(diff[:40]) + ("\n..." if len(diff) > 40 else "")
             pytest.fail(
-                f"IR of {name} differs from its golden:\n{shown}\n"
+                f"IR of {name} differs from its golden {path.relative_to(GOLDEN_DIR)}:\n{shown}\n"
                 f"If the change is intended, update with:\n"
                 f"    python -m pytest {request.node.nodeid} --update-goldens"
             )

@@ -74,12 +74,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import config as jax_config
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
 
 import fcir
+from fcir import jaxcompat as jc
 from fcir import primitives as P
+from fcir.jaxcompat import config as jax_config
+from fcir.jaxcompat import core, pe
+from fcir.jaxcompat.schema import scan_counts
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -108,7 +109,7 @@ _CALL_PARAMS = {
 
 
 def _open(jaxpr):
-    return jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+    return jc.open_jaxpr(jaxpr)
 
 
 def _inferred_placed_invars(jaxpr) -> list[bool]:
@@ -156,7 +157,7 @@ def _walk(jaxpr, placed_invars, where: str, errors: list[str]) -> list[bool]:
         elif name == "scan":
             # Server control flow passes placed values to its body (docs/control_flow.md):
             # a carry is placed if it enters placed or any iteration makes it placed.
-            nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+            nc, nk = scan_counts(eqn.params)
             sub_ins = list(ins)
             for _ in range(nk + 1):
                 outs = _walk(eqn.params["jaxpr"], sub_ins, loc, [])

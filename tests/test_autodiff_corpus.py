@@ -27,6 +27,10 @@ from test_autodiff import federated_violations, rel_err  # noqa: E402
 GRAD_CASES = [c for c in corpus.CASES if c.grad_argnums is not None]
 TOL = 1e-5
 LOW_PRECISION_TOL = 2e-2  # bfloat16 keeps 8 bits of mantissa
+# DiLoCo runs several inner SGD steps per member and an outer Nesterov step, so f32
+# rounding compounds: the plain-JAX oracle's own gradient moves by 2.4e-5 (relative)
+# between jax 0.10.2 and 0.12.0.1, while fcir's moves by 2.2e-6 (measured on CPU).
+CASE_TOL = {"diloco": 5e-5}
 
 
 def _is_float(x) -> bool:
@@ -114,7 +118,7 @@ def test_corpus_gradient_matches_oracle(case):
     grads, tangent = _gradient(case, case.fn, args, with_jvp=True)
     grads_o, _ = _gradient(case, case.oracle, args, with_jvp=False)
     forward = jax.make_jaxpr(case.fn)(*args)
-    tol = LOW_PRECISION_TOL if _uses_low_precision(forward) else TOL
+    tol = LOW_PRECISION_TOL if _uses_low_precision(forward) else CASE_TOL.get(case.name, TOL)
     err_rev = rel_err(_float_leaves(grads), _float_leaves(grads_o))
     assert err_rev <= tol, f"reverse mode: relative error {err_rev:.3e}"
     direction = _direction(tuple(args[i] for i in case.grad_argnums))

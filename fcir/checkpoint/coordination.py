@@ -29,9 +29,9 @@ class Coordinator:
         self._changed = threading.Condition()
         self._client = None
         if self.process_count > 1:
-            from jax._src import distributed  # the documented way is private; see above
+            from fcir.jaxcompat import distributed_client  # private in JAX; see above
 
-            self._client = distributed.global_state.client
+            self._client = distributed_client()
             if self._client is None:
                 raise CheckpointError(
                     "several jax processes but no jax.distributed client; "

@@ -13,11 +13,12 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax._src import config
 
+from fcir import jaxcompat as jc
 from fcir.errors import ExportError
 from fcir.interpreter import Interpreter
 from fcir.ir import Func, Module
+from fcir.jaxcompat import config
 from fcir.types import runtime_type
 
 # Platforms the StableHLO artifacts are lowered for; the bundle runs wherever one of
@@ -87,13 +88,12 @@ def _without_module_id(data: bytes) -> bytes:
 
 def stablehlo_artifact(fn: Callable, specs) -> tuple[bytes, tuple[str, ...]]:
     """A serialized ``jax.export`` artifact of ``fn`` and the platforms it runs on."""
-    try:
-        from jax._src.export import serialization  # noqa: F401  (needs flatbuffers)
-    except ImportError as e:
+    problem = jc.export_serialization_problem()
+    if problem is not None:
         raise ExportError(
-            f"writing StableHLO artifacts needs jax.export serialization: {e} "
+            f"writing StableHLO artifacts needs jax.export serialization: {problem} "
             "(pip install flatbuffers)"
-        ) from None
+        )
     jitted = jax.jit(fn, keep_unused=True)
     with _no_source_paths():
         try:

@@ -37,12 +37,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fcir import captured, pytrees
 from fcir.errors import FcirError, InterpreterError, PlacementError
 from fcir.ir import Module
+from fcir.jaxcompat import core
 from fcir.types import PlacedType, Type, dtype_name, runtime_type
 
 from .interpreter import XlaInterpreter

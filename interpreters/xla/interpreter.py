@@ -22,10 +22,10 @@ that decides a layout.
 from __future__ import annotations
 
 import jax
-from jax._src import core
 from jax.sharding import AxisType, PartitionSpec
 
 from fcir import fed as F
+from fcir import jaxcompat as jc
 from fcir import primitives as P
 from fcir import sharding
 from fcir.interpreter import Interpreter, impl
@@ -52,7 +52,7 @@ class XlaInterpreter(Interpreter):
         # operands' typed layouts; (op, operand avals) of the op being run, if so.
         self._typed = self.mesh is not None and AxisType.Explicit in tuple(self.mesh.axis_types)
         self._operands: tuple[Op, list] | None = None
-        self._equal_regions: dict[tuple, core.ClosedJaxpr] = {}
+        self._equal_regions: dict[tuple, jc.ClosedJaxpr] = {}
 
     def constrain(self, x, placement: str):
         """``x`` (placed at ``placement``) laid out along the mesh axis of that name."""
@@ -82,7 +82,7 @@ class XlaInterpreter(Interpreter):
         ``fcir.fed`` registers."""
         return F.ops()[op.name].bind(op, args, self.module.cardinality)
 
-    def member_jaxpr(self, region: Region, placed_args) -> core.ClosedJaxpr:
+    def member_jaxpr(self, region: Region, placed_args) -> jc.ClosedJaxpr:
         """The region traced for one member of ``placed_args``: unbatched shapes with each
         operand's weak type and typed member layout (what ``fcir.map_fn`` traces)."""
         specs = []
@@ -109,7 +109,7 @@ class XlaInterpreter(Interpreter):
         finally:
             self._operands = saved
 
-    def region_jaxpr(self, region: Region, specs: list | None = None) -> core.ClosedJaxpr:
+    def region_jaxpr(self, region: Region, specs: list | None = None) -> jc.ClosedJaxpr:
         if specs is not None:
             return super().region_jaxpr(region, specs)
         shapes = [runtime_type(v.type, self.module.cardinality).shape for v in region.params]
