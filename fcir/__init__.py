@@ -16,8 +16,8 @@ from fcir.api import (
     secure_sum,
 )
 from fcir.capture import capture
-from fcir.ddp_api import ddp_mean, ddp_sum
 from fcir.check import check, verify
+from fcir.ddp_api import ddp_mean, ddp_sum
 from fcir.errors import (
     CheckpointError,
     ExportError,
