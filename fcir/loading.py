@@ -301,11 +301,12 @@ def _expected_leaves(module) -> list[str]:
     ]
 
 
-def load_inputs(path: str, module) -> list:
+def load_inputs(path: str, module=None) -> list:
     """The argument leaves of ``module`` from ``path``, an .npz of ``arr_0, arr_1, ...``
     in ``jax.tree_util`` flatten order (what ``np.savez(path, *leaves)`` writes). An
     error names each missing or unexpected array and lists the leaves the program
-    takes. Leaves are converted as ``jax.jit`` would (``fcir.interpreter.as_input``:
+    takes (with no ``module``: every ``arr_i`` the file holds, which must be
+    contiguous). Leaves are converted as ``jax.jit`` would (``fcir.interpreter.as_input``:
     float64 -> float32), with a note on stderr for each one converted."""
     import re
     import zipfile
@@ -322,11 +323,16 @@ def load_inputs(path: str, module) -> list:
             arrays = {k: data[k] for k in data.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
         raise FcirError(f"cannot read inputs {path}: {type(e).__name__}: {e}") from None
-    n = len(module.main.body.params)
-    expected = _expected_leaves(module)
-    listed = "; ".join(expected[:8]) + ("; ..." if n > 8 else "")
-    takes = (f"@{module.name} takes {n} argument leaves ({listed}): save them in "
-             "jax.tree_util flatten order with np.savez(path, *jax.tree_util.tree_leaves(args))")
+    save = "save them in jax.tree_util flatten order with np.savez(path, *jax.tree_util.tree_leaves(args))"
+    if module is None:
+        n = len(arrays)
+        expected = [f"arr_{i}" for i in range(n)]
+        takes = save
+    else:
+        n = len(module.main.body.params)
+        expected = _expected_leaves(module)
+        listed = "; ".join(expected[:8]) + ("; ..." if n > 8 else "")
+        takes = f"@{module.name} takes {n} argument leaves ({listed}): {save}"
     named = sorted(k for k in arrays if not re.fullmatch(r"arr_(0|[1-9][0-9]*)", k))
     if named:
         shown = ", ".join(named[:8]) + (" ..." if len(named) > 8 else "")

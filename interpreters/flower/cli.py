@@ -7,11 +7,11 @@ from fcir.errors import FcirError
 
 
 def cmd_export_flower(module, a) -> int:
-    from fcir.interpreters.production.cli import _read_npz
+    from fcir.loading import load_inputs
 
     from . import export
 
-    inputs = _read_npz(a.inputs) if a.inputs else None
+    inputs = load_inputs(a.inputs, module) if a.inputs else None
     if a.aggregate_with != "intrinsics":
         raise FcirError("--aggregate-with is for --target production; a Flower app aggregates itself")
     out = export(
@@ -287,22 +287,22 @@ def cmd_simulate(a) -> int:
 
 def cmd_data(a) -> int:
     import jax
-    from fcir.interpreters.production.cli import _read_npz
 
-    from fcir.loading import is_ir_file, load_module, load_python_target
+    from fcir.loading import is_ir_file, load_inputs, load_module, load_python_target
 
     from .data import split_arguments
 
     if is_ir_file(a.IN):
         if not a.inputs:
             raise FcirError("an IR file carries no argument values: give them with --inputs ARGS.npz")
-        module, args = load_module(a.IN), _read_npz(a.inputs)
+        module = load_module(a.IN)
+        args = load_inputs(a.inputs, module)
     else:
         from fcir.capture import capture
 
         fn, args = load_python_target(a.IN)
         if a.inputs:  # the values of the file's arguments, in EXAMPLE_ARGS' structure
-            leaves, treedef = _read_npz(a.inputs), jax.tree.structure(args)
+            leaves, treedef = load_inputs(a.inputs), jax.tree.structure(args)
             if len(leaves) != treedef.num_leaves:
                 raise FcirError(
                     f"--inputs holds {len(leaves)} array(s); {a.IN} takes "
