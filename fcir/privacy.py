@@ -54,7 +54,7 @@ from fcir.ops import DP_OPS
 from fcir.traffic import call_unit
 from fcir.types import SERVER, PlacedType
 
-__all__ = ["CONSTRAINTS", "DP_OPS", "Release", "epsilon", "leaks", "releases", "round_cost"]
+__all__ = ["CONSTRAINTS", "DP_OPS", "Budget", "Release", "epsilon", "leaks", "releases", "round_cost"]
 CONSTRAINTS = {
     "privacy/C1": "a fed op releases client data to the server only with noise",
     "privacy/C2": "main returns no per-client value derived from client data",
@@ -418,3 +418,6 @@ def format_round_cost(cost: dict | None) -> list[str]:
         f"{'rounds' if cost.get('unit', 'round') == 'round' else 'calls'})"
     )
     return lines
+
+
+from fcir.budget import Budget  # noqa: E402  (fcir.privacy.Budget)
