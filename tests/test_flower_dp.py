@@ -210,3 +210,119 @@ def test_progress_lines_state_cumulative_epsilon_for_the_sampling_used(tmp_path,
     assert {how for _, _, how in fixed} == {"no amplification claimed: fixed-size sampling"}
     _, every = lines({})
     assert [e for e, _, _ in every] == full and {h for _, _, h in every} == {"every client"}
+
+
+def _budget_app(tmp_path):
+    """The private FedAvg round exported with its server inputs, its nodes, its module."""
+    w, b, x, y = _data()
+    module = fcir.capture(private_fedavg(fcir.dp_mean), w, b, KEY, x, y)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(b), KEY])
+    return app, _nodes(tmp_path, x, y), module
+
+
+def _between(module, k: int) -> float:
+    """A max-epsilon that k rounds stay within and k + 1 pass (fcir.privacy.epsilon,
+    every client sampled, the plan's delta)."""
+    lo, hi = (fcir.privacy.epsilon(module, r, 1e-5) for r in (k, k + 1))
+    assert lo < hi
+    return (lo + hi) / 2
+
+
+def test_max_epsilon_stops_before_the_round_that_would_pass_it(tmp_path, capsys):
+    """rounds=6 max-epsilon between epsilon(3 rounds) and epsilon(4 rounds): the app runs
+    3 rounds, says why it stops before round 4, and writes the 3 rounds' outputs."""
+    import re
+
+    app, nodes, module = _budget_app(tmp_path)
+    cap = _between(module, 3)
+    inprocess.run(app, nodes, {"rounds": 3, "output": str(tmp_path / "three.npz")})
+    capsys.readouterr()
+    out = str(tmp_path / "budget.npz")
+    inprocess.run(app, nodes, {"rounds": 6, "max-epsilon": cap, "output": out})
+    text = capsys.readouterr().out
+    assert re.findall(r"round (\d)/6:", text) == ["1", "2", "3"]
+    eps3, eps4 = (fcir.privacy.epsilon(module, r, 1e-5) for r in (3, 4))
+    assert (
+        f"stopping before round 4: it would bring epsilon to {eps4:.4g}, past max-epsilon="
+        f"{cap:g} (delta=1e-05, every client); ran 3 round(s), epsilon={eps3:.4g} spent"
+    ) in text
+    assert [a.tobytes() for a in _outputs(out)] == [
+        a.tobytes() for a in _outputs(tmp_path / "three.npz")
+    ]
+    # A budget that round 1 already passes: nothing to write, a clear error.
+    with pytest.raises(Exception, match="stopping before round 1.*raise max-epsilon") as e:
+        inprocess.run(app, nodes, {"rounds": 2, "max-epsilon": eps3 / 1e3})
+    assert type(e.value).__name__ == "AppError"
+
+
+def test_a_resumed_run_keeps_spending_the_checkpointed_budget(tmp_path, capsys):
+    """Two rounds checkpointed with their budget, then rounds=6 again: the resumed run
+    counts the 2 rounds spent, so it runs round 3 only (from zero it would run 3 more),
+    and its outputs are the uninterrupted 3-round run's."""
+    import json
+    import re
+
+    from fcir.checkpoint import CheckpointManager
+
+    app, nodes, module = _budget_app(tmp_path)
+    cap = _between(module, 3)
+    ckpt = tmp_path / "ckpt"
+    base = {"max-epsilon": cap, "checkpoint-dir": str(ckpt)}
+    inprocess.run(app, nodes, {**base, "rounds": 2})
+    manager = CheckpointManager(ckpt)
+    saved = json.loads(str(manager.restore(manager.latest_step())["meta"]["budget"]))
+    assert saved["rounds"] == 2 and saved["max_epsilon"] == cap
+    assert saved["epsilon"] == pytest.approx(fcir.privacy.epsilon(module, 2, 1e-5))
+    capsys.readouterr()
+    out = str(tmp_path / "resumed.npz")
+    inprocess.run(app, nodes, {**base, "rounds": 6, "output": out})
+    text = capsys.readouterr().out
+    assert "resuming after round 2" in text
+    assert re.findall(r"round (\d)/6:", text) == ["3"]
+    assert "stopping before round 4" in text and "ran 3 round(s)" in text
+    inprocess.run(app, nodes, {"rounds": 3, "output": str(tmp_path / "three.npz")})
+    assert [a.tobytes() for a in _outputs(out)] == [
+        a.tobytes() for a in _outputs(tmp_path / "three.npz")
+    ]
+    # Resumed at another sampling rate, the saved rounds' epsilon would not compose.
+    with pytest.raises(Exception, match="resume with the same fraction") as e:
+        inprocess.run(app, nodes, {**base, "rounds": 6, "fraction": 0.5})
+    assert type(e.value).__name__ == "AppError"
+
+
+def test_max_epsilon_on_an_app_without_dp_ops_is_a_clear_error(tmp_path):
+    r = rounds.corpus_round("fedavg_mlp")
+    app = rounds.export(r, tmp_path / "app")
+    plan = rounds.plan_of(app)
+    nodes = {}
+    for i in range(rounds.NODES):
+        np.savez(tmp_path / f"p{i}.npz", *r.node_leaves(plan, i))
+        nodes[101 + i] = {"partition-id": i, "data-path": str(tmp_path / f"p{i}.npz")}
+    # The app's own AppError (its runtime module is loaded from the app directory).
+    with pytest.raises(Exception, match="max-epsilon=8: .* no DP ops .*drop max-epsilon") as e:
+        inprocess.run(app, nodes, {"rounds": 2, "max-epsilon": 8.0})
+    assert type(e.value).__name__ == "AppError"
+    with pytest.raises(Exception, match="max-epsilon='lots': expected a finite number > 0"):
+        inprocess.run(app, nodes, {"rounds": 2, "max-epsilon": "lots"})
+
+
+def test_max_epsilon_on_a_training_program_loop_is_a_clear_error(tmp_path):
+    """A private program running its rounds in a lax.scan exports as one app whose loop
+    the budget cannot cut short: max-epsilon is refused, naming what to do."""
+
+    @fcir.program(placements={"clients": N}, private=True)
+    def train(w, key, x):
+        def body(w, i):
+            upd = fcir.map_fn(lambda w, x: jnp.mean(x, axis=0) - w, (fcir.broadcast(w), x))
+            d = fcir.dp_mean(upd, 1.0, 1.0, jax.random.fold_in(key, i))
+            return w + d, jnp.sum(d)
+
+        return jax.lax.scan(body, w, jnp.arange(3))
+
+    w, x = jnp.zeros((2,), jnp.float32), jnp.ones((N, 4, 2), jnp.float32)
+    module = fcir.capture(train, w, KEY, x)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), KEY])
+    nodes = _nodes(tmp_path, x)
+    with pytest.raises(Exception, match="runs its own scan of rounds.*rounds=N max-epsilon") as e:
+        inprocess.run(app, nodes, {"max-epsilon": 5.0})
+    assert type(e.value).__name__ == "AppError"

@@ -58,6 +58,7 @@ RUN_CONFIG = {
     "secagg": True,
     "data-dir": "",
     "metrics-file": "",
+    "max-epsilon": "",  # none: no privacy budget
 }
 
 

@@ -19,6 +19,10 @@ Run config (declared in pyproject.toml, overridden with ``flwr run --run-config`
 ``timeout=T``           seconds to wait for the replies of one exchange
 ``secagg=true|false``   secure sums through Flower's SecAgg+ (default), or summed by
                         the ServerApp in the clear (fewer round trips; same result)
+``max-epsilon=E``       a private app's privacy budget (fcir.privacy.Budget at the
+                        plan's delta, for the sampling used): the run stops before the
+                        round that would take cumulative epsilon past E, writes the
+                        outputs of the rounds that ran, and checkpoints the budget spent
 
 Aggregations run over the clients that replied (an error reply or no reply within
 ``timeout`` leaves a client out); fewer than ``min-clients`` replies fail the round
@@ -27,6 +31,7 @@ before anything of it is saved.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -68,6 +73,7 @@ class Config:
         self.timeout = get("timeout", float)
         self.secagg = get("secagg", boolean)
         self.metrics_file = get("metrics-file", str)
+        self.max_epsilon = _max_epsilon(rc.get("max-epsilon", ""))
         try:
             if "loop" in plan:  # the program's loop carries its own state
                 if get("state", str).strip() or self.rounds != 1:
@@ -83,6 +89,18 @@ class Config:
         # A private round sampled by fraction is Poisson-sampled with secret randomness,
         # which is what amplification by sampling (the epsilon on the progress line) needs.
         self.private = "privacy" in plan
+        if self.max_epsilon is not None and not self.private:
+            raise AppError(
+                f"run config max-epsilon={self.max_epsilon:g}: @{plan['round']} has no DP ops "
+                "(not a private program), so it has no privacy budget to spend: drop "
+                "max-epsilon, or capture a private=True program with fcir.dp_mean/dp_sum"
+            )
+        if self.max_epsilon is not None and "loop" in plan:
+            raise AppError(
+                f"run config max-epsilon: @{plan['round']} runs its own "
+                f"{plan['loop']['kind']} of rounds, which a budget cannot cut short: export "
+                "the round and run it with rounds=N max-epsilon=E"
+            )
         self.poisson = self.private and self.clients == 0 and self.fraction < 1
         self.sampled: dict[int, list[int]] = {}
         metrics = get("metrics", str)
@@ -96,6 +114,19 @@ class Config:
             ]
         if self.rounds < 1 or not 0 < self.fraction <= 1 or self.timeout <= 0:
             raise AppError("run config: rounds >= 1, 0 < fraction <= 1 and timeout > 0")
+
+
+def _max_epsilon(value) -> float | None:
+    """Run config max-epsilon: "" (the default) for no budget, else a number > 0."""
+    if isinstance(value, str) and not value.strip():
+        return None
+    try:
+        eps = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        eps = math.nan
+    if not (eps > 0 and math.isfinite(eps)):
+        raise AppError(f"run config max-epsilon={value!r}: expected a finite number > 0")
+    return eps
 
 
 def initial_inputs(cfg: Config, plan: dict) -> list:
@@ -147,14 +178,24 @@ class Accounting:
 
     def __init__(self, plan: dict, cfg: Config):
         self.module, self.note = None, ""
+        self.budget = None
         p = plan.get("privacy") or {}
         if not p or "ir" not in p or "error" in p:
+            if cfg.max_epsilon is not None:
+                raise AppError(
+                    f"run config max-epsilon: plan.json states no round to account "
+                    f"({p.get('error', 'no privacy entry')})"
+                )
             return
         try:
-            from fcir.privacy import epsilon
+            from fcir.privacy import Budget, epsilon
             from fcir.text import parse
         except ImportError:
             self.note = "epsilon needs fcir beside the SuperLink"
+            if cfg.max_epsilon is not None:
+                raise AppError(
+                    "run config max-epsilon needs fcir installed beside the SuperLink"
+                ) from None
             return
         self.epsilon, self.module, self.delta = epsilon, parse(p["ir"]), float(p["delta"])
         self.rate = cfg.fraction if cfg.poisson else 1.0
@@ -164,6 +205,39 @@ class Accounting:
             self.how = "no amplification claimed: fixed-size sampling"
         else:
             self.how = "every client"
+        if cfg.max_epsilon is not None:
+            self.budget = Budget(self.module, self.delta, cfg.max_epsilon, sampling_rate=self.rate)
+
+    def resume(self, state: dict | None, done: int) -> None:
+        """Continues the budget a checkpoint after round ``done`` saved (its rounds count,
+        under this run's max-epsilon); one saved without a budget spent ``done`` rounds."""
+        if self.budget is None or not done:
+            return
+        from fcir.privacy import Budget
+
+        if state is None:  # an earlier run without max-epsilon: done rounds, this sampling
+            state = {**self.budget.state(), "rounds": done}
+        if (state.get("delta"), state.get("sampling_rate")) != (self.delta, self.rate):
+            raise AppError(
+                f"checkpoint: its {state.get('rounds')} round(s) were accounted at "
+                f"delta={state.get('delta')}, sampling rate {state.get('sampling_rate')}; this "
+                f"run samples at {self.rate:g} ({self.how}): resume with the same fraction "
+                "and clients, or give a fresh checkpoint-dir"
+            )
+        self.budget = Budget.from_state(
+            self.module, {**state, "max_epsilon": self.budget.max_epsilon}
+        )
+
+    def stop_before(self, rnd: int) -> str:
+        """Why round ``rnd`` must not run (its epsilon would pass max-epsilon), or ""."""
+        if self.budget is None or self.budget.can_spend():
+            return ""
+        b = self.budget
+        return (
+            f"stopping before round {rnd}: it would bring epsilon to {b.epsilon_after():.4g}, "
+            f"past max-epsilon={b.max_epsilon:g} (delta={self.delta:g}, {self.how}); ran "
+            f"{b.rounds} round(s), epsilon={b.epsilon:.4g} spent"
+        )
 
     def line(self, rounds: int) -> str:
         if self.module is None:
@@ -255,6 +329,7 @@ class Checkpoints:
 
         self.manager = CheckpointManager(directory, max_to_keep=2)
         self.app = runtime.app_digest()
+        self.budget = None  # the privacy budget's state the restored checkpoint saved
 
     def resume(self, plan: dict):
         step = self.manager.latest_step()
@@ -267,6 +342,8 @@ class Checkpoints:
                 "give a fresh checkpoint-dir"
             )
         state, outs = tree["state"], tree["outputs"]
+        if tree["meta"].get("budget"):
+            self.budget = json.loads(str(tree["meta"]["budget"]))
         out_specs = [plan["outputs"][j] for j in plan["output_order"]]
 
         def leaves(saved, specs, what):
@@ -280,11 +357,14 @@ class Checkpoints:
 
         return step, leaves(state, plan["server_inputs"], "state"), leaves(outs, out_specs, "outputs")
 
-    def save(self, rnd: int, inputs: list, outputs: list) -> None:
+    def save(self, rnd: int, inputs: list, outputs: list, budget=None) -> None:
+        meta = {"app": self.app, "round": rnd}
+        if budget is not None:  # fcir.privacy.Budget.state(), as JSON
+            meta["budget"] = json.dumps(budget.state(), sort_keys=True)
         tree = {
             "state": {f"arr_{i}": np.asarray(x) for i, x in enumerate(inputs)},
             "outputs": {f"arr_{i}": np.asarray(x) for i, x in enumerate(outputs)},
-            "meta": {"app": self.app, "round": rnd},
+            "meta": meta,
         }
         self.manager.save(rnd, tree, blocking=True, force=True)
 
@@ -319,6 +399,7 @@ def main(grid, context) -> None:
         if restored is not None:
             inputs = restored
             print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
+            accounting.resume(ckpt.budget, done)
     if "loop" in plan:  # a whole training program: one round per loop iteration
         from . import program
 
@@ -330,6 +411,12 @@ def main(grid, context) -> None:
             print(f"[fcir] wrote {len(outputs)} output array(s) to {cfg.output}", flush=True)
         return
     for rnd in range(done + 1, cfg.rounds + 1):
+        why = accounting.stop_before(rnd)
+        if why and outputs is None:
+            raise AppError(f"run config max-epsilon: {why}: raise max-epsilon or the noise")
+        if why:
+            print(f"[fcir] {why}", flush=True)
+            break
         stats = dict.fromkeys(("sent", "received", "sampled", "replied", "exchanges"), 0)
         start = time.perf_counter()
         outputs = run_round(grid, cfg, plan, inputs, rnd, stats)
@@ -343,6 +430,8 @@ def main(grid, context) -> None:
             if np.asarray(outputs[o]).size == 1
         }
         record_metrics(context, history, rnd, scalars)
+        if accounting.budget is not None:
+            accounting.budget.spend()
         who = f"{stats['replied']}/{stats['sampled']} clients replied"
         if stats["exchanges"] > 1:
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
@@ -353,7 +442,7 @@ def main(grid, context) -> None:
             flush=True,
         )
         if ckpt is not None:
-            ckpt.save(rnd, inputs, outputs)
+            ckpt.save(rnd, inputs, outputs, accounting.budget)
     if cfg.output:
         # Written under a temporary name and renamed: a reader never sees half a file.
         tmp = f"{cfg.output}.tmp-{os.getpid()}.npz"
