@@ -229,6 +229,8 @@ class _Keys:
             outs = self.loop(op, ins, path, frames, record, scan=False)
         elif name == "jax.cond":
             outs = self.cond(op, ins, path, frames, record)
+        elif name == "jax.unstack":  # JAX 0.12's `k1, k2 = split(key)`; 0.10 slices
+            outs = _unstack(op, ins[0] if ins else None)
         elif name in _CALL_OPS and len(op.regions) == 1:
             sub = op.regions[0]
             self.set(sub.params, ins)
@@ -431,6 +433,18 @@ def _local(op: Op, ins: list):
             return ("c", inner[1][index[1]])
         return None
     return None
+
+
+def _unstack(op: Op, a) -> list:
+    """Each result of unstacking ``a`` along axis 0: what slice + squeeze of entry i give."""
+    n = len(op.results)
+    if a is None or op.attrs.get("axis", 0) != 0 or any(_shape(r) != () for r in op.results):
+        return [None] * n
+    if a[0] == "keys":
+        return [("key", a[1], (*a[2], ("d", ("c", i)))) for i in range(n)]
+    if a[0] == "vec" and len(a[1]) == n:
+        return [("c", a[1][i]) for i in range(n)]
+    return [None] * n
 
 
 def _int(a):
