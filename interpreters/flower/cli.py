@@ -11,7 +11,7 @@ def cmd_export_flower(module, a) -> int:
 
     from . import export
 
-    inputs = load_inputs(a.inputs, module) if a.inputs else None
+    inputs = load_inputs(a.inputs) if a.inputs else None  # the server's inputs only
     if a.aggregate_with != "intrinsics":
         raise FcirError("--aggregate-with is for --target production; a Flower app aggregates itself")
     out = export(
