@@ -260,15 +260,7 @@ def _device_array(
     store: Any, name: str, shape: tuple[int, ...], dtype: np.dtype, sharding: jax.sharding.Sharding
 ) -> jax.Array:
     """Reads only the boxes of this process's devices (each distinct box once)."""
-    try:
-        index_map = sharding.addressable_devices_indices_map(shape)
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(
-            f"array {name!r}: target sharding does not fit shape {shape}: {e}"
-        ) from e
-    blocks: dict[shardings.Box, list[jax.Device]] = {}
-    for device, index in index_map.items():
-        blocks.setdefault(shardings.box_of_index(index, shape), []).append(device)
+    blocks = shardings.device_boxes(name, shape, sharding)
     futures = {}
     for box in blocks:
         try:

@@ -306,15 +306,7 @@ def _plan_device_leaf(
     sharding: jax.sharding.Sharding,
 ) -> Callable[[], jax.Array]:
     saved_dtype = dtype_from_name(record.dtype)
-    try:
-        index_map = sharding.addressable_devices_indices_map(shape)
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(
-            f"array {name!r}: target sharding does not fit shape {shape}: {e}"
-        ) from e
-    blocks: dict[shardings.Box, list[jax.Device]] = {}
-    for device, index in index_map.items():
-        blocks.setdefault(shardings.box_of_index(index, shape), []).append(device)
+    blocks = shardings.device_boxes(name, shape, sharding)
     dests = [(box, reader.aligned_empty(shardings.box_shape(box), saved_dtype)) for box in blocks]
     plan.read(record, name, dests)
 

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from fcir._proto import checkpoint_pb2 as pb
+from fcir.errors import CheckpointError
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (starts, stops), half-open per dimension
 
@@ -93,6 +94,23 @@ def box_of_index(index: tuple[Any, ...], shape: tuple[int, ...]) -> Box:
         starts.append(start)
         stops.append(max(start, stop))
     return tuple(starts), tuple(stops)
+
+
+def device_boxes(
+    name: str, shape: tuple[int, ...], sharding: jax.sharding.Sharding
+) -> dict[Box, list[jax.Device]]:
+    """Each distinct box of ``shape`` that this process's devices hold under ``sharding``,
+    with the devices holding it (a restore reads each box once)."""
+    try:
+        index_map = sharding.addressable_devices_indices_map(shape)
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(
+            f"array {name!r}: target sharding does not fit shape {shape}: {e}"
+        ) from e
+    blocks: dict[Box, list[jax.Device]] = {}
+    for device, index in index_map.items():
+        blocks.setdefault(box_of_index(index, shape), []).append(device)
+    return blocks
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
