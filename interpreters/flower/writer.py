@@ -71,26 +71,11 @@ def _spec(t, index, path: str | None = None) -> dict:
 
 def leaf_paths(structure, n: int) -> dict[int, str]:
     """Flat index -> its pytree path in ``structure`` (``[0]['w']``, as jax.tree_util.keystr
-    writes it); ``[i]`` for a function without a recorded structure."""
-    if structure is None:
-        return {i: f"[{i}]" for i in range(n)}
-    out: dict[int, str] = {}
+    writes it; ``fcir.loading.leaf_paths``); ``[i]`` for a function without a recorded
+    structure."""
+    from fcir.loading import leaf_paths as paths
 
-    def walk(s, path):
-        if s.kind == "leaf":
-            out[s.leaf] = path
-        elif s.kind in ("tuple", "list"):
-            for k, c in enumerate(s.children):
-                walk(c, f"{path}[{k}]")
-        elif s.kind == "dict":
-            for name, c in zip(s.names, s.children):
-                walk(c, f"{path}[{name!r}]")
-        else:  # namedtuple, custom: fields by name
-            for name, c in zip(s.names, s.children):
-                walk(c, f"{path}.{name}")
-
-    walk(structure, "")
-    return out
+    return dict(enumerate(paths(structure, n)))
 
 
 def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, dict[str, bytes]]:
