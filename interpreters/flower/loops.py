@@ -25,12 +25,15 @@ import dataclasses
 
 from fcir.control_flow import bindings
 from fcir.errors import ExportError
-from fcir.ir import Func, Module, Region, Value
+from fcir.ir import Func, Module, Op, Region, Value
 from fcir.types import SERVER, PlacedType, Structure
 
 from ..production.rewrite import clone_op
 
 LOOPS = ("jax.scan", "jax.while")
+# The reduction that marks a client carry's new value in the round (its result unused):
+# the identity on the client side for every dtype but bool (sent as int32).
+STATE_MARK = "fed.max"
 
 
 def _is_client(t) -> bool:
@@ -58,6 +61,8 @@ class LoopSplit:
     body: object  # fcir.control_flow.Binding of the body
     cond_binding: object  # ... of a while loop's condition (None for a scan)
     operands: list  # the loop's operand values (to tell server from client ones)
+    client_carry: list[int]  # body parameters of the carries placed at the clients (state)
+    state_marks: list  # (body result index, the round's fed.max result marking it)
 
 
 def find_loop(module: Module) -> int | None:
@@ -133,22 +138,26 @@ def split_loop(module: Module, at: int) -> LoopSplit:
         roles = [("cond", i) for i in range(cn)] + [("const", i) for i in range(bn)]
         roles += [("carry", k) for k in range(nk)]
     client_operands = []
+    client_carry = []  # body parameters of the carries placed at the clients
     for i, v in enumerate(loop.operands):
         if not _is_client(v.type):
             continue
-        if roles[i][0] != "const" or v not in client_params:
+        if roles[i][0] not in ("const", "carry") or v not in client_params:
             raise ExportError(
                 f"{where}: loop operand {i} ({v.type}, the loop's {roles[i][0]}) is a client "
-                "value that is not one of the program's client arguments passed as a constant "
-                "of the loop: pass client data into the loop unchanged"
+                "value that is not one of the program's client arguments: pass client data "
+                "into the loop unchanged (a constant of the loop), and start per-client state "
+                "(a carry placed at the clients) from a client argument"
             )
+        if roles[i][0] == "carry":  # the body's parameter for it
+            client_carry.append(next(r for r, (j, _) in enumerate(body.params) if j == i))
         client_operands.append(client_params.index(v))
     if sorted(client_operands) != list(range(len(client_params))) or len(
         set(client_operands)
     ) != len(client_operands):
         raise ExportError(
-            f"{where}: every client argument must go into the loop once, as a constant "
-            "(the nodes hold the program's client arguments)"
+            f"{where}: every client argument must go into the loop once, as a constant or "
+            "as the initial value of a carry (the nodes hold the program's client arguments)"
         )
     # pre: program server args -> the loop's server operands.
     server_params = [v for v in params if not _is_client(v.type)]
@@ -157,15 +166,40 @@ def split_loop(module: Module, at: int) -> LoopSplit:
     env.update(zip(server_params, pre_params))
     server_operands = [v for v in loop.operands if not _is_client(v.type)]
     pre = _module(f"{module.name}_pre", module.placements, pre_params, before, server_operands, env)
-    # round: the body region as a round.
+    # round: the body region as a round. A carry placed at the clients (per-client
+    # state) is no result of the round, which returns server values only: each becomes
+    # the operand of a fed.max appended to the round (its result unused), so the split
+    # computes it in the client work of the exchange it waits for, as a client output;
+    # the plan marks those outputs as state, which the node keeps and never sends.
     region = loop.regions[body.region]
     env = {}
     rparams = [Value(v.type) for v in region.params]
     env.update(zip(region.params, rparams))
+    state_results = [o for o, v in enumerate(region.results) if _is_client(v.type)]
+    for o in state_results:
+        role, k = body.results[o]
+        if role != "carry" or k not in client_carry:
+            raise ExportError(
+                f"{where}: the loop body's result {o} ({region.results[o].type}) is placed at "
+                "the clients but is not a carry started from a client argument: results "
+                "stacked by a scan live at the server (aggregate them first)"
+            )
+    server_results = [v for o, v in enumerate(region.results) if o not in state_results]
     rnd = _module(
-        f"{module.name}_round", module.placements, rparams, region.ops, region.results, env,
+        f"{module.name}_round",
+        module.placements,
+        rparams,
+        region.ops,
+        server_results,
+        env,
         private=module.private,
     )
+    state_marks = []
+    for o in state_results:
+        v = env[region.results[o]]
+        out = Value(PlacedType(v.type.member, SERVER, True))
+        rnd.main.body.ops.append(Op(STATE_MARK, [v], [out], {}))
+        state_marks.append((o, out))
     rnd.main.arg_structure = Structure(
         "tuple", tuple(Structure("leaf", leaf=i) for i in range(len(rparams)))
     )
@@ -173,9 +207,14 @@ def split_loop(module: Module, at: int) -> LoopSplit:
     if cond is not None:
         cregion = loop.regions[cond.region]
         env = {}
-        cparams = [Value(v.type) for v in cregion.params]
-        env.update(zip(cregion.params, cparams))
-        if _has_fed(cregion) or any(_is_client(v.type) for v in cparams):
+        # The per-client state (carries at the clients) is not the condition's to read.
+        kept = [v for v in cregion.params if not _is_client(v.type)]
+        cparams = [Value(v.type) for v in kept]
+        env.update(zip(kept, cparams))
+        reads_client = any(
+            v in cregion.params and _is_client(v.type) for op in cregion.ops for v in op.operands
+        ) or any(v in cregion.params and _is_client(v.type) for v in cregion.results)
+        if _has_fed(cregion) or reads_client:
             raise ExportError(
                 f"{where}: the while_loop's condition reads client values; it runs at the "
                 "server between rounds"
@@ -183,11 +222,13 @@ def split_loop(module: Module, at: int) -> LoopSplit:
         cond_module = _module(
             f"{module.name}_cond", module.placements, cparams, cregion.ops, cregion.results, env
         )
-    # post: program server args + the loop's results -> the program's results (the
-    # server code before the loop runs again there when the code after it reads it).
+    # post: program server args + the loop's server results -> the program's results
+    # (the server code before the loop runs again there when the code after it reads
+    # it). The clients' final state stays at the clients.
     env = {}
-    post_params = [Value(v.type) for v in server_params] + [Value(v.type) for v in loop.results]
-    env.update(zip(server_params + list(loop.results), post_params))
+    server_loop_results = [v for v in loop.results if not _is_client(v.type)]
+    post_params = [Value(v.type) for v in server_params + server_loop_results]
+    env.update(zip(server_params + server_loop_results, post_params))
     post = _module(
         f"{module.name}_post",
         module.placements,
@@ -209,6 +250,8 @@ def split_loop(module: Module, at: int) -> LoopSplit:
         body,
         cond,
         list(loop.operands),
+        client_carry,
+        state_marks,
     )
 
 
@@ -250,19 +293,37 @@ def loop_plan(module: Module, at: int, build_round_plan, spec, paths) -> tuple[d
         # "leaf": the program's argument leaf (what the node file holds, in order);
         # "round_leaf": the round parameter it feeds.
         client_inputs.append({**by_leaf[r], "leaf": leaf, "round_leaf": r})
+    # A carry at the clients (per-client state) is no round output: body result o is
+    # round output out_of[o].
+    marked = {o for o, _ in ls.state_marks}
+    out_of = {o: n for n, o in enumerate(o for o in range(len(ls.body.results)) if o not in marked)}
     carry, results = [], []
     for o, (kind, k) in enumerate(ls.body.results):
-        if kind == "carry":
-            carry.append([o, k])  # round output o feeds round parameter k next round
+        if kind == "carry" and o not in marked:
+            carry.append([out_of[o], k])  # round output feeds round parameter k next round
+
+    def kept(r):  # a loop result: the server's carry, or the clients' (never read)
+        return ["client" if r in ls.client_carry else "carry", r]
+
     if ls.kind == "scan":
         nc = int(ls.op_attrs["num_consts"])
-        results = [["carry", nc + j] for j in range(ls.n_carry)]
+        results = [kept(nc + j) for j in range(ls.n_carry)]
         results += [
-            ["stacked", o] for o, (kind, _) in enumerate(ls.body.results) if kind == "stacked"
+            ["stacked", out_of[o]]
+            for o, (kind, _) in enumerate(ls.body.results)
+            if kind == "stacked"
         ]
     else:
         bn = int(ls.op_attrs["body_nconsts"])
-        results = [["carry", bn + k] for k in range(ls.n_carry)]
+        results = [kept(bn + k) for k in range(ls.n_carry)]
+    client_state = []
+    for entry in client_inputs:
+        if entry["round_leaf"] in ls.client_carry:
+            entry["state"] = len(client_state)
+            client_state.append(
+                {k: entry[k] for k in ("leaf", "round_leaf", "type", "dtype", "shape")}
+            )
+    _mark_state_steps(doc, ls, where=f"export --target flower: @{module.name}")
     loop_results = module.main.body.ops[at].results
     cond = None
     if ls.cond is not None:
@@ -271,6 +332,8 @@ def loop_plan(module: Module, at: int, build_round_plan, spec, paths) -> tuple[d
         bn = int(ls.op_attrs["body_nconsts"])
         cparams = []
         for i, _ in ls.cond_binding.params:
+            if _is_client(ls.operands[i].type):
+                continue  # per-client state: not a parameter of the condition
             role, k = ls.roles[i]
             cparams.append(["pre", str(pre_of[i])] if role == "cond" else ["round", str(bn + k)])
         cond = _part("loop.cond", cparams, [["cond", "0"]])
@@ -282,7 +345,7 @@ def loop_plan(module: Module, at: int, build_round_plan, spec, paths) -> tuple[d
     post = _part(
         "loop.post",
         [["arg", str(i)] for i in server_leaves]
-        + [["loop", str(k)] for k in range(len(loop_results))],
+        + [["loop", str(k)] for k, v in enumerate(loop_results) if not _is_client(v.type)],
         [["output", str(j)] for j in range(len(module.main.body.results))],
     )
     for name, m in (("loop.pre", ls.pre), ("loop.post", ls.post), ("loop.cond", ls.cond)):
@@ -302,6 +365,7 @@ def loop_plan(module: Module, at: int, build_round_plan, spec, paths) -> tuple[d
         "carry": carry,
         "results": results,
         "result_specs": [spec(rt(v), k) for k, v in enumerate(loop_results)],
+        "client_state": client_state,
         "pre": pre,
         "post": post,
         "cond": cond,
@@ -319,3 +383,45 @@ def loop_plan(module: Module, at: int, build_round_plan, spec, paths) -> tuple[d
         "loop": loop,
     }
     return doc, artifacts
+
+
+def _mark_state_steps(doc: dict, ls: LoopSplit, where: str) -> None:
+    """Moves the fed.max marks of the per-client state (split_loop) out of the round's
+    aggregations: the exchange that computes the state gets ``state``, one entry per
+    client carry (``round_leaf``: the round parameter it feeds; ``output``: the client
+    output that holds its new value; ``aggregated``, ``dtype``, ``shape``: the unused
+    aggregate the server fills with zeros for the round's server parts)."""
+    if not ls.state_marks:
+        return
+    from .phases import levels
+
+    level = levels(ls.round)
+    at = {level[out] for _, out in ls.state_marks}
+    if len(at) != 1:
+        raise ExportError(
+            f"{where}: the per-client state is computed in {len(at)} different exchanges of "
+            "the round; compute every carry placed at the clients from what one exchange "
+            "broadcasts"
+        )
+    exchanges = [s for s in doc["steps"] if s["kind"] == "exchange"]
+    step = exchanges[at.pop() - 1]
+    n = len(ls.state_marks)
+    marks, rest = step["aggregations"][-n:], step["aggregations"][:-n]
+    if len(marks) != n or any(a["fed_op"] != STATE_MARK for a in marks):
+        raise ExportError(f"{where}: the per-client state did not lower to client outputs")
+    by_name = {name: f"{group}/{name}" for group, name in step["client"]["results"]}
+    entries = []
+    for (o, out), agg in zip(ls.state_marks, marks):
+        t = out.type.member
+        dtype = "int32" if t.dtype == "bool" else t.np_dtype.name  # fed.max sends bools so
+        entries.append(
+            {
+                "round_leaf": ls.body.results[o][1],  # the carry's round parameter
+                "output": by_name[agg["inputs"][0]],
+                "aggregated": agg["output"],
+                "dtype": dtype,
+                "shape": list(t.shape),
+            }
+        )
+    step["aggregations"] = rest
+    step["state"] = entries

@@ -65,17 +65,110 @@ def partition(context) -> int:
         return -1
 
 
-def compute(step_index: int, values: dict, context) -> dict:
+def state_dir(context):
+    """Where this node keeps per-client state: node config ``state-dir``, else
+    ``$FLWR_HOME/fcir-state`` (``~/.flwr/fcir-state``): a SuperNode started again with
+    the same FLWR_HOME finds it."""
+    import os
+    import pathlib
+
+    folder = context.node_config.get("state-dir")
+    if folder:
+        return pathlib.Path(str(folder))
+    home = os.environ.get("FLWR_HOME") or str(pathlib.Path.home() / ".flwr")
+    return pathlib.Path(home) / "fcir-state"
+
+
+class NodeState:
+    """One partition's per-client state on its node: ``<state-dir>/<key>/partition-<id>/
+    round-<t>.npz`` holds its state after round t (``arr_j``: the j-th carry of the
+    program's ``loop.client_state``), written to a temporary name and renamed. The
+    server's message says which round's state the partition enters the round with
+    (program.py ClientState); round 0 is the initial value from the data file."""
+
+    KEEP = 2  # files kept below that round (a server resuming from an older checkpoint)
+
+    def __init__(self, context, config: str):
+        import json
+
+        msg = json.loads(config)
+        self.pid = partition(context)
+        if self.pid < 0:
+            raise runtime.AppError(
+                f"node {context.node_id}: @{runtime.plan()['round']} keeps per-client state, "
+                "which is the partition's: start the SuperNode with --node-config "
+                "'partition-id=I'"
+            )
+        self.folder = state_dir(context) / str(msg["key"]) / f"partition-{self.pid}"
+        self.entered = int(msg["rounds"].get(str(self.pid), 0))
+        self.specs = runtime.plan()["loop"]["client_state"]
+        self.what = f"node {context.node_id} (partition {self.pid}) client state"
+
+    def path(self, rnd: int):
+        return self.folder / f"round-{rnd}.npz"
+
+    def load(self) -> list | None:
+        """The state the partition enters the round with, or None for the initial one."""
+        if self.entered == 0:
+            return None
+        path = self.path(self.entered)
+        if not path.is_file():
+            raise runtime.AppError(
+                f"{self.what}: the server counts partition {self.pid}'s state of round "
+                f"{self.entered}, and {path} is missing (another state-dir or FLWR_HOME than "
+                "the node had then?): give the node its state-dir back, or start the "
+                "training afresh"
+            )
+        return runtime.load_leaves(str(path), self.specs, self.what)
+
+    def save(self, rnd: int, leaves: list) -> None:
+        import os
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        leaves = [np.asarray(x).astype(runtime.np_dtype(s["dtype"])) for x, s in zip(leaves, self.specs)]
+        tmp = self.folder / f".round-{rnd}.tmp-{os.getpid()}.npz"
+        with open(tmp, "wb") as f:
+            np.savez(f, *leaves)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path(rnd))
+        # Older rounds the server can no longer ask for: it only moves a partition on.
+        older = sorted(
+            (r for p in self.folder.glob("round-*.npz") if (r := _round_of(p)) is not None and r < self.entered),
+            reverse=True,
+        )
+        for r in older[self.KEEP:]:
+            self.path(r).unlink(missing_ok=True)
+
+
+def _round_of(path) -> int | None:
+    try:
+        return int(path.stem.removeprefix("round-"))
+    except ValueError:
+        return None
+
+
+def compute(step_index: int, values: dict, context, rnd: int = 0, state_config=None) -> dict:
     """The client work of exchange ``step_index`` on the node's data and the values the
-    server sent: ``"group/name" -> array`` of the client outputs."""
+    server sent: ``"group/name" -> array`` of the client outputs. With per-client state
+    (``state_config``: what the server sent), the state the node kept replaces the
+    initial value of each carry at the clients, and the exchange that computes its new
+    value saves it as the state after round ``rnd`` (never sent)."""
     plan = runtime.plan()
     step = plan["steps"][step_index]
+    leaves = client_data(context)
+    specs = plan["client_inputs"]
+    node_state = None
+    if plan.get("loop", {}).get("client_state"):
+        if not state_config:
+            raise runtime.AppError("the server sent no client-state entry for a program with state")
+        node_state = NodeState(context, str(state_config))
+        kept = node_state.load()
+        if kept is not None:
+            leaves = [kept[s["state"]] if "state" in s else x for s, x in zip(specs, leaves)]
     # A program's loop body is the round: its parameter "round_leaf" holds the
     # program's client argument "leaf".
-    env = {
-        ("arg", str(s.get("round_leaf", s["leaf"]))): x
-        for s, x in zip(plan["client_inputs"], client_data(context))
-    }
+    env = {("arg", str(s.get("round_leaf", s["leaf"]))): x for s, x in zip(specs, leaves)}
     for key, x in values.items():
         group, _, name = key.partition("/")
         env[(group, name)] = x
@@ -86,12 +179,21 @@ def compute(step_index: int, values: dict, context) -> dict:
         iree_runtime.call(step["client"], env, runtime.artifact_bytes, requested)
     else:
         runtime.call(step["client"], env)
-    return {f"{g}/{n}": env[(g, n)] for g, n in step["client"]["results"]}
+    outputs = {f"{g}/{n}": env[(g, n)] for g, n in step["client"]["results"]}
+    if step.get("state"):
+        order = [s["round_leaf"] for s in plan["loop"]["client_state"]]
+        new = {e["round_leaf"]: outputs.pop(e["output"]) for e in step["state"]}
+        node_state.save(rnd, [new[r] for r in order])
+    return outputs
 
 
 @app.train("fcir")
 def work(msg: Message, context) -> Message:
-    outputs = compute(int(msg.content["fcir"]["step"]), runtime.from_record(msg.content["values"]), context)
+    fcir = msg.content["fcir"]
+    outputs = compute(
+        int(fcir["step"]), runtime.from_record(msg.content["values"]), context,
+        int(fcir.get("round", 0)), fcir.get("client-state"),
+    )
     content = RecordDict({"values": runtime.to_record(outputs), "fcir": ConfigRecord({"partition": partition(context)})})
     return Message(content, reply_to=msg)
 
@@ -106,7 +208,10 @@ def secure(msg: Message, context) -> Message:
     ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     step_index = int(ins.config["step"])
     step = runtime.plan()["steps"][step_index]
-    outputs = compute(step_index, runtime.unpack(ins.config, "v:"), context)
+    outputs = compute(
+        step_index, runtime.unpack(ins.config, "v:"), context,
+        int(ins.config.get("round", 0)), ins.config.get("client-state"),
+    )
     by_name = {k.partition("/")[2]: (k, v) for k, v in outputs.items()}
     sums = runtime.secure_inputs(step)  # [(client output name, bitwidth)], plan order
     chunks = [runtime.to_chunks(by_name[name][1], bw) for name, bw in sums]

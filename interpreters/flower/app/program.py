@@ -9,6 +9,17 @@ server, before each round, whether another one runs. ``post`` turns the loop's r
 (the last carry, the ``ys`` stacked in iteration order as ``lax.scan`` stacks them) into
 the program's results. The carry and the ``ys`` so far are checkpointed after each
 round; a run started again resumes after the newest round saved.
+
+A carry placed at the clients (per-client state: SCAFFOLD's control variates, Ditto's
+personal models) never reaches the server. Each node keeps its own on disk
+(client_app.py), under a key the server picks (``ClientState``) and its partition-id;
+the server keeps only, per partition, the last round whose reply it aggregated in the
+exchange that computes the state, and sends that table with every message: a node
+enters round t with its state of that round (round 0: its initial value, the client
+argument in its data file), so a node that missed rounds (not sampled, failed, its
+reply lost or late) goes on from the last round it took part in, as the program would
+compute with that node sitting those rounds out. The table is checkpointed with the
+carry.
 """
 
 from __future__ import annotations
@@ -37,7 +48,44 @@ def _metric(x) -> str:
     return np.array2string(x[0], precision=6) if x.size == 1 else ""
 
 
-def _restore(ckpt, plan: dict):
+class ClientState:
+    """The server's side of the per-client state: where the nodes keep it (``key``: the
+    app, and the run, or the checkpoint-dir when there is one, so that a run started
+    again after a crash finds the state the nodes kept for the rounds it resumes
+    after) and, per partition-id, the round whose state it enters the next round with
+    (0, its initial value, when absent)."""
+
+    def __init__(self, app: str, run_id, checkpoint_dir: str):
+        import hashlib
+
+        if checkpoint_dir:
+            where = os.path.realpath(checkpoint_dir)
+            self.key = f"{app[:16]}-ckpt-{hashlib.sha256(where.encode()).hexdigest()[:16]}"
+        else:
+            self.key = f"{app[:16]}-run-{run_id}"
+        self.rounds: dict[str, int] = {}
+
+    def message(self) -> str:
+        import json
+
+        return json.dumps({"key": self.key, "rounds": self.rounds}, sort_keys=True)
+
+    def took_part(self, rnd: int, partitions) -> None:
+        for p in partitions:
+            self.rounds[str(int(p))] = rnd
+
+    def meta(self) -> dict:
+        import json
+
+        return {"client_state": json.dumps(self.rounds, sort_keys=True)}
+
+    def restore(self, meta: dict) -> None:
+        import json
+
+        self.rounds = {str(k): int(v) for k, v in json.loads(str(meta.get("client_state", "{}"))).items()}
+
+
+def _restore(ckpt, plan: dict, client_state=None):
     """(rounds done, carry by round parameter, ys so far) from the newest checkpoint."""
     step = ckpt.manager.latest_step()
     if step is None:
@@ -48,6 +96,8 @@ def _restore(ckpt, plan: dict):
             f"checkpoint {step} was written by another app (or another export of it): "
             "give a fresh checkpoint-dir"
         )
+    if client_state is not None:
+        client_state.restore(tree["meta"])
     loop = plan["loop"]
     specs = {s["leaf"]: s for s in loop["round_inputs"]}
     carry = {}
@@ -66,9 +116,15 @@ def _restore(ckpt, plan: dict):
     return step, carry, ys
 
 
-def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, privacy=None) -> list:
+def run(
+    grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, privacy=None, run_id=0
+) -> list:
     """Runs the program; returns its outputs in output-file order."""
     loop = plan["loop"]
+    state = None
+    if loop.get("client_state"):
+        state = ClientState(runtime.app_digest(), run_id, cfg.checkpoint_dir)
+    cfg.client_state = state  # server_app.exchange sends it with every message
     view = _round_view(plan)
     env = {("arg", str(s["leaf"])): x for s, x in zip(plan["server_inputs"], inputs)}
     runtime.call(loop["pre"], env)
@@ -81,7 +137,7 @@ def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, priva
     ys: list[list] = [[] for _ in stacked]
     done = 0
     if ckpt is not None:
-        done, restored, saved_ys = _restore(ckpt, plan)
+        done, restored, saved_ys = _restore(ckpt, plan, state)
         if restored is not None:
             carry, ys = restored, saved_ys
             print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
@@ -117,6 +173,9 @@ def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, priva
         stats = dict.fromkeys(("sent", "received", "sampled", "replied", "exchanges"), 0)
         start = time.perf_counter()
         outs = run_round(grid, cfg, view, inputs_t, rnd + 1, stats)
+        if state is not None:
+            took_part = sorted(set(stats.get("state_partitions", ())))
+            state.took_part(rnd + 1, took_part)
         for o, r in loop["carry"]:
             carry[r] = outs[o]
         for k, o in enumerate(stacked):
@@ -133,20 +192,30 @@ def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, priva
         who = f"{stats['replied']}/{stats['sampled']} clients replied"
         if stats["exchanges"] > 1:
             who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
+        kept = ""
+        if state is not None:  # whose state advanced this round (on its node)
+            kept = f"client state of partition(s) {','.join(map(str, took_part)) or 'none'}"
         print(
             f"[fcir] round {rnd}{total}: {who}, sent {stats['sent']} B, received "
             f"{stats['received']} B, {time.perf_counter() - start:.1f} s "
-            + " ".join(x for x in (metrics, privacy(rnd) if privacy else "") if x),
+            + " ".join(x for x in (metrics, kept, privacy(rnd) if privacy else "") if x),
             flush=True,
         )
         if ckpt is not None:
-            ckpt.save(rnd, [carry[r] for _, r in loop["carry"]], [np.stack(y) for y in ys])
+            ckpt.save(
+                rnd,
+                [carry[r] for _, r in loop["carry"]],
+                [np.stack(y) for y in ys],
+                meta=state.meta() if state is not None else None,
+            )
     if loop["kind"] == "scan" and rnd != length:
         raise AppError(f"ran {rnd} of {length} rounds")
     results = []
     outs_spec = loop["round_outputs"]
     for kind, x in loop["results"]:
-        if kind == "carry":
+        if kind == "client":  # the clients' final state: on the nodes, read by no server part
+            results.append(None)
+        elif kind == "carry":
             results.append(carry[x])
         else:
             y = ys[stacked.index(x)]
@@ -157,7 +226,7 @@ def run(grid, cfg, plan: dict, inputs: list, ckpt, run_round, record=None, priva
                 np.stack(y) if y else np.zeros(shape, runtime.np_dtype(outs_spec[x]["dtype"]))
             )
     penv = dict(env)
-    penv.update({("loop", str(k)): v for k, v in enumerate(results)})
+    penv.update({("loop", str(k)): v for k, v in enumerate(results) if v is not None})
     runtime.call(loop["post"], penv)
     outputs = [np.asarray(penv[("output", str(j))]) for j in range(len(plan["outputs"]))]
     return [outputs[j] for j in plan["output_order"]]

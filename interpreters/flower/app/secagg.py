@@ -108,15 +108,19 @@ def _run_workflow(grid, nodes: list[int], fitins: FitIns, rnd: int, timeout: flo
     return strategy
 
 
-def exchange(grid, nodes: list[int], step_index: int, step: dict, values: dict, rnd: int, timeout: float):
+def exchange(
+    grid, nodes: list[int], step_index: int, step: dict, values: dict, rnd: int, timeout: float,
+    extra=None,
+):
     """Runs the exchange through SecAgg+ on ``nodes``. Returns (replies, errors,
     secure, received): replies as ((partition, node), plain client outputs by name),
     the error texts of the clients left out, the secure sums' results by output name,
-    and the bytes received (plain outputs and the chunks masked)."""
+    and the bytes received (plain outputs and the chunks masked). ``extra``: more
+    entries of the FitIns config (a program's per-client state, server_app.py)."""
     _check_count(nodes, rnd)
     fitins = FitIns(
         Parameters(tensors=[], tensor_type=""),
-        {"step": step_index, "round": rnd, **runtime.pack(values, "v:")},
+        {"step": step_index, "round": rnd, **(extra or {}), **runtime.pack(values, "v:")},
     )
     dropped: list[str] = []  # the clients left out before a restart, and why
     while True:

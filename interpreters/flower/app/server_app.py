@@ -251,14 +251,17 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
     nodes = sample(grid, cfg, rnd)
     stats["sent"] += sum(np.asarray(v).nbytes for v in values.values()) * len(nodes)
     aggregations, results = step["aggregations"], {}
+    extra = client_state_config(cfg)
     if cfg.secagg and runtime.secure_inputs(step):
         replies, errors, results, received = secagg.exchange(
-            grid, nodes, step_index, step, values, rnd, cfg.timeout
+            grid, nodes, step_index, step, values, rnd, cfg.timeout, extra
         )
         stats["received"] += received
         aggregations = [a for a in aggregations if a["fed_op"] != "fed.secure_sum"]
     else:
-        replies, errors = plain_exchange(grid, cfg, step_index, values, nodes, rnd, stats)
+        replies, errors = plain_exchange(grid, cfg, step_index, values, nodes, rnd, stats, extra)
+    if step.get("state"):  # the clients whose state of this round the server counts
+        stats.setdefault("state_partitions", []).extend(p for (p, _), _ in replies)
     # Floating-point sums depend on their order: aggregate in partition-id order (node
     # id among equals), not in the order replies happen to arrive.
     replies = [out for _, out in sorted(replies, key=lambda r: r[0])]
@@ -276,18 +279,34 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
         )
     if aggregations:
         results.update(runtime.aggregate(aggregations, replies))
+    for entry in step.get("state", ()):  # the per-client state stays on the nodes: the
+        # marks' aggregates are read by no server part, but the parts take them
+        results[entry["aggregated"]] = np.zeros(entry["shape"], runtime.np_dtype(entry["dtype"]))
     for name, value in results.items():
         env[(step.get("aggregated", "aggregated"), name)] = value
 
 
-def plain_exchange(grid, cfg, step_index: int, values: dict, nodes: list[int], rnd: int, stats: dict):
+def client_state_config(cfg) -> dict:
+    """What every message of a program with per-client state carries (program.py
+    ClientState): where the nodes keep it and which round's state each partition
+    enters the round with; empty otherwise."""
+    state = getattr(cfg, "client_state", None)
+    return {} if state is None else {"client-state": state.message()}
+
+
+def plain_exchange(
+    grid, cfg, step_index: int, values: dict, nodes: list[int], rnd: int, stats: dict, extra=None
+):
     """One send/receive: every client output in the clear. Returns (replies, errors)
     as secagg.exchange does."""
     record = runtime.to_record(values)
     messages = []
     for node in nodes:
         content = RecordDict(
-            {"values": record, "fcir": ConfigRecord({"step": step_index, "round": rnd})}
+            {
+                "values": record,
+                "fcir": ConfigRecord({"step": step_index, "round": rnd, **(extra or {})}),
+            }
         )
         messages.append(Message(content, dst_node_id=node, message_type="train.fcir"))
     replies, errors = [], []
@@ -357,8 +376,8 @@ class Checkpoints:
 
         return step, leaves(state, plan["server_inputs"], "state"), leaves(outs, out_specs, "outputs")
 
-    def save(self, rnd: int, inputs: list, outputs: list, budget=None) -> None:
-        meta = {"app": self.app, "round": rnd}
+    def save(self, rnd: int, inputs: list, outputs: list, budget=None, meta=None) -> None:
+        meta = {"app": self.app, "round": rnd, **(meta or {})}
         if budget is not None:  # fcir.privacy.Budget.state(), as JSON
             meta["budget"] = json.dumps(budget.state(), sort_keys=True)
         tree = {
@@ -405,7 +424,7 @@ def main(grid, context) -> None:
 
         outputs = program.run(grid, cfg, plan, inputs, ckpt, run_round,
                               lambda rnd, m: record_metrics(context, history, rnd, m),
-                              accounting.line)
+                              accounting.line, run_id=context.run_id)
         if cfg.output:
             program.write(cfg.output, outputs)
             print(f"[fcir] wrote {len(outputs)} output array(s) to {cfg.output}", flush=True)
