@@ -249,3 +249,65 @@ def test_one_round_over_tls_with_a_generated_localhost_ca(tmp_path):
     assert [g.tobytes() for g in got] == [
         b.tobytes() for b in rounds.bundle_outputs(r, tmp_path / "bundle")
     ]
+
+
+def test_per_client_state_survives_a_supernode_restart_mid_run(dep, tmp_path):
+    """examples/scaffold.py (4 rounds in a lax.scan; each client's control is a carry
+    placed at the clients) on the deployment: node 1 keeps its control on disk under
+    its FLWR_HOME, keyed by the run and its partition-id. While it runs round 2 (its
+    round-2 state just written) its SuperNode is stopped (SIGTERM, its ClientApp with
+    it) and started again: a new process with a new node id, which takes part in a later
+    round with the control it kept before the restart. Whichever rounds node 1 was
+    counted in (its round-2 reply may be lost), the outputs are the plain-JAX SCAFFOLD
+    loop's with those clients taking part, which for full participation is reference.run's
+    (test_flower_program.py)."""
+    import importlib.util
+    import re
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scaffold.py"
+    spec = importlib.util.spec_from_file_location("example_scaffold", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.make_example_args(NODES)
+    module = fcir.capture(example.make_program(NODES), *args)
+    from fcir.interpreters import flower
+
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(a) for a in args[:2]])
+    for i in range(NODES):
+        np.savez(
+            deployment.node_data(dep.root.parent, i, module.name),
+            *(np.asarray(a)[i] for a in args[2:]),
+        )
+    kept = dep.root / "home-supernode-1" / "fcir-state"
+    out = tmp_path / "out.npz"
+    proc = deployment.launch(dep, app, f'output="{out}" timeout=20')
+    try:
+        deployment.wait_for(
+            lambda: any(kept.glob("*-run-*/partition-1/round-2.npz")) or proc.poll() is not None,
+            timeout=300,
+            what="node 1's state of round 2",
+        )
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        (before,) = {p.parent for p in kept.glob("*-run-*/partition-1/round-2.npz")}
+        dep.stop_one("supernode-1")
+        dep.start_supernode(1)
+        code, log = deployment.finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert code == 0 and "round 4/4" in log, log[-3000:]
+    # Only the round node 1 was stopped in may lose it ("Node Unavailable"); none fails.
+    failed = re.findall(r"round (\d): client failed", log)
+    assert set(failed) <= {"2"}, log[-3000:]
+    counted = [
+        [int(p) for p in m.group(2).split(",")]
+        for m in re.finditer(r"round (\d)/4: .* client state of partition\(s\) ([\d,]+)", log)
+    ]
+    assert len(counted) == 4 and counted[0] == [0, 1, 2], log[-3000:]
+    assert any(1 in who for who in counted[2:]), f"node 1 never came back: {counted}"
+    assert sorted(int(p.stem.split("-")[1]) for p in before.glob("round-*.npz"))[-1] == 4
+    want = example.by_hand(*args, participation=counted)
+    got = _outputs(out)
+    assert [(g.dtype, g.shape) for g in got] == [(np.dtype("float32"), w.shape) for w in want[:3]]
+    assert_trees_match(got, [np.asarray(w) for w in want[:3]], rtol=1e-5, atol=1e-6)

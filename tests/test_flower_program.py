@@ -167,3 +167,117 @@ def test_programs_that_are_not_a_server_loop_of_rounds_are_refused(tmp_path):
     with pytest.raises(flower.ExportError, match="before the loop"):
         flower.export(module, tmp_path / "app")
     assert not (tmp_path / "app").exists()
+
+
+# --- per-client state: a carry placed at the clients (examples/scaffold.py) -------------
+
+
+def _scaffold():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scaffold.py"
+    spec = importlib.util.spec_from_file_location("example_scaffold", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.make_example_args(N)
+    return example, args, fcir.capture(example.make_program(N), *args)
+
+
+def _state_nodes(root, args) -> dict:
+    nodes = _nodes(root, args[2:])  # the clients' controls (initial state), x, y
+    for cfg in nodes.values():
+        cfg["state-dir"] = str(root / "state")
+    return nodes
+
+
+def _kept(root, partition: int) -> dict[int, np.ndarray]:
+    """Round -> the control node ``partition`` keeps after it."""
+    (folder,) = (root / "state").glob(f"*/partition-{partition}")
+    out = {}
+    for p in folder.glob("round-*.npz"):
+        with np.load(p) as f:
+            out[int(p.stem.removeprefix("round-"))] = f["arr_0"]
+    return out
+
+
+def test_per_client_state_stays_on_the_nodes_equals_the_reference_and_resumes(tmp_path, capsys):
+    """SCAFFOLD in a lax.scan of 4 rounds, its carry holding each client's control
+    (placed at the clients): the app's outputs are reference.run's; each node keeps its
+    control after every round on disk (the plain-JAX loop's, by round) and never sends
+    it; a run started again from the checkpoint after round 3 (another run id) reads
+    the nodes' round-3 controls and writes the same bytes."""
+    example, args, module = _scaffold()
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(a) for a in args[:2]])
+    plan = rounds.plan_of(app)
+    assert [s["leaf"] for s in plan["loop"]["client_state"]] == [2]
+    (step,) = [s for s in plan["steps"] if s["kind"] == "exchange"]
+    sent_back = {n for a in step["aggregations"] for n in a["inputs"]}
+    assert step["state"] and step["state"][0]["output"].partition("/")[2] not in sent_back
+    nodes = _state_nodes(tmp_path, args)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "o.npz"
+    inprocess.run(app, nodes, {"output": str(out), "checkpoint-dir": str(ckpt)}, run_id=7)
+    said = capsys.readouterr().out
+    assert "round 4/4: 3/3 clients replied" in said and "client state of partition(s) 0,1,2" in said
+    # 3 clients x (model delta f32[4], control delta f32[4], loss f32[]): no control.
+    assert "received 108 B" in said, said
+    got = _outputs(out)
+    _assert_same(got, _reference(module, args))
+    for i in range(N):
+        kept = _kept(tmp_path, i)
+        assert sorted(kept) == [1, 2, 3, 4]
+        for r in (1, 4):  # the plain-JAX loop stopped after round r
+            controls = _controls_after(example, args, r)
+            np.testing.assert_allclose(kept[r], controls[i], rtol=1e-5, atol=1e-6)
+    import shutil
+
+    shutil.rmtree(ckpt / "4")
+    for i in range(N):  # the nodes' round-4 state is gone too: round 4 must read round 3's
+        next((tmp_path / "state").glob(f"*/partition-{i}/round-4.npz")).unlink()
+    grid = inprocess.run(app, nodes, {"output": str(tmp_path / "p.npz"), "checkpoint-dir": str(ckpt)}, run_id=8)
+    assert len(grid.sent) == N and "resuming after round 3" in capsys.readouterr().out
+    assert [g.tobytes() for g in _outputs(tmp_path / "p.npz")] == [g.tobytes() for g in got]
+
+
+def _controls_after(example, args, r: int):
+    saved = example.ROUNDS
+    example.ROUNDS = r
+    try:
+        return np.asarray(example.by_hand(*args)[3])
+    finally:
+        example.ROUNDS = saved
+
+
+def test_a_node_that_missed_rounds_goes_on_from_the_last_round_it_took_part_in(tmp_path, capsys):
+    """Two of three nodes sampled each round (clients=2), and node 0's reply of round 2
+    lost after it ran (so it wrote a state of round 2 the server never counted): each
+    node enters a round with its state of the last round the server counted for it
+    (round 3: node 0's of round 1; node 1, first sampled in round 4: its initial one),
+    and the outputs are the plain-JAX SCAFFOLD loop's with the same clients taking part
+    each round (means over them, the others' controls unchanged)."""
+    import random
+
+    example, args, module = _scaffold()
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(a) for a in args[:2]])
+    nodes = _state_nodes(tmp_path, args)
+    inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz"), "clients": 2}, lost={40: {2}})
+    # The ServerApp's sampling (server_app.sample): seeded by the round number.
+    ids = sorted(nodes)
+    sampled = [
+        sorted(nodes[n]["partition-id"] for n in random.Random(r).sample(ids, 2))
+        for r in range(1, example.ROUNDS + 1)
+    ]
+    assert sampled == [[0, 2], [0, 2], [0, 2], [0, 1]]  # node 1 misses 3 rounds, node 2 one
+    counted = [[0, 2], [2], [0, 2], [0, 1]]
+    said = capsys.readouterr().out
+    lines = [line for line in said.splitlines() if line.startswith("[fcir] round ")]
+    for r, who in enumerate(counted, 1):
+        assert lines[r - 1].startswith(f"[fcir] round {r}/4: ")
+        assert lines[r - 1].endswith(f"client state of partition(s) {','.join(map(str, who))}")
+    assert "round 2/4: 1/2 clients replied" in said
+    want = example.by_hand(*args, participation=counted)
+    _assert_same(_outputs(tmp_path / "o.npz"), [np.asarray(w) for w in want[:3]])
+    for i, ran in enumerate(([1, 2, 3, 4], [4], [1, 2, 3])):  # the rounds each node ran
+        kept = _kept(tmp_path, i)
+        assert sorted(kept) == ran
+        np.testing.assert_allclose(kept[ran[-1]], want[3][i], rtol=1e-5, atol=1e-6)

@@ -36,7 +36,7 @@ def load_app(appdir) -> types.SimpleNamespace:
 
 
 class Grid:
-    def __init__(self, app, node_configs: dict[int, dict], silent=()):
+    def __init__(self, app, node_configs: dict[int, dict], silent=(), lost=None):
         self.app = app
         self.contexts = {
             node: Context(
@@ -45,6 +45,7 @@ class Grid:
             for node, cfg in node_configs.items()
         }
         self.silent = set(silent)
+        self.lost = lost or {}  # node -> rounds whose reply is lost after the client ran
         self.sent: list[int] = []
 
     def get_node_ids(self):
@@ -65,20 +66,28 @@ class Grid:
             except Exception as e:  # noqa: BLE001  (the SuperNode turns it into an error reply)
                 reply = Message(Error(code=2, reason=f"{type(e)}:<'{e}'>"), reply_to=msg)
             assert reply.metadata.src_node_id == node  # a reply comes from its addressee
+            if int(msg.content["fcir"]["round"]) in self.lost.get(node, ()):
+                continue
             replies.append(reply)
         return replies
 
 
-def run(appdir, node_configs: dict[int, dict], run_config: dict, silent=()):
-    """Runs the app's ServerApp main; returns the grid (what was sent to whom)."""
+def run(
+    appdir, node_configs: dict[int, dict], run_config: dict, silent=(), run_id: int = 1, lost=None
+):
+    """Runs the app's ServerApp main as run ``run_id``; returns the grid (what was sent
+    to whom). ``lost``: node -> rounds in which its replies of plain exchanges never
+    arrive (its ClientApp ran)."""
     from fcir.interpreters.flower.writer import RUN_CONFIG
     from flwr.supercore.task_identity import TaskIdentity
 
-    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as flwr-serverapp
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = run_id, 1, 0  # as flwr-serverapp
     app = load_app(appdir)
-    grid = Grid(app, node_configs, silent)
+    grid = Grid(app, node_configs, silent, lost)
+    for c in grid.contexts.values():
+        c.run_id = run_id
     context = Context(
-        run_id=1, node_id=0, node_config={}, state=RecordDict(),
+        run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
         run_config={**RUN_CONFIG, **run_config},
     )
     grid.context = context  # the ServerApp's context (its state after the run)
