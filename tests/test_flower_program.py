@@ -281,3 +281,53 @@ def test_a_node_that_missed_rounds_goes_on_from_the_last_round_it_took_part_in(t
         kept = _kept(tmp_path, i)
         assert sorted(kept) == ran
         np.testing.assert_allclose(kept[ran[-1]], want[3][i], rtol=1e-5, atol=1e-6)
+
+
+@fcir.program(placements={"clients": N})
+def personal_two_exchanges(w, v, x):
+    """A while_loop of rounds of two exchanges, each client's personal offset ``v`` a
+    carry at the clients: the new ``v`` is computed in the first exchange, the second
+    recomputes its client values from the ``v`` the round began with."""
+
+    def body(c):
+        w, v, i = c
+        b = fcir.broadcast(w)
+        mean = fcir.reduce_mean(fcir.map_fn(lambda w, v, x: jnp.mean(x, 0) - w + 0.1 * v, (b, v, x)))
+        w2 = w + 0.5 * mean
+        spread = fcir.reduce_mean(
+            fcir.map_fn(lambda w, v, x: jnp.mean(jnp.square(x - w - v)), (fcir.broadcast(w2), v, x))
+        )
+        v = fcir.map_fn(lambda w, v, x: v - 0.3 * (v + w - jnp.mean(x, 0)), (b, v, x))
+        return w2 + 0.01 * spread, v, i + 1
+
+    w, v, i = jax.lax.while_loop(lambda c: c[2] < 3, body, (w, v, jnp.int32(0)))
+    return w, i
+
+
+@fcir.program(placements={"clients": N})
+def stacks_a_client_value(w, v):
+    def one_round(c, _):
+        w, v = c
+        v = fcir.map_fn(lambda w, v: v + w, (fcir.broadcast(w), v))
+        return (w + fcir.reduce_mean(v), v), v
+
+    return jax.lax.scan(one_round, (w, v), None, length=2)[0][0]
+
+
+def test_client_state_in_a_while_loop_of_two_exchange_rounds_and_what_is_refused(tmp_path):
+    w, v = jnp.zeros(2, jnp.float32), jnp.zeros((N, 2), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(N, 4, 2)), jnp.float32)
+    module = fcir.capture(personal_two_exchanges, w, v, x)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w)])
+    plan = rounds.plan_of(app)
+    exchanges = [s for s in plan["steps"] if s["kind"] == "exchange"]
+    assert len(exchanges) == 2 and exchanges[0]["state"] and "state" not in exchanges[1]
+    nodes = _nodes(tmp_path, [v, x])
+    for cfg in nodes.values():
+        cfg["state-dir"] = str(tmp_path / "state")
+    grid = inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
+    assert len(grid.sent) == 3 * 2 * N
+    _assert_same(_outputs(tmp_path / "o.npz"), _reference(module, (w, v, x)))
+    module = fcir.capture(stacks_a_client_value, w, v)
+    with pytest.raises(flower.ExportError, match="stacked by a scan live at the server"):
+        flower.export(module, tmp_path / "refused")
