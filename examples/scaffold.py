@@ -19,7 +19,8 @@ clients' controls are kept on their nodes, keyed by the run and the partition-id
     fcir flower data examples/scaffold.py:scaffold -o parts/
     fcir export --target flower examples/scaffold.py:scaffold -o app/ \\
         --inputs parts/server_inputs.npz
-    fcir flower simulate app/ --nodes 3 --data parts/ --run-config 'output="/abs/out.npz"'
+    fcir flower up --nodes 3 --data parts/ --dir /tmp/dep &
+    FLWR_HOME=/tmp/dep/home-cli fcir flower run app/ --run-config 'output="/abs/out.npz"'
 
 Run it in-process and watch the loss go down::
 

@@ -16,7 +16,11 @@ server ``bool[]``, evaluated at the server before each round. The ServerApp runs
 ``pre``, then one round per iteration (the carry stays at the server, checkpointed each
 round), stacks the ``ys`` as ``lax.scan`` does, and runs ``post``: its output file holds
 exactly the program's results. The client data are the program's client arguments,
-passed to the loop unchanged (consts of the loop).
+passed to the loop unchanged (consts of the loop), or the initial value of a carry
+placed at the clients: per-client state, which the round computes in one exchange's
+client work (a client output the plan marks as ``state``), each node keeps on disk
+(app/client_app.py) and the server never sees (app/program.py: which round's state
+each node enters a round with).
 """
 
 from __future__ import annotations
