@@ -66,7 +66,7 @@ class Grid:
             except Exception as e:  # noqa: BLE001  (the SuperNode turns it into an error reply)
                 reply = Message(Error(code=2, reason=f"{type(e)}:<'{e}'>"), reply_to=msg)
             assert reply.metadata.src_node_id == node  # a reply comes from its addressee
-            if int(msg.content["fcir"]["round"]) in self.lost.get(node, ()):
+            if node in self.lost and int(msg.content["fcir"]["round"]) in self.lost[node]:
                 continue
             replies.append(reply)
         return replies

@@ -189,10 +189,10 @@ def compute(step_index: int, values: dict, context, rnd: int = 0, state_config=N
 
 @app.train("fcir")
 def work(msg: Message, context) -> Message:
-    fcir = msg.content["fcir"]
+    config = msg.content["fcir"]
     outputs = compute(
-        int(fcir["step"]), runtime.from_record(msg.content["values"]), context,
-        int(fcir.get("round", 0)), fcir.get("client-state"),
+        int(config["step"]), runtime.from_record(msg.content["values"]), context,
+        int(config.get("round", 0)), config.get("client-state"),
     )
     content = RecordDict({"values": runtime.to_record(outputs), "fcir": ConfigRecord({"partition": partition(context)})})
     return Message(content, reply_to=msg)
