@@ -314,6 +314,16 @@ def stacks_a_client_value(w, v):
     return jax.lax.scan(one_round, (w, v), None, length=2)[0][0]
 
 
+@fcir.program(placements={"clients": N}, private=True)
+def private_state(w, v, key):
+    def one_round(c, k):
+        w, v = c
+        v = fcir.map_fn(lambda w, v: 0.5 * v - w, (fcir.broadcast(w), v))
+        return (w + fcir.dp_mean(v, 1.0, 1.0, k), v), None
+
+    return jax.lax.scan(one_round, (w, v), jax.random.split(key, 2))[0][0]
+
+
 def test_client_state_in_a_while_loop_of_two_exchange_rounds_and_what_is_refused(tmp_path):
     w, v = jnp.zeros(2, jnp.float32), jnp.zeros((N, 2), jnp.float32)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(N, 4, 2)), jnp.float32)
@@ -331,3 +341,7 @@ def test_client_state_in_a_while_loop_of_two_exchange_rounds_and_what_is_refused
     module = fcir.capture(stacks_a_client_value, w, v)
     with pytest.raises(flower.ExportError, match="stacked by a scan live at the server"):
         flower.export(module, tmp_path / "refused")
+    module = fcir.capture(private_state, w, v, jax.random.key(0))
+    with pytest.raises(flower.ExportError, match="per-client state .* in a private program"):
+        flower.export(module, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()

@@ -180,6 +180,13 @@ def split_loop(module: Module, at: int) -> LoopSplit:
     rparams = [Value(v.type) for v in region.params]
     env.update(zip(region.params, rparams))
     state_results = [o for o, v in enumerate(region.results) if _is_client(v.type)]
+    if state_results and module.private:
+        raise ExportError(
+            f"{where}: per-client state (a carry placed at the clients) in a private "
+            "program is not exported to Flower: the app marks the state with a plain "
+            "aggregation, which the privacy check of a private round refuses; keep the "
+            "state at the server, or export without private=True"
+        )
     for o in state_results:
         role, k = body.results[o]
         if role != "carry" or k not in client_carry:
