@@ -125,7 +125,9 @@ class NodeState:
         import os
 
         self.folder.mkdir(parents=True, exist_ok=True)
-        leaves = [np.asarray(x).astype(runtime.np_dtype(s["dtype"])) for x, s in zip(leaves, self.specs)]
+        leaves = [
+            np.asarray(x).astype(runtime.np_dtype(s["dtype"])) for x, s in zip(leaves, self.specs)
+        ]
         tmp = self.folder / f".round-{rnd}.tmp-{os.getpid()}.npz"
         with open(tmp, "wb") as f:
             np.savez(f, *leaves)
@@ -133,10 +135,8 @@ class NodeState:
             os.fsync(f.fileno())
         os.replace(tmp, self.path(rnd))
         # Older rounds the server can no longer ask for: it only moves a partition on.
-        older = sorted(
-            (r for p in self.folder.glob("round-*.npz") if (r := _round_of(p)) is not None and r < self.entered),
-            reverse=True,
-        )
+        rounds = (_round_of(p) for p in self.folder.glob("round-*.npz"))
+        older = sorted((r for r in rounds if r is not None and r < self.entered), reverse=True)
         for r in older[self.KEEP:]:
             self.path(r).unlink(missing_ok=True)
 

@@ -82,7 +82,8 @@ class ClientState:
     def restore(self, meta: dict) -> None:
         import json
 
-        self.rounds = {str(k): int(v) for k, v in json.loads(str(meta.get("client_state", "{}"))).items()}
+        saved = json.loads(str(meta.get("client_state", "{}")))
+        self.rounds = {str(k): int(v) for k, v in saved.items()}
 
 
 def _restore(ckpt, plan: dict, client_state=None):
