@@ -345,3 +345,36 @@ def test_client_state_in_a_while_loop_of_two_exchange_rounds_and_what_is_refused
     with pytest.raises(flower.ExportError, match="per-client state .* in a private program"):
         flower.export(module, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+
+
+@fcir.program(placements={"clients": N})
+def counts_at_the_clients(w, counts, x):
+    """Each client's uint32 count (a carry at the clients) grows each round; the
+    counts' secure sum is the round's ys."""
+
+    def one_round(c, _):
+        w, counts = c
+        counts = fcir.map_fn(
+            lambda w, c, x: c + (x.sum() > w).astype(jnp.uint32), (fcir.broadcast(w), counts, x)
+        )
+        m = fcir.reduce_mean(fcir.map_fn(lambda w, x: x.mean() - w, (fcir.broadcast(w), x)))
+        return (w + m, counts), fcir.secure_sum(counts, bitwidth=32)
+
+    (w, _), totals = jax.lax.scan(one_round, (w, counts), None, length=3)
+    return w, totals
+
+
+def test_client_state_beside_a_secure_sum_on_secagg_plus(tmp_path):
+    """The exchange that computes the state runs through SecAgg+ (the ClientApp's
+    secure handler keeps the state too): bit for bit the reference."""
+    w, counts = jnp.float32(0.0), jnp.zeros((N,), jnp.uint32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(N, 4)), jnp.float32)
+    module = fcir.capture(counts_at_the_clients, w, counts, x)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w)])
+    nodes = _nodes(tmp_path, [counts, x])
+    for cfg in nodes.values():
+        cfg["state-dir"] = str(tmp_path / "state")
+    inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
+    got, want = _outputs(tmp_path / "o.npz"), _reference(module, (w, counts, x))
+    assert [g.tobytes() for g in got] == [v.tobytes() for v in want]
+    assert int(want[1][-1]) > 0
