@@ -20,6 +20,7 @@ replaced only by a complete app.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -151,7 +152,9 @@ def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, d
 
     at = find_loop(module)
     if at is not None:  # a whole training program: one Flower round per iteration
-        return loop_plan(module, at, build_plan, _spec, leaf_paths)
+        rounds = functools.partial(build_plan, device_targets=device_targets)
+        given = server_inputs if device_targets is not None else None  # to verify on
+        return loop_plan(module, at, rounds, _spec, leaf_paths, given)
     phases = split_phases(module)
     multi = len(phases) > 1
     steps, artifacts, plans = [], {}, []
