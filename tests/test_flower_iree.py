@@ -480,6 +480,39 @@ def _app_dependencies() -> tuple[str, ...]:
 NODE_PACKAGES = _app_dependencies()
 
 
+def _closure(requirements) -> set[str]:
+    """The distributions ``requirements`` install (their non-extra requirements, as
+    this venv's metadata declares them)."""
+    import re
+    from importlib import metadata
+
+    seen: set[str] = set()
+    todo = list(requirements)
+    while todo:
+        name = re.split(r"[ ;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo += [r for r in metadata.requires(name) or [] if "extra ==" not in r]
+        except metadata.PackageNotFoundError:
+            pass
+    return seen
+
+
+def test_a_jax_app_asks_its_nodes_for_flatbuffers_which_jax_export_needs():
+    """jax.export.deserialize imports flatbuffers, which neither jax nor flwr requires: a
+    node with only the jax app's dependencies failed its first client step (found
+    building bench/device_runtime.py's jax node venv). IREE nodes deserialize nothing."""
+    import tomllib
+
+    from fcir.interpreters.flower.writer import _pyproject
+
+    jax_deps = tomllib.loads(_pyproject("x", "jax"))["project"]["dependencies"]
+    assert "flatbuffers" in _closure(jax_deps)
+    assert "flatbuffers" not in _closure(["flwr", "jax"])  # why the app must name it
+
+
 def node_venv() -> pathlib.Path:
     """A venv with only flwr, numpy and iree-base-runtime (and their dependencies), built
     once per machine under the temp dir; skips the test when it cannot be built."""

@@ -276,8 +276,9 @@ clientapp = "{APP_PACKAGE}.client_app:app"
 
 
 _DEPENDENCIES = {
-    "jax": """# A device needs jax and flwr, never fcir: client work is a jax.export artifact.
-dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0"]""",
+    "jax": """# A device needs jax and flwr, never fcir: client work is a jax.export artifact,
+# which jax deserializes with flatbuffers (not one of jax's own dependencies).
+dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0", "flatbuffers>=24.3"]""",
     "iree": """# A device needs flwr, numpy and IREE's runtime, never jax nor fcir: client work is
 # IREE modules. The ServerApp's host also needs jax (the server extra). ml_dtypes (which
 # iree.runtime imports) 0.7.0 took ~2 s to import on numpy 2.4, 0.5/0.6 10-30 ms.
