@@ -192,51 +192,60 @@ class Module:
         if self._fn is None:
             raise DeviceRuntimeError(f"the IREE module {vm.name} has no function {entry!r}")
         self.name = f"{vm.name}.{entry}"
-        self._results = result_dtypes(self._fn.reflection.get("iree.abi.declaration", ""))
+        names = result_dtypes(self._fn.reflection.get("iree.abi.declaration", ""))
+        self._results = [None if n is None else _raw(_dtype(n)) for n in names]
+        self._rt = rt
+        self._element = r["element"]
+        self._dtype_of = r["dtype_of"]
+        self._allocate = r["device"].allocator.allocate_buffer_copy
+        self._device = r["device"]
+        self._memory, self._usage = rt.MemoryType.DEVICE_LOCAL, rt.BufferUsage.DEFAULT
         self._r = r
         self._lock = threading.Lock()  # a local-sync context is not for concurrent calls
 
     def _buffer(self, x: np.ndarray):
-        r = self._r
-        rt = r["rt"]
         try:
-            element = r["element"][x.dtype.name]
+            element = self._element[x.dtype.name]
         except KeyError:
             raise DeviceRuntimeError(f"IREE modules take no {x.dtype.name} values") from None
-        return r["device"].allocator.allocate_buffer_copy(
-            memory_type=rt.MemoryType.DEVICE_LOCAL,
-            allowed_usage=rt.BufferUsage.DEFAULT,
-            device=r["device"],
-            buffer=x.view(np.uint16) if x.dtype.name == "bfloat16" else x,  # its bits
+        return self._allocate(
+            memory_type=self._memory,
+            allowed_usage=self._usage,
+            device=self._device,
+            buffer=x.view(np.uint16) if element == self._element["bfloat16"] else x,  # bits
             element_type=element,
         )
 
-    def _array(self, view, name: str | None) -> np.ndarray:
-        """A result as numpy: of dtype ``name`` (from the declaration), else of the
-        buffer's element type."""
-        name = name or self._r["dtype_of"].get(int(view.element_type))
-        if name is None:
-            raise DeviceRuntimeError(f"an IREE result of element type {view.element_type}")
-        dtype = _dtype(name)
-        # The bytes as a numpy type of the same width, then viewed as the dtype (the
-        # extension's own dtype table has no bfloat16).
-        raw = dtype if dtype.kind in "bc" else np.dtype(f"u{dtype.itemsize}")
-        mapped = view.map()
+    def _array(self, view, types) -> np.ndarray:
+        """A result as numpy: of the declared dtype (``types``: it and the numpy type
+        its bytes are read as), else of the buffer's element type."""
+        if types is None:
+            name = self._dtype_of.get(int(view.element_type))
+            if name is None:
+                raise DeviceRuntimeError(f"an IREE result of element type {view.element_type}")
+            types = _raw(_dtype(name))
+        dtype, raw = types
         # A copy: the result must outlive the runtime buffer it was read from.
-        return np.array(mapped.asarray(list(view.shape), raw)).view(dtype)
+        return np.array(view.map().asarray(view.shape, raw)).view(dtype)
 
     def __call__(self, *args) -> list[np.ndarray]:
-        rt = self._r["rt"]
+        rt = self._rt
         arrays = [np.asarray(a, order="C") for a in args]  # (ascontiguousarray makes 0-d 1-d)
         with self._lock:
             ins = rt.VmVariantList(len(arrays))
             for x in arrays:
                 ins.push_ref(self._buffer(x))
-            outs = rt.VmVariantList(1)
+            outs = rt.VmVariantList(len(self._results) or 1)
             self._context.invoke(self._fn, ins, outs)
             views = [outs.get_as_object(i, rt.HalBufferView) for i in range(outs.size)]
-            names = self._results if len(self._results) == len(views) else [None] * len(views)
-            return [self._array(v, n) for v, n in zip(views, names)]
+            types = self._results if len(self._results) == len(views) else [None] * len(views)
+            return [self._array(v, t) for v, t in zip(views, types)]
+
+
+def _raw(dtype: np.dtype) -> tuple[np.dtype, np.dtype]:
+    """``dtype`` and the numpy type of the same width its bytes are read as (the
+    extension's own dtype table has no bfloat16)."""
+    return dtype, dtype if dtype.kind in "bc" else np.dtype(f"u{dtype.itemsize}")
 
 
 _MODULES: dict = {}
