@@ -17,7 +17,13 @@ exported twice with ``fcir export --target flower``: ``--device-runtime jax`` an
 - cold start: a fresh Python process that loads the app's ClientApp code and runs one
   client step on the node's data and a recorded server message, from spawn to the
   result on stdout (what each Flower message costs a node: every message starts a
-  fresh ClientApp process). The IREE process runs in the jax-free venv when present.
+  fresh ClientApp process). Both sides start the same way: the same child script, the
+  same recorded message and data, each in a node venv built the same way from what its
+  app's pyproject.toml tells a node to install (flwr, numpy, and jax or
+  iree-base-runtime; ml_dtypes below 0.7 on both, as the IREE app asks: 0.7.0 takes
+  ~2 s to import on numpy 2.4, a pip resolution that would otherwise be billed to jax).
+  Repetitions alternate jax/IREE (and which goes first), after one warm-up pair; the
+  load average is recorded with every sample.
 - per-call latency: one client step in a warm process, median of 200 calls, jax's
   compiled artifact vs the IREE module, same inputs.
 - round wall: ``flwr run APP local --stream`` of each app on one deployment (one
@@ -30,6 +36,7 @@ Goals (issue 18): node install <= 1/4 of jax's, cold start >= 50x faster, round 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import os
 import pathlib
@@ -56,7 +63,7 @@ ROUND_LINE = re.compile(r"\[fcir\] round 1\S*: .*?(\d+\.\d) s")
 
 CHILD = r"""
 import time
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 import importlib.util, pathlib, sys, types
 import numpy as np
 appdir, sent, data, step = sys.argv[1:]
@@ -69,10 +76,10 @@ import fcir_app.client_app as client
 with np.load(sent) as f:
     values = {k.replace("|", "/"): f[k] for k in f.files}
 ctx = types.SimpleNamespace(node_id=1, node_config={"data-path": data, "partition-id": 0})
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 res = client.compute(int(step), values, ctx)
-t2 = time.perf_counter()
-print("reply", len(res), t1 - t0, t2 - t1, flush=True)
+t2, c2 = time.perf_counter(), time.process_time()
+print("reply", len(res), t1 - t0, t2 - t1, c2 - c1, flush=True)
 print("jax loaded" if "jax" in sys.modules else "no jax", flush=True)
 """
 
@@ -125,6 +132,32 @@ def install_sizes() -> dict:
     return out
 
 
+def node_venv(runtime: str) -> pathlib.Path:
+    """A venv with only what a ``runtime`` app's pyproject.toml tells a node to install
+    (ml_dtypes pinned below 0.7 on both sides, see the module doc), built once under the
+    temp dir."""
+    import tomllib
+
+    from fcir.interpreters.flower.writer import _pyproject
+
+    deps = tomllib.loads(_pyproject("x", runtime))["project"]["dependencies"]
+    deps = [d for d in deps if not d.startswith("ml_dtypes")] + ["ml_dtypes>=0.5,<0.7"]
+    tag = hashlib.sha256(f"{sys.version}{deps}".encode()).hexdigest()[:12]
+    root = pathlib.Path(tempfile.gettempdir()) / f"fcir-device-bench-{runtime}-venv-{tag}"
+    if (root / ".complete").is_file():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    base = getattr(sys, "_base_executable", sys.executable)
+    print(f"building the {runtime} node venv ({', '.join(deps)}) at {root}", flush=True)
+    for cmd in (
+        [base, "-m", "venv", str(root)],
+        [str(root / "bin" / "python"), "-m", "pip", "install", "-q", *deps],
+    ):
+        subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+    (root / ".complete").write_text("")
+    return root
+
+
 def record_message(app, nodes) -> tuple[int, dict]:
     """The first message's (step, values) the ServerApp sends a node, in process."""
     seen = []
@@ -149,9 +182,11 @@ def record_message(app, nodes) -> tuple[int, dict]:
     return seen[0]
 
 
-def cold_start(python: str, app, sent, data, step) -> tuple[float, float, float]:
+def cold_start(python: str, app, sent, data, step) -> tuple[float, float, float, float]:
     """(spawn to reply, the child's import of the ClientApp code with flwr, its first
-    client step: the device runtime's import, compile or load, and the call)."""
+    client step: the device runtime's import, compile or load, and the call; and that
+    step's CPU time, all its threads: under a shared machine's load the wall time
+    is mostly waiting for a core)."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         [python, "-c", CHILD, str(app), str(sent), str(data), str(step)],
@@ -165,8 +200,8 @@ def cold_start(python: str, app, sent, data, step) -> tuple[float, float, float]
     rest, err = proc.communicate(timeout=300)
     if not line.startswith("reply"):
         raise RuntimeError(f"client process failed: {line}{rest}{err[-2000:]}")
-    _, _, imports, first = line.split()
-    return elapsed, float(imports), float(first)
+    _, _, imports, first, cpu = line.split()
+    return elapsed, float(imports), float(first), float(cpu)
 
 
 def per_call(apps, step, values, data_leaves, n: int) -> dict:
@@ -253,24 +288,29 @@ def main() -> int:
         np.savez(sent, **{k.replace("/", "|"): v for k, v in values.items()})
 
         sizes = install_sizes()
-        venv = next(
-            pathlib.Path(tempfile.gettempdir()).glob("fcir-iree-node-venv-*/.complete"), None
-        )
-        pythons = {
-            "jax": sys.executable,
-            "iree": str(venv.parent / "bin" / "python") if venv else sys.executable,
-        }
+        venvs = {rt: node_venv(rt) for rt in ("jax", "iree")}
+        pythons = {rt: str(v / "bin" / "python") for rt, v in venvs.items()}
+        for rt, py in pythons.items():
+            has_jax = subprocess.run([py, "-c", "import jax"], capture_output=True).returncode == 0
+            assert has_jax == (rt == "jax"), (rt, py)
+            sizes[f"{rt}_node_venv_bytes"] = _du(venvs[rt])
 
         cold: dict[str, list] = {"jax": [], "iree": []}
         first: dict[str, list] = {"jax": [], "iree": []}
         imports: dict[str, list] = {"jax": [], "iree": []}
+        cold_load: list[float] = []
+        first_cpu: dict[str, list] = {"jax": [], "iree": []}
         for k in range(reps if a.smoke else reps + 1):  # rep 0 warms the page cache
             for rt in ("jax", "iree") if k % 2 == 0 else ("iree", "jax"):
-                t, imp, f = cold_start(pythons[rt], apps[rt], sent, nodes[100]["data-path"], step)
+                t, imp, f, cpu = cold_start(
+                    pythons[rt], apps[rt], sent, nodes[100]["data-path"], step
+                )
                 if a.smoke or k > 0:
+                    first_cpu[rt].append(cpu)
                     cold[rt].append(t)
                     imports[rt].append(imp)
                     first[rt].append(f)
+                    cold_load.append(os.getloadavg()[0])
 
         calls = per_call(apps, step, values, r.node_leaves(plan, 0), 20 if a.smoke else 200)
 
@@ -310,7 +350,15 @@ def main() -> int:
             f"  the jax-free test venv (flwr, numpy, iree-base-runtime, pip): "
             f"{sizes['jax_free_test_venv_bytes'] / mib:.0f} MiB on disk"
         )
-    print("cold start, spawn to first reply (a fresh ClientApp process):")
+    print(
+        f"  the node venvs on disk (flwr, pip and python included): jax "
+        f"{sizes['jax_node_venv_bytes'] / mib:.0f} MiB, iree "
+        f"{sizes['iree_node_venv_bytes'] / mib:.0f} MiB"
+    )
+    print(
+        f"cold start, spawn to first reply (a fresh ClientApp process; 1-min load "
+        f"{min(cold_load):.1f}-{max(cold_load):.1f} over the samples):"
+    )
     for rt in ("jax", "iree"):
         print(f"  {rt:<4} {_spread(cold[rt], 1e3, ' ms')}  [{pythons[rt]}]")
     ratios = [j / i for j, i in zip(cold["jax"], cold["iree"])]
@@ -323,6 +371,11 @@ def main() -> int:
         print(f"    {rt:<4} {_spread(first[rt], 1e3, ' ms')}")
     fr = [j / i for j, i in zip(first["jax"], first["iree"])]
     print(f"    jax/iree {_spread(fr)} (goal >= 50)")
+    print("  the first client step's CPU time (all threads; robust to the machine's load):")
+    for rt in ("jax", "iree"):
+        print(f"    {rt:<4} {_spread(first_cpu[rt], 1e3, ' ms')}")
+    cr = [j / i for j, i in zip(first_cpu["jax"], first_cpu["iree"])]
+    print(f"    jax/iree {_spread(cr)}")
     print("per-call latency of one client step (warm process):")
     for rt in ("jax", "iree"):
         print(f"  {rt:<4} {_spread(calls[rt], 1e6, ' us')}")
@@ -341,6 +394,9 @@ def main() -> int:
             "cold_start_s": cold,
             "cold_imports_s": imports,
             "cold_first_step_s": first,
+            "cold_loadavg_1min": cold_load,
+            "cold_first_step_cpu_s": first_cpu,
+            "pythons": pythons,
             "per_call_s": calls,
             "round_wall_s": walls,
             "round_server_s": rounds_s,

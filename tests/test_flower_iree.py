@@ -191,6 +191,135 @@ def test_a_phase_iree_gets_wrong_is_an_export_error_naming_it(tmp_path, monkeypa
     assert not (tmp_path / "app").exists()
 
 
+# --- whole training programs (a server loop of rounds) ----------------------------------
+
+
+def test_a_scan_of_rounds_runs_each_iteration_s_client_work_through_iree(tmp_path, capsys):
+    """scan_rounds (three FedAvg rounds in a server lax.scan), exported by the CLI with
+    --device-runtime iree: the round's client work is a module verified at export on
+    seeded inputs and on each client's inputs of the first iteration; the app writes
+    what the jax app and reference.run write."""
+    from fcir.cli import main
+
+    r = rounds.corpus_round("scan_rounds")
+    src = tmp_path / "program.fcir"
+    src.write_text(r.module.to_text(full_constants=True))
+    np.savez(tmp_path / "in.npz", *r.server_leaves)
+    args = ["export", "--target", "flower", str(src), "-o", str(tmp_path / "iree")]
+    args += ["--inputs", str(tmp_path / "in.npz"), "--device-runtime", "iree"]
+    assert main(args) == 0, capsys.readouterr().err
+    plan = rounds.plan_of(tmp_path / "iree")
+    assert plan["loop"]["kind"] == "scan" and plan["device_runtime"] == "iree"
+    (step,) = _client_steps(plan)
+    assert "artifact" not in step["client"]
+    assert step["client"]["iree"]["input_sets"] == 2 + N  # seeded + the first iteration's
+    arts = json.loads((tmp_path / "iree" / "fcir_app" / "artifacts.json").read_text())
+    assert "client_work" not in arts and "client_work@llvm-cpu" in arts
+    nodes = _nodes(tmp_path, [r.node_leaves(plan, i) for i in range(N)])
+    jax_app = flower.export(r.module, tmp_path / "jax", inputs=r.server_leaves)
+    outs = {}
+    for name, app in (("iree", tmp_path / "iree"), ("jax", jax_app)):
+        grid = inprocess.run(app, nodes, {"output": str(tmp_path / f"{name}.npz")})
+        assert len(grid.sent) == 3 * N  # one Flower round per iteration
+        outs[name] = _outputs(tmp_path / f"{name}.npz")
+    _assert_same_numbers(outs["iree"], outs["jax"])
+    assert_trees_match(outs["iree"], rounds.reference_outputs(r), rtol=1e-5, atol=1e-5)
+
+
+@fcir.program(placements={"clients": N})
+def reverse_scan_two_exchanges(w, lrs, x):
+    """A reverse scan over a server xs with two exchanges per iteration (the mean is
+    broadcast back for a spread)."""
+
+    def one_round(carry, lr):
+        w, step = carry
+        mean = fcir.reduce_mean(
+            fcir.map_fn(lambda w, x: jnp.mean(x, axis=0) - w, (fcir.broadcast(w), x))
+        )
+        w = w + lr * mean
+        spread = fcir.reduce_mean(
+            fcir.map_fn(lambda w, x: jnp.mean(jnp.square(x - w)), (fcir.broadcast(w), x))
+        )
+        return (w, step + 1), spread
+
+    (w, steps), spreads = jax.lax.scan(one_round, (w, jnp.int32(0)), lrs, reverse=True)
+    return {"spreads": spreads, "steps": steps, "w": w * 2.0}
+
+
+@fcir.program(placements={"clients": N})
+def train_until(w, target, x):
+    """A while_loop over rounds; its condition runs at the server between rounds."""
+
+    def body(c):
+        w, _, i = c
+        grads, losses = fcir.map_fn(
+            lambda w, x: jax.value_and_grad(lambda w: jnp.mean(jnp.square(x - w)))(w)[::-1],
+            (fcir.broadcast(w), x),
+        )
+        return w - 0.3 * fcir.reduce_mean(grads), fcir.reduce_mean(losses), i + 1
+
+    c = (w, jnp.float32(jnp.inf), jnp.int32(0))
+    return jax.lax.while_loop(lambda c: jnp.logical_and(c[1] > target, c[2] < 10), body, c)
+
+
+def _loop_case(name):
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(1.0 + 0.5 * rng.normal(size=(N, 6, 4)), jnp.float32)
+    w = jnp.zeros(4, jnp.float32)
+    if name == "reverse_scan":
+        lrs = jnp.asarray([0.5, 0.25, 0.125], jnp.float32)
+        return reverse_scan_two_exchanges, (w, lrs, x), 3 * 2
+    x = jnp.asarray(1.0 + 0.1 * rng.normal(size=(N, 5, 4)), jnp.float32)
+    return train_until, (w, jnp.float32(0.3), x), None
+
+
+@pytest.mark.parametrize("name", ["reverse_scan", "while"])
+def test_loop_apps_with_iree_clients_equal_the_jax_app_and_the_reference(name, tmp_path):
+    program, args, exchanges = _loop_case(name)
+    module = fcir.capture(program, *args)
+    server = [np.asarray(a) for a in args[:-1]]
+    got, jax_outs, plan = _both(
+        module, tmp_path, server, [[np.asarray(args[-1][i])] for i in range(N)]
+    )
+    steps = _client_steps(plan)
+    assert steps and all("iree" in s["client"] for s in steps)
+    assert steps[0]["client"]["iree"]["input_sets"] == 2 + N
+    _assert_same_numbers(got, jax_outs)
+    flat = jax.tree.leaves(reference.run(module, *args))
+    want = [np.asarray(flat[i]) for i in rounds.output_order(module)]
+    assert_trees_match(got, want, rtol=1e-5, atol=1e-6)
+    if name == "while":
+        assert 1 < int(want[2]) < 10  # the condition stopped it after a few rounds
+
+
+def test_the_first_iteration_of_a_reverse_scan_takes_the_last_xs():
+    from fcir.interpreters.flower.loops import find_loop, first_round_inputs, split_loop
+
+    program, (w, lrs, x), _ = _loop_case("reverse_scan")
+    module = fcir.capture(program, w, lrs, x)
+    ls = split_loop(module, find_loop(module))
+    w0 = np.arange(4, dtype=np.float32)
+    got = first_round_inputs(ls, [w0, np.asarray(lrs)])
+    assert [np.asarray(g).tolist() for g in got] == [w0.tolist(), 0, 0.125]  # w, step, lr
+    assert first_round_inputs(ls, [w0]) is None  # not pre's inputs: the writer says why
+
+
+def test_a_loop_round_iree_gets_wrong_is_an_export_error_naming_its_phase(tmp_path, monkeypatch):
+    from fcir.interpreters.production import iree
+
+    iree_faults.wrong_at(monkeypatch, set(iree.OPT_LEVELS))
+    program, args, _ = _loop_case("reverse_scan")
+    module = fcir.capture(program, *args)
+    with pytest.raises(flower.ExportError, match=r"1\.client_work .*--device-runtime jax"):
+        flower.export(
+            module,
+            tmp_path / "app",
+            inputs=[np.asarray(a) for a in args[:-1]],
+            device_runtime="iree",
+        )
+    assert not (tmp_path / "app").exists()
+
+
 def test_device_target_without_iree_is_an_export_error(tmp_path):
     r = rounds.corpus_round("fedavg_mlp")
     with pytest.raises(flower.ExportError, match="--device-target goes with --device-runtime iree"):
@@ -351,6 +480,39 @@ def _app_dependencies() -> tuple[str, ...]:
 NODE_PACKAGES = _app_dependencies()
 
 
+def _closure(requirements) -> set[str]:
+    """The distributions ``requirements`` install (their non-extra requirements, as
+    this venv's metadata declares them)."""
+    import re
+    from importlib import metadata
+
+    seen: set[str] = set()
+    todo = list(requirements)
+    while todo:
+        name = re.split(r"[ ;<>=!~\[(]", todo.pop(), maxsplit=1)[0].lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo += [r for r in metadata.requires(name) or [] if "extra ==" not in r]
+        except metadata.PackageNotFoundError:
+            pass
+    return seen
+
+
+def test_a_jax_app_asks_its_nodes_for_flatbuffers_which_jax_export_needs():
+    """jax.export.deserialize imports flatbuffers, which neither jax nor flwr requires: a
+    node with only the jax app's dependencies failed its first client step (found
+    building bench/device_runtime.py's jax node venv). IREE nodes deserialize nothing."""
+    import tomllib
+
+    from fcir.interpreters.flower.writer import _pyproject
+
+    jax_deps = tomllib.loads(_pyproject("x", "jax"))["project"]["dependencies"]
+    assert "flatbuffers" in _closure(jax_deps)
+    assert "flatbuffers" not in _closure(["flwr", "jax"])  # why the app must name it
+
+
 def node_venv() -> pathlib.Path:
     """A venv with only flwr, numpy and iree-base-runtime (and their dependencies), built
     once per machine under the temp dir; skips the test when it cannot be built."""
@@ -377,11 +539,15 @@ def node_venv() -> pathlib.Path:
     return root
 
 
-def test_real_supernodes_without_jax_run_the_round(tmp_path):
+@pytest.mark.parametrize("name", ["fedavg_mlp", "scan_rounds"])
+def test_real_supernodes_without_jax_run_the_app(name, tmp_path):
+    """A round (fedavg_mlp), and a whole training program of three rounds in a server
+    lax.scan (scan_rounds), on SuperNodes whose Flower (and so ClientApp) runs from a
+    venv with only flwr, numpy and iree-base-runtime."""
     from fcir.interpreters.flower.local import Deployment, env_for
 
     venv = node_venv()
-    r = rounds.corpus_round("fedavg_mlp")
+    r = rounds.corpus_round(name)
     app = flower.export(r.module, tmp_path / "app", inputs=r.server_leaves, device_runtime="iree")
     plan = rounds.plan_of(app)
     paths = []
@@ -443,6 +609,8 @@ def test_real_supernodes_without_jax_run_the_round(tmp_path):
         logs = "\n".join(dep.log_tail(f"node{i}", 20) for i in range(N))
         assert out.is_file(), f"{p.stdout[-3000:]}\n{logs}"
         assert "ModuleNotFoundError" not in logs
+        if "loop" in rounds.plan_of(app):
+            assert "round 3/3: 3/3 clients replied" in p.stdout + p.stderr
         assert_trees_match(_outputs(out), rounds.reference_outputs(r), rtol=1e-5, atol=1e-5)
     finally:
         dep.stop()

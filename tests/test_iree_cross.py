@@ -18,12 +18,15 @@ import tempfile
 import zipfile
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from production import cases, iree_faults
 
 import fcir
 
 pytest.importorskip("iree.compiler", reason="needs iree-base-compiler (pip install 'fcir[iree]')")
+from fcir.interpreters import production  # noqa: E402
 from fcir.interpreters.production import iree, lowering  # noqa: E402
 
 SYSROOT = pathlib.Path("/usr/aarch64-linux-gnu")
@@ -90,7 +93,7 @@ def test_aarch64_modules_under_qemu_match_xla(name, aarch64_tool, tmp_path, monk
     input_sets = [iree.seeded_inputs(exported.in_avals, s) for s in iree.SEEDS]
     input_sets += iree.round_client_inputs(plan, jax.tree_util.tree_leaves(args))[:2]
     monkeypatch.setenv("FCIR_IREE_AARCH64_RUN_MODULE", aarch64_tool)
-    load = iree.emulator("aarch64", len(exported.out_avals))
+    load = iree.emulator("aarch64", exported.out_avals)
     assert load is not None
     for target in AARCH64:
         assert entry["modules"][target]["arch"] == "aarch64"
@@ -130,3 +133,38 @@ def test_an_aarch64_module_only_qemu_sees_wrong_is_an_export_error(
             device_targets=["llvm-cpu", "aarch64-linux-android34"],
         )
     assert not (tmp_path / "b").exists()
+
+
+@fcir.program(placements={"clients": 3})
+def bf16_round(w, x):
+    """Clients compute in bfloat16 on bfloat16 values: bf16 in and out of the module."""
+    y = fcir.map_fn(lambda w, x: (x * w, jnp.maximum(x, w) - w), (fcir.broadcast(w), x))
+    return fcir.reduce_sum(y)
+
+
+def test_a_bf16_part_runs_under_qemu_at_export_and_matches_xla_within_one_ulp(
+    aarch64_tool, tmp_path, monkeypatch
+):
+    """bf16 values cross the emulator as raw bytes (.npy has no bfloat16), so aarch64
+    modules of bf16 parts are run and verified at export like the others."""
+    monkeypatch.setenv("FCIR_IREE_AARCH64_RUN_MODULE", aarch64_tool)
+    w = jnp.asarray([0.5, -1.25, 3.0, 2.0], jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 4)), jnp.bfloat16)
+    plan = production.export(fcir.capture(bf16_round, w, x))
+    out = plan.write(tmp_path / "b", device_runtime="iree", device_targets=["llvm-cpu", *AARCH64])
+    entry = json.loads((out / "manifest.json").read_text())["parts"]["client_work"]["iree"]
+    for target in AARCH64:
+        assert entry["modules"][target]["verified"] == (
+            f"ran and matched XLA on 2 input set(s) under qemu-aarch64 {aarch64_tool}"
+        )
+    fn, specs = lowering.flat_function(plan.code("client_work"))
+    exported = iree.cpu_export(fn, specs)
+    assert {a.dtype.name for a in [*exported.in_avals, *exported.out_avals]} == {"bfloat16"}
+    run = iree.emulator("aarch64", exported.out_avals)(
+        (out / entry["modules"]["aarch64-linux-android34"]["file"]).read_bytes()
+    )
+    args = iree.round_client_inputs(plan, [np.asarray(w), np.asarray(x)])[1]  # client 1's
+    got, want = run(*args), iree.reference(exported)(*args)
+    assert [g.dtype for g in got] == [w.dtype for w in want]
+    for g, w_ in zip(got, want):
+        assert iree.mismatch(g, w_) is None, iree.mismatch(g, w_)

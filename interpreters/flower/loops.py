@@ -270,15 +270,20 @@ def _part(artifact: str, params: list, results: list) -> dict:
     return {"artifact": artifact, "params": params, "results": results}
 
 
-def loop_plan(module: Module, at: int, build_round_plan, spec, paths) -> tuple[dict, dict]:
+def loop_plan(
+    module: Module, at: int, build_round_plan, spec, paths, server_inputs=None
+) -> tuple[dict, dict]:
     """plan.json and the artifacts of a program whose rounds run in the loop at op
-    ``at`` of main (see the module doc). ``build_round_plan`` is writer.build_plan."""
+    ``at`` of main (see the module doc). ``build_round_plan(round, server_inputs=)`` is
+    writer.build_plan; ``server_inputs`` (the program's, for --device-runtime iree)
+    become the first iteration's, which its device modules are verified on too."""
     from fcir.types import runtime_type
 
     from ..production import lowering
 
     ls = split_loop(module, at)
-    doc, artifacts = build_round_plan(ls.round)
+    firsts = None if server_inputs is None else first_round_inputs(ls, server_inputs)
+    doc, artifacts = build_round_plan(ls.round, server_inputs=firsts)
     params = module.main.body.params
     server_leaves = [i for i, v in enumerate(params) if not _is_client(v.type)]
     server_ops = [i for i, v in enumerate(ls.operands) if not _is_client(v.type)]
@@ -436,3 +441,28 @@ def _mark_state_steps(doc: dict, ls: LoopSplit, where: str) -> None:
         )
     step["aggregations"] = rest
     step["state"] = entries
+
+
+def first_round_inputs(ls: LoopSplit, server_inputs) -> list | None:
+    """The round's server inputs in the loop's first iteration: ``pre`` run (by XLA) on
+    the program's server inputs, each scanned-over ``xs`` at the index that iteration
+    reads (the last for a reverse scan); None when
+    the inputs are not ``pre``'s (the writer then says what is wrong with them)."""
+    import jax
+    import numpy as np
+
+    from fcir.types import runtime_type
+
+    from ..production import lowering
+
+    types = [runtime_type(v.type, ls.pre.cardinality) for v in ls.pre.main.body.params]
+    xs = [np.asarray(x) for x in server_inputs]
+    if len(xs) != len(types) or any(
+        x.dtype.name != t.np_dtype.name or x.shape != tuple(t.shape) for x, t in zip(xs, types)
+    ):
+        return None
+    fn, _ = lowering.flat_function(ls.pre)
+    server_ops = [i for i, v in enumerate(ls.operands) if not _is_client(v.type)]
+    value = dict(zip(server_ops, (np.asarray(y) for y in jax.jit(fn)(*xs))))
+    first = -1 if ls.op_attrs.get("reverse") else 0
+    return [value[i][first] if sliced else value[i] for i, sliced in ls.body.params if i in value]

@@ -20,6 +20,7 @@ replaced only by a complete app.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -151,7 +152,9 @@ def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, d
 
     at = find_loop(module)
     if at is not None:  # a whole training program: one Flower round per iteration
-        return loop_plan(module, at, build_plan, _spec, leaf_paths)
+        rounds = functools.partial(build_plan, device_targets=device_targets)
+        given = server_inputs if device_targets is not None else None  # to verify on
+        return loop_plan(module, at, rounds, _spec, leaf_paths, given)
     phases = split_phases(module)
     multi = len(phases) > 1
     steps, artifacts, plans = [], {}, []
@@ -273,8 +276,9 @@ clientapp = "{APP_PACKAGE}.client_app:app"
 
 
 _DEPENDENCIES = {
-    "jax": """# A device needs jax and flwr, never fcir: client work is a jax.export artifact.
-dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0"]""",
+    "jax": """# A device needs jax and flwr, never fcir: client work is a jax.export artifact,
+# which jax deserializes with flatbuffers (not one of jax's own dependencies).
+dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0", "flatbuffers>=24.3"]""",
     "iree": """# A device needs flwr, numpy and IREE's runtime, never jax nor fcir: client work is
 # IREE modules. The ServerApp's host also needs jax (the server extra). ml_dtypes (which
 # iree.runtime imports) 0.7.0 took ~2 s to import on numpy 2.4, 0.5/0.6 10-30 ms.

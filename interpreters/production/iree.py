@@ -191,9 +191,22 @@ def reference(exported):
     return run
 
 
-def emulator(arch: str, n_results: int):
+def _value_type(shape, dtype) -> str:
+    """``iree-run-module``'s name of a tensor type: ``2x3xf32``, ``4xbf16``, ``i32`` (0-d)."""
+    dt = np.dtype(dtype)
+    name = {"bool": "i1", "bfloat16": "bf16"}.get(dt.name)
+    if name is None:
+        kind = {"u": "ui", "i": "i", "f": "f"}[dt.kind]
+        name = f"{kind}{8 * dt.itemsize}"
+    return "x".join([*(str(d) for d in shape), name])
+
+
+def emulator(arch: str, out_avals):
     """``module(vmfb)(*arrays) -> list`` running ``arch`` modules on this host through
-    ``iree-run-module`` (under qemu for aarch64 on another host); None when not set up."""
+    ``iree-run-module`` (under qemu for aarch64 on another host); None when not set up.
+
+    Values go in and out as raw bytes with their types on the command line (npy for
+    complex values, whose type the tool does not parse): .npy has no bfloat16."""
     if arch != "aarch64":
         return None
     tool = os.environ.get("FCIR_IREE_AARCH64_RUN_MODULE")
@@ -206,6 +219,7 @@ def emulator(arch: str, n_results: int):
         if qemu is None or not pathlib.Path(sysroot).is_dir():
             return None
         prefix = [qemu, "-L", sysroot]
+    outs = [(tuple(a.shape), np.dtype(a.dtype)) for a in out_avals]
 
     def load(vmfb: bytes):
         def run(*args):
@@ -220,26 +234,32 @@ def emulator(arch: str, n_results: int):
                     f"--function={ENTRY}",
                 ]
                 for i, x in enumerate(args):
-                    np.save(d / f"in{i}.npy", np.asarray(x))
-                    cmd.append(f"--input=@{d / f'in{i}.npy'}")
-                cmd += [f"--output=@{d / f'out{j}.npy'}" for j in range(n_results)]
+                    x = np.asarray(x, order="C")  # (ascontiguousarray makes 0-d 1-d)
+                    if x.dtype.kind == "c":
+                        np.save(d / f"in{i}.npy", x)
+                        cmd.append(f"--input=@{d / f'in{i}.npy'}")
+                    else:
+                        (d / f"in{i}.bin").write_bytes(x.tobytes())
+                        cmd.append(f"--input={_value_type(x.shape, x.dtype)}=@{d / f'in{i}.bin'}")
+                files = [
+                    d / f"out{j}.{'npy' if t.kind == 'c' else 'bin'}"
+                    for j, (_, t) in enumerate(outs)
+                ]
+                cmd += [f"--output=@{f}" for f in files]
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                 if p.returncode != 0:
                     raise RuntimeError((p.stderr or p.stdout).strip()[-500:])
-                return [np.load(d / f"out{j}.npy") for j in range(n_results)]
+                return [
+                    np.load(f)
+                    if t.kind == "c"
+                    else np.frombuffer(f.read_bytes(), dtype=t).reshape(shape).copy()
+                    for f, (shape, t) in zip(files, outs)
+                ]
 
         return run
 
     load.description = f"{' '.join(os.path.basename(x) for x in prefix[:1])} {tool}".strip()
     return load
-
-
-def _npy_safe(avals) -> bool:
-    """Whether ``iree-run-module`` can read and write these dtypes as .npy (not bf16)."""
-    return all(
-        np.dtype(a.dtype).name not in ("bfloat16",) and "float8" not in np.dtype(a.dtype).name
-        for a in avals
-    )
 
 
 def _check(module, ref, input_sets) -> str | None:
@@ -322,8 +342,8 @@ def compile_verified(part: str, fn, specs, targets, extra_inputs=()) -> Compiled
         if why is None:
             for t in targets:
                 if arch_of(t) != host_arch():
-                    emu = emulator(arch_of(t), len(exported.out_avals))
-                    if emu is None or not _npy_safe([*exported.in_avals, *exported.out_avals]):
+                    emu = emulator(arch_of(t), exported.out_avals)
+                    if emu is None:
                         continue
                     emulated[t] = emu.description
                     module = emu(modules[t])
