@@ -277,7 +277,7 @@ def test_an_unreachable_endpoint_is_a_checkpoint_error(tmp_path, monkeypatch):
         checkpoint.restore("s3://bucket/ckpt")
 
 
-def test_two_processes_write_their_own_objects_and_one_commits(url, s3_endpoint, devices):
+def test_two_processes_write_their_own_objects_and_one_commits(url, s3_endpoint, devices, tmp_path):
     from ckpt_testing import free_port
     from s3_testing import child_s3_env
     from test_multiprocess import WORKER, run_all
@@ -298,6 +298,20 @@ def test_two_processes_write_their_own_objects_and_one_commits(url, s3_endpoint,
 
     for k, v in EXPECTED.items():
         assert same_bits(out[k], v + 1), k
+    # In Orbax's format too: each process PUT its own chunks, and Orbax reads them all.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    layout = checkpoint.read_layout(url + "/orbax")
+    assert {f.process_index for f in layout.files} == {0, 1}
+    assert all(f.name.startswith(("params/", "host/")) for f in layout.files)
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+        for k, v in EXPECTED.items()
+    }
+    local = _download(s3_endpoint, url + "/orbax", tmp_path / "orbax")
+    got = ocp.StandardCheckpointer().restore(local / "params", abstract)
+    for k, v in EXPECTED.items():
+        assert same_bits(np.asarray(got[k]), v + 3), k
 
 
 @pytest.mark.parametrize("ocdbt", [True, False], ids=["ocdbt", "zarr-directories"])
