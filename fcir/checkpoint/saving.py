@@ -120,7 +120,8 @@ def save(
     (None: on a terminal, for blocking saves).
 
     `format="orbax"` writes what Orbax's StandardCheckpointer restores (each item in a
-    subfolder when there are several), with fcir's layout and checksums beside it, so `restore` reads and verifies it as any fcir checkpoint.
+    subfolder when there are several; local paths, s3:// and gs://), with fcir's layout
+    and checksums beside it, so `restore` reads and verifies it as any fcir checkpoint.
     """
     global _in_flight
     if format not in ("fcir", "orbax"):

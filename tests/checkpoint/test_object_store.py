@@ -511,3 +511,15 @@ def test_an_orbax_format_s3_save_commits_for_fcir_before_orbax_sees_it(
     assert seen.index("layout.pb") > max(seen.index(k) for k in chunks)
     assert seen.index("_METADATA") > seen.index("layout.pb")
     assert seen[-1] == "commit_success.txt"
+
+
+def test_an_fcir_format_s3_checkpoint_can_be_overwritten_in_orbax_format(url, s3_endpoint, devices):
+    checkpoint.save(url, {"p": {"a": np.arange(3.0)}})
+    checkpoint.save(url, {"meta": {"round": 2}}, overwrite=True)  # JSON only: no Orbax
+    # metadata describes this layout, and its data objects are gone
+    new = {"default": {"w": jax.device_put(values((8, 4)), devices[0])}}
+    checkpoint.save(url, new, format="orbax", overwrite=True)
+    keys = {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)}
+    assert not any(k.startswith("data-") for k in keys) and "w/0.0" in keys
+    got = checkpoint.restore(url)["default"]["w"]
+    assert same_bits(got, np.asarray(new["default"]["w"]))
