@@ -21,16 +21,14 @@ def _is_step(name: str) -> bool:
     return name.isdigit() and str(int(name)) == name
 
 
-#: What marks a committed Orbax step in an object store (Orbax writes it last there).
-_ORBAX_COMMITTED = "commit_success.txt"
-
-
 def _committed_steps(directory: storage.Location) -> list[int]:
     if isinstance(directory, storage.ObjectStore):
         return sorted(
-            int(step)
-            for step, _, rest in (k.partition("/") for k in directory.list())
-            if rest in (LAYOUT_FILE, _ORBAX_COMMITTED) and _is_step(step)
+            {  # a step fcir saved in Orbax's format has both markers
+                int(step)
+                for step, _, rest in (k.partition("/") for k in directory.list())
+                if rest in (LAYOUT_FILE, orbax.COMMIT_SUCCESS) and _is_step(step)
+            }
         )
     steps = []
     try:

@@ -35,6 +35,8 @@ from fcir.errors import CheckpointError
 
 METADATA = "_METADATA"
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
+#: Orbax's commit marker where nothing can be renamed (object stores), written last.
+COMMIT_SUCCESS = "commit_success.txt"
 _STANDARD = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 _JSON = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
 _JSON_FILE = "metadata"  # JsonCheckpointHandler's default file name
@@ -441,3 +443,8 @@ def metadata_files(layout: pb.CheckpointLayout) -> dict[str, bytes]:
     }
     files[CHECKPOINT_METADATA] = json.dumps(checkpoint_meta).encode()
     return files
+
+
+def commit_success_text(final: str) -> bytes:
+    """The content Orbax writes into its commit marker."""
+    return f"Checkpoint commit was successful to {final}".encode()

@@ -120,8 +120,8 @@ def save(
     (None: on a terminal, for blocking saves).
 
     `format="orbax"` writes what Orbax's StandardCheckpointer restores (each item in a
-    subfolder when there are several; local paths only), with fcir's layout and
-    checksums beside it, so `restore` reads and verifies it as any fcir checkpoint.
+    subfolder when there are several; local paths, s3:// and gs://), with fcir's layout
+    and checksums beside it, so `restore` reads and verifies it as any fcir checkpoint.
     """
     global _in_flight
     if format not in ("fcir", "orbax"):
@@ -163,8 +163,8 @@ def save(
 
 
 def _exists(final: storage.Location) -> bool:
-    if isinstance(final, storage.ObjectStore):
-        return final.exists(layout.LAYOUT_FILE)
+    if isinstance(final, storage.ObjectStore):  # an fcir or an Orbax checkpoint
+        return final.exists(layout.LAYOUT_FILE) or final.exists(orbax.COMMIT_SUCCESS)
     return os.path.lexists(final)
 
 
@@ -224,14 +224,7 @@ class _OrbaxTarget(_LocalTarget):
     0 before the layout; committed by the same rename."""
 
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
-        several = len(snap.items) > 1
-        names, blocks = [], []
-        for it in snap.items:
-            prefix = orbax.item_prefix(it.name, several)
-            for a in it.arrays:
-                for s in a.shards:
-                    names.append(orbax.chunk_file(prefix, a.path, s.box))
-                    blocks.append(s.data)
+        names, blocks = _orbax_chunks(snap)
         written = writer.write_files(self.temp, names, blocks, bar)
         return [(n, b.nbytes) for n, b in zip(names, blocks)], written
 
@@ -244,6 +237,19 @@ class _OrbaxTarget(_LocalTarget):
         for d in {p.parent for p in dirs} | {p.parent.parent for p in dirs}:
             if d != self.temp and d.is_dir():
                 commit.fsync_dir(d)
+
+
+def _orbax_chunks(snap: snapshot.Snapshot) -> tuple[list[str], list[Any]]:
+    """The zarr chunk file of each shard this process writes, and the shard's bytes."""
+    several = len(snap.items) > 1
+    names, blocks = [], []
+    for it in snap.items:
+        prefix = orbax.item_prefix(it.name, several)
+        for a in it.arrays:
+            for s in a.shards:
+                names.append(orbax.chunk_file(prefix, a.path, s.box))
+                blocks.append(s.data)
+    return names, blocks
 
 
 class _ObjectTarget:
@@ -303,6 +309,52 @@ class _ObjectTarget:
             self.final.delete(stale)
 
 
+class _OrbaxObjectTarget(_ObjectTarget):
+    """A save in Orbax's format into an object store. Zarr fixes the chunk objects'
+    names (`<param>/<i.j>`), so they cannot carry a nonce as fcir's data objects do:
+
+    1. Overwriting an fcir-written checkpoint first deletes its `layout.pb` and
+       `commit_success.txt` (it is then no checkpoint), then the objects its layout
+       names and its Orbax metadata. Objects a crashed save left are overwritten.
+    2. Every process PUTs its own chunk objects, several at once.
+    3. Process 0 PUTs `layout.pb` (fcir's commit: fcir reads the checkpoint from here
+       on), then Orbax's metadata, then `commit_success.txt` (Orbax's commit marker on
+       object stores, written last as Orbax writes it).
+    """
+
+    def start(self) -> str:
+        nonce = super().start()
+        old = self.final.read(layout.LAYOUT_FILE)
+        if old is None:
+            if self.final.exists(orbax.COMMIT_SUCCESS):
+                raise CheckpointError(
+                    f"{self.final} holds an Orbax checkpoint that fcir did not write; "
+                    "delete it first (fcir overwrites only what its own layout names)"
+                )
+            return nonce
+        old_layout = layout.decode(old, str(self.final))
+        self.final.delete([layout.LAYOUT_FILE, orbax.COMMIT_SUCCESS])  # uncommitted now
+        stale = {f.name for f in old_layout.files}
+        if any(item.WhichOneof("value") == "arrays" for item in old_layout.items):
+            stale |= set(orbax.metadata_files(old_layout))
+        self.final.delete(sorted(stale))
+        return nonce
+
+    def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
+        names, blocks = _orbax_chunks(snap)
+        written = writer.write_chunk_objects(self.final, names, blocks, bar)
+        return [(n, b.nbytes) for n, b in zip(names, blocks)], written
+
+    def commit(self, data: bytes, count: int) -> None:
+        if self.final.exists(layout.LAYOUT_FILE) or self.final.exists(orbax.COMMIT_SUCCESS):
+            raise CheckpointError(f"{self.final} already exists; pass overwrite=True to replace it")
+        meta = orbax.metadata_files(layout.decode(data, str(self.final)))
+        self.final.write(layout.LAYOUT_FILE, data)  # fcir's commit
+        self._delete(lambda name: self.nonce in name)  # the part layouts
+        self.final.write_many(sorted(meta.items()))
+        self.final.write(orbax.COMMIT_SUCCESS, orbax.commit_success_text(self.final.url))
+
+
 def _write_and_commit(
     final: storage.Location,
     snap: snapshot.Snapshot,
@@ -317,9 +369,7 @@ def _write_and_commit(
     key = f"fcir/checkpoint/{seq}"
     target: _LocalTarget | _ObjectTarget
     if isinstance(final, storage.ObjectStore):
-        if fmt == "orbax":
-            raise CheckpointError(f"{final}: format='orbax' saves to local paths only")
-        target = _ObjectTarget(final, overwrite)
+        target = (_OrbaxObjectTarget if fmt == "orbax" else _ObjectTarget)(final, overwrite)
     elif fmt == "orbax":
         target = _OrbaxTarget(final, overwrite)
     else:

@@ -152,6 +152,7 @@ def s3pair(url: str, port: int, process_id: int) -> None:
     shardings = saved_shardings(devices)
     checkpoint.save(url + "/blocking", tree(shardings))
     checkpoint.save(url + "/async", tree(shardings, 1), blocking=False).wait()
+    checkpoint.save(url + "/orbax", tree(shardings, 3), format="orbax")
     mgr = checkpoint.CheckpointManager(url + "/run", max_to_keep=1)
     for step in range(3):
         mgr.save(step, tree(shardings, step))
@@ -169,6 +170,7 @@ def s3pair(url: str, port: int, process_id: int) -> None:
     check(checkpoint.restore(url + "/blocking", {"params": target})["params"])
     check(checkpoint.restore(url + "/async", {"params": target})["params"], step=1)
     check(mgr.restore(2, {"params": target})["params"], step=2)
+    check(checkpoint.restore(url + "/orbax", {"params": target})["params"], step=3)
 
 
 def single(directory: pathlib.Path) -> None:

@@ -34,6 +34,9 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     assert doc["cpu_count"] and doc["versions"]["jax"] and doc["versions"]["numpy"]
     assert doc["versions"]["jaxlib"] and doc["samples_s"]["fcir_save"]
     assert len(doc["figures"]) == 10
+    save = doc["figures"][0]
+    assert save["per_repetition"] == [save["a"] / save["b"]]  # one repetition
+    assert "A/B of each repetition" in done.stdout and "load average" in done.stdout
     assert doc["samples_s"]["limit_restore"] and doc["samples_s"]["limit_restore_cold"]
 
 

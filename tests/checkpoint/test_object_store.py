@@ -277,7 +277,7 @@ def test_an_unreachable_endpoint_is_a_checkpoint_error(tmp_path, monkeypatch):
         checkpoint.restore("s3://bucket/ckpt")
 
 
-def test_two_processes_write_their_own_objects_and_one_commits(url, s3_endpoint, devices):
+def test_two_processes_write_their_own_objects_and_one_commits(url, s3_endpoint, devices, tmp_path):
     from ckpt_testing import free_port
     from s3_testing import child_s3_env
     from test_multiprocess import WORKER, run_all
@@ -298,6 +298,20 @@ def test_two_processes_write_their_own_objects_and_one_commits(url, s3_endpoint,
 
     for k, v in EXPECTED.items():
         assert same_bits(out[k], v + 1), k
+    # In Orbax's format too: each process PUT its own chunks, and Orbax reads them all.
+    ocp = pytest.importorskip("orbax.checkpoint")
+    layout = checkpoint.read_layout(url + "/orbax")
+    assert {f.process_index for f in layout.files} == {0, 1}
+    assert all(f.name.startswith(("params/", "host/")) for f in layout.files)
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    abstract = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P()))
+        for k, v in EXPECTED.items()
+    }
+    local = _download(s3_endpoint, url + "/orbax", tmp_path / "orbax")
+    got = ocp.StandardCheckpointer().restore(local / "params", abstract)
+    for k, v in EXPECTED.items():
+        assert same_bits(np.asarray(got[k]), v + 3), k
 
 
 @pytest.mark.parametrize("ocdbt", [True, False], ids=["ocdbt", "zarr-directories"])
@@ -350,3 +364,162 @@ def test_a_manager_over_s3_leaves_foreign_objects_under_step_numbers_alone(url, 
     assert mgr.all_steps() == [6]
     left = {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)}
     assert left == {"4/_METADATA", "4/d/abc", "6/_METADATA", "6/commit_success.txt"}
+
+
+def _download(endpoint, url, dest):
+    """Copies every object under `url` into the local directory `dest`, as keys say."""
+    from s3_testing import BUCKET, client
+
+    s3 = client(endpoint)
+    prefix = url.removeprefix(f"s3://{BUCKET}/") + "/"
+    for key in _keys(endpoint, url):
+        path = dest / key.removeprefix(prefix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    return dest
+
+
+def _orbax_tree(devices):
+    """Arrays sharded, replicated, partly replicated, on one device, 0-d and numpy."""
+    mesh24 = jax.make_mesh((2, 4), ("a", "b"), devices=devices)
+    tree = _tree(devices)["params"]
+    return {
+        **tree,
+        "half": jax.device_put(values((8, 6), seed=7), NamedSharding(mesh24, P("a"))),
+        "dev3": jax.device_put(values((5,), "int32", seed=8), devices[3]),
+        "zero_d": jax.device_put(np.float32(2.5), NamedSharding(mesh24, P())),
+        "host": values((7,), seed=9),
+    }
+
+
+def test_orbax_format_saved_to_s3_is_what_orbax_restores_and_fcir_verifies(
+    url, s3_endpoint, devices, tmp_path
+):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tree = _orbax_tree(devices)
+    checkpoint.save(url, {"default": tree}, format="orbax")
+    keys = {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)}
+    assert {"layout.pb", "commit_success.txt", "_METADATA", "w/.zarray", "w/7.0"} <= keys
+    assert not any("part" in k for k in keys)
+    # Orbax reads the very objects fcir wrote (copied byte for byte to a local folder).
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    got = ocp.StandardCheckpointer().restore(_download(s3_endpoint, url, tmp_path / "c"), abstract)
+    for k, v in tree.items():
+        assert same_bits(np.asarray(got[k]), np.asarray(v)), k
+    other = jax.make_mesh((4, 2), ("a", "b"), devices=devices)
+    target = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(other, P()))
+        for k, v in tree.items()
+    }
+    out = checkpoint.restore(url, {"default": target})["default"]
+    for k, v in tree.items():
+        assert same_bits(np.asarray(out[k]), np.asarray(v)), k
+    assert checkpoint.read_layout(url).files[0].name.count("/") == 1  # the chunk objects
+
+
+def test_several_orbax_format_items_in_s3_are_item_prefixes_an_orbax_manager_restores(
+    url, s3_endpoint, devices, tmp_path
+):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tree = _tree(devices)["params"]
+    checkpoint.save(f"{url}/3", {"params": tree, "meta": {"round": 3}}, format="orbax")
+    got = ocp.CheckpointManager(_download(s3_endpoint, url, tmp_path / "run")).restore(
+        3,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)),
+            meta=ocp.args.JsonRestore(),
+        ),
+    )
+    for k, v in tree.items():
+        assert same_bits(np.asarray(got["params"][k]), np.asarray(v)), k
+    assert got["meta"] == {"round": 3}
+    assert checkpoint.CheckpointManager(url).all_steps() == [3]
+
+
+def test_a_flipped_byte_in_an_orbax_format_chunk_in_s3_is_caught(url, s3_endpoint, devices):
+    from s3_testing import BUCKET, client
+
+    checkpoint.save(url, {"default": _tree(devices)["params"]}, format="orbax")
+    s3, key = client(s3_endpoint), url.removeprefix(f"s3://{BUCKET}/") + "/w/2.0"
+    data = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    data[100] ^= 0x10
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
+    with pytest.raises(CheckpointError, match=r"'default/w'.*w/2\.0.*checksum mismatch"):
+        checkpoint.restore(url)
+
+
+def test_overwriting_an_orbax_format_s3_checkpoint_leaves_only_the_new_one(
+    url, s3_endpoint, devices, tmp_path
+):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    old = {"gone": jax.device_put(values((16, 4), seed=1), NamedSharding(mesh, P("x")))}
+    new = {"kept": jax.device_put(values((8, 4), seed=2), NamedSharding(mesh, P(None)))}
+    checkpoint.save(url, {"default": old}, format="orbax")
+    with pytest.raises(CheckpointError, match="already exists; pass overwrite=True"):
+        checkpoint.save(url, {"default": new}, format="orbax")
+    checkpoint.save(url, {"default": new}, format="orbax", overwrite=True)
+    keys = {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)}
+    assert not any(k.startswith("gone/") for k in keys) and "kept/0.0" in keys
+    got = ocp.StandardCheckpointer().restore(
+        _download(s3_endpoint, url, tmp_path / "c"),
+        jax.tree.map(ocp.utils.to_shape_dtype_struct, new),
+    )
+    assert same_bits(np.asarray(got["kept"]), np.asarray(new["kept"]))
+
+
+def test_an_orbax_written_checkpoint_in_s3_is_never_overwritten_in_part(url, s3_endpoint):
+    """fcir does not know every object of a checkpoint Orbax wrote, so it refuses to
+    write over one rather than leave some of them mixed into its own."""
+    from s3_testing import BUCKET, client
+
+    prefix = url.removeprefix(f"s3://{BUCKET}/")
+    for key in ("_METADATA", "commit_success.txt"):
+        client(s3_endpoint).put_object(Bucket=BUCKET, Key=f"{prefix}/{key}", Body=b"{}")
+    tree = {"default": {"a": np.arange(4.0)}}
+    with pytest.raises(CheckpointError, match="already exists"):
+        checkpoint.save(url, tree, format="orbax")
+    with pytest.raises(CheckpointError, match="Orbax checkpoint that fcir did not write"):
+        checkpoint.save(url, tree, format="orbax", overwrite=True)
+    assert {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)} == {
+        "_METADATA",
+        "commit_success.txt",
+    }
+
+
+def test_an_orbax_format_s3_save_commits_for_fcir_before_orbax_sees_it(
+    url, s3_endpoint, devices, monkeypatch
+):
+    """layout.pb is written after every chunk, and Orbax's metadata and commit marker
+    after layout.pb: before layout.pb the prefix is no checkpoint to either reader."""
+    seen = []
+    real = storage.ObjectStore.write_many
+
+    def recording(self, objects):
+        objects = list(objects)
+        for key, _ in objects:
+            seen.append(key)
+            if key == "layout.pb":
+                with pytest.raises(CheckpointError, match="not a committed checkpoint"):
+                    checkpoint.restore(url)
+        real(self, objects)
+
+    monkeypatch.setattr(storage.ObjectStore, "write_many", recording)
+    checkpoint.save(url, {"default": _tree(devices)["params"]}, format="orbax")
+    chunks = [k for k in seen if "/" in k and not k.endswith(".zarray")]
+    assert len(chunks) == 8 + 8 + 1  # w over 8 devices, m over 8, r replicated
+    assert seen.index("layout.pb") > max(seen.index(k) for k in chunks)
+    assert seen.index("_METADATA") > seen.index("layout.pb")
+    assert seen[-1] == "commit_success.txt"
+
+
+def test_an_fcir_format_s3_checkpoint_can_be_overwritten_in_orbax_format(url, s3_endpoint, devices):
+    checkpoint.save(url, {"p": {"a": np.arange(3.0)}})
+    checkpoint.save(url, {"meta": {"round": 2}}, overwrite=True)  # JSON only: no Orbax
+    # metadata describes this layout, and its data objects are gone
+    new = {"default": {"w": jax.device_put(values((8, 4)), devices[0])}}
+    checkpoint.save(url, new, format="orbax", overwrite=True)
+    keys = {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)}
+    assert not any(k.startswith("data-") for k in keys) and "w/0.0" in keys
+    got = checkpoint.restore(url)["default"]["w"]
+    assert same_bits(got, np.asarray(new["default"]["w"]))

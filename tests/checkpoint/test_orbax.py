@@ -260,3 +260,25 @@ def test_format_must_be_fcir_or_orbax(tmp_path):
     with pytest.raises(CheckpointError, match="format must be 'fcir' or 'orbax'"):
         checkpoint.save(tmp_path / "c", {"a": np.ones(2)}, format="zarr")
     assert not os.listdir(tmp_path)
+
+
+def test_replicated_partly_replicated_one_device_and_0d_arrays_saved_as_orbax_restore_in_orbax(
+    tmp_path, devices
+):
+    mesh24 = jax.make_mesh((2, 4), ("a", "b"), devices=devices)
+    tree = {
+        "replicated": jax.device_put(values((3, 4), seed=1), NamedSharding(mesh24, P())),
+        "half": jax.device_put(values((8, 4), seed=2), NamedSharding(mesh24, P("a"))),
+        "cols": jax.device_put(values((4, 8), seed=3), NamedSharding(mesh24, P(None, "b"))),
+        "dev3": jax.device_put(values((5,), "int32", seed=4), devices[3]),
+        "zero_d": jax.device_put(np.float32(2.5), NamedSharding(mesh24, P())),
+        "empty": jax.device_put(np.zeros((0, 8), np.float32), NamedSharding(mesh24, P(None, "b"))),
+    }
+    checkpoint.save(tmp_path / "c", {"default": tree}, format="orbax")
+    chunks = {p.name for p in (tmp_path / "c" / "half").iterdir()}
+    assert chunks == {".zarray", "0.0", "1.0"}  # each distinct block once
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    got = ocp.StandardCheckpointer().restore(tmp_path / "c", abstract)
+    _same(got, tree)
+    assert all(got[k].sharding == tree[k].sharding for k in tree)
+    _same(checkpoint.restore(tmp_path / "c")["default"], tree)

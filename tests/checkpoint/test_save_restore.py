@@ -360,3 +360,24 @@ def test_read_layout_of_a_missing_or_foreign_directory(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(CheckpointError, match="not a committed checkpoint"):
         checkpoint.restore(tmp_path / "d")
+
+
+@pytest.mark.parametrize("fmt", ["fcir", "orbax"])
+def test_every_pwrite_of_a_save_is_at_most_one_checksum_chunk(tmp_path, monkeypatch, mesh8, fmt):
+    """Writes into the page cache larger than 1 MiB were erratically 3-10x slower on this
+    project's machines (see writer.WRITE_BYTES); a 2.5 MiB shard is written in 3 calls."""
+    from fcir.checkpoint import checksums, writer
+
+    sizes = []
+    real = os.pwrite
+
+    def recording(fd, data, offset):
+        sizes.append(len(data))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer.os, "pwrite", recording)
+    big = put(values((8, 5 * 2**17)), NamedSharding(mesh8, P("x")))  # 8 shards of 2.5 MiB
+    checkpoint.save(tmp_path / "c", {"p": {"big": big, "small": np.arange(3)}}, format=fmt)
+    assert max(sizes) == checksums.CHUNK_BYTES == writer.WRITE_BYTES
+    assert sum(sizes) >= big.nbytes and len(sizes) >= 8 * 3
+    assert same_bits(np.asarray(checkpoint.restore(tmp_path / "c")["p"]["big"]), np.asarray(big))
