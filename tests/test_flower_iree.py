@@ -513,6 +513,23 @@ def test_a_jax_app_asks_its_nodes_for_flatbuffers_which_jax_export_needs():
     assert "flatbuffers" not in _closure(["flwr", "jax"])  # why the app must name it
 
 
+def test_a_jax_app_s_jax_range_holds_the_exporting_jax_and_no_earlier_one():
+    """A jax reads jax.export artifacts of its own and earlier versions, not later ones:
+    the app's floor is the jax that exported it (it once said ``<0.11`` on every jax)."""
+    import tomllib
+
+    import jax
+    from packaging.requirements import Requirement
+
+    from fcir.interpreters.flower.writer import _pyproject
+
+    deps = tomllib.loads(_pyproject("x", "jax"))["project"]["dependencies"]
+    (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "jax"]
+    release = ".".join(jax.__version__.split(".")[:3])
+    assert spec.contains(release) and not spec.contains("0.10.1")
+    assert str(spec) == f"<0.13,>={release}" or str(spec) == f">={release},<0.13"
+
+
 def node_venv() -> pathlib.Path:
     """A venv with only flwr, numpy and iree-base-runtime (and their dependencies), built
     once per machine under the temp dir; skips the test when it cannot be built."""

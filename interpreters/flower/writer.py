@@ -41,7 +41,15 @@ APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
 FORMAT_VERSION = 1
 FAB_LIMIT = 10 * 1024 * 1024  # flwr.common.constant.FAB_MAX_SIZE
-SOURCES = ("__init__.py", "runtime.py", "secagg.py", "server_app.py", "client_app.py", "training.py", "program.py")
+SOURCES = (
+    "__init__.py",
+    "runtime.py",
+    "secagg.py",
+    "server_app.py",
+    "client_app.py",
+    "training.py",
+    "program.py",
+)
 IREE_SOURCES = ("iree_runtime.py",)  # only in --device-runtime iree apps
 
 # Run config keys and their defaults (flwr run --run-config overrides only declared keys).
@@ -106,7 +114,11 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
 
     def part(name):
         ps, rs = interface[name]
-        return {"artifact": art(name), "params": [key(x) for x in ps], "results": [key(x) for x in rs]}
+        return {
+            "artifact": art(name),
+            "params": [key(x) for x in ps],
+            "results": [key(x) for x in rs],
+        }
 
     sends = [key(src) for src in interface["server_to_client_broadcast"][0]]
     steps = [
@@ -117,8 +129,13 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
             "send": [[src, key(("broadcast_output", src[1]))] for src in sends],
             "client": part("client_work"),
             "aggregations": [
-                {"fed_op": a.fed_op, "inputs": list(a.inputs), "output": a.output,
-                 "bitwidth": a.bitwidth, **({"attrs": dict(a.attrs)} if a.attrs else {})}
+                {
+                    "fed_op": a.fed_op,
+                    "inputs": list(a.inputs),
+                    "output": a.output,
+                    "bitwidth": a.bitwidth,
+                    **({"attrs": dict(a.attrs)} if a.attrs else {}),
+                }
                 for a in sp.aggregations
             ],
             "aggregated": f"{k}.aggregated" if multi else "aggregated",
@@ -224,7 +241,8 @@ def _privacy(module) -> dict | None:
     n = module.placements[0][1] if module.placements else 0
     return {
         **entry,
-        "mechanism": mechanism(entry) or "Gaussian: each client's update clipped in "
+        "mechanism": mechanism(entry)
+        or "Gaussian: each client's update clipped in "
         "client_work (on the device), summed by the ServerApp over the replies, noise added "
         "in server_result; client-level DP (add or remove one client)",
         # The noise is calibrated to the sum's sensitivity (one client's clip_norm). A
@@ -238,6 +256,13 @@ def _privacy(module) -> dict | None:
         # uses (fcir.privacy.epsilon on the server, which has fcir; never read on a node).
         "ir": module.to_text(full_constants=True),
     }
+
+
+def _jax_floor() -> str:
+    """The exporting jax's release (``0.12.0`` of ``0.12.0.1``): the app's jax floor."""
+    import jax
+
+    return ".".join(jax.__version__.split(".")[:3])
 
 
 def _pyproject(name: str, device_runtime: str = "jax") -> str:
@@ -258,7 +283,7 @@ name = "{name}"
 version = "1.0.0"
 description = "fcir round @{name} as a Flower app"
 license = "Apache-2.0"
-{_DEPENDENCIES[device_runtime]}
+{_DEPENDENCIES[device_runtime].replace("{JAX}", _jax_floor())}
 
 [tool.hatch.build.targets.wheel]
 packages = ["."]
@@ -277,8 +302,10 @@ clientapp = "{APP_PACKAGE}.client_app:app"
 
 _DEPENDENCIES = {
     "jax": """# A device needs jax and flwr, never fcir: client work is a jax.export artifact,
-# which jax deserializes with flatbuffers (not one of jax's own dependencies).
-dependencies = ["flwr==1.42.0", "jax>=0.10.2,<0.11", "numpy>=2.0", "flatbuffers>=24.3"]""",
+# which jax deserializes with flatbuffers (not one of jax's own dependencies). A jax
+# reads artifacts serialized by its own and earlier versions, so the floor is the
+# exporting jax.
+dependencies = ["flwr==1.42.0", "jax>={JAX},<0.13", "numpy>=2.0", "flatbuffers>=24.3"]""",
     "iree": """# A device needs flwr, numpy and IREE's runtime, never jax nor fcir: client work is
 # IREE modules. The ServerApp's host also needs jax (the server extra). ml_dtypes (which
 # iree.runtime imports) 0.7.0 took ~2 s to import on numpy 2.4, 0.5/0.6 10-30 ms.
@@ -292,7 +319,11 @@ server = ["jax>=0.10.2,<0.13"]""",
 
 
 def write_app(
-    module, directory, *, inputs: list | None = None, device_runtime: str = "jax",
+    module,
+    directory,
+    *,
+    inputs: list | None = None,
+    device_runtime: str = "jax",
     device_targets=(),
 ) -> pathlib.Path:
     """Writes the Flower app of ``module`` to ``directory`` atomically (see the module doc).
