@@ -8,8 +8,8 @@ chunks reassociates; bitwise for integer, boolean and key leaves, and for the pr
 whose results are minima, maxima, secure sums or integer counts (``EXACT``). The three
 budgets and the unchunked program are traced into one ``jax.jit`` and compiled once,
 cheaply (XLA's backend optimizations off; the comparison is between programs compiled
-alike), because compile time is what these tests cost. The transformer (ids ending in "-slow", ~25 s of CPU together) runs
-k = 1 and k = cohort forward, and its gradient the ragged k only, like the other large
+alike), because compile time is what these tests cost. The transformer (ids ending in
+"-slow", ~25 s of CPU together) runs k = 1 and k = cohort forward, and its gradient the ragged k only, like the other large
 gradients (see ``ALL_BUDGETS_GRADIENTS``). ``jax.grad`` through a streamed round is compared
 with the plain-JAX oracle's gradient, and the 8-device tests (a cohort of 24, three
 members per device, k = 2 so every device's last chunk is partial) run in a
