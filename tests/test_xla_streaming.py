@@ -1,19 +1,19 @@
 """Streaming client maps: ``xla.compile(module, clients_per_step=k)`` (issue 12).
 
-Correctness: every corpus program and the captured gradient of every corpus program
-with ``grad_argnums`` runs with k = 1, a k that does not divide the largest cohort and
-k = the cohort, against the unchunked program: 1e-6 relative (max |diff| / max |want|
-per leaf; captured gradients 4e-6, ``GRAD_TOL``) for float leaves, where summing in
-chunks reassociates; bitwise for integer, boolean and key leaves, and for the programs
-whose results are minima, maxima, secure sums or integer counts (``EXACT``). The three
-budgets and the unchunked program are traced into one ``jax.jit`` and compiled once,
-cheaply (XLA's backend optimizations off; the comparison is between programs compiled
-alike), because compile time is what these tests cost. The transformer (ids ending in
-"-slow", ~25 s of CPU together) runs k = 1 and k = cohort forward, and its gradient the ragged k only, like the other large
-gradients (see ``ALL_BUDGETS_GRADIENTS``). ``jax.grad`` through a streamed round is compared
-with the plain-JAX oracle's gradient, and the 8-device tests (a cohort of 24, three
-members per device, k = 2 so every device's last chunk is partial) run in a
-subprocess as in test_xla_mesh.py.
+Correctness: every corpus program and the captured gradient of every corpus program with
+``grad_argnums`` runs with k = 1, a k that does not divide the largest cohort and k =
+the cohort, against the unchunked program: 1e-6 relative (max |diff| / max |want| per
+leaf; captured gradients 4e-6, ``GRAD_TOL``) for float leaves, where summing in chunks
+reassociates; bitwise for integer, boolean and key leaves, and for the programs whose
+results are minima, maxima, secure sums or integer counts (``EXACT``). The three budgets
+and the unchunked program are traced into one ``jax.jit`` and compiled once, cheaply
+(XLA's backend optimizations off; the comparison is between programs compiled alike),
+because compile time is what these tests cost. The transformer (ids ending in "-slow",
+~25 s of CPU together) runs k = 1 and k = cohort forward, and its gradient the ragged k
+only, like the other large gradients (see ``ALL_BUDGETS_GRADIENTS``). ``jax.grad``
+through a streamed round is compared with the plain-JAX oracle's gradient, and the
+8-device tests (a cohort of 24, three members per device, k = 2 so every device's last
+chunk is partial) run in a subprocess as in test_xla_mesh.py.
 """
 
 from __future__ import annotations
