@@ -9,7 +9,9 @@ stream as a loop over chunks of ``k`` members:
 
 - a stream is one ``fed.map``, the per-member elementwise ops applied to its results
   afterwards (``y * 2``, ``jnp.abs(y)``: ``ELEMENTWISE``), and the reductions of those
-  values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``);
+  values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``,
+  ``dp_sum``/``dp_mean``: clipped member by member, the noise added once at the end;
+  ``ddp_*``: ``streaming_ddp.py``);
 - each step slices ``k`` members out of the per-member operands, runs the map region
   ``jax.vmap``-ed over them (broadcast values go in unbatched, as the server's one copy)
   and folds the results into running accumulators: sums (in the reduction's result
@@ -17,7 +19,16 @@ stream as a loop over chunks of ``k`` members:
   in its integer dtype, which is exact modulo ``2**bitwidth``), minima and maxima;
   means divide by the cohort size once, at the end;
 - values needed per member afterwards (returned, or used by a later op) are written
-  chunk by chunk into a preallocated array of the full shape, in member order.
+  chunk by chunk into a preallocated array of the full shape, in member order; per-member
+  values a later map reads (a captured gradient's backward map reads the forward map's
+  results) are instead recomputed in that map's stream, which runs the earlier stream's
+  member ops again first (``Stream.prelude``).
+
+Reverse mode: each stream is a ``jax.custom_vjp`` whose backward pass is a second loop
+over the chunks: every chunk's values are recomputed under ``jax.vjp`` and pulled back
+with the chunk's share of the results' cotangents, the server values' cotangents summed
+in the loop and the members' written chunk by chunk. ``jax.grad`` of the forward loop
+would keep a residual per member instead.
 
 ``k`` need not divide the cohort: the last chunk starts at ``n - k`` (it overlaps the
 previous one) and a mask drops the members already counted, so sums, means, minima and
@@ -59,7 +70,6 @@ __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", 
 ELEMENTWISE = frozenset("jax." + n for n in E.ELEMENTWISE)
 
 ACCUMULATED = "accumulated: a running accumulator folded chunk by chunk"
-_WHOLE = "runs after the stream, on its operands written out whole"
 _ORDER = (
     "an order statistic needs every member's value at once, so it cannot stream k "
     "members at a time: compile without clients_per_step to run it"
