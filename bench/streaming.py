@@ -27,8 +27,18 @@ alternately (fcir, drjax, drjax, fcir, ...) after a warm-up; the figure is the m
 per-pair ratios fcir/drjax (goal <= 1.2), with min/max.
 
 Goals (issue 12): fcir's peak flat (<= 1.1x from 256 to 4096 clients) while DrJAX's
-grows linearly; 4096 clients run for fcir. Results: a table on stdout, JSON with every
-raw sample, versions, core count and load average in bench/results/streaming[-smoke]-<time>.json.
+grows linearly; 4096 clients run for fcir.
+
+Gradient and DP rows (issue 23; compiled, not run, each cohort in a fresh process): XLA's
+temporaries per device (``memory_analysis().temp_size_in_bytes``) of the same round
+streamed K per device as ``jax.grad(exe)`` with respect to the server model, as
+``xla.compile`` of a captured gradient, as a meta-gradient through a ``lax.scan`` of
+two rounds, with ``dp_mean`` (forward and gradient) and with ``ddp_mean`` in place of
+the mean, and the unchunked ``jax.grad(exe)`` for reference; each with its ratio to
+the first cohort (goal <= 1.1 for the streamed rows).
+
+Results: a table on stdout, JSON with every raw sample, versions, core count and load
+average in bench/results/streaming[-smoke]-<time>.json.
 """
 
 from __future__ import annotations
@@ -84,6 +94,111 @@ def make_round(n: int, api):
         return jax.tree.map(lambda p, d: p + d, params, api.reduce_mean(deltas))
 
     return fedavg
+
+
+def make_variant(n: int, which: str):
+    """The round with its mean replaced (``dp_mean``, ``ddp_mean``) or iterated (a
+    ``lax.scan`` of two rounds), for the memory rows."""
+    import jax
+
+    import fcir
+
+    def agg(deltas, key):
+        if which == "dp":
+            return fcir.dp_mean(deltas, 1.0, 1.0, key)
+        if which == "ddp":
+            return fcir.ddp_mean(deltas, 1.0, 1.0, key, bits=24)
+        return fcir.reduce_mean(deltas)
+
+    def one(params, x, y, key):
+        deltas = fcir.map_fn(local_step, (fcir.broadcast(params), x, y))
+        return jax.tree.map(lambda p, d: p + d, params, agg(deltas, key))
+
+    if which == "scan":
+
+        @fcir.program(placements={"clients": n})
+        def rounds(params, x, y):
+            step = lambda p, _: (one(p, x, y, None), None)  # noqa: E731
+            return jax.lax.scan(step, params, None, length=2)[0]
+
+        return rounds
+
+    @fcir.program(placements={"clients": n})
+    def dp_round(params, x, y, key):
+        return one(params, x, y, key)
+
+    return dp_round
+
+
+def server_loss(params):
+    import jax
+    import jax.numpy as jnp
+
+    return sum(jnp.sum(jnp.square(v)) for v in jax.tree.leaves(params))
+
+
+def memory_rows(n: int, cfg: dict, mesh) -> dict:
+    """{row: memory(compiled)} of the gradient and DP programs at ``n`` clients."""
+    import jax
+    from fcir.interpreters import xla
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import fcir
+
+    k = cfg["k"]
+    params, x, y = make_args(n, cfg, mesh)
+    key = jax.device_put(jax.random.key(0), NamedSharding(mesh, PartitionSpec()))
+    keys = jax.device_put(
+        jax.random.split(jax.random.key(1), n), NamedSharding(mesh, PartitionSpec("clients"))
+    )
+
+    def grad(exe, *rest):
+        f = jax.jit(jax.grad(lambda p, *a: server_loss(exe(p, *a))))
+        return f.lower(params, x, y, *rest).compile()
+
+    rnd = make_round(n, fcir)
+    module = fcir.capture(rnd, params, x, y)
+    streamed = xla.compile(module, mesh=mesh, clients_per_step=k)
+    captured = fcir.capture(jax.grad(lambda p, x, y: server_loss(rnd(p, x, y))), params, x, y)
+    scan = fcir.capture(make_variant(n, "scan"), params, x, y)
+    dp = xla.compile(
+        fcir.capture(make_variant(n, "dp"), params, x, y, key), mesh=mesh, clients_per_step=k
+    )
+    ddp = xla.compile(
+        fcir.capture(make_variant(n, "ddp"), params, x, y, keys), mesh=mesh, clients_per_step=k
+    )
+    rows = {
+        "round": streamed.compiled(params, x, y),
+        "jax.grad(exe)": grad(streamed),
+        "exe of captured grad": xla.compile(captured, mesh=mesh, clients_per_step=k).compiled(
+            params, x, y
+        ),
+        "meta-grad, 2 rounds": grad(xla.compile(scan, mesh=mesh, clients_per_step=k)),
+        "dp_mean round": dp.compiled(params, x, y, key),
+        "jax.grad(dp_mean)": grad(dp, key),
+        "ddp_mean round": ddp.compiled(params, x, y, keys),
+        "unchunked jax.grad": grad(xla.compile(module, mesh=mesh)),
+    }
+    return {name: memory(c) for name, c in rows.items()}
+
+
+def memory_table(rows: dict) -> str:
+    cohorts = [n for n in rows if "error" not in rows[n]]
+    if not cohorts:
+        return "gradient and DP rows: " + "; ".join(str(r) for r in rows.values())[:300]
+    first = rows[cohorts[0]]
+    lines = [
+        "Gradient and DP programs (compiled, not run): XLA temp per device in MiB "
+        f"(ratio to {cohorts[0]} clients)",
+        f"{'program':<24}" + "".join(f"{n:>20}" for n in cohorts),
+    ]
+    for name in first:
+        cells = []
+        for n in cohorts:
+            t = rows[n][name]["temp_bytes"]
+            cells.append(f"{t / 2**20:.2f} ({t / first[name]['temp_bytes']:.2f}x)")
+        lines.append(f"{name:<24}" + "".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines)
 
 
 def make_args(n: int, cfg: dict, mesh):
@@ -304,6 +419,10 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--worker", nargs=2, metavar=("PROGRAM", "N"), help=argparse.SUPPRESS)
     p.add_argument("--pair-worker", type=int, metavar="N", help=argparse.SUPPRESS)
+    p.add_argument("--memory-worker", type=int, metavar="N", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--no-memory-rows", action="store_true", help="skip the gradient and DP memory rows"
+    )
     p.add_argument("--no-run", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     cfg = SMOKE if a.smoke else FULL
@@ -313,6 +432,12 @@ def main(argv=None) -> int:
     if a.worker:
         out = worker(a.worker[0], int(a.worker[1]), cfg, reps, not a.no_run, max_bytes)
         print(PROTOCOL, json.dumps(out))
+        return 0
+    if a.memory_worker:
+        import jax
+
+        mesh = jax.make_mesh((8,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
+        print(PROTOCOL, json.dumps(memory_rows(a.memory_worker, cfg, mesh)))
         return 0
     if a.pair_worker:
         print(
@@ -359,6 +484,11 @@ def main(argv=None) -> int:
         cfg["d_in"] * cfg["hidden"] + cfg["hidden"] + cfg["hidden"] * cfg["d_out"] + cfg["d_out"]
     )
     text = table(results, pair, params)
+    grad_rows = {}
+    if not a.no_memory_rows:
+        for n in clients:
+            grad_rows[n] = spawn([*flags, "--memory-worker", str(n)], 3600)
+        text += "\n\n" + memory_table(grad_rows)
     print(text)
     record = {
         "smoke": a.smoke,
@@ -371,6 +501,7 @@ def main(argv=None) -> int:
         **_record.machine(),
         "results": {str(n): r for n, r in results.items()},
         "pair": pair,
+        "memory_rows": {str(n): r for n, r in grad_rows.items()},
         "table": text,
     }
     _record.write(a.out_dir, "streaming", record, "smoke" if a.smoke else None)

@@ -1,19 +1,19 @@
 """Streaming client maps: ``xla.compile(module, clients_per_step=k)`` (issue 12).
 
-Correctness: every corpus program and the captured gradient of every corpus program
-with ``grad_argnums`` runs with k = 1, a k that does not divide the largest cohort and
-k = the cohort, against the unchunked program: 1e-6 relative (max |diff| / max |want|
-per leaf) for float leaves, where summing in chunks reassociates; bitwise for integer,
-boolean and key leaves, and for the programs whose results are minima, maxima, secure
-sums or integer counts (``EXACT``). The three budgets and the unchunked program are
-traced into one ``jax.jit`` and compiled once, cheaply (XLA's backend optimizations
-off; the comparison is between programs compiled alike), because compile time is what
-these tests cost. The transformer (ids ending in "-slow", ~25 s of CPU together) runs
-k = 1 and k = cohort forward, and its gradient the ragged k only, like the other large
-gradients (see ``ALL_BUDGETS_GRADIENTS``). ``jax.grad`` through a streamed round is compared
-with the plain-JAX oracle's gradient, and the 8-device tests (a cohort of 24, three
-members per device, k = 2 so every device's last chunk is partial) run in a
-subprocess as in test_xla_mesh.py.
+Correctness: every corpus program and the captured gradient of every corpus program with
+``grad_argnums`` runs with k = 1, a k that does not divide the largest cohort and k =
+the cohort, against the unchunked program: 1e-6 relative (max |diff| / max |want| per
+leaf; captured gradients 4e-6, ``GRAD_TOL``) for float leaves, where summing in chunks
+reassociates; bitwise for integer, boolean and key leaves, and for the programs whose
+results are minima, maxima, secure sums or integer counts (``EXACT``). The three budgets
+and the unchunked program are traced into one ``jax.jit`` and compiled once, cheaply
+(XLA's backend optimizations off; the comparison is between programs compiled alike),
+because compile time is what these tests cost. The transformer (ids ending in "-slow",
+~25 s of CPU together) runs k = 1 and k = cohort forward, and its gradient the ragged k
+only, like the other large gradients (see ``ALL_BUDGETS_GRADIENTS``). ``jax.grad``
+through a streamed round is compared with the plain-JAX oracle's gradient, and the
+8-device tests (a cohort of 24, three members per device, k = 2 so every device's last
+chunk is partial) run in a subprocess as in test_xla_mesh.py.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes"
 SLOW = {"fedavg_transformer"}
 EXACT = {"minmax_agg", "secure_histogram", "int_mean"}
 TOL = 1e-6
+# A captured gradient's backward stream recomputes the forward map's per-member results
+# chunk by chunk (streaming.plan_region), fused with other ops than the forward's, so
+# they may differ from the unchunked program's in the last bits (1.05e-6 measured).
+GRAD_TOL = 4e-6
 LOW_PRECISION_TOL = 1e-2  # bfloat16 leaves: 8 bits of mantissa
 
 
@@ -71,7 +75,7 @@ def _bits(x):
     return np.asarray(x)
 
 
-def assert_streamed_equal(got, want, *, exact: bool, what: str) -> None:
+def assert_streamed_equal(got, want, *, exact: bool, what: str, tol: float = TOL) -> None:
     gl, wl = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(gl) == len(wl), what
     for i, (g, w) in enumerate(zip(gl, wl)):
@@ -80,11 +84,11 @@ def assert_streamed_equal(got, want, *, exact: bool, what: str) -> None:
         if exact or not jnp.issubdtype(w.dtype, jnp.inexact):
             np.testing.assert_array_equal(g, w, err_msg=f"{what} leaf {i}")
             continue
-        tol = TOL if np.finfo(w.dtype).bits >= 32 else LOW_PRECISION_TOL
+        leaf_tol = tol if np.finfo(w.dtype).bits >= 32 else LOW_PRECISION_TOL
         g64, w64 = g.astype(np.float64), w.astype(np.float64)
         scale = max(float(np.max(np.abs(w64))), 1e-30) if w.size else 1.0
         err = float(np.max(np.abs(g64 - w64))) / scale if w.size else 0.0
-        assert err <= tol, f"{what} leaf {i} ({w.dtype}{list(w.shape)}): rel err {err:.3g}"
+        assert err <= leaf_tol, f"{what} leaf {i} ({w.dtype}{list(w.shape)}): rel err {err:.3g}"
 
 
 def _param(name):
@@ -102,8 +106,11 @@ def refuses(module, args) -> bool:
     from fcir.ir import walk
 
     names = {op.name for _, op in walk(module.main.body)}
-    reasons = [r.reason for c, r in streaming.RULES.items()
-               if c.name in names and isinstance(r, Unsupported)]
+    reasons = [
+        r.reason
+        for c, r in streaming.RULES.items()
+        if c.name in names and isinstance(r, Unsupported)
+    ]
     if not reasons:
         return False
     with pytest.raises(fcir.UnsupportedError, match=re.escape(reasons[0][:40])):
@@ -146,7 +153,7 @@ def test_corpus_gradient_streams_like_unchunked(name):
         ks = ks[1:-1] or ks
     want, outs = run_budgets(module, args, ks)
     for k, got in zip(ks, outs):
-        assert_streamed_equal(got, want, exact=False, what=f"grad {name} k={k}")
+        assert_streamed_equal(got, want, exact=False, what=f"grad {name} k={k}", tol=GRAD_TOL)
 
 
 @in_main_process
@@ -214,14 +221,16 @@ def test_a_map_of_only_broadcast_values_streams_under_every_budget(k):
     w, x = jnp.arange(3.0), jnp.ones((5, 3))
     module = fcir.capture(_broadcast_only, w, x)
     want = reference.run(module, w, x)
-    assert_streamed_equal(xla.compile(module, clients_per_step=k)(w, x), want, exact=False,
-                          what=f"k={k}")
+    assert_streamed_equal(
+        xla.compile(module, clients_per_step=k)(w, x), want, exact=False, what=f"k={k}"
+    )
     nested = fcir.capture(_broadcast_only_nested, w)
     exe = xla.compile(nested, clients_per_step=k)
     assert_streamed_equal(exe(w), reference.run(nested, w), exact=False, what=f"nested k={k}")
     grad = jax.grad(lambda w: exe(w).sum())(w)
-    np.testing.assert_allclose(grad, jax.grad(lambda w: _broadcast_only_nested(w).sum())(w),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        grad, jax.grad(lambda w: _broadcast_only_nested(w).sum())(w), rtol=1e-6
+    )
 
 
 def test_plan_accumulates_reductions_and_keeps_per_member_results():
@@ -453,8 +462,11 @@ def test_mesh_every_stage_runs_under_set_mesh(axis_type, tmp_path):
         w, x = args[0], args[1]
         fedavg = fcir.capture(_export_round, w, x)
         production.export(fedavg).write(tmp_path / "bundle")
-        np.testing.assert_allclose(production.run_bundle(tmp_path / "bundle", w, x),
-                                   jax.jit(_export_round)(w, x), rtol=1e-5)
+        np.testing.assert_allclose(
+            production.run_bundle(tmp_path / "bundle", w, x),
+            jax.jit(_export_round)(w, x),
+            rtol=1e-5,
+        )
     # A hierarchical program: under a mesh with a "silos" axis the client data passes
     # through a layout op to the silos map, and stays {{T}@clients}@silos.
     c = case("hierarchical_fedavg")

@@ -40,3 +40,10 @@ def test_streaming_benchmark_smoke_mode(tmp_path):
             assert r["memory"]["peak_bytes"] > 0 and r["peak_rss_bytes"] > 0
     # The two rounds compute the same thing.
     assert data["pair"]["max_abs_diff"] < 1e-5
+    # The gradient and DP rows: every program compiled at every cohort.
+    assert "Gradient and DP programs" in result.stdout
+    rows = data["memory_rows"]
+    assert set(rows) == set(data["results"])
+    for n, row in rows.items():
+        assert {"jax.grad(exe)", "exe of captured grad", "dp_mean round"} <= set(row), (n, row)
+        assert all(m["temp_bytes"] > 0 for m in row.values()), (n, row)

@@ -9,7 +9,9 @@ stream as a loop over chunks of ``k`` members:
 
 - a stream is one ``fed.map``, the per-member elementwise ops applied to its results
   afterwards (``y * 2``, ``jnp.abs(y)``: ``ELEMENTWISE``), and the reductions of those
-  values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``);
+  values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``,
+  ``dp_sum``/``dp_mean``: clipped member by member, the noise added once at the end;
+  ``ddp_*``: ``streaming_ddp.py``);
 - each step slices ``k`` members out of the per-member operands, runs the map region
   ``jax.vmap``-ed over them (broadcast values go in unbatched, as the server's one copy)
   and folds the results into running accumulators: sums (in the reduction's result
@@ -17,7 +19,16 @@ stream as a loop over chunks of ``k`` members:
   in its integer dtype, which is exact modulo ``2**bitwidth``), minima and maxima;
   means divide by the cohort size once, at the end;
 - values needed per member afterwards (returned, or used by a later op) are written
-  chunk by chunk into a preallocated array of the full shape, in member order.
+  chunk by chunk into a preallocated array of the full shape, in member order; per-member
+  values a later map reads (a captured gradient's backward map reads the forward map's
+  results) are instead recomputed in that map's stream, which runs the earlier stream's
+  member ops again first (``Stream.prelude``).
+
+Reverse mode: each stream is a ``jax.custom_vjp`` whose backward pass is a second loop
+over the chunks: every chunk's values are recomputed under ``jax.vjp`` and pulled back
+with the chunk's share of the results' cotangents, the server values' cotangents summed
+in the loop and the members' written chunk by chunk. ``jax.grad`` of the forward loop
+would keep a residual per member instead.
 
 ``k`` need not divide the cohort: the last chunk starts at ``n - k`` (it overlaps the
 previous one) and a mask drops the members already counted, so sums, means, minima and
@@ -39,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 
 from fcir import elementwise as E
@@ -58,7 +70,6 @@ __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", 
 ELEMENTWISE = frozenset("jax." + n for n in E.ELEMENTWISE)
 
 ACCUMULATED = "accumulated: a running accumulator folded chunk by chunk"
-_WHOLE = "runs after the stream, on its operands written out whole"
 _ORDER = (
     "an order statistic needs every member's value at once, so it cannot stream k "
     "members at a time: compile without clients_per_step to run it"
@@ -73,8 +84,9 @@ RULES: dict[type[F.FedOp], object] = {
     F.Max: ACCUMULATED,
     F.WeightedMean: ACCUMULATED,
     F.SecureSum: ACCUMULATED,
-    F.DpSum: _WHOLE,
-    F.DpMean: _WHOLE,
+    # Clipped member by member and summed; the noise is added once, at the end.
+    F.DpSum: ACCUMULATED,
+    F.DpMean: ACCUMULATED,
     # interpreters/xla/streaming_ddp.py: only the uint32 modular sum is carried.
     F.DdpSum: ACCUMULATED,
     F.DdpMean: ACCUMULATED,
@@ -82,6 +94,9 @@ RULES: dict[type[F.FedOp], object] = {
     F.TrimmedMean: F.Unsupported(_ORDER),
 }
 REDUCTIONS = frozenset(c.name for c, rule in RULES.items() if rule == ACCUMULATED)
+# Central DP aggregates: the last operand is the key, a value where the result lives,
+# read once when the noise is added.
+DP_OPS = F.of_kind("dp")
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,10 +112,23 @@ class Stream:
     unbatched: list[Value]  # inputs every member sees whole (broadcast sources, scalars)
     materialized: list[Value]  # stream values needed with their member axis afterwards
     source: dict[Value, Value]  # a broadcast result -> the value it broadcasts
+    # Member ops of earlier streams run again, chunk by chunk, before the map: the per-
+    # member values this stream reads from them are recomputed instead of kept whole.
+    prelude: list[Op] = dataclasses.field(default_factory=list)
 
     @property
     def inputs(self) -> list[Value]:
         return self.batched + self.unbatched
+
+    @property
+    def member_ops(self) -> list[Op]:
+        """The ops run per member, in order: the prelude, the map, the absorbed ops."""
+        return [*self.prelude, self.map_op, *self.absorbed]
+
+    @property
+    def group(self) -> set[Value]:
+        """The per-member values this stream's own ops define."""
+        return {v for op in (self.map_op, *self.absorbed) for v in op.results}
 
     @property
     def outputs(self) -> list[Value]:
@@ -121,7 +149,55 @@ def plan_region(region: Region, cardinality) -> list[Stream]:
     for i, op in enumerate(region.ops):
         if op.name == "fed.map":
             streams.append(_plan_map(region, i, op, producer, users, results, cardinality))
+    _recompute_member_values(region, streams, users, results)
     return streams
+
+
+def _recompute_member_values(region: Region, streams: list[Stream], users, results) -> None:
+    """A stream that reads per-member values of an earlier stream (a map's results read
+    by a later map: the residuals a captured gradient's backward map reads from the
+    forward map) recomputes them chunk by chunk, running the earlier stream's member ops
+    again before its own map, so they are never kept for every member. The earlier
+    stream then materializes only what something else still needs."""
+    position = {id(op): i for i, op in enumerate(region.ops)}
+    owner: dict[Value, Stream] = {}
+    recomputed_in: dict[Value, list[Stream]] = {}
+    for s in streams:
+        borrowed = [v for v in s.batched if v in owner]
+        if borrowed:
+            lenders = list(dict.fromkeys(owner[v] for v in borrowed))
+            prelude = {id(op): op for e in lenders for op in e.member_ops}
+            prelude.update({id(op): op for op in s.prelude})
+            s.prelude = sorted(prelude.values(), key=lambda op: position[id(op)])
+            defined = {v for op in s.prelude for v in op.results}
+            for e in lenders:
+                s.source.update(e.source)
+                for v in e.batched:
+                    if v not in s.batched:
+                        s.batched.append(v)
+                for v in e.unbatched:
+                    if v not in s.unbatched:
+                        s.unbatched.append(v)
+            for v in defined:
+                recomputed_in.setdefault(v, []).append(s)
+            s.batched = [v for v in s.batched if v not in defined]
+        for v in s.group:
+            owner[v] = s
+
+    def inside(s: Stream) -> set[int]:
+        return {id(op) for op in (*s.member_ops, *s.reductions)}
+
+    for e in streams:
+        mine = inside(e)
+        e.materialized = [
+            v
+            for v in e.materialized
+            if v in results
+            or any(
+                id(u) not in mine and not any(id(u) in inside(s) for s in recomputed_in.get(v, ()))
+                for u in users.get(v, ())
+            )
+        ]
 
 
 def _broadcast_source(v: Value, placement: str, producer) -> Value | None:
@@ -174,13 +250,15 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
             group.update(op.results)
             tainted.update(op.results)
             continue
+        per_member = op.operands[:-1] if op.name in DP_OPS else op.operands
         if (
             op.name in REDUCTIONS
             and op.operands[0] in group
             and all(
                 v in group or (_placed_at(v, placement) and v not in tainted)
-                for v in op.operands[1:]
+                for v in per_member[1:]
             )
+            and (op.name not in DP_OPS or op.operands[-1] not in tainted)
         ):
             reductions.append(op)
         tainted.update(op.results)
@@ -208,9 +286,12 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         for v in op.operands:
             add_input(v)
     for op in reductions:
-        for v in op.operands[1:]:  # a weight that is no stream value: read per chunk
+        per_member = op.operands[:-1] if op.name in DP_OPS else op.operands
+        for v in per_member[1:]:  # a weight that is no stream value: read per chunk
             if v not in defined and v not in batched:
                 batched.append(v)
+        if op.name in DP_OPS and op.operands[-1] not in unbatched:
+            unbatched.append(op.operands[-1])  # the key: read when the noise is added
     inside = set(absorbed) | set(reductions) | {map_op}
     materialized = [
         v
@@ -331,12 +412,44 @@ class StreamingInterpreter(XlaInterpreter):
         return self._member_interp
 
     def _run_stream(self, s: Stream, env: dict) -> list:
+        if not s.outputs:
+            return []  # every value it defines is recomputed by the streams reading it
         batched = [jnp.asarray(env[v]) for v in s.batched]
         unbatched = [env[v] for v in s.unbatched]
         mesh = self._stream_mesh(s)
         axis = self._mesh_axis(s, mesh)
         if axis is None:
             batched = [_unshard_members(x) for x in batched]
+        return self._differentiable(s, mesh, axis)(batched, unbatched)
+
+    def _differentiable(self, s: Stream, mesh, axis):
+        """The stream as a function of its inputs whose reverse-mode derivative is a
+        second loop over the chunks (:meth:`_backward`): each chunk's forward runs again
+        under ``jax.vjp`` with its share of the results' cotangent, so no per-member
+        residual is kept (``jax.grad`` of a scan would stack one per step)."""
+
+        @jax.custom_vjp
+        def stream(batched, unbatched):
+            return self._forward(s, mesh, axis, batched, unbatched)[0]
+
+        def fwd(batched, unbatched):
+            # symbolic_zeros: inputs say whether they are differentiated, so the
+            # backward loop computes no cotangent nobody reads (the client data's).
+            perturbed = _Static(tuple(x.perturbed for x in (*batched, *unbatched)))
+            batched = [x.value for x in batched]
+            unbatched = [x.value for x in unbatched]
+            outs, accs = self._forward(s, mesh, axis, batched, unbatched)
+            return outs, (batched, unbatched, accs, perturbed)
+
+        def bwd(res, cts):
+            return self._backward(s, mesh, axis, *res, list(cts))
+
+        stream.defvjp(fwd, bwd, symbolic_zeros=True)
+        return stream
+
+    def _forward(self, s: Stream, mesh, axis, batched, unbatched):
+        """(the stream's outputs, its combined accumulators)."""
+        if axis is None:
             accs, bufs = self._stream_local(s, batched, unbatched, s.n)
             if self.mesh is not None:
                 bufs = [self.constrain(b, s.placement) for b in bufs]
@@ -364,10 +477,61 @@ class StreamingInterpreter(XlaInterpreter):
                 check_vma=False,
             )(batched, unbatched)
             accs = [_combine(op, acc) for op, acc in zip(s.reductions, partial)]
+        server = dict(zip(s.unbatched, unbatched))
         outs = []
         for op, a in zip(s.reductions, accs):
-            outs += _ddp.finish(op, a, s.n) if op.name in _ddp.DDP_OPS else [_finish(op, a, s.n)]
-        return outs + list(bufs)
+            outs += _finish(op, a, s.n, server)
+        return outs + list(bufs), accs
+
+    def _backward(self, s: Stream, mesh, axis, batched, unbatched, accs, perturbed, cts):
+        """Cotangents of (batched, unbatched) from those of the stream's outputs
+        (``cts``: arrays or ``SymbolicZero``s; ``perturbed``: which inputs need one)."""
+        seeds, pos = [], 0
+        for op, acc in zip(s.reductions, accs):
+            seeds.append(_seed(op, acc, cts[pos : pos + len(op.results)], s.n))
+            pos += len(op.results)
+        buf_cts = cts[pos:]
+        mats = [j for j, c in enumerate(buf_cts) if not _zero(c) and _inexact(c.dtype)]
+        buf_cts = [buf_cts[j] for j in mats]
+        wanted = perturbed.value
+        diff_b = [j for j, x in enumerate(batched) if wanted[j] and _inexact(x.dtype)]
+        diff_u = [
+            j
+            for j, x in enumerate(unbatched)
+            if wanted[len(batched) + j] and _inexact(jnp.result_type(x))
+        ]
+        out_b: list = [None] * len(batched)
+        out_u: list = [None] * len(unbatched)
+        if not (diff_b or diff_u) or not (mats or any(sd is not None for sd in seeds)):
+            return out_b, out_u
+        if axis is None:
+            ct_b, ct_u = self._backward_local(
+                s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, s.n
+            )
+        else:
+            devices = mesh.shape[axis]
+
+            def local(batched, unbatched, seeds, buf_cts):
+                ct_b, ct_u = self._backward_local(
+                    s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, s.n // devices
+                )
+                return ct_b, [c[None] for c in ct_u]
+
+            member = PartitionSpec(axis)
+            ct_b, ct_u = jax.shard_map(
+                local,
+                mesh=mesh,
+                in_specs=(member, PartitionSpec(), PartitionSpec(), member),
+                out_specs=(member, member),
+                axis_names={axis},
+                check_vma=False,
+            )(batched, unbatched, seeds, buf_cts)
+            ct_u = [jnp.sum(c, axis=0, dtype=c.dtype) for c in ct_u]
+        for j, c in zip(diff_b, ct_b):
+            out_b[j] = c
+        for j, c in zip(diff_u, ct_u):
+            out_u[j] = c
+        return out_b, out_u
 
     def _stream_mesh(self, s: Stream):
         """The compile's mesh. Without one, the loop runs unsharded (under ``jax.set_mesh``
@@ -379,78 +543,151 @@ class StreamingInterpreter(XlaInterpreter):
             return None
         return s.placement if s.n % mesh.shape[s.placement] == 0 else None
 
-    def _stream_local(self, s: Stream, batched, unbatched, n: int):
-        """Loops over ``n`` local members in chunks; (accumulators, full-shape outputs)."""
-        k = min(self.k, n)
-        steps = -(-n // k)
-        ragged = steps * k != n
+    def _chunk_values(self, s: Stream, k: int):
+        """``values(b_chunk, unbatched) -> {Value: [k, ...]}``: the per-member values a
+        step reads (reduction operands, materialized values, the chunk's own inputs)."""
         inner = self._members()
-        region = s.map_op.regions[0]
 
         def one_member(b_vals, u_vals):
             env = dict(zip(s.batched, b_vals))
             env.update(zip(s.unbatched, u_vals))
             env.update({v: env[src] for v, src in s.source.items()})
-            env.update(
-                zip(s.map_op.results, inner.run_region(region, [env[v] for v in s.map_op.operands]))
-            )
-            for op in s.absorbed:
-                env.update(zip(op.results, inner.run_op(op, [env[v] for v in op.operands])))
+            for op in s.member_ops:
+                vals = [env[v] for v in op.operands]
+                if op.name == "fed.map":
+                    outs = inner.run_region(op.regions[0], vals)
+                else:
+                    outs = inner.run_op(op, vals)
+                env.update(zip(op.results, outs))
             return [env[v] for v in needed]
 
-        # Per-member values the step reads: reduction operands and materialized values
-        # (a list, in a fixed order: Values are not pytree keys).
+        # (a list, in a fixed order: Values are not pytree keys)
         needed = list(
             dict.fromkeys(
                 v
                 for v in [*(u for op in s.reductions for u in op.operands), *s.materialized]
-                if v not in s.batched
+                if v not in s.batched and v not in s.unbatched
             )
         )
         # axis_size: a map whose operands are all broadcast values has nothing batched.
         vmapped = jax.vmap(one_member, in_axes=(0, None), axis_size=k)
 
-        def chunk_values(start) -> dict:
-            b_chunk = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
-            vals = dict(zip(needed, vmapped(b_chunk, unbatched)))
+        def values(b_chunk, unbatched, shapes_only=False) -> dict:
+            if shapes_only:  # b_chunk: ShapeDtypeStructs
+                outs = jax.eval_shape(lambda b: vmapped(b, unbatched), b_chunk)
+            else:
+                outs = vmapped(b_chunk, unbatched)
+            vals = dict(zip(needed, outs))
             vals.update(zip(s.batched, b_chunk))
             return vals
 
+        return values
+
+    def _stream_local(self, s: Stream, batched, unbatched, n: int):
+        """Loops over ``n`` local members in chunks; (accumulators, full-shape outputs)."""
+        k = min(self.k, n)
+        values = self._chunk_values(s, k)
         chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
-        shapes = dict(zip(needed, jax.eval_shape(lambda b: vmapped(b, unbatched), chunk_specs)))
-        shapes.update(zip(s.batched, chunk_specs))
-        accs0 = [
-            _ddp.acc_init(op, shapes, s.n) if op.name in _ddp.DDP_OPS else _acc_init(op, shapes)
-            for op in s.reductions
-        ]
+        shapes = values(chunk_specs, unbatched, shapes_only=True)
+        accs0 = [_acc_init(op, shapes, s.n) for op in s.reductions]
         bufs0 = [_zeros((n, *shapes[v].shape[1:]), shapes[v].dtype) for v in s.materialized]
 
-        def step(carry, _):
-            # The step number is carried, not scanned over: nothing in the loop's
-            # state grows with the number of steps.
-            i, accs, bufs = carry
-            start = jnp.minimum(i * k, n - k) if ragged else i * k
-            vals = chunk_values(start)
-            valid = (start + jnp.arange(k)) >= i * k if ragged else None
-            accs = [
-                _ddp.acc_step(op, a, vals, valid, s.n)
-                if op.name in _ddp.DDP_OPS else _acc_step(op, a, vals, valid)
-                for op, a in zip(s.reductions, accs)
-            ]
+        def step(state, start, valid):
+            accs, bufs = state
+            vals = values([lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched], unbatched)
+            accs = [_acc_step(op, a, vals, valid, s.n) for op, a in zip(s.reductions, accs)]
             new_bufs = []
             for v, buf in zip(s.materialized, bufs):
                 x = vals[v]
                 if valid is not None:
                     x = _select(valid, x, lax.dynamic_slice_in_dim(buf, start, k, 0))
                 new_bufs.append(lax.dynamic_update_slice_in_dim(buf, x, start, 0))
-            return (i + 1, accs, new_bufs), None
+            return accs, new_bufs
 
-        init = (jnp.zeros((), jnp.int32), accs0, bufs0)
-        if steps == 1:
-            (_, accs, bufs), _ = step(init, None)
-        else:
-            (_, accs, bufs), _ = lax.scan(step, init, None, length=steps)
-        return accs, bufs
+        return _chunk_loop(n, k, step, (accs0, bufs0))
+
+    def _backward_local(self, s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, n):
+        """The reverse loop over ``n`` local members: each chunk's values recomputed
+        under ``jax.vjp``, pulled back with the chunk's share of the cotangents;
+        (cotangents of the differentiable batched inputs, of the unbatched ones)."""
+        k = min(self.k, n)
+        values = self._chunk_values(s, k)
+        mat_values = [s.materialized[j] for j in mats]
+
+        def contributions(db, du, b_chunk, valid):
+            b_vals, u_vals = list(b_chunk), list(unbatched)
+            for j, x in zip(diff_b, db):
+                b_vals[j] = x
+            for j, x in zip(diff_u, du):
+                u_vals[j] = x
+            vals = values(b_vals, u_vals)
+            parts = [
+                None if seed is None else _contribution(op, vals, valid)
+                for op, seed in zip(s.reductions, seeds)
+            ]
+            return parts, [vals[v] for v in mat_values]
+
+        def step(state, start, valid):
+            ct_b, ct_u = state
+            b_chunk = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
+            (parts, _), pull = jax.vjp(
+                lambda db, du: contributions(db, du, b_chunk, valid),
+                [b_chunk[j] for j in diff_b],
+                [unbatched[j] for j in diff_u],
+            )
+            part_cts = [
+                None if seed is None else _part_cotangent(op, seed, part, valid)
+                for op, seed, part in zip(s.reductions, seeds, parts)
+            ]
+            mat_cts = [_mask(lax.dynamic_slice_in_dim(c, start, k, 0), valid) for c in buf_cts]
+            db, du = pull((part_cts, mat_cts))
+            ct_u = [a + c for a, c in zip(ct_u, du)]
+            ct_b = [
+                lax.dynamic_update_slice_in_dim(
+                    a, lax.dynamic_slice_in_dim(a, start, k, 0) + _mask(c, valid), start, 0
+                )
+                for a, c in zip(ct_b, db)
+            ]
+            return ct_b, ct_u
+
+        init = (
+            [jnp.zeros_like(batched[j]) for j in diff_b],
+            [jnp.zeros_like(unbatched[j]) for j in diff_u],
+        )
+        return _chunk_loop(n, k, step, init, differentiable=True)
+
+
+def _chunk_loop(n: int, k: int, step, state, *, differentiable: bool = False):
+    """``state`` through ``step(state, start, valid)`` for the chunks of ``n`` members,
+    ``k`` at a time (one step inlined). The last chunk starts at ``n - k`` when ``k``
+    does not divide ``n``; ``valid`` (None otherwise) masks the members an earlier chunk
+    already counted.
+
+    The forward loop is a ``lax.while_loop``: it runs inside the stream's custom VJP,
+    so JAX never differentiates it, and a while loop gives partial evaluation nothing to
+    hoist (around a scan of rounds, JAX would hoist a scan's slicing of loop-invariant
+    client data out of the rounds loop and stack every chunk: the whole cohort again).
+    The backward loop (``differentiable``) is a ``lax.scan``, so a second derivative
+    still goes through it."""
+    steps = -(-n // k)
+    ragged = steps * k != n
+
+    def body(carry):
+        # The step number is carried, not scanned over: nothing in the loop's state
+        # grows with the number of steps.
+        i, state = carry
+        start = jnp.minimum(i * k, n - k) if ragged else i * k
+        valid = (start + jnp.arange(k)) >= i * k if ragged else None
+        return i + 1, step(state, start, valid)
+
+    init = (jnp.zeros((), jnp.int32), state)
+    if steps == 1:
+        _, state = body(init)
+    elif differentiable:
+        (_, state), _ = lax.scan(lambda c, _: (body(c), None), init, None, length=steps)
+    else:
+        _, state = lax.while_loop(lambda c: c[0] < steps, body, init)
+    return state
 
 
 def _unshard_members(x):
@@ -470,7 +707,13 @@ def _unshard_members(x):
 
 
 def _acc_parts(op: Op) -> tuple:
-    return ("xw", "w") if op.name == "fed.weighted_mean" else ("x",)
+    if op.name == "fed.weighted_mean":
+        return ("xw", "w")
+    if op.name in ("fed.min", "fed.max"):
+        return ("x", "count")  # the count of members at the extremum: for the gradient
+    if op.name in DP_OPS:
+        return tuple(f"x{i}" for i in range(len(op.operands) - 1))
+    return ("x",)
 
 
 def _result_dtype(op: Op, dtype) -> np.dtype:
@@ -500,47 +743,94 @@ def _weights(x, w):
     return x.astype(dt), w.astype(dt).reshape(w.shape + (1,) * (x.ndim - w.ndim))
 
 
-def _acc_init(op: Op, shapes) -> list:
+def _acc_init(op: Op, shapes, n: int) -> list:
+    if op.name in _ddp.DDP_OPS:
+        return _ddp.acc_init(op, shapes, n)
     x = shapes[op.operands[0]]
     if op.name == "fed.weighted_mean":
         dt = P.mean_result_dtype(x.dtype)
         w = shapes[op.operands[1]]
         w_shape = w.shape[1:] + (1,) * (len(x.shape) - len(w.shape))
         return [jnp.zeros(x.shape[1:], dt), jnp.zeros(w_shape, dt)]
+    if op.name in DP_OPS:
+        return [jnp.zeros(shapes[v].shape[1:], shapes[v].dtype) for v in op.operands[:-1]]
     dt = _result_dtype(op, x.dtype)
+    if op.name in ("fed.min", "fed.max"):
+        return [jnp.full(x.shape[1:], _identity(op, dt), dt), jnp.zeros(x.shape[1:], jnp.int32)]
     return [jnp.full(x.shape[1:], _identity(op, dt), dt)]
 
 
-def _acc_step(op: Op, acc: list, vals: dict, valid) -> list:
+def _masked(y, valid, fill):
+    if valid is None:
+        return y
+    return jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, fill)
+
+
+def _contribution(op: Op, vals: dict, valid) -> list:
+    """What a chunk adds to a linear reduction's accumulator (sums, means, weighted
+    means; for dp and ddp ops the clipped sum, which their gradient treats as the
+    result, the noise and rounding being constants); for min and max, the chunk's
+    member values themselves."""
     x = vals[op.operands[0]]
-
-    def masked(y, fill):
-        if valid is None:
-            return y
-        return jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, fill)
-
     if op.name == "fed.weighted_mean":
         xs, ws = _weights(x, vals[op.operands[1]])
-        return [
-            acc[0] + jnp.sum(masked(xs * ws, 0), axis=0),
-            acc[1] + jnp.sum(masked(ws, 0), axis=0),
-        ]
+        return [jnp.sum(_masked(xs * ws, valid, 0), axis=0), jnp.sum(_masked(ws, valid, 0), axis=0)]
     if op.name in ("fed.min", "fed.max"):
-        part = masked(x, _identity(op, x.dtype))
+        return [x]
+    if op.name in DP_OPS or op.name in _ddp.DDP_OPS:
+        leaves = [vals[v] for v in op.operands[:-1]]
+        clip = op.attrs["clip_norm"]
+        clipped = jax.vmap(lambda *m: P.clip_member(m, clip))(*leaves)
+        return [jnp.sum(_masked(c, valid, 0), axis=0) for c in clipped]
+    dt = _result_dtype(op, x.dtype)
+    return [jnp.sum(_masked(x.astype(dt), valid, 0), axis=0, dtype=dt)]
+
+
+def _acc_step(op: Op, acc: list, vals: dict, valid, n: int) -> list:
+    if op.name in _ddp.DDP_OPS:
+        return _ddp.acc_step(op, acc, vals, valid, n)
+    if op.name in ("fed.min", "fed.max"):
+        x = vals[op.operands[0]]
+        part = _masked(x, valid, _identity(op, x.dtype))
         fold, red = (jnp.minimum, jnp.min) if op.name == "fed.min" else (jnp.maximum, jnp.max)
-        return [fold(acc[0], red(part, axis=0))]
-    dt = acc[0].dtype
-    return [acc[0] + jnp.sum(masked(x.astype(dt), 0), axis=0, dtype=dt)]
+        m = red(part, axis=0)
+        at = part == m
+        if valid is not None:
+            at = _masked(at, valid, False)
+        new = fold(acc[0], m)
+        count = jnp.where(acc[0] == new, acc[1], 0) + jnp.where(
+            m == new, jnp.sum(at, axis=0, dtype=jnp.int32), 0
+        )
+        return [new, count]
+    return [a + p for a, p in zip(acc, _contribution(op, vals, valid))]
 
 
 def _combine(op: Op, partial: list) -> list:
     """Per-device partial accumulators (stacked on a leading axis) folded into one."""
     if op.name in ("fed.min", "fed.max"):
-        return [(jnp.min if op.name == "fed.min" else jnp.max)(partial[0], axis=0)]
+        m = (jnp.min if op.name == "fed.min" else jnp.max)(partial[0], axis=0)
+        return [m, jnp.sum(jnp.where(partial[0] == m, partial[1], 0), axis=0, dtype=jnp.int32)]
     return [jnp.sum(a, axis=0, dtype=a.dtype) for a in partial]
 
 
-def _finish(op: Op, acc: list, n: int):
+def _finish(op: Op, acc: list, n: int, server: dict) -> list:
+    """The reduction's results from its accumulator (``server``: the stream's unbatched
+    values by Value, where a dp op's key is)."""
+    if op.name in _ddp.DDP_OPS:
+        return _ddp.finish(op, acc, n)
+    if op.name in DP_OPS:
+        key, a = server[op.operands[-1]], op.attrs
+        out = []
+        for i, total in enumerate(acc):
+            total = total + P.dp_noise(
+                key, i, total.shape, total.dtype, a["clip_norm"], a["noise_multiplier"]
+            )
+            out.append(total / n if op.name == "fed.dp_mean" else total)
+        return out
+    return [_finish_linear(op, acc, n)]
+
+
+def _finish_linear(op: Op, acc: list, n: int):
     if op.name == "fed.mean":
         return acc[0] / jnp.asarray(n, acc[0].dtype)
     if op.name == "fed.weighted_mean":
@@ -551,6 +841,58 @@ def _finish(op: Op, acc: list, n: int):
             total = jnp.bitwise_and(total, jnp.asarray((1 << bits) - 1, total.dtype))
         return total
     return acc[0]
+
+
+# --- the backward loop's cotangents -----------------------------------------------------
+
+
+def _inexact(dtype) -> bool:
+    return not _is_key(dtype) and jnp.issubdtype(dtype, jnp.inexact)
+
+
+class _Static:
+    """A pytree with no leaves carrying ``value`` (hashable) in its structure: static
+    data through a custom_vjp's residuals."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Static, lambda x: ((), x.value), lambda v, _: _Static(v))
+
+
+def _zero(ct) -> bool:
+    return isinstance(ct, SymbolicZero)
+
+
+def _seed(op: Op, acc: list, cts: list, n: int):
+    """What every chunk's :func:`_contribution` is pulled back with, from the
+    cotangents ``cts`` of the reduction's results; None when none is needed."""
+    if all(_zero(c) for c in cts) or not all(_inexact(c.dtype) for c in cts):
+        return None
+    cts = [jnp.zeros(c.aval.shape, c.aval.dtype) if _zero(c) else c for c in cts]
+    if op.name in DP_OPS or op.name in _ddp.DDP_OPS:
+        mean = op.name in ("fed.dp_mean", "fed.ddp_mean")
+        return [c / n if mean else c for c in cts]
+    if op.name in ("fed.min", "fed.max"):
+        # The gradient of an extremum is shared by the members at it, as jnp.min's is.
+        return [acc[0], cts[0] / acc[1].astype(cts[0].dtype)]
+    _, pull = jax.vjp(lambda a: _finish_linear(op, a, n), acc)
+    (ct_acc,) = pull(cts[0])
+    return list(ct_acc)
+
+
+def _part_cotangent(op: Op, seed: list, part: list, valid) -> list:
+    if op.name not in ("fed.min", "fed.max"):
+        return seed
+    (x,) = part
+    at = (x == seed[0]) if valid is None else _masked(x == seed[0], valid, False)
+    return [jnp.where(at, seed[1], jnp.zeros((), seed[1].dtype))]
+
+
+def _mask(x, valid):
+    """``x`` with the members an earlier chunk already counted zeroed."""
+    return x if valid is None else _masked(x, valid, jnp.zeros((), x.dtype))
 
 
 # --- arrays of any dtype (PRNG keys included) ---------------------------------------------
