@@ -1,22 +1,27 @@
 """FAX-scale benchmark: capture + lower of a 368M-parameter FedAvg round, and the cost
 of a round at the FAX paper's three configurations.
 
-    python bench/scale.py            # full: 4 pairs of fresh processes, FAX-sized models
-    python bench/scale.py --smoke    # tiny model, one pair (CI: seconds)
+    python bench/scale.py            # full: 5 pairs of fresh processes per form, FAX sizes
+    python bench/scale.py --smoke    # tiny model, one pair per form (CI: seconds)
 
 Part 1, capture + lower, first call in a fresh process. The round is the FedAvg round
 of ``tests/corpus/transformer.py`` (24 layers, d=1024, ff=4096, vocab 32,000, seq 256:
 368M parameters) over 2,048 clients, on abstract ``jax.ShapeDtypeStruct`` arguments,
-so nothing is allocated or run. Each sample is one fresh Python process that imports
-everything, then times
+so nothing is allocated or run. The layer stack comes in two forms, each measured:
+``scan``, the corpus model (per-layer weights stacked, applied by ``lax.scan``), and
+``unrolled``, the same model with one parameter dict per layer applied by a Python
+loop, as many flax and hand-written models are (24 copies of the block in the jaxpr,
+~7,000 ops). Each sample is one fresh Python process that imports everything, then
+times
 
 - ``fcir``: ``m = fcir.capture(round, *specs)`` then ``xla.compile(m).lower(*specs)``;
 - ``drjax``: the same round on ``drjax`` 0.2.1: ``jax.make_jaxpr(round)(*specs)`` then
   ``jax.jit(round).lower(*specs)``.
 
-Pairs of processes run one after the other, alternating which goes first. Reported:
-wall and CPU seconds per side, and per pair the ratio fcir/drjax (goal <= 1.2):
-median [min, max] over the pairs, for the total and for the lowering step alone.
+Pairs of processes run one after the other, alternating which side (and, between
+pairs, which form) goes first. Reported per form: wall and CPU seconds per side, and
+per pair the ratio fcir/drjax (goal <= 1.2 for both forms): median [min, max] over the
+pairs, for the total and for each step alone.
 
 Part 2, one round's cost at the FAX paper's configurations (2,048 clients with a
 ~350M model, 512 with ~1B, 128 with ~8B; 16,384 tokens per client = 16 local steps of
@@ -82,8 +87,12 @@ SMOKE_STEPS, SMOKE_BATCH = 2, 2
 # --- the round on abstract arguments -----------------------------------------------------
 
 
-def param_specs(model: dict) -> dict:
-    """ShapeDtypeStructs of ``transformer.init_params`` at this size (nothing allocated)."""
+def param_specs(model: dict, form: str = "scan") -> dict:
+    """ShapeDtypeStructs of ``transformer.init_params`` at this size (nothing allocated).
+
+    ``form="scan"``: per-layer weights stacked on a leading layers axis (the corpus
+    model's ``lax.scan``); ``"unrolled"``: a list of one dict per layer, as flax and
+    hand-written models hold them (applied by a Python loop)."""
     import jax
     import jax.numpy as jnp
 
@@ -92,26 +101,31 @@ def param_specs(model: dict) -> dict:
     def spec(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32)
 
+    def layer(*lead):
+        return {
+            "ln1_scale": spec(*lead, d), "ln1_bias": spec(*lead, d),
+            "wqkv": spec(*lead, d, 3 * d), "wo": spec(*lead, d, d),
+            "ln2_scale": spec(*lead, d), "ln2_bias": spec(*lead, d),
+            "w_in": spec(*lead, d, f), "b_in": spec(*lead, f),
+            "w_out": spec(*lead, f, d), "b_out": spec(*lead, d),
+        }  # fmt: skip
+
     return {
         "embed": spec(v, d),
         "pos": spec(s, d),
-        "layers": {
-            "ln1_scale": spec(n, d), "ln1_bias": spec(n, d), "wqkv": spec(n, d, 3 * d),
-            "wo": spec(n, d, d), "ln2_scale": spec(n, d), "ln2_bias": spec(n, d),
-            "w_in": spec(n, d, f), "b_in": spec(n, f), "w_out": spec(n, f, d), "b_out": spec(n, d),
-        },  # fmt: skip
+        "layers": layer(n) if form == "scan" else [layer() for _ in range(n)],
         "ln_f_scale": spec(d),
         "ln_f_bias": spec(d),
         "unembed": spec(d, v),
     }
 
 
-def round_specs(model: dict, clients: int, steps: int, batch: int):
+def round_specs(model: dict, clients: int, steps: int, batch: int, form: str = "scan"):
     import jax
     import jax.numpy as jnp
 
     tokens = jax.ShapeDtypeStruct((clients, steps, batch, model["seq"] + 1), jnp.int32)
-    return param_specs(model), tokens
+    return param_specs(model, form), tokens
 
 
 def num_params(model: dict) -> int:
@@ -121,21 +135,60 @@ def num_params(model: dict) -> int:
     return int(sum(np.prod(s.shape) for s in jax.tree.leaves(param_specs(model))))
 
 
+FORMS = ("unrolled", "scan")
+
+
+def make_round(form: str, clients: int, model: dict, api):
+    """The FedAvg round of ``tests/corpus/transformer.py`` on ``api`` (fcir or drjax):
+    ``"scan"`` is the corpus round itself; ``"unrolled"`` the same model with its
+    layers applied by a Python loop over per-layer parameters."""
+    import jax
+    import jax.numpy as jnp
+    from corpus import transformer
+
+    heads, lr = model["heads"], transformer.LR
+    if form == "scan":
+        return transformer.make_round(clients, lr=lr, num_heads=heads, api=api)
+
+    def loss(params, tokens):
+        x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[-1] - 1]
+        for p in params["layers"]:  # the Python loop: 24 copies of the block
+            x = transformer.block(x, p, heads)
+        x = transformer.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"])
+        logp = jax.nn.log_softmax(x @ params["unembed"], axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    def client_update(params, batches):
+        def step(p, tokens):
+            value, grads = jax.value_and_grad(loss)(p, tokens)
+            return jax.tree.map(lambda w, g: w - lr * g, p, grads), value
+
+        trained, losses = jax.lax.scan(step, params, batches)
+        return jax.tree.map(lambda new, old: new - old, trained, params), jnp.mean(losses)
+
+    @api.program(placements={"clients": clients})
+    def fedavg_transformer_unrolled(params, tokens):
+        deltas, losses = api.map_fn(client_update, (api.broadcast(params), tokens))
+        mean_delta = api.reduce_mean(deltas)
+        new_params = jax.tree.map(lambda p, d: p + d, params, mean_delta)
+        return new_params, api.reduce_mean(losses)
+
+    return fedavg_transformer_unrolled
+
+
 # --- part 1: one fresh process per sample ------------------------------------------------
 
 
-def worker(side: str, model: dict, clients: int, steps: int, batch: int) -> dict:
+def worker(side: str, form: str, model: dict, clients: int, steps: int, batch: int) -> dict:
     """Times capture and lower on ``side`` in this (fresh) process; imports come first."""
     import drjax
     import jax
-    from corpus import transformer
     from fcir.interpreters import xla
 
     import fcir
 
-    api = fcir if side == "fcir" else drjax
-    specs = round_specs(model, clients, steps, batch)
-    fn = transformer.make_round(clients, lr=transformer.LR, num_heads=model["heads"], api=api)
+    specs = round_specs(model, clients, steps, batch, form)
+    fn = make_round(form, clients, model, fcir if side == "fcir" else drjax)
     w0, c0 = time.perf_counter(), time.process_time()
     if side == "fcir":
         module = fcir.capture(fn, *specs)
@@ -153,9 +206,11 @@ def worker(side: str, model: dict, clients: int, steps: int, batch: int) -> dict
     }  # fmt: skip
 
 
-def run_worker(side: str, model: dict, clients: int, steps: int, batch: int) -> dict:
+def run_worker(side: str, form: str, model: dict, clients: int, steps: int, batch: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    config = json.dumps({"model": model, "clients": clients, "steps": steps, "batch": batch})
+    config = json.dumps(
+        {"form": form, "model": model, "clients": clients, "steps": steps, "batch": batch}
+    )
     out = subprocess.run(
         [sys.executable, __file__, "--worker", side, "--config", config],
         env=env, capture_output=True, text=True, timeout=900, check=False,
@@ -167,16 +222,22 @@ def run_worker(side: str, model: dict, clients: int, steps: int, batch: int) -> 
 
 
 def bench_lowering(model: dict, clients: int, steps: int, batch: int, pairs: int) -> dict:
-    samples: dict[str, list[dict]] = {"fcir": [], "drjax": []}
+    """Per layer-stack form: ``pairs`` pairs of fresh processes, alternating which side
+    goes first (and, between pairs, which form)."""
+    samples = {form: {"fcir": [], "drjax": []} for form in FORMS}
     for i in range(pairs):
-        for side in ("fcir", "drjax") if i % 2 == 0 else ("drjax", "fcir"):
-            samples[side].append(run_worker(side, model, clients, steps, batch))
-    ratios = {}
-    for key in ("total_s", "lower_s", "capture_s", "total_cpu_s", "lower_cpu_s"):
-        ratios[key] = ratio_stats(
-            [s[key] for s in samples["fcir"]], [s[key] for s in samples["drjax"]]
-        )
-    return {"samples": samples, "fcir/drjax": ratios}
+        for form in FORMS if i % 2 == 0 else FORMS[::-1]:
+            for side in ("fcir", "drjax") if i % 2 == 0 else ("drjax", "fcir"):
+                samples[form][side].append(run_worker(side, form, model, clients, steps, batch))
+    out = {}
+    for form in FORMS:
+        s = samples[form]
+        ratios = {
+            key: ratio_stats([x[key] for x in s["fcir"]], [x[key] for x in s["drjax"]])
+            for key in ("total_s", "lower_s", "capture_s", "total_cpu_s", "lower_cpu_s")
+        }
+        out[form] = {"samples": s, "fcir/drjax": ratios}
+    return out
 
 
 def ratio_stats(num: list[float], den: list[float]) -> dict:
@@ -259,25 +320,32 @@ def _ratio(s: dict) -> str:
 
 
 def report(lowering: dict, table: list[dict], pairs: int, load: list) -> str:
-    s, r = lowering["samples"], lowering["fcir/drjax"]
-
-    def med(side, key):
-        return statistics.median(x[key] for x in s[side])
-
     lines = [
-        f"capture + lower, first call in a fresh process ({pairs} pairs, alternating order; "
-        "seconds, median; fcir/drjax per pair: median [min, max])",
-        f"  {'':8} {'capture':>8} {'lower':>8} {'total':>8} {'CPU total':>10}",
+        f"capture + lower, first call in a fresh process ({pairs} pairs per form, alternating "
+        "order; seconds, median; fcir/drjax per pair: median [min, max])"
     ]
-    for side in ("fcir", "drjax"):
-        lines.append(
-            f"  {side:8} {med(side, 'capture_s'):8.3f} {med(side, 'lower_s'):8.3f} "
-            f"{med(side, 'total_s'):8.3f} {med(side, 'total_cpu_s'):10.3f}"
-        )
+    for form in FORMS:
+        s, r = lowering[form]["samples"], lowering[form]["fcir/drjax"]
+
+        def med(side, key, s=s):
+            return statistics.median(x[key] for x in s[side])
+
+        lines += [
+            f"  layers as {'a Python loop' if form == 'unrolled' else 'a lax.scan'} ({form}):",
+            f"    {'':8} {'capture':>8} {'lower':>8} {'total':>8} {'CPU total':>10}",
+        ]
+        for side in ("fcir", "drjax"):
+            lines.append(
+                f"    {side:8} {med(side, 'capture_s'):8.3f} {med(side, 'lower_s'):8.3f} "
+                f"{med(side, 'total_s'):8.3f} {med(side, 'total_cpu_s'):10.3f}"
+            )
+        lines += [
+            f"    fcir/drjax total {_ratio(r['total_s'])}  (goal <= 1.2)",
+            f"    fcir/drjax lower {_ratio(r['lower_s'])}, capture {_ratio(r['capture_s'])}",
+            f"    fcir/drjax CPU   total {_ratio(r['total_cpu_s'])}, "
+            f"lower {_ratio(r['lower_cpu_s'])}",
+        ]
     lines += [
-        f"  fcir/drjax total {_ratio(r['total_s'])}  (goal <= 1.2)",
-        f"  fcir/drjax lower {_ratio(r['lower_s'])}, capture {_ratio(r['capture_s'])}",
-        f"  fcir/drjax CPU   total {_ratio(r['total_cpu_s'])}, lower {_ratio(r['lower_cpu_s'])}",
         f"  load average (1, 5, 15 min) before: {load[0]}, after: {load[1]}",
         "",
         "one round (tokens per round; FLOPs: 6NT = 6 x params x tokens, XLA = cost analysis",
@@ -298,7 +366,7 @@ def report(lowering: dict, table: list[dict], pairs: int, load: list) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny models, one pair (CI)")
-    ap.add_argument("--pairs", type=int, default=4, help="pairs of fresh processes (>= 4)")
+    ap.add_argument("--pairs", type=int, default=5, help="pairs of fresh processes per form (>= 5)")
     ap.add_argument("--no-table", action="store_true", help="skip part 2")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--worker", choices=("fcir", "drjax"), help=argparse.SUPPRESS)
@@ -306,7 +374,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.worker:
         c = json.loads(a.config)
-        result = worker(a.worker, c["model"], c["clients"], c["steps"], c["batch"])
+        result = worker(a.worker, c["form"], c["model"], c["clients"], c["steps"], c["batch"])
         print("FCIR-SCALE " + json.dumps(result), flush=True)
         return 0
 
@@ -320,7 +388,6 @@ def main(argv=None) -> int:
     load.append(os.getloadavg())
     table = [] if a.no_table else cost_table(configs, steps, batch)
     print(report(lowering, table, pairs, [tuple(round(x, 2) for x in v) for v in load]))
-
 
     result = {
         "config": {"configs": configs, "steps": steps, "batch": batch, "pairs": pairs},

@@ -170,12 +170,29 @@ _CALLBACKS = {
 }
 
 
+# Primitives some of whose params are encoded by name rather than by type.
+_BY_NAME = frozenset({*OMITTED_PARAMS, *OMITTED_COMPUTATIONS, *_CALLBACKS})
+
+
 def _qualname(cls) -> str:
     return cls.__qualname__
 
 
+# Exact types whose values are their own attribute (``int(v) is v`` for an exact int...).
+_SELF_ENCODED = frozenset({int, float, bool, str, type(None)})
+
+
 def encode(value, prim: str, key: str, add_region) -> Any:
     """JAX param value -> attribute. ``add_region(jaxpr, closed)`` returns a RegionRef."""
+    # Fast paths for what most params are (shapes, axes, dimension numbers): the same
+    # result as the checks below, without walking them for every element. A plain
+    # tuple is none of the special records, but a few params of a few primitives are
+    # encoded by their name (``_encode_special``), so those take the long way.
+    t = type(value)
+    if t in _SELF_ENCODED:
+        return value
+    if t is tuple and prim not in _BY_NAME:
+        return tuple([encode(v, prim, key, add_region) for v in value])
     from fcir import jaxcompat
 
     if value is None or isinstance(value, (bool, str)):

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from fcir import attrs as A
-from fcir import captured, pytrees
+from fcir import captured, gcpause, pytrees
 from fcir import control_flow as CF
 from fcir import jaxcompat as jc
 from fcir import primitives as P
@@ -68,7 +68,11 @@ def capture(fn, *args, name: str | None = None, locations: bool = False, **kwarg
 
     traced = _trace(fn, args, kwargs, name)
     try:
-        return check(_convert(traced, locations))
+        # The module is long-lived and acyclic: no collector passes while it is built.
+        with gcpause.tenured():
+            module = check(_convert(traced, locations))
+        captured.mark_checked(module)  # xla.compile need not check it again
+        return module
     except FcirError as error:
         if locations:
             raise
@@ -84,7 +88,9 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
                       **kwargs) -> Module:
     """Like :func:`capture` but returns the Module even when it does not check, so that
     ``fcir check`` can report every problem with its op."""
-    return _convert(_trace(fn, args, kwargs, name), locations)
+    traced = _trace(fn, args, kwargs, name)
+    with gcpause.tenured():
+        return _convert(traced, locations)
 
 
 def _trace(fn, args, kwargs, name):
@@ -297,11 +303,29 @@ class _Converter:
         # them (``stacked_views``: the scan's stacked result and its xs slices).
         self.views: set = set()
         self.stacked_views: set = set()
+        self._tensor_types: dict = {}
+        self._server_types: dict = {}
 
     # -- types ----------------------------------------------------------------------------
 
     def local(self, t: Type, level: int) -> Type:
         return PlacedType(t, SERVER, True) if level < 0 else t
+
+    # Most ops of a large program repeat a few types: one (immutable) type object each.
+    def tensor_type(self, aval) -> TensorType:
+        key = (aval.dtype, aval.shape)
+        t = self._tensor_types.get(key)
+        if t is None:
+            t = self._tensor_types[key] = tensor_of(aval)
+        return t
+
+    def local_type(self, t: TensorType, level: int) -> Type:
+        if level >= 0:
+            return t
+        placed = self._server_types.get(t)
+        if placed is None:
+            placed = self._server_types[t] = PlacedType(t, SERVER, True)
+        return placed
 
     def child(self, level: int, eqn) -> str:
         p = eqn.params["placement"]
@@ -852,14 +876,14 @@ class _Converter:
         placed = self.elementwise_placement(name, operands)
         results = []
         for var in eqn.outvars:
-            t = tensor_of(var.aval)
+            t = self.tensor_type(var.aval)
             if placed is not None and len(placed) == 3:  # nested: the operands' member type
                 member = _with_dtype(placed[2], t.dtype)
                 results.append(Value(PlacedType(member, placed[0], placed[1])))
             elif placed is not None:
                 results.append(Value(PlacedType(TensorType(t.dtype, t.shape[1:]), *placed)))
             else:
-                results.append(Value(self.local(t, level)))
+                results.append(Value(self.local_type(t, level)))
         region.ops.append(
             Op(f"jax.{name}", operands, results, attrs, regions, location=self.location(eqn))
         )

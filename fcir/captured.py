@@ -12,6 +12,10 @@ is made of (ops, their names, operands, results, types, attribute values, region
 placements), and the jaxpr is returned only while each is still the very same object.
 An edit in place (a new type on a value, an op appended, an attribute replaced) makes
 it return None, and the backend traces the IR as it is.
+
+The same record says whether capture's ``fcir.check`` passed on the module
+(:func:`checked`): ``xla.compile`` then skips checking it a second time, while the
+module (its funcs, names and ``private`` flag included) is unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ import weakref
 from fcir import jaxcompat as jc
 from fcir.ir import Module, Region
 
-__all__ = ["captured_jaxpr", "forget", "remember", "snapshot", "unchanged"]
+__all__ = [
+    "captured_jaxpr",
+    "checked",
+    "forget",
+    "mark_checked",
+    "remember",
+    "snapshot",
+    "unchanged",
+]
 
 _JAXPRS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -54,10 +66,29 @@ def _constant_bytes(closed: jc.ClosedJaxpr) -> int:
     return total
 
 
+def mark_checked(module: Module) -> None:
+    """Records that ``module``, as :func:`remember` saw it, passed ``fcir.check``
+    (called by capture right after checking what it converted)."""
+    entry = _JAXPRS.get(module)
+    if entry is not None:
+        _CHECKED[module] = entry[1]
+
+
+def checked(module: Module) -> bool:
+    """Whether ``module`` passed ``fcir.check`` in capture and is unchanged since, so a
+    backend need not check it again."""
+    parts = _CHECKED.get(module)
+    return parts is not None and unchanged(module, parts)
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def forget(module: Module) -> None:
     """Drops the record: backends then rebuild the jaxpr from the IR (tests use it to
     exercise that path on captured modules)."""
     _JAXPRS.pop(module, None)
+    _CHECKED.pop(module, None)
 
 
 def captured_jaxpr(module: Module) -> jc.ClosedJaxpr | None:
@@ -79,7 +110,17 @@ def snapshot(module: Module) -> list:
     """Every object ``module.main`` is built from, in a fixed order (references, so no
     object compared is freed and its id reused)."""
     main = module.main
-    out: list = [module.name, module.placements, *module.placements, main, main.body]
+    out: list = [
+        module.name,
+        module.placements,
+        *module.placements,
+        module.private,
+        module.funcs,
+        *module.funcs,
+        *(f.name for f in module.funcs),
+        main,
+        main.body,
+    ]
 
     def region(r: Region) -> None:
         out.append(r.ops)

@@ -82,6 +82,13 @@ def clear_cache() -> None:
 def _typed(v):
     """``v`` with every scalar tagged by its type, for the cache key: ``True == 1 ==
     1.0`` in Python, but ``weak_type=1`` is an error where ``weak_type=True`` is not."""
+    t = type(v)  # exact types first: the attributes of most ops are only these
+    if t is tuple:
+        return tuple([_typed(x) for x in v])
+    if t is int or t is bool or t is float:
+        return (t, v)
+    if t is str or v is None:
+        return v
     if isinstance(v, tuple):
         return tuple([_typed(x) for x in v])
     if dataclasses.is_dataclass(v) and not isinstance(v, type):

@@ -21,8 +21,6 @@ unless asked. Grammar (informal)::
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import math
 import re
@@ -30,6 +28,7 @@ import re
 import numpy as np
 
 from fcir import attrs as A
+from fcir import gcpause
 from fcir.errors import ParseError
 from fcir.ir import (
     IR_VERSION,
@@ -195,43 +194,8 @@ class _Printer:
             self.lines.append(ind + ("}, {" if i + 1 < len(op.regions) else "}"))
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Pauses the cyclic garbage collector: printing and parsing make many objects and
-    no cycles, and the collector's passes over them made large modules superlinear."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-@contextlib.contextmanager
-def _tenured():
-    """Pauses the cyclic garbage collector while a module is built, then moves the objects
-    made meanwhile (and any other young ones) straight into the oldest generation.
-
-    A parsed module is 5-6 acyclic, long-lived objects per op. Left young, the first
-    allocation after the parse triggers a collection that scans all of them, which cost
-    a quarter of parsing time at 1e5 ops; they would then be scanned again as middle-aged.
-    gc.freeze() + gc.unfreeze() tenures them without a scan. That would also release
-    objects someone else froze (e.g. a pre-fork server), so then it is skipped."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
-
-
 def print_module(module: Module, *, full_constants: bool = False, locations: bool = False) -> str:
-    with _gc_paused():
+    with gcpause.paused():
         return _Printer(module, full_constants, locations).run()
 
 
@@ -932,5 +896,5 @@ def parse(text: str) -> Module:
     """Canonical text -> Module. Raises ParseError (or VersionError) with line/column."""
     if not isinstance(text, str):
         raise ParseError(f"fcir.parse expects text (str), got {type(text).__name__}")
-    with _tenured():
+    with gcpause.tenured():
         return _Parser(text).module()

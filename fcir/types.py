@@ -26,8 +26,26 @@ _SHORT = {"bfloat16": "bf16", "bool": "bool"}
 _PREFIX = (("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c"))
 
 
+# dtype -> its IR name: capture names the dtype of every value it converts.
+_NAMES: dict = {}
+
+
 def dtype_name(dtype) -> str:
     """Short name of a dtype as written in the IR: ``f32``, ``bf16``, ``key<fry>``."""
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    name = _dtype_name(dtype)
+    if len(_NAMES) < 1024:
+        try:
+            _NAMES[dtype] = name
+        except TypeError:
+            pass
+    return name
+
+
+def _dtype_name(dtype) -> str:
     impl = getattr(dtype, "_impl", None)
     if impl is not None:  # a jax.random key dtype
         return f"key<{impl.tag}>"

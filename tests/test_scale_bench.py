@@ -1,5 +1,5 @@
-"""bench/scale.py --smoke runs end to end (fresh processes, both sides, the cost
-table), so the FAX-scale benchmark cannot rot."""
+"""bench/scale.py --smoke runs end to end (fresh processes, both sides, both forms of
+the layer stack, the cost table), so the FAX-scale benchmark cannot rot."""
 
 from __future__ import annotations
 
@@ -24,9 +24,14 @@ def test_scale_benchmark_smoke_mode(tmp_path):
     data = json.loads(path.read_text())
     assert data["smoke"] and data["cores"] == os.cpu_count() and len(data["load_average"]) == 2
     assert set(data["versions"]) >= {"jax", "jaxlib", "numpy", "drjax"}
-    samples = data["lowering"]["samples"]
-    assert len(samples["fcir"]) == len(samples["drjax"]) == 1
-    assert all(s["total_s"] > 0 for side in samples.values() for s in side)
+    # Both forms of the layer stack: a Python loop (unrolled) and a lax.scan.
+    assert set(data["lowering"]) == {"unrolled", "scan"}
+    assert "layers as a Python loop (unrolled)" in result.stdout
+    assert "layers as a lax.scan (scan)" in result.stdout
+    for form in data["lowering"].values():
+        samples = form["samples"]
+        assert len(samples["fcir"]) == len(samples["drjax"]) == 1
+        assert all(s["total_s"] > 0 for side in samples.values() for s in side)
     rows = {row["config"]: row for row in data["cost_table"]}
     assert set(rows) == {"350M", "1B", "8B"}
     for row in rows.values():

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fcir
+from fcir import gcpause
 from fcir import text as fcir_text
 from fcir.errors import FcirError
 
@@ -23,7 +24,7 @@ GOLDENS = sorted(p.stem for p in GOLDEN_DIR.glob("*.fcir"))
 def outcome(text: str, fast: bool) -> str:
     """The full text of the parsed module, or the error's type and message."""
     try:
-        with fcir_text._tenured():
+        with gcpause.tenured():
             module = fcir_text._Parser(text, fast=fast).module()
     except FcirError as e:
         return f"{type(e).__name__}: {e}"

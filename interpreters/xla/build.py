@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
+from fcir import captured
 from fcir.check import check
 from fcir.errors import PlacementError
 from fcir.ir import Module
@@ -36,10 +37,12 @@ def compile(
 
     ``exe(*args)`` takes and returns pytrees like ``reference.run``;
     ``exe.as_text("hlo" | "stablehlo")`` and ``exe.cost()`` need no arguments. The
-    module is type-checked first (``fcir.check``), so an IR file read from disk fails
-    here, naming the op, rather than somewhere in JAX.
+    module is type-checked first (``fcir.check``; a module straight from ``fcir.capture``,
+    unchanged since, was checked there), so an IR file read from disk fails here, naming
+    the op, rather than somewhere in JAX.
     """
-    check(module)
+    if not captured.checked(module):  # straight from fcir.capture: checked there
+        check(module)
     if mesh is not None and not isinstance(mesh, Mesh):
         raise PlacementError(
             f"xla.compile: mesh must be a jax.sharding.Mesh (or None for one device), got "

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fcir import captured, pytrees
+from fcir import captured, gcpause, pytrees
 from fcir.errors import FcirError, InterpreterError, PlacementError
 from fcir.ir import Module
 from fcir.jaxcompat import core
@@ -219,8 +219,12 @@ class Executable:
         lowered = self._lowered.get(key)
         if lowered is None:
             args = leaves if treedef is None else jax.tree_util.tree_unflatten(treedef, leaves)
-            with _xla_errors(self.module, "lower"), _mesh_context(
-                self.mesh if self._context else None
+            # Tracing and lowering a large program make millions of long-lived objects
+            # and next to no garbage: no collector passes over them meanwhile.
+            with (
+                _xla_errors(self.module, "lower"),
+                _mesh_context(self.mesh if self._context else None),
+                gcpause.tenured(),
             ):
                 lowered = self._lowered[key] = self._jitted.lower(*args)
         return lowered
