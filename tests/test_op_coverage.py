@@ -199,3 +199,57 @@ def test_an_interpreter_subclass_runs_every_fed_op_through_the_base_class():
     np.testing.assert_allclose(got[0], np.median(np.asarray(x), 0), rtol=1e-6)
     np.testing.assert_allclose(got[1], np.median(np.asarray(x), 0), rtol=1e-6)
     np.testing.assert_allclose(got[2], np.sum(np.asarray(x), 0), rtol=1e-6)
+
+
+# --- each op's JAX rules are in its own module -------------------------------------------
+
+_GENERIC_RULES = {
+    ("fcir.autodiff", "linear_jvp"),  # the same primitive on the tangent
+    ("jax._src.interpreters.ad", "zero_jvp"),  # AD.def_jvp_zero: never differentiable
+}
+
+
+def _rule_home(rule) -> tuple[str, str]:
+    fn = getattr(rule, "func", rule)  # functools.partial(shared_rule, prim)
+    return fn.__module__, fn.__qualname__.split(".")[0]
+
+
+def test_every_fed_op_s_derivative_rules_are_defined_in_a_fed_op_module():
+    from fcir.jaxcompat import ad
+
+    for name, cls in F.ops().items():
+        jvp = ad.primitive_jvps.get(cls.primitive)
+        assert jvp is not None, f"{name} has no JVP rule"
+        for what, rule in (("jvp", jvp), ("transpose", ad.primitive_transposes.get(cls.primitive))):
+            if rule is None:
+                continue
+            home = _rule_home(rule)
+            assert home[0].startswith("fcir.fed.") or home in _GENERIC_RULES, (
+                f"{name}'s {what} rule is {home}: it belongs in the op's module (or its "
+                "kind's base module), registered with fcir.autodiff.def_jvp/def_transpose"
+            )
+
+
+def test_the_generic_primitive_and_autodiff_machinery_names_no_fed_op():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "fcir"
+    for module in ("primitives.py", "autodiff.py"):
+        code = (root / module).read_text()
+        for name, cls in F.ops().items():
+            if cls is F.Map:  # the shared helpers run per-member work in a fed.map region
+                continue
+            short = cls.primitive.name.removeprefix("fed_")
+            for word in (cls.primitive.name, f"{short}_p", cls.__name__):
+                hit = re.search(rf"(?<![\w.]){word}\b", code)
+                assert hit is None, f"fcir/{module} names {word} ({name}): move it to the op"
+
+
+def test_legacy_primitive_names_resolve_through_the_registry():
+    from fcir import primitives as P
+
+    assert P.sum_p is F.Sum.primitive and P.map_p is F.Map.primitive
+    assert P.ddp_mean_p is F.DdpMean.primitive
+    with pytest.raises(AttributeError):
+        P.no_such_op_p  # noqa: B018

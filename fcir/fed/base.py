@@ -230,3 +230,36 @@ def of_kind(*kinds: str) -> frozenset[str]:
 def by_primitive() -> dict[str, type[FedOp]]:
     """JAX primitive name (``fed_sum``) -> op class."""
     return {c.primitive.name: c for c in FedOp.registry.values()}
+
+
+# The user-facing functions the op modules define (``fcir.reduce_median`` ...): name ->
+# function. ``fcir`` exports every one.
+FUNCTIONS: dict = {}
+
+
+def public(fn):
+    """Marks ``fn``, defined in a fed op's module, as a function of ``fcir``'s API
+    (``fcir.<name>``): the op module is then the only file that names it."""
+    if fn.__name__ in FUNCTIONS:
+        raise TypeError(f"fcir.{fn.__name__} is defined twice")
+    FUNCTIONS[fn.__name__] = fn
+    return fn
+
+
+def resolve(table: dict) -> dict[type[FedOp], object]:
+    """A backend's own table, op class -> rule, with its kind defaults applied.
+
+    ``table`` maps op classes to rules (or ``Unsupported``) and may map a kind name
+    (``"reduction"``) to the rule of every op of that kind it does not list: a default
+    the backend declares itself, in its own table. An op with neither is absent (the
+    op-coverage test fails on it)."""
+    for key in table:
+        if isinstance(key, str) and key not in KINDS:
+            raise ValueError(f"rule table key {key!r} is neither an op class nor a kind {KINDS}")
+    out = {}
+    for cls in FedOp.registry.values():
+        if cls in table:
+            out[cls] = table[cls]
+        elif cls.kind in table:
+            out[cls] = table[cls.kind]
+    return out

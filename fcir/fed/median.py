@@ -15,7 +15,7 @@ import numpy as np
 from fcir import autodiff as AD
 from fcir import primitives as P
 
-from .base import Reduction
+from .base import Reduction, public
 from .trimmed_mean import (
     _check,
     _Fed,
@@ -79,6 +79,7 @@ def _median_jvp(primals, tangents, *, placement, n):
 AD.def_jvp(median_p, _median_jvp)
 
 
+@public
 def reduce_median(x):
     """Per-coordinate median over members: ``{fN[...]}@child -> fN[...]@p``.
 

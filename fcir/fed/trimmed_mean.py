@@ -25,7 +25,11 @@ from fcir import autodiff as AD
 from fcir import primitives as P
 from fcir.types import TensorType
 
-from .base import Reduction
+from .base import Reduction, public
+from .broadcast import broadcast_p
+from .max import max_p
+from .min import min_p
+from .sum import sum_p
 
 __all__ = ["TrimmedMean", "reduce_trimmed_mean", "trimmed_mean_p"]
 
@@ -164,19 +168,19 @@ class _Fed:
         self.kw = {"placement": placement, "n": n}
 
     def bcast(self, v):
-        return P.broadcast_p.bind(v, **self.kw)
+        return broadcast_p.bind(v, **self.kw)
 
     def map(self, builder, static, *placed):
         return AD.member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
 
     def sum(self, x):
-        return P.sum_p.bind(x, **self.kw)
+        return sum_p.bind(x, **self.kw)
 
     def min(self, x):
-        return P.min_p.bind(x, **self.kw)
+        return min_p.bind(x, **self.kw)
 
     def max(self, x):
-        return P.max_p.bind(x, **self.kw)
+        return max_p.bind(x, **self.kw)
 
     def count(self, op: str, x, v):
         return self.sum(self.map(_count_region, (op,), x, self.bcast(v)))
@@ -231,6 +235,7 @@ AD.def_jvp(trimmed_mean_p, _trimmed_mean_jvp)
 # --- the public function ----------------------------------------------------------------
 
 
+@public
 def reduce_trimmed_mean(x, *, trim: int):
     """Per-coordinate trimmed mean over members: ``{fN[...]}@child -> fN[...]@p``.
 
