@@ -253,3 +253,43 @@ def test_legacy_primitive_names_resolve_through_the_registry():
     assert P.ddp_mean_p is F.DdpMean.primitive
     with pytest.raises(AttributeError):
         P.no_such_op_p  # noqa: B018
+
+
+# --- what a Flower ServerApp runs for a reduction with no intrinsic ------------------------
+
+
+def test_every_gathered_reduction_has_a_self_contained_server_aggregate_equal_to_its_primitive():
+    """A reduction splitting lowers to federated_aggregate (every client's value to the
+    server) reaches the Flower app only as its op's server_aggregate source, run with
+    nothing but numpy in scope (the app cannot import fcir): it must exist, stand alone
+    and give the primitive's bits over the replies."""
+    import jax.numpy as jnp
+    import numpy as np
+    from fcir.interpreters.flower.app import runtime
+    from fcir.interpreters.production import splitting
+
+    gathered = [c for c, uri in F.resolve(splitting._INTRINSIC_OF).items()
+                if uri == "federated_aggregate"]
+    assert {c.name for c in gathered} >= {"fed.median", "fed.trimmed_mean"}
+    for cls in gathered:
+        source = cls.server_aggregate_source()
+        assert source is not None, f"{cls.name} has no server_aggregate for the Flower app"
+        assert "fcir." not in source, f"{cls.name}'s server_aggregate uses fcir"
+        fn = runtime._server_aggregate(source)
+        attrs = {k: 1 for k in cls.attributes}  # trim=1
+        for n in (5, 6):
+            x = jnp.asarray(np.random.default_rng(n).normal(size=(n, 3)), jnp.float32)
+            want = cls.primitive.bind(x, placement="clients", n=n, **attrs)
+            np.testing.assert_array_equal(np.asarray(fn(x, **attrs)), np.asarray(want))
+
+
+def test_the_flower_app_runtime_names_no_op_without_an_intrinsic():
+    import pathlib
+
+    from fcir.interpreters.production import splitting
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "interpreters" / "flower" / "app"
+    text = (root / "runtime.py").read_text()
+    for name, uri in splitting.INTRINSICS.items():
+        if uri == "federated_aggregate":
+            assert f'"{name}"' not in text, f"app/runtime.py special-cases {name}"

@@ -141,6 +141,21 @@ class FedOp:
         return cls.primitive.bind(*args, placement=p, n=cardinality(p), **params)
 
     @classmethod
+    def server_aggregate_source(cls) -> str | None:
+        """The source of the op's ``server_aggregate(x, **attrs)``, if it has one: how a
+        server with every client's value (stacked on axis 0) computes the op, in jnp
+        and numpy only. The Flower export copies it into the app (which cannot import
+        fcir) for a reduction with no intrinsic of its own."""
+        import inspect
+        import textwrap
+
+        fn = getattr(cls, "server_aggregate", None)
+        if fn is None:
+            return None
+        lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
+        return "\n".join(line for line in lines if not line.startswith("@")) + "\n"
+
+    @classmethod
     def placed_operand(cls, ctx: Context, v, code_placement: str, allow_all_equal=True):
         t = v.type
         if not isinstance(t, PlacedType) or t.placement == SERVER:

@@ -39,6 +39,18 @@ class Median(Reduction):
         "C4": "operand must be a floating-point tensor",
     }
 
+    @staticmethod
+    def server_aggregate(x):
+        """The median over axis 0 of the clients' replies, as a Flower ServerApp computes
+        it (self-contained: the app copies this source, it cannot import fcir)."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        n = x.shape[0]
+        k = (n - 1) // 2
+        acc = np.result_type(x.dtype, np.float32)
+        return jnp.mean(jnp.sort(x, axis=0)[k : n - k].astype(acc), axis=0).astype(x.dtype)
+
     @classmethod
     def trim_for(cls, n: int, attrs: dict) -> int:
         return (n - 1) // 2

@@ -54,6 +54,18 @@ def l_estimate_numpy(x: np.ndarray, trim: int) -> np.ndarray:
     return kept.astype(_accumulator(x.dtype)).mean(axis=0).astype(x.dtype)
 
 
+def server_aggregate(x, *, trim):
+    """The trimmed mean over axis 0 of the clients' replies, as a Flower ServerApp
+    computes it (self-contained: the app copies this source, it cannot import fcir;
+    the same jnp calls as ``l_estimate``, so all replies give the bundle's bits)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    n = x.shape[0]
+    acc = np.result_type(x.dtype, np.float32)
+    return jnp.mean(jnp.sort(x, axis=0)[trim : n - trim].astype(acc), axis=0).astype(x.dtype)
+
+
 def float_problem(cls, dtype: str) -> tuple[str, str] | None:
     if not (dtype.startswith("f") or dtype == "bf16"):
         return "C4", f"operand member dtype {dtype}; cast it (x.astype(jnp.float32)) first"
@@ -72,6 +84,9 @@ class TrimmedMean(Reduction):
         "C5": "attribute 'trim' must be an int with 0 <= 2*trim < the cardinality of the "
         "placement reduced over",
     }
+
+    # The ServerApp's aggregation of the replies (interpreters/flower/app/runtime.py).
+    server_aggregate = staticmethod(server_aggregate)
 
     @classmethod
     def trim_for(cls, n: int, attrs: dict) -> int:
