@@ -293,3 +293,16 @@ def test_the_flower_app_runtime_names_no_op_without_an_intrinsic():
     for name, uri in splitting.INTRINSICS.items():
         if uri == "federated_aggregate":
             assert f'"{name}"' not in text, f"app/runtime.py special-cases {name}"
+
+
+def test_a_kind_default_covers_only_the_ops_of_that_kind_and_only_where_declared():
+    ops = F.resolve({F.Sum: "accumulated", "reduction": F.Unsupported("no accumulator")})
+    assert ops[F.Sum] == "accumulated"
+    assert ops[F.Median] == F.Unsupported("no accumulator")
+    assert F.Broadcast not in ops and F.DpSum not in ops
+    # Without the default a reduction the table does not name is missing (the test fails).
+    assert missing_entries({c.name: r for c, r in F.resolve({F.Sum: "x"}).items()}) == sorted(
+        set(F.ops()) - {"fed.sum"}
+    )
+    with pytest.raises(ValueError, match="neither an op class nor a kind"):
+        F.resolve({"reductions": "typo"})
