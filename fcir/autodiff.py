@@ -1,6 +1,6 @@
-"""Automatic differentiation rules for the federated primitives.
+"""The shared machinery of the federated primitives' automatic differentiation rules.
 
-Importing ``fcir`` registers them. With these rules ``jax.jvp``, ``jax.linearize``,
+Importing ``fcir`` registers them (each op module registers its own). With these rules ``jax.jvp``, ``jax.linearize``,
 ``jax.vjp``/``jax.grad``, ``jax.jacfwd``/``jax.jacrev``/``jax.hessian``,
 ``jax.checkpoint`` and ``jax.vmap`` of any of them work on federated programs, under
 ``jax.jit`` and without it, and the derivative stays federated.

@@ -6,18 +6,15 @@ explicit broadcasts by the frontend, so the region only ever sees member values.
 body stays a sub-jaxpr, so the map boundary survives in the jaxpr (and in the IR).
 
 Derivative: higher-order: JVP maps the body's JVP (``ad.jvp_jaxpr``); direct
-linearization maps ``ad.linearize_jaxpr``'s primal jaxpr and its
-tangent jaxpr; partial evaluation (``JaxprTrace`` and the
-``partial_eval_jaxpr_custom`` used by remat and jit) splits the body
-into a known map that *outputs its residuals placed at the members*
-(leading axis n) and an unknown map that consumes them; residuals
-that are just (placed) map operands are forwarded, residuals that
-are constants of the body are baked into the unknown body as
-constants (never broadcast, never moved to the server). Transpose
-maps the body's backward pass (``ad.backward_pass``), consuming the
-placed residuals and the placed cotangents and producing placed
-cotangents. DCE prunes unused outputs and the body's dead code.
-Symbolic zeros (``ad.Zero``) are never instantiated: zero tangents /
+linearization maps ``ad.linearize_jaxpr``'s primal jaxpr and its tangent jaxpr; partial
+evaluation (``JaxprTrace`` and the ``partial_eval_jaxpr_custom`` used by remat and jit)
+splits the body into a known map that *outputs its residuals placed at the members*
+(leading axis n) and an unknown map that consumes them; residuals that are just (placed)
+map operands are forwarded, residuals that are constants of the body are baked into the
+unknown body as constants (never broadcast, never moved to the server). Transpose maps
+the body's backward pass (``ad.backward_pass``), consuming the placed residuals and the
+placed cotangents and producing placed cotangents. DCE prunes unused outputs and the
+body's dead code. Symbolic zeros (``ad.Zero``) are never instantiated: zero tangents /
 cotangents are dropped from the region's signature.
 """
 
