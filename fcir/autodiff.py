@@ -1,9 +1,10 @@
 """The shared machinery of the federated primitives' automatic differentiation rules.
 
-Importing ``fcir`` registers them (each op module registers its own). With these rules ``jax.jvp``, ``jax.linearize``,
-``jax.vjp``/``jax.grad``, ``jax.jacfwd``/``jax.jacrev``/``jax.hessian``,
-``jax.checkpoint`` and ``jax.vmap`` of any of them work on federated programs, under
-``jax.jit`` and without it, and the derivative stays federated.
+Importing ``fcir`` registers the rules (each fed op module registers its own). With
+them ``jax.jvp``, ``jax.linearize``, ``jax.vjp``/``jax.grad``,
+``jax.jacfwd``/``jax.jacrev``/``jax.hessian``, ``jax.checkpoint`` and ``jax.vmap`` of
+any of them work on federated programs, under ``jax.jit`` and without it, and the
+derivative stays federated.
 
 Design (the "federated-ness" rule every fed op's rule obeys)
 ------------------------------------------------------------
