@@ -58,7 +58,3 @@ __all__ = sorted(
         *FUNCTIONS,
     ]
 )
-
-
-def __dir__():
-    return __all__
