@@ -1,6 +1,6 @@
 """fcir: a compiler and interpreter toolkit for federated computations written in JAX."""
 
-from fcir import autodiff as _autodiff  # noqa: F401  (registers AD rules)
+from fcir import fed as _fed  # every fed op's module: its primitive and JAX rules
 from fcir import privacy
 from fcir.api import (
     broadcast,
@@ -30,9 +30,12 @@ from fcir.errors import (
     UnsupportedError,
     VersionError,
 )
-from fcir.fed import reduce_median, reduce_trimmed_mean
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import IR_VERSION, Module
 from fcir.text import parse
+
+# The user-facing functions the fed op modules define (``@fcir.fed.public``:
+# ``fcir.reduce_median``, ...), read from the registry.
+globals().update(_fed.FUNCTIONS)
 
 __version__ = "0.1.0"

@@ -199,3 +199,110 @@ def test_an_interpreter_subclass_runs_every_fed_op_through_the_base_class():
     np.testing.assert_allclose(got[0], np.median(np.asarray(x), 0), rtol=1e-6)
     np.testing.assert_allclose(got[1], np.median(np.asarray(x), 0), rtol=1e-6)
     np.testing.assert_allclose(got[2], np.sum(np.asarray(x), 0), rtol=1e-6)
+
+
+# --- each op's JAX rules are in its own module -------------------------------------------
+
+_GENERIC_RULES = {
+    ("fcir.autodiff", "linear_jvp"),  # the same primitive on the tangent
+    ("jax._src.interpreters.ad", "zero_jvp"),  # AD.def_jvp_zero: never differentiable
+}
+
+
+def _rule_home(rule) -> tuple[str, str]:
+    fn = getattr(rule, "func", rule)  # functools.partial(shared_rule, prim)
+    return fn.__module__, fn.__qualname__.split(".")[0]
+
+
+def test_every_fed_op_s_derivative_rules_are_defined_in_a_fed_op_module():
+    from fcir.jaxcompat import ad
+
+    for name, cls in F.ops().items():
+        jvp = ad.primitive_jvps.get(cls.primitive)
+        assert jvp is not None, f"{name} has no JVP rule"
+        for what, rule in (("jvp", jvp), ("transpose", ad.primitive_transposes.get(cls.primitive))):
+            if rule is None:
+                continue
+            home = _rule_home(rule)
+            assert home[0].startswith("fcir.fed.") or home in _GENERIC_RULES, (
+                f"{name}'s {what} rule is {home}: it belongs in the op's module (or its "
+                "kind's base module), registered with fcir.autodiff.def_jvp/def_transpose"
+            )
+
+
+def test_the_generic_primitive_and_autodiff_machinery_names_no_fed_op():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "fcir"
+    for module in ("primitives.py", "autodiff.py"):
+        code = (root / module).read_text()
+        for name, cls in F.ops().items():
+            if cls is F.Map:  # the shared helpers run per-member work in a fed.map region
+                continue
+            short = cls.primitive.name.removeprefix("fed_")
+            for word in (cls.primitive.name, f"{short}_p", cls.__name__):
+                hit = re.search(rf"(?<![\w.]){word}\b", code)
+                assert hit is None, f"fcir/{module} names {word} ({name}): move it to the op"
+
+
+def test_legacy_primitive_names_resolve_through_the_registry():
+    from fcir import primitives as P
+
+    assert P.sum_p is F.Sum.primitive and P.map_p is F.Map.primitive
+    assert P.ddp_mean_p is F.DdpMean.primitive
+    with pytest.raises(AttributeError):
+        P.no_such_op_p  # noqa: B018
+
+
+# --- what a Flower ServerApp runs for a reduction with no intrinsic ------------------------
+
+
+def test_every_gathered_reduction_has_a_self_contained_server_aggregate_equal_to_its_primitive():
+    """A reduction splitting lowers to federated_aggregate (every client's value to the
+    server) reaches the Flower app only as its op's server_aggregate source, run with
+    nothing but numpy in scope (the app cannot import fcir): it must exist, stand alone
+    and give the primitive's bits over the replies."""
+    import jax.numpy as jnp
+    import numpy as np
+    from fcir.interpreters.flower.app import runtime
+    from fcir.interpreters.production import splitting
+
+    gathered = [c for c, uri in F.resolve(splitting._INTRINSIC_OF).items()
+                if uri == "federated_aggregate"]
+    assert {c.name for c in gathered} >= {"fed.median", "fed.trimmed_mean"}
+    for cls in gathered:
+        source = cls.server_aggregate_source()
+        assert source is not None, f"{cls.name} has no server_aggregate for the Flower app"
+        assert "fcir." not in source, f"{cls.name}'s server_aggregate uses fcir"
+        fn = runtime._server_aggregate(source)
+        attrs = {k: 1 for k in cls.attributes}  # trim=1
+        for n in (5, 6):
+            x = jnp.asarray(np.random.default_rng(n).normal(size=(n, 3)), jnp.float32)
+            want = cls.primitive.bind(x, placement="clients", n=n, **attrs)
+            np.testing.assert_array_equal(np.asarray(fn(x, **attrs)), np.asarray(want))
+
+
+def test_the_flower_app_runtime_names_no_op_without_an_intrinsic():
+    import pathlib
+
+    from fcir.interpreters.production import splitting
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "interpreters" / "flower" / "app"
+    text = (root / "runtime.py").read_text()
+    for name, uri in splitting.INTRINSICS.items():
+        if uri == "federated_aggregate":
+            assert f'"{name}"' not in text, f"app/runtime.py special-cases {name}"
+
+
+def test_a_kind_default_covers_only_the_ops_of_that_kind_and_only_where_declared():
+    ops = F.resolve({F.Sum: "accumulated", "reduction": F.Unsupported("no accumulator")})
+    assert ops[F.Sum] == "accumulated"
+    assert ops[F.Median] == F.Unsupported("no accumulator")
+    assert F.Broadcast not in ops and F.DpSum not in ops
+    # Without the default a reduction the table does not name is missing (the test fails).
+    assert missing_entries({c.name: r for c, r in F.resolve({F.Sum: "x"}).items()}) == sorted(
+        set(F.ops()) - {"fed.sum"}
+    )
+    with pytest.raises(ValueError, match="neither an op class nor a kind"):
+        F.resolve({"reductions": "typo"})

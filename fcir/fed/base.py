@@ -141,6 +141,21 @@ class FedOp:
         return cls.primitive.bind(*args, placement=p, n=cardinality(p), **params)
 
     @classmethod
+    def server_aggregate_source(cls) -> str | None:
+        """The source of the op's ``server_aggregate(x, **attrs)``, if it has one: how a
+        server with every client's value (stacked on axis 0) computes the op, in jnp
+        and numpy only. The Flower export copies it into the app (which cannot import
+        fcir) for a reduction with no intrinsic of its own."""
+        import inspect
+        import textwrap
+
+        fn = getattr(cls, "server_aggregate", None)
+        if fn is None:
+            return None
+        lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
+        return "\n".join(line for line in lines if not line.startswith("@")) + "\n"
+
+    @classmethod
     def placed_operand(cls, ctx: Context, v, code_placement: str, allow_all_equal=True):
         t = v.type
         if not isinstance(t, PlacedType) or t.placement == SERVER:
@@ -230,3 +245,36 @@ def of_kind(*kinds: str) -> frozenset[str]:
 def by_primitive() -> dict[str, type[FedOp]]:
     """JAX primitive name (``fed_sum``) -> op class."""
     return {c.primitive.name: c for c in FedOp.registry.values()}
+
+
+# The user-facing functions the op modules define (``fcir.reduce_median`` ...): name ->
+# function. ``fcir`` exports every one.
+FUNCTIONS: dict = {}
+
+
+def public(fn):
+    """Marks ``fn``, defined in a fed op's module, as a function of ``fcir``'s API
+    (``fcir.<name>``): the op module is then the only file that names it."""
+    if fn.__name__ in FUNCTIONS:
+        raise TypeError(f"fcir.{fn.__name__} is defined twice")
+    FUNCTIONS[fn.__name__] = fn
+    return fn
+
+
+def resolve(table: dict) -> dict[type[FedOp], object]:
+    """A backend's own table, op class -> rule, with its kind defaults applied.
+
+    ``table`` maps op classes to rules (or ``Unsupported``) and may map a kind name
+    (``"reduction"``) to the rule of every op of that kind it does not list: a default
+    the backend declares itself, in its own table. An op with neither is absent (the
+    op-coverage test fails on it)."""
+    for key in table:
+        if isinstance(key, str) and key not in KINDS:
+            raise ValueError(f"rule table key {key!r} is neither an op class nor a kind {KINDS}")
+    out = {}
+    for cls in FedOp.registry.values():
+        if cls in table:
+            out[cls] = table[cls]
+        elif cls.kind in table:
+            out[cls] = table[cls.kind]
+    return out

@@ -1,18 +1,72 @@
-"""``fed.broadcast``: a value sent to every member of the placement below."""
+"""``fed.broadcast``: a value sent to every member of the placement below.
+
+Derivative: linear. JVP: broadcast the tangent. Transpose: ``fed.sum`` (same placement
+and cardinality), so the cotangent of a server value that was broadcast is the
+federated sum of the members' cotangents.
+"""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+from jax.sharding import AxisType
+
+from fcir import autodiff as AD
 from fcir import primitives as P
+from fcir.jaxcompat import core
 from fcir.types import PlacedType
 
 from .base import FedOp, arity
+
+__all__ = ["Broadcast", "broadcast_p"]
+
+
+def _explicit_member_axis(aval: core.ShapedArray, placement: str):
+    """The mesh axis a broadcast's member axis is typed as sharded on: ``placement``
+    if the operand's mesh has an ``Explicit`` axis of that name not already used by
+    the operand, else None (replicated; the frontend's constraint does the rest)."""
+    mesh = aval.sharding.mesh
+    if placement not in mesh.axis_names:
+        return None
+    if mesh.axis_types[mesh.axis_names.index(placement)] != AxisType.Explicit:
+        return None
+    used = {a for e in aval.sharding.spec for a in (e if isinstance(e, tuple) else (e,))}
+    return None if placement in used else placement
+
+
+def _impl(x, *, placement, n):
+    del placement
+    x = jnp.asarray(x)
+    return jnp.broadcast_to(x[None], (n, *x.shape))
+
+
+def _abstract_eval(x, *, placement, n):
+    return P.placed_aval(x, n, _explicit_member_axis(x, placement))
+
+
+def _batch(args, dims, *, placement, n):
+    (x,), (d,) = args, dims
+    return broadcast_p.bind(x, placement=placement, n=n), d + 1
+
+
+def _transpose(ct, x, *, placement, n):
+    from .sum import sum_p
+
+    assert AD.is_undefined_primal(x)
+    if AD.is_symbolic_zero(ct):
+        return [AD.zero_cotangent(x)]
+    return [sum_p.bind(ct, placement=placement, n=n)]
+
+
+broadcast_p = P.define_primitive("fed_broadcast", _impl, _abstract_eval, _batch)
+AD.def_jvp(broadcast_p, AD.linear_jvp(broadcast_p))
+AD.def_transpose(broadcast_p, _transpose)
 
 
 class Broadcast(FedOp):
     """Sends a value to every member of the placement below: ``T@p -> T@child!``."""
 
     name = "fed.broadcast"
-    primitive = P.broadcast_p
+    primitive = broadcast_p
     kind = "broadcast"
     attributes = {"to": str}
     constraints = {

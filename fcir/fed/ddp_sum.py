@@ -23,7 +23,7 @@ from fcir import primitives as P
 from fcir.types import PlacedType, TensorType
 
 from .base import FedOp
-from .dp_sum import DpSum
+from .dp_sum import DpSum, dp_jvp
 
 __all__ = ["DdpSum", "ddp_sum_p", "define_ddp"]
 
@@ -148,7 +148,7 @@ def define_ddp(op: type[FedOp], mean: bool):
         functools.partial(_impl, mean=mean),
         functools.partial(_abstract_eval, op, mean=mean),
     )
-    AD.def_jvp(prim, functools.partial(AD.dp_jvp, prim, mean))
+    AD.def_jvp(prim, functools.partial(dp_jvp, prim, mean))
     op.primitive = prim
     return prim
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fcir import primitives as P
+from .dp_sum import DpSum, define_dp_op
 
-from .dp_sum import DpSum
+__all__ = ["DpMean", "dp_mean_p"]
 
 
 class DpMean(DpSum):
@@ -12,4 +12,6 @@ class DpMean(DpSum):
     too): ``({T1}@child, ..., {Tk}@child, K) -> (T1, ..., Tk)``."""
 
     name = "fed.dp_mean"
-    primitive = P.dp_mean_p
+
+
+dp_mean_p = define_dp_op(DpMean, mean=True)

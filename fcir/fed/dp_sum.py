@@ -1,13 +1,120 @@
-"""``fed.dp_sum``: the Gaussian mechanism over the members' clipped pytrees."""
+"""``fed.dp_sum``: the Gaussian mechanism over the members' clipped pytrees.
+
+The kind "dp"'s base module: ``fed.dp_mean`` (``fcir.fed.dp_mean``) and the ``ddp``
+ops (``fcir.fed.ddp_sum``) share the derivative here (``dp_jvp``).
+
+One primitive for the whole pytree, not one per leaf, because the clip norm is the
+global L2 norm over every leaf of a member: the leaves are coupled. Operands are the
+placed leaves followed by the PRNG key (a value local to the current placement).
+
+Derivative: the noise is a constant (it depends on the key only), so the tangent is the
+sum of the members' clip tangents: ``fed.sum(map(jvp(clip)))`` (divided by n for the
+mean, on the server). The map region is linear in the tangents, so partial evaluation
+splits it like weighted_mean's and the VJP is a broadcast followed by a member-wise map
+(clipping differentiated per member).
+"""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from fcir import autodiff as AD
 from fcir import primitives as P
 from fcir.types import TensorType
 
 from .base import FedOp
+from .sum import sum_p
+
+__all__ = ["DpSum", "define_dp_op", "dp_jvp", "dp_sum_p"]
+
+
+# --- the primitive ------------------------------------------------------------------------
+
+
+def _impl(*args, placement, n, clip_norm, noise_multiplier, mean):
+    del placement
+    *xs, key = args
+    clipped = jax.vmap(lambda *m: P.clip_member(m, clip_norm))(*xs)
+    out = []
+    for i, c in enumerate(clipped):
+        total = jnp.sum(c, axis=0) + P.dp_noise(
+            key, i, c.shape[1:], c.dtype, clip_norm, noise_multiplier
+        )
+        out.append(total / n if mean else total)
+    return out
+
+
+def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean):
+    what = op.name
+    *xs, key = avals
+    if not xs:
+        raise op.error("C1", "no value leaf before the key")
+    if not P.is_key(key):
+        raise op.error(
+            "C3", f"got {key.str_short()}; pass jax.random.key(...) or a raw uint32[2] key"
+        )
+    out = []
+    for i, x in enumerate(xs):
+        member = P.member_aval(x, placement, n, f"{what} operand {i}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise op.error(
+                "C4",
+                f"operand {i} has dtype {x.dtype}: cast it (x.astype(jnp.float32)) "
+                "before the DP aggregate",
+            )
+        out.append(member.update(weak_type=False))
+    return out
+
+
+# --- the derivative (shared by the kinds "dp" and "ddp") -----------------------------------
+
+
+def _clip_tangent_region(clip_norm: float, nonzero: tuple[bool, ...]):
+    def clip_tangent(*args):
+        k = len(nonzero)
+        xs, given = list(args[:k]), iter(args[k:])
+        ts = [next(given) if nz else jnp.zeros_like(x) for x, nz in zip(xs, nonzero)]
+        _, out = jax.jvp(lambda *m: P.clip_member(m, clip_norm), xs, ts)
+        return list(out)
+
+    return clip_tangent
+
+
+def dp_jvp(prim, mean: bool, primals, tangents, **params):
+    """The JVP of a DP aggregate (``fed.dp_*``, ``fed.ddp_*``): the noise (and ddp's
+    rounding) is a constant, so the tangent is the sum (mean) of the members' clipped
+    tangents. The last operand is the key(s)."""
+    *xs, _ = primals
+    ys = prim.bind(*primals, **params)
+    nonzero = tuple(not AD.is_zero(t) for t in tangents[:-1])
+    if not any(nonzero):
+        return ys, [AD.zero_tangent(y) for y in ys]
+    ts = [t for t, nz in zip(tangents, nonzero) if nz]
+    placement, n = params["placement"], params["n"]
+    clipped = AD.member_map(
+        _clip_tangent_region, (params["clip_norm"], nonzero), placement, n, *xs, *ts
+    )
+    out = [sum_p.bind(c, placement=placement, n=n) for c in clipped]
+    return ys, [o / n for o in out] if mean else out
+
+
+def define_dp_op(op: type[FedOp], mean: bool):
+    """The primitive of ``op`` (``fed.dp_sum`` or, with ``mean``, ``fed.dp_mean``) with
+    its derivative, set as ``op.primitive``."""
+    import functools
+
+    def impl(*args, **params):
+        return _impl(*args, mean=mean, **params)
+
+    def abstract_eval(*avals, **params):
+        return _abstract_eval(op, *avals, mean=mean, **params)
+
+    prim = P.define_dp("fed_" + op.name.removeprefix("fed."), impl, abstract_eval)
+    AD.def_jvp(prim, functools.partial(dp_jvp, prim, mean))
+    op.primitive = prim
+    return prim
 
 
 class DpSum(FedOp):
@@ -18,7 +125,6 @@ class DpSum(FedOp):
     the current placement. Leaf ``i``'s noise is drawn with ``fold_in(key, i)``."""
 
     name = "fed.dp_sum"
-    primitive = P.dp_sum_p
     kind = "dp"
     multiple_results = True
     attributes = {"clip_norm": float, "noise_multiplier": float}
@@ -68,3 +174,6 @@ class DpSum(FedOp):
                 cls.fail("C4", f"operand {i} has member type {t.member}")
             if r.type != ctx.local(t.member):
                 cls.fail("C6", f"result {i} is {r.type}, expected {ctx.local(t.member)}")
+
+
+dp_sum_p = define_dp_op(DpSum, mean=False)

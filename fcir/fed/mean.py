@@ -1,18 +1,48 @@
-"""``fed.mean``: the mean over the members."""
+"""``fed.mean``: the mean over the members.
+
+Derivative: linear for inexact dtypes. Transpose: ``broadcast(ct / n)`` (the division
+is done once, on the server value, exactly what ``jnp.mean``'s VJP does). ``mean`` of
+ints/bools is float32 but its input has no tangent: the output tangent is a symbolic
+zero and no cotangent flows back (integer inputs are not differentiable).
+"""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
+from fcir import autodiff as AD
 from fcir import primitives as P
 from fcir.types import TensorType
 
 from .base import Reduction, mean_dtype
+from .broadcast import broadcast_p
+
+__all__ = ["Mean", "mean_p"]
+
+
+def _impl(x, *, n):
+    dt = P.mean_result_dtype(x.dtype)
+    return jnp.mean(x.astype(dt) if x.dtype != dt else x, axis=0)
+
+
+def _transpose(ct, x, *, placement, n):
+    assert AD.is_undefined_primal(x)
+    if AD.is_symbolic_zero(ct):
+        return [AD.zero_cotangent(x)]
+    # Scale once on the server, then broadcast: jnp.mean's VJP computes ct / n too.
+    return [broadcast_p.bind(ct / n, placement=placement, n=n)]
+
+
+mean_p = P.define_reduction("fed_mean", _impl, result_dtype=P.mean_result_dtype, weak_type=True)
+AD.def_jvp(mean_p, AD.linear_jvp(mean_p))
+AD.def_transpose(mean_p, _transpose)
 
 
 class Mean(Reduction):
     """Mean over members: ``{T}@child -> T``; integer and bool members give f32."""
 
     name = "fed.mean"
-    primitive = P.mean_p
+    primitive = mean_p
     constraints = {
         **Reduction.constraints,
         "C3": "result must be the operand's member type (f32 for integer and bool members), "

@@ -15,7 +15,7 @@ import numpy as np
 from fcir import autodiff as AD
 from fcir import primitives as P
 
-from .base import Reduction
+from .base import Reduction, public
 from .trimmed_mean import (
     _check,
     _Fed,
@@ -38,6 +38,18 @@ class Median(Reduction):
         **Reduction.constraints,
         "C4": "operand must be a floating-point tensor",
     }
+
+    @staticmethod
+    def server_aggregate(x):
+        """The median over axis 0 of the clients' replies, as a Flower ServerApp computes
+        it (self-contained: the app copies this source, it cannot import fcir)."""
+        import jax.numpy as jnp
+        import numpy as np
+
+        n = x.shape[0]
+        k = (n - 1) // 2
+        acc = np.result_type(x.dtype, np.float32)
+        return jnp.mean(jnp.sort(x, axis=0)[k : n - k].astype(acc), axis=0).astype(x.dtype)
 
     @classmethod
     def trim_for(cls, n: int, attrs: dict) -> int:
@@ -79,6 +91,7 @@ def _median_jvp(primals, tangents, *, placement, n):
 AD.def_jvp(median_p, _median_jvp)
 
 
+@public
 def reduce_median(x):
     """Per-coordinate median over members: ``{fN[...]}@child -> fN[...]@p``.
 

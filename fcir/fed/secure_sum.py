@@ -1,18 +1,45 @@
-"""``fed.secure_sum``: the sum modulo ``2**bitwidth`` by secure aggregation."""
+"""``fed.secure_sum``: the sum modulo ``2**bitwidth`` by secure aggregation.
+
+Derivative: integer-only (modular arithmetic): the tangent is always a symbolic zero
+(``float0``); it is never linear, so it has no transpose.
+"""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
+
+from fcir import autodiff as AD
 from fcir import primitives as P
-from fcir.types import TensorType
+from fcir.types import TensorType, dtype_name
 
 from .base import Reduction
+
+__all__ = ["SecureSum", "secure_sum_p"]
+
+
+def _impl(x, *, n, bitwidth):
+    total = jnp.sum(x, axis=0, dtype=x.dtype)
+    if bitwidth < np.dtype(x.dtype).itemsize * 8:
+        total = jnp.bitwise_and(total, jnp.asarray((1 << bitwidth) - 1, x.dtype))
+    return total
+
+
+def _check(member, *, n, bitwidth):
+    found = SecureSum.problem(dtype_name(member.dtype), bitwidth)
+    if found is not None:
+        raise SecureSum.error(*found)
+
+
+secure_sum_p = P.define_reduction("fed_secure_sum", _impl, _check, weak_type=True)
+AD.def_jvp_zero(secure_sum_p)
 
 
 class SecureSum(Reduction):
     """Sum modulo ``2**bitwidth`` by secure aggregation: ``{iN[...]}@child -> iN[...]``."""
 
     name = "fed.secure_sum"
-    primitive = P.secure_sum_p
+    primitive = secure_sum_p
     attributes = {"bitwidth": int}
     constraints = {
         **Reduction.constraints,

@@ -1,18 +1,44 @@
-"""``fed.sum``: the sum over the members."""
+"""``fed.sum``: the sum over the members.
+
+Derivative: linear. JVP: the sum of the tangents. Transpose: ``fed.broadcast``.
+"""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
+from fcir import autodiff as AD
 from fcir import primitives as P
 from fcir.types import TensorType, dtype_from_name, dtype_name
 
 from .base import Reduction
+from .broadcast import broadcast_p
+
+__all__ = ["Sum", "sum_p"]
+
+
+def _transpose(ct, x, *, placement, n):
+    assert AD.is_undefined_primal(x)
+    if AD.is_symbolic_zero(ct):
+        return [AD.zero_cotangent(x)]
+    return [broadcast_p.bind(ct, placement=placement, n=n)]
+
+
+sum_p = P.define_reduction(
+    "fed_sum",
+    lambda x, *, n: jnp.sum(x, axis=0, dtype=P.sum_result_dtype(x.dtype)),
+    result_dtype=P.sum_result_dtype,
+    weak_type=True,
+)
+AD.def_jvp(sum_p, AD.linear_jvp(sum_p))
+AD.def_transpose(sum_p, _transpose)
 
 
 class Sum(Reduction):
     """Sum over members: ``{T}@child -> T``; bool members are counted in i32."""
 
     name = "fed.sum"
-    primitive = P.sum_p
+    primitive = sum_p
     constraints = {
         **Reduction.constraints,
         "C3": "result must be the operand's member type (i32 for bool members), local to the "

@@ -25,7 +25,11 @@ from fcir import autodiff as AD
 from fcir import primitives as P
 from fcir.types import TensorType
 
-from .base import Reduction
+from .base import Reduction, public
+from .broadcast import broadcast_p
+from .max import max_p
+from .min import min_p
+from .sum import sum_p
 
 __all__ = ["TrimmedMean", "reduce_trimmed_mean", "trimmed_mean_p"]
 
@@ -50,6 +54,18 @@ def l_estimate_numpy(x: np.ndarray, trim: int) -> np.ndarray:
     return kept.astype(_accumulator(x.dtype)).mean(axis=0).astype(x.dtype)
 
 
+def server_aggregate(x, *, trim):
+    """The trimmed mean over axis 0 of the clients' replies, as a Flower ServerApp
+    computes it (self-contained: the app copies this source, it cannot import fcir;
+    the same jnp calls as ``l_estimate``, so all replies give the bundle's bits)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    n = x.shape[0]
+    acc = np.result_type(x.dtype, np.float32)
+    return jnp.mean(jnp.sort(x, axis=0)[trim : n - trim].astype(acc), axis=0).astype(x.dtype)
+
+
 def float_problem(cls, dtype: str) -> tuple[str, str] | None:
     if not (dtype.startswith("f") or dtype == "bf16"):
         return "C4", f"operand member dtype {dtype}; cast it (x.astype(jnp.float32)) first"
@@ -68,6 +84,9 @@ class TrimmedMean(Reduction):
         "C5": "attribute 'trim' must be an int with 0 <= 2*trim < the cardinality of the "
         "placement reduced over",
     }
+
+    # The ServerApp's aggregation of the replies (interpreters/flower/app/runtime.py).
+    server_aggregate = staticmethod(server_aggregate)
 
     @classmethod
     def trim_for(cls, n: int, attrs: dict) -> int:
@@ -164,19 +183,19 @@ class _Fed:
         self.kw = {"placement": placement, "n": n}
 
     def bcast(self, v):
-        return P.broadcast_p.bind(v, **self.kw)
+        return broadcast_p.bind(v, **self.kw)
 
     def map(self, builder, static, *placed):
         return AD.member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
 
     def sum(self, x):
-        return P.sum_p.bind(x, **self.kw)
+        return sum_p.bind(x, **self.kw)
 
     def min(self, x):
-        return P.min_p.bind(x, **self.kw)
+        return min_p.bind(x, **self.kw)
 
     def max(self, x):
-        return P.max_p.bind(x, **self.kw)
+        return max_p.bind(x, **self.kw)
 
     def count(self, op: str, x, v):
         return self.sum(self.map(_count_region, (op,), x, self.bcast(v)))
@@ -231,6 +250,7 @@ AD.def_jvp(trimmed_mean_p, _trimmed_mean_jvp)
 # --- the public function ----------------------------------------------------------------
 
 
+@public
 def reduce_trimmed_mean(x, *, trim: int):
     """Per-coordinate trimmed mean over members: ``{fN[...]}@child -> fN[...]@p``.
 

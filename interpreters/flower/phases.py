@@ -29,7 +29,7 @@ from ..production.rewrite import clone_op, named
 # What the Flower runtime does with each fed op (tests/test_op_coverage.py reads this
 # table): a phase is split by the production export, the ServerApp aggregates the
 # clients' replies with the bundle's intrinsics (app/runtime.py) and adds DP noise.
-RULES: dict[type[F.FedOp], object] = {
+_OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.Broadcast: "sent with the phase's message to every node",
     F.Map: "client_work, run by each ClientApp",
     **{c: "aggregated by the ServerApp (app/runtime.py aggregate)"
@@ -42,10 +42,12 @@ RULES: dict[type[F.FedOp], object] = {
     "(app/secagg.py), decoded by the ServerApp",
     F.DdpMean: "encoded and noised at the nodes, summed modulo 2**bits by SecAgg+ "
     "(app/secagg.py), decoded and divided by the cardinality by the ServerApp",
-    # Not secure: the ServerApp sees every node's value (docs/flower.md).
-    F.Median: "aggregated by the ServerApp over every reply (app/runtime.py aggregate)",
-    F.TrimmedMean: "aggregated by the ServerApp over every reply (app/runtime.py aggregate)",
+    # Any other reduction (the order statistics) is aggregated by the ServerApp with
+    # the op's own server_aggregate. Not secure: it sees every node's value
+    # (docs/flower.md).
+    "reduction": "aggregated by the ServerApp over every reply (app/runtime.py aggregate)",
 }
+RULES = F.resolve(_OWN_RULES)
 # The ops that end an exchange: the reductions and the DP aggregates.
 REDUCTIONS = F.of_kind("reduction", "dp", "ddp")
 

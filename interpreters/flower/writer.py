@@ -71,6 +71,23 @@ RUN_CONFIG = {
 }
 
 
+def _server_aggregate(agg) -> dict:
+    """A reduction with no intrinsic (``federated_aggregate``: the order statistics)
+    travels with the source of its op's ``server_aggregate``, which the ServerApp runs
+    over the replies (app/runtime.py): the app never needs an entry per op."""
+    if agg.intrinsic != "federated_aggregate":
+        return {}
+    from fcir.fed import ops
+
+    source = ops()[agg.fed_op].server_aggregate_source()
+    if source is None:
+        raise ExportError(
+            f"export --target flower: {agg.fed_op} has no server_aggregate: the ServerApp "
+            "cannot compute it over the replies (docs/adding_an_op.md)"
+        )
+    return {"server_aggregate": source}
+
+
 def _spec(t, index, path: str | None = None) -> dict:
     spec = {"leaf": index, "type": str(t), "dtype": t.np_dtype.name, "shape": list(t.shape)}
     if path is not None:
@@ -135,6 +152,7 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
                     "output": a.output,
                     "bitwidth": a.bitwidth,
                     **({"attrs": dict(a.attrs)} if a.attrs else {}),
+                    **_server_aggregate(a),
                 }
                 for a in sp.aggregations
             ],

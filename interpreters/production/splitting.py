@@ -75,34 +75,34 @@ RUNS_ON = {
     "server_result": "server",
 }
 
-INTRINSICS = {
-    "fed.sum": "federated_sum",
-    "fed.mean": "federated_mean",
-    "fed.weighted_mean": "federated_weighted_mean",
-    "fed.min": "federated_min",
-    "fed.max": "federated_max",
-    "fed.secure_sum": "federated_secure_sum_bitwidth",
-    # Order statistics have no intrinsic: federated_aggregate gathers every client's
-    # value into one array at the server, whose report runs the op itself.
-    "fed.median": "federated_aggregate",
-    "fed.trimmed_mean": "federated_aggregate",
+_INTRINSIC_OF: dict[type[F.FedOp] | str, str] = {
+    F.Sum: "federated_sum",
+    F.Mean: "federated_mean",
+    F.WeightedMean: "federated_weighted_mean",
+    F.Min: "federated_min",
+    F.Max: "federated_max",
+    F.SecureSum: "federated_secure_sum_bitwidth",
+    # A reduction with no intrinsic (the order statistics): federated_aggregate gathers
+    # every client's value into one array at the server, whose report runs the op itself.
+    "reduction": "federated_aggregate",
 }
+# fed op name -> intrinsic URI, for every reduction.
+INTRINSICS = {cls.name: uri for cls, uri in F.resolve(_INTRINSIC_OF).items()}
 
 
 # Where every fed op goes in the split, keyed by op class; the op-coverage test
 # (tests/test_op_coverage.py) fails when a fed op has no entry here.
-OP_RULES: dict[type[F.FedOp], object] = {
+_OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.Broadcast: "server_to_client_broadcast: federated_broadcast",
     F.Map: "client_work: federated_map",
-    **{F.ops()[op]: f"client_to_server_aggregation: {uri}" for op, uri in INTRINSICS.items()},
+    **{c: f"client_to_server_aggregation: {uri}" for c, uri in _INTRINSIC_OF.items()},
     # Decomposed before the split (interpreters/production/dp.py).
     F.DpSum: "client_work: clip; client_to_server_aggregation: federated_sum; "
     "server_result: Gaussian noise",
     F.DpMean: "client_work: clip; client_to_server_aggregation: federated_sum; "
     "server_result: Gaussian noise, divided by the cardinality",
     # Not secure: the aggregator sees every client's value (docs/production.md).
-    F.Median: "client_to_server_aggregation: federated_aggregate of every client's value",
-    F.TrimmedMean: "client_to_server_aggregation: federated_aggregate of every client's value",
+    "reduction": "client_to_server_aggregation: federated_aggregate of every client's value",
     # Distributed DP (interpreters/production/ddp.py): noised on the clients.
     F.DdpSum: "client_work: clip, rotate, quantize, discrete Gaussian noise; "
     "client_to_server_aggregation: federated_secure_sum_bitwidth; server_result: decode",
@@ -110,6 +110,7 @@ OP_RULES: dict[type[F.FedOp], object] = {
     "client_to_server_aggregation: federated_secure_sum_bitwidth; server_result: decode, "
     "divided by the cardinality",
 }
+OP_RULES = F.resolve(_OWN_RULES)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,8 +74,13 @@ _ORDER = (
     "an order statistic needs every member's value at once, so it cannot stream k "
     "members at a time: compile without clients_per_step to run it"
 )
-# What a stream does with each fed op (tests/test_op_coverage.py reads this table).
-RULES: dict[type[F.FedOp], object] = {
+_NO_ACCUMULATOR = (
+    "streaming has no accumulator for this reduction (interpreters/xla/streaming.py "
+    "RULES): compile without clients_per_step to run it"
+)
+# What a stream does with each fed op (tests/test_op_coverage.py reads this table); a
+# reduction it does not name is refused (the kind's default, declared here).
+_OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.Broadcast: "a source: its operand enters the stream once, unbatched",
     F.Map: "the stream: its region runs k members at a time",
     F.Sum: ACCUMULATED,
@@ -92,7 +97,9 @@ RULES: dict[type[F.FedOp], object] = {
     F.DdpMean: ACCUMULATED,
     F.Median: F.Unsupported(_ORDER),
     F.TrimmedMean: F.Unsupported(_ORDER),
+    "reduction": F.Unsupported(_NO_ACCUMULATOR),
 }
+RULES = F.resolve(_OWN_RULES)
 REDUCTIONS = frozenset(c.name for c, rule in RULES.items() if rule == ACCUMULATED)
 # Central DP aggregates: the last operand is the key, a value where the result lives,
 # read once when the noise is added.

@@ -228,8 +228,22 @@ def _mean_dtype(dtype) -> np.dtype:
     return dtype if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(np.float32)
 
 
-def _reduce(x, w, *, op: str, bitwidth: int | None, trim: int | None = None):
+@functools.cache
+def _server_aggregate(source: str):
+    """The function a plan's aggregation carries for an op with no intrinsic (the
+    source of its fed op's ``server_aggregate``, written by the export): jnp and numpy
+    only, over the replies stacked on axis 0."""
+    namespace = {"np": np}
+    exec(compile(source, "<plan.json server_aggregate>", "exec"), namespace)
+    return namespace["server_aggregate"]
+
+
+def _reduce(x, w, *, op: str, bitwidth: int | None, attrs: tuple = (), source: str | None = None):
     import jax.numpy as jnp
+
+    if source is not None:
+        # An op with no intrinsic (an order statistic): the server sees every value.
+        return _server_aggregate(source)(x, **dict(attrs))
 
     if op == "fed.sum":
         dt = np.dtype(np.int32) if x.dtype == np.bool_ else x.dtype
@@ -251,12 +265,6 @@ def _reduce(x, w, *, op: str, bitwidth: int | None, trim: int | None = None):
         if bitwidth < np.dtype(x.dtype).itemsize * 8:
             total = jnp.bitwise_and(total, jnp.asarray((1 << bitwidth) - 1, x.dtype))
         return total
-    if op in ("fed.median", "fed.trimmed_mean"):
-        # Order statistics over the replies: the server sees every client's value.
-        n = x.shape[0]
-        k = (n - 1) // 2 if op == "fed.median" else trim
-        acc = np.result_type(x.dtype, np.float32)
-        return jnp.mean(jnp.sort(x, axis=0)[k : n - k].astype(acc), axis=0).astype(x.dtype)
     raise AppError(f"no aggregation {op}")
 
 
@@ -266,8 +274,8 @@ def _reduce_all():
 
     def reduce_all(stacked, *, ops):
         return [
-            _reduce(x, w, op=op, bitwidth=bw, trim=trim)
-            for (x, w), (op, bw, trim) in zip(stacked, ops)
+            _reduce(x, w, op=op, bitwidth=bw, attrs=attrs, source=source)
+            for (x, w), (op, bw, attrs, source) in zip(stacked, ops)
         ]
 
     return jax.jit(reduce_all, static_argnames=("ops",))
@@ -282,7 +290,8 @@ def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
         x = np.stack([r[names[0]] for r in replies])
         w = np.stack([r[names[1]] for r in replies]) if len(names) > 1 else None
         stacked.append((x, w))
-        ops.append((agg["fed_op"], agg["bitwidth"], agg.get("attrs", {}).get("trim")))
+        attrs = tuple(sorted(agg.get("attrs", {}).items()))
+        ops.append((agg["fed_op"], agg["bitwidth"], attrs, agg.get("server_aggregate")))
     outs = _reduce_all()(stacked, ops=tuple(ops))
     return {agg["output"]: y for agg, y in zip(aggregations, outs)}
 
