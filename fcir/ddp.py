@@ -86,9 +86,10 @@ number of passes is random, about ``log(D) / -log(1 - p)`` with acceptance proba
 ``s >= 1``; computed exactly in tests/test_ddp.py). The loop stops after
 ``MAX_PASSES`` (256) passes; a coordinate still without a value gets 0, with
 probability below ``0.56**256 < 1e-64`` per coordinate. The arithmetic is float32, as in TensorFlow
-Federated's implementation of the same algorithm: the sampled law is the discrete
-Gaussian up to float32 rounding of the uniform draws (about ``2**-24`` per
-probability), which the accounting does not add to delta.
+Federated's implementation of the same algorithm: the sampled law is off the discrete
+Gaussian by about ``2**-24`` in total variation per coordinate, which
+``fcir.privacy_float32`` computes exactly and turns into the δ the run as computed has
+(``fcir.privacy.round_cost``'s ``delta_with_sampler``).
 
 Every function here is plain JAX (jit, vmap, eager alike) and deterministic for its
 keys, so the reference interpreter (client by client, eagerly), the XLA backend (all
