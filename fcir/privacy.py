@@ -71,9 +71,9 @@ CONSTRAINTS = {
     "privacy/C3": "no other server value depends on client data (operands, branch index, "
     "loop condition)",
     "privacy/C4": "every DP release draws noise from a key provably distinct from every other "
-    "release's (fcir.dp_keys; a distributed DP op's per-client keys: fcir.ddp_check)",
+    "release's, for central and distributed DP ops alike (fcir.dp_keys)",
     "privacy/C5": "a distributed DP op's keys are derived from client data, one key per "
-    "client (fcir.ddp_check)",
+    "client (fcir.dp_keys)",
 }
 
 # What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):
@@ -266,14 +266,12 @@ def leaks(module: Module) -> list[Leak]:
     aggregates (empty for a leak-free program), each naming its op; every DP op whose
     noise another release may repeat (``privacy/C4``); and every distributed DP op
     whose keys are not the clients' own (``privacy/C5``)."""
-    from fcir.ddp_check import key_leaks
     from fcir.dp_keys import problems
 
     expect_module(module, "fcir.privacy.leaks")
     taint = _Taint(module)
     found = taint.run()
-    found += [Leak("privacy/C4", p.message, p.path, p.op) for p in problems(module)]
-    return found + key_leaks(module, taint.tainted, Leak)
+    return found + [Leak(p.code, p.message, p.path, p.op) for p in problems(module, taint.tainted)]
 
 
 # --- accounting -----------------------------------------------------------------------------

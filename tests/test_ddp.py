@@ -458,7 +458,7 @@ def test_releases_state_the_accounted_noise_and_pld_is_refused():
         fcir.privacy.epsilon(m, 3, 1e-5, accountant="pld")
 
 
-# --- the checker's key rules (fcir.ddp_check) ------------------------------------------------
+# --- the checker's key rules (fcir.dp_keys, shared with the central DP ops) ----------------
 
 N = 4
 
@@ -676,3 +676,36 @@ def test_ddp_ops_are_registry_fed_ops_of_kind_ddp_with_placed_keys():
 def test_ddp_key_codes_are_privacy_c4_for_repeated_keys_and_c5_for_server_keys():
     assert "distinct" in fcir.privacy.CONSTRAINTS["privacy/C4"]
     assert "client data" in fcir.privacy.CONSTRAINTS["privacy/C5"]
+
+
+def test_keys_folded_with_the_next_iterations_index_are_rejected():
+    """fold_in(keys, t) and fold_in(keys, t + 1) in one scan: the second op's keys in
+    iteration t are the first op's in iteration t + 1, so two releases carry the same
+    noise. The key analysis shared with the central DP ops (fcir.dp_keys) sees it."""
+
+    def body(w, keys, x):
+        def step(carry, _):
+            w, t = carry
+            a = fcir.map_fn(lambda k, t: jax.random.fold_in(k, t), (keys, fcir.broadcast(t)))
+            b = fcir.map_fn(lambda k, t: jax.random.fold_in(k, t + 1), (keys, fcir.broadcast(t)))
+            w = w + fcir.ddp_mean(_upd(w, x), 1.0, 1.0, a, bits=12)
+            return (w + fcir.ddp_mean(_upd(w, x), 1.0, 1.0, b, bits=12), t + 1), None
+
+        return jax.lax.scan(step, (w, jnp.int32(0)), None, length=3)[0][0]
+
+    with pytest.raises(fcir.PrivacyError, match=r"privacy/C4: fed.ddp_mean reuses the keys"):
+        _capture_private(body, *ARGS)
+
+
+def test_epsilon_refuses_ddp_keys_reused_in_a_non_private_module_too():
+    """As for the central DP ops, the accountant refuses repeated keys whether or not
+    the program is private."""
+
+    @fcir.program(placements={"clients": N})
+    def round_(w, keys, x):
+        a = fcir.ddp_mean(_upd(w, x), 1.0, 1.0, keys, bits=12)
+        return fcir.ddp_mean(_upd(a, x), 1.0, 1.0, keys, bits=12)
+
+    m = fcir.capture(round_, *ARGS)
+    with pytest.raises(fcir.PrivacyError, match=r"epsilon: privacy/C4: fed.ddp_mean reuses"):
+        fcir.privacy.epsilon(m, 1, 1e-5)
