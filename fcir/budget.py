@@ -85,6 +85,22 @@ class Budget:
         """ε of the rounds spent so far (0.0 before the first)."""
         return self._epsilon
 
+    @property
+    def sampler_tv(self) -> float:
+        """Total variation between the rounds spent as run (float32 discrete Gaussian
+        noise of ``ddp_*`` ops) and the exact mechanism: ``fcir.privacy.sampler_tv``."""
+        from fcir.privacy import sampler_tv
+
+        return sampler_tv(self.module, self._rounds)
+
+    @property
+    def delta_with_sampler(self) -> float:
+        """δ of the rounds spent as run: ``delta + (1 + e**epsilon) sampler_tv`` (equal
+        to ``delta`` without ``ddp_*`` ops; ``fcir.privacy_float32``)."""
+        from fcir.privacy_float32 import delta_with_sampler
+
+        return delta_with_sampler(self._epsilon, self.delta, self.sampler_tv)
+
     def epsilon_after(self, rounds: int = 1) -> float:
         """ε if ``rounds`` more rounds were spent (nothing is spent)."""
         from fcir.privacy import epsilon
@@ -128,6 +144,7 @@ class Budget:
             "accountant": self.accountant,
             "rounds": self._rounds,
             "epsilon": self._epsilon,
+            "delta_with_sampler": self.delta_with_sampler,  # what is run; not read back
         }
 
     @classmethod

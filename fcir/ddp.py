@@ -16,7 +16,9 @@ Client (``encode``), for a member's pytree with ``d`` elements in all:
    coordinates so that the modular sum rarely wraps;
 3. scale by ``scale`` (integers per unit of the update) and round each coordinate at
    random to one of its two neighbouring integers, up with probability the fractional
-   part (unbiased);
+   part (unbiased), *conditionally* ([KLS21] Section 4.1): the rounding is drawn again
+   while the rounded vector's L2 norm exceeds ``DdpParams.norm_bound`` (see
+   "Sensitivity with rounding");
 4. add discrete Gaussian noise ``N_Z(0, local_stddev**2)`` per coordinate, where
    ``local_stddev = noise_multiplier * clip_norm * scale / sqrt(n)``: the sum of the
    ``n`` clients' shares has variance ``(noise_multiplier * clip_norm * scale)**2``,
@@ -47,13 +49,31 @@ per release. ``DdpParams.overflow_bound`` is the bound computed for the op's par
 It assumes the updates do not depend on the public signs (they are fixed, not adapted
 to; an adversarial client can at most spoil the sum, not learn from it).
 
-**Sensitivity with rounding.** The privacy analysis needs a bound on each client's
-integer vector before noise: ``||round(scale R x)|| <= scale * clip_norm + sqrt(D)``
-(each coordinate moves by less than 1), the first bound of Delta_2 in [KLS21]
-Theorem 1 (that theorem's tighter second bound needs *conditional* rounding, which is
-not implemented). ``delta2`` adds a float32 margin for the clip and the rotation
-(``(log2 D + 8) * 2**-23`` relative). The accountant (``fcir.privacy``) uses [KLS21]
-Proposition 14, see ``rdp_noise_multiplier``.
+**Sensitivity with rounding.** The privacy analysis needs a bound ``Delta_2`` on each
+client's integer vector before noise. With ``c = scale * clip_norm`` (times a float32
+margin for the clip and the rotation, ``(log2 D + 8) * 2**-23`` relative), [KLS21]
+Theorem 1 gives two:
+
+* any rounding to neighbouring integers moves each coordinate by less than 1:
+  ``||q|| <= c + sqrt(D)``;
+* randomized rounding exceeds ``sqrt(c**2 + D/4 + sqrt(2 log(1/beta)) (c + sqrt(D)/2))``
+  with probability at most ``beta`` (the conditional form of [KLS21] Theorem 1, Section
+  4.1), here ``beta = ROUNDING_BETA = exp(-1/2)``, TensorFlow Federated's default.
+
+With conditional rounding (``params(..., conditional=True)``, what the ``ddp_*`` ops do)
+a client redraws its rounding, each attempt from ``fold_in(fold_in(key, 0), attempt)``,
+until ``||q|| <= norm_bound = min(both)``; ``delta2`` is that minimum, so the
+guarantee does not depend on ``beta``, only the number of attempts does: each succeeds
+with probability at least ``1 - beta`` (about 0.39; in practice nearly always the
+first), and after ``MAX_ROUNDINGS`` (64) failed attempts, probability at most
+``beta**64 = exp(-32) < 1.3e-14`` per client and release, the client rounds every
+coordinate toward zero, whose norm is at most ``||scale R x|| <= c``. So ``||q|| <=
+delta2`` always: the fallback costs a little bias, never privacy. The norm is checked in
+float32 (squares summed pairwise, ``log2 D + 1`` roundings) against ``norm_bound**2``
+lowered by ``(log2 D + 2) * 2**-23`` relative, so the check never passes a vector above
+the bound. Without conditioning (``conditional=False``) ``delta2`` is the first bound.
+The accountant (``fcir.privacy``) uses [KLS21] Proposition 14, see
+``rdp_noise_multiplier``.
 
 **The discrete Gaussian sampler** is Algorithm 3 of Canonne, Kamath, Steinke (2020):
 propose ``Y`` from the discrete Laplace with scale ``t = floor(s) + 1`` (a difference
@@ -66,9 +86,10 @@ number of passes is random, about ``log(D) / -log(1 - p)`` with acceptance proba
 ``s >= 1``; computed exactly in tests/test_ddp.py). The loop stops after
 ``MAX_PASSES`` (256) passes; a coordinate still without a value gets 0, with
 probability below ``0.56**256 < 1e-64`` per coordinate. The arithmetic is float32, as in TensorFlow
-Federated's implementation of the same algorithm: the sampled law is the discrete
-Gaussian up to float32 rounding of the uniform draws (about ``2**-24`` per
-probability), which the accounting does not add to delta.
+Federated's implementation of the same algorithm: the sampled law is off the discrete
+Gaussian by about ``2**-24`` in total variation per coordinate, which
+``fcir.privacy_float32`` computes exactly and turns into the δ the run as computed has
+(``fcir.privacy.round_cost``'s ``delta_with_sampler``).
 
 Every function here is plain JAX (jit, vmap, eager alike) and deterministic for its
 keys, so the reference interpreter (client by client, eagerly), the XLA backend (all
@@ -92,8 +113,10 @@ __all__ = [
     "DdpParams",
     "MAX_BITS",
     "MIN_BITS",
+    "MAX_ROUNDINGS",
     "OVERFLOW_TARGET",
     "ROTATION_SEED",
+    "ROUNDING_BETA",
     "aggregate",
     "decode",
     "discrete_gaussian",
@@ -108,6 +131,10 @@ __all__ = [
 ROTATION_SEED = 0x5EED
 OVERFLOW_TARGET = 2.0**-30
 MAX_PASSES = 256
+# Conditional randomized rounding ([KLS21] Section 4.1): the tail probability of one
+# rounding's norm the bound is set at, and the attempts before the fallback.
+ROUNDING_BETA = math.exp(-0.5)
+MAX_ROUNDINGS = 64
 # Integers stay below 2**24 in magnitude, so float32 holds every one exactly.
 MIN_BITS, MAX_BITS = 2, 24
 
@@ -126,6 +153,14 @@ class DdpParams:
     local_stddev: float  # per-client discrete Gaussian std, integer units
     delta2: float  # L2 sensitivity of one client's rounded vector, integer units
     overflow_bound: float  # P(the modular sum wraps) per release, upper bound
+    conditional: bool = True  # conditional randomized rounding (redraw above norm_bound)
+    norm_bound: float = math.inf  # what a rounded vector's L2 norm is checked against
+
+    @property
+    def rounding_failure(self) -> float:
+        """P(a client falls back to rounding toward zero) per release, upper bound:
+        ``ROUNDING_BETA ** MAX_ROUNDINGS`` with conditional rounding, else 0."""
+        return ROUNDING_BETA**MAX_ROUNDINGS if self.conditional else 0.0
 
     @property
     def modulus(self) -> int:
@@ -138,7 +173,12 @@ class DdpParams:
         return 10.0 * sum(math.exp(-2.0 * math.pi**2 * s2 * k / (k + 1)) for k in range(1, self.n))
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "modulus": self.modulus, "tau": self.tau}
+        return {
+            **dataclasses.asdict(self),
+            "modulus": self.modulus,
+            "tau": self.tau,
+            "rounding_failure": self.rounding_failure,
+        }
 
 
 def _padded(d: int) -> int:
@@ -152,8 +192,10 @@ def params(
     noise_multiplier: float,
     bits: int,
     what: str = "fed.ddp_sum",
+    conditional: bool = True,
 ) -> DdpParams:
-    """The scale, noise and bounds of a ``ddp_*`` op (see the module docstring)."""
+    """The scale, noise and bounds of a ``ddp_*`` op (see the module docstring);
+    ``conditional``: conditional randomized rounding, with its tighter ``delta2``."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
         raise IRTypeError(f"{what}: bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
     half = float(1 << (bits - 1))
@@ -169,7 +211,8 @@ def params(
     scale = (half - n) / (k * c * spread)
     v = (scale * c) ** 2 * (n * n / D + z * z)
     bound = min(1.0, 2.0 * D * math.exp(-((half - n) ** 2) / (2.0 * v)))
-    margin = 1.0 + (math.log2(D) + 8) * 2.0**-23
+    cm = scale * c * (1.0 + (math.log2(D) + 8) * 2.0**-23)
+    delta2, norm_bound = rounding_sensitivity(cm, D, conditional)
     return DdpParams(
         n=n,
         dim=dim,
@@ -179,9 +222,27 @@ def params(
         noise_multiplier=z,
         scale=scale,
         local_stddev=z * c * scale / math.sqrt(n),
-        delta2=scale * c * margin + math.sqrt(D),
+        delta2=delta2,
         overflow_bound=bound,
+        conditional=bool(conditional),
+        norm_bound=norm_bound,
     )
+
+
+def rounding_sensitivity(c: float, D: int, conditional: bool = True) -> tuple[float, float]:
+    """``(delta2, norm_bound)`` for a rotated, scaled vector of L2 norm at most ``c``
+    with ``D`` coordinates ([KLS21] Theorem 1): ``c + sqrt(D)`` for plain randomized
+    rounding (``norm_bound`` infinite: nothing is checked); with conditional rounding
+    the smaller of that and ``sqrt(c**2 + D/4 + sqrt(2 log(1/beta)) (c + sqrt(D)/2))``,
+    the norm the rounding is redrawn above (so both are that minimum)."""
+    plain = c + math.sqrt(D)
+    if not conditional:
+        return plain, math.inf
+    tight = math.sqrt(
+        c * c + D / 4.0 + math.sqrt(2.0 * math.log(1.0 / ROUNDING_BETA)) * (c + math.sqrt(D) / 2.0)
+    )
+    bound = min(plain, tight)
+    return bound, bound
 
 
 def rdp_noise_multiplier(p: DdpParams) -> float:
@@ -304,11 +365,73 @@ def encode_batch(leaves, keys, p: DdpParams):
     v = fwht(flat * _signs(D)) * jnp.float32(p.scale / math.sqrt(D))
     k_round = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
     k_noise = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
-    low = jnp.floor(v)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (D,), jnp.float32))(k_round)
-    q = low.astype(jnp.int32) + (u < (v - low)).astype(jnp.int32)
+    q = round_batch(v, k_round, p)
     q = q + discrete_gaussian_batch(k_noise, (D,), p.local_stddev)
     return jnp.bitwise_and(q.astype(jnp.uint32), jnp.uint32(p.modulus - 1))
+
+
+def _sum_squares(q):
+    """``sum(q**2)`` along the last axis (a power of two) in float32, pairwise in
+    explicit passes: ``log2 D + 1`` roundings of relative size ``2**-24`` at most, in
+    this order on every backend."""
+    x = jnp.square(q.astype(jnp.float32))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
+def _check_threshold(p: DdpParams) -> np.float32:
+    """The float32 threshold for the computed squared norm: ``norm_bound**2`` lowered
+    so that the true squared norm of a vector that passes is at most ``norm_bound**2``
+    (the computed sum is within ``(log2 D + 1) * 2**-24`` relative of the true one)."""
+    t = p.norm_bound**2 / (1.0 + (math.log2(p.padded_dim) + 2) * 2.0**-23)
+    f = np.float32(t)
+    return f if float(f) <= t else np.nextafter(f, np.float32(0))
+
+
+def round_batch(v, keys, p: DdpParams):
+    """Randomized rounding of each row of ``v`` (``float32[k, D]``, the scaled rotated
+    updates) to ``int32``, row ``i`` with ``keys[i]``: each coordinate up with
+    probability its fractional part. With ``p.conditional`` an attempt whose norm
+    exceeds ``p.norm_bound`` is redrawn (attempt ``a`` from ``fold_in(key, a)``) and
+    after ``MAX_ROUNDINGS`` attempts the row is rounded toward zero; the loop runs once
+    over the batch, each row keeping its first accepted attempt, so a row's result
+    depends on its key only (bit for bit whatever the batch)."""
+    D = v.shape[-1]
+    low = jnp.floor(v)
+    frac = v - low
+    base = low.astype(jnp.int32)
+
+    def attempt(a):
+        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, a), (D,), jnp.float32))(
+            keys
+        )
+        return base + (u < frac).astype(jnp.int32)
+
+    if not p.conditional:
+        return attempt(0)
+    threshold = _check_threshold(p)
+
+    def ok(q):
+        return _sum_squares(q) <= threshold
+
+    def cond(state):
+        a, _, done = state
+        return jnp.logical_and(a < MAX_ROUNDINGS, jnp.logical_not(jnp.all(done)))
+
+    def body(state):
+        a, out, done = state
+        q = attempt(a)
+        take = jnp.logical_and(ok(q), jnp.logical_not(done))
+        return a + 1, jnp.where(take[:, None], q, out), jnp.logical_or(done, take)
+
+    # As in discrete_gaussian_batch: the first attempt outside the loop types the carry.
+    q = attempt(0)
+    acc = ok(q)
+    toward_zero = jnp.trunc(v).astype(jnp.int32)
+    init = (jnp.int32(1), jnp.where(acc[:, None], q, toward_zero), acc)
+    return jax.lax.while_loop(cond, body, init)[1]
 
 
 def aggregate(encoded, p: DdpParams):
@@ -352,7 +475,13 @@ def op_params(module, op) -> DdpParams:
 
 
 def noise_multiplier_for(
-    target: float, dim: int, n: int, clip_norm: float, bits: int, tol: float = 1e-9
+    target: float,
+    dim: int,
+    n: int,
+    clip_norm: float,
+    bits: int,
+    tol: float = 1e-9,
+    conditional: bool = True,
 ) -> float:
     """The ``noise_multiplier`` of a ``ddp_*`` op that fcir.privacy accounts exactly as
     central DP with noise multiplier ``target`` (the same ε for any rounds, delta and
@@ -361,7 +490,7 @@ def noise_multiplier_for(
     rounding's share of the sensitivity stays too large)."""
 
     def accounted(z):
-        return rdp_noise_multiplier(params(dim, n, clip_norm, z, bits))
+        return rdp_noise_multiplier(params(dim, n, clip_norm, z, bits, conditional=conditional))
 
     lo, hi = float(target), float(target)
     while accounted(hi) < target:

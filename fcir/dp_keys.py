@@ -26,8 +26,20 @@ differ like an argument. Releases in different branches of one ``cond`` never ru
 the same iteration. The keys of separate runs of the program (rounds driven from
 Python) are the caller's: pass a fresh key each run (``jax.random.fold_in(key, round)``).
 
-The distributed DP ops (kind ``ddp``) take one key per client, placed at the clients:
-``fcir.ddp_check`` holds their key rules and reports repeated keys under the same code.
+The distributed DP ops (kind ``ddp``, ``fcir.ddp_sum`` / ``fcir.ddp_mean``) are releases
+of the same analysis with the same rules: their operand is an array of per-client keys,
+described by the same terms (a client-placed argument, or what a ``fed.map`` derives
+member by member from one: ``fcir.map_fn(lambda k: fold_in(k, i), keys)`` is the term
+of ``keys`` with the step ``i``, as the per-client keys of different clients are the
+caller's and trusted to differ, like the members of a central release inside a map).
+Two ``ddp_*`` releases, or one in two iterations, must draw provably different keys, as
+two central releases must (``privacy/C4``). Central and distributed releases are
+compared within their kind: one draws from a key at the server, the other from the
+clients' keys, which no program derives from the server's. And with the set of values
+derived from client data (``fcir.privacy.leaks`` passes it), the analysis adds the
+rule only distributed releases have, ``privacy/C5``: their keys are derived from client
+data (keys computed from server values alone are the same at every client; a key
+broadcast to the clients is already rejected by the op's type).
 """
 
 from __future__ import annotations
@@ -58,8 +70,10 @@ _PASS = frozenset(
         "jax.optimization_barrier",
     }
 )
-# The central DP ops, whose key is local to where the result lives.
+# The central DP ops, whose key is local to where the result lives, and the distributed
+# ones, whose last operand holds one key per client.
 _CENTRAL_DP = of_kind("dp")
+_DDP = of_kind("ddp")
 _BIG = 1 << 40  # the trip count of a while loop: unknown, so unbounded
 
 
@@ -68,6 +82,19 @@ class KeyProblem:
     message: str
     path: tuple
     op: Op
+    code: str = "privacy/C4"
+
+
+_MSG_CLIENT = (
+    "privacy/C5: {op} takes keys that are the same at every client (derived from server "
+    "values only), so every client would add the same noise; pass one key per client as "
+    "client data, e.g. jax.random.split(jax.random.fold_in(key, round), n)"
+)
+_MSG_REUSE = (
+    "privacy/C4: {op} reuses the keys of {where}, so two releases would carry the same "
+    "noise; derive each release's keys with jax.random.fold_in(keys, i) (per client, "
+    "inside fcir.map_fn) or pass fresh ones"
+)
 
 
 @dataclasses.dataclass
@@ -215,7 +242,7 @@ class _Keys:
     def op(self, op: Op, path, frames, record) -> None:
         name = op.name
         ins = [self.get(v) for v in op.operands]
-        if name in _CENTRAL_DP:
+        if name in _CENTRAL_DP or name in _DDP:
             if record:
                 self.releases.append(_Release(op, path, _as_key(ins[-1]), frames))
             outs = [None] * len(op.results)
@@ -254,8 +281,8 @@ class _Keys:
                 a = ("key", ("member", id(op), a[1]), a[2])  # one key per member
             params.append(a)
         self.set(sub.params, params)
-        self.region(sub, (*path, 0), (*frames, ("map", id(op))), record)
-        return [None] * len(op.results)
+        got = self.region(sub, (*path, 0), (*frames, ("map", id(op))), record)
+        return [_lift(a, id(op)) for a in got]
 
     def cond(self, op, ins, path, frames, record):
         try:
@@ -325,6 +352,15 @@ class _Keys:
                 self.set(other.params, [None] * len(other.params))
                 self.region(other, (*path, r), frame, record)
         return [None] * len(op.results)
+
+
+def _lift(a, m):
+    """A ``fed.map`` result from what its region yields: the members' keys derived from
+    their own keys of an operand (root ``("member", m, R)``) make the per-member array
+    of ``R`` with the same steps; anything else is not followed out of the map."""
+    if a is not None and a[0] == "key" and a[1][0] == "member" and a[1][1] == m:
+        return ("key", a[1][2], a[2])
+    return None
 
 
 def _as_key(a):
@@ -493,19 +529,29 @@ def _common(f1: tuple, f2: tuple) -> tuple[tuple, bool]:
     return f1[:n], exclusive
 
 
-def problems(module: Module) -> list[KeyProblem]:
-    """Every DP release whose noise is not provably distinct from every other's."""
+def _where(rel: _Release) -> str:
+    return f"the {rel.op.name} at op {'/'.join(map(str, rel.path))}"
+
+
+def problems(module: Module, client_derived: set[Value] | None = None) -> list[KeyProblem]:
+    """Every DP release whose noise is not provably distinct from every other's
+    (``privacy/C4``), and, given ``client_derived`` (the values derived from client
+    data), every distributed release whose keys are not (``privacy/C5``)."""
     rels = _Keys(module).run()
     found: dict[int, KeyProblem] = {}
 
-    def report(rel: _Release, message: str) -> None:
-        found.setdefault(
-            id(rel.op), KeyProblem(f"privacy/C4: {rel.op.name} {message}", rel.path, rel.op)
-        )
+    def report(rel: _Release, message: str, full: str | None = None) -> None:
+        if full is None:
+            full = f"privacy/C4: {rel.op.name} {message}"
+        code = full.split(":", 1)[0]
+        found.setdefault(id(rel.op), KeyProblem(full, rel.path, rel.op, code))
 
     usable = []
     for rel in rels:
-        if rel.key is None:
+        ddp = rel.op.name in _DDP
+        if ddp and client_derived is not None and rel.op.operands[-1] not in client_derived:
+            report(rel, "", _MSG_CLIENT.format(op=rel.op.name))
+        elif rel.key is None:
             report(
                 rel,
                 "draws its noise from a key whose origin fcir cannot follow, so it "
@@ -524,6 +570,9 @@ def problems(module: Module) -> list[KeyProblem]:
     for a, b in itertools.combinations_with_replacement(usable, 2):
         if id(a.op) in found or id(b.op) in found:
             continue
+        ddp = b.op.name in _DDP
+        if (a.op.name in _DDP) != ddp:
+            continue  # a server key and the clients' keys: compared within each kind
         common, exclusive = _common(a.frames, b.frames)
         shared = _vars(common)
         same = a is b
@@ -538,7 +587,10 @@ def problems(module: Module) -> list[KeyProblem]:
                 if _keys_differ(a.key, b.key, equal, differ):
                     continue
                 maps = {f[1] for f in common if f[0] == "map"}
-                if same and differ & maps:
+                if ddp and not (same and differ & maps):
+                    where = "every iteration of its loop" if same else _where(a)
+                    report(b, "", _MSG_REUSE.format(op=b.op.name, where=where))
+                elif same and differ & maps:
                     report(
                         b,
                         "draws the same noise for every member of the fed.map around it "

@@ -55,7 +55,15 @@ from fcir.traffic import call_unit
 from fcir.types import SERVER, PlacedType
 
 __all__ = [
-    "CONSTRAINTS", "DP_OPS", "Budget", "Release", "epsilon", "leaks", "releases", "round_cost"
+    "CONSTRAINTS",
+    "DP_OPS",
+    "Budget",
+    "Release",
+    "epsilon",
+    "leaks",
+    "releases",
+    "round_cost",
+    "sampler_tv",
 ]
 CONSTRAINTS = {
     "privacy/C1": "a fed op releases client data to the server only with noise",
@@ -63,9 +71,9 @@ CONSTRAINTS = {
     "privacy/C3": "no other server value depends on client data (operands, branch index, "
     "loop condition)",
     "privacy/C4": "every DP release draws noise from a key provably distinct from every other "
-    "release's (fcir.dp_keys; a distributed DP op's per-client keys: fcir.ddp_check)",
+    "release's, for central and distributed DP ops alike (fcir.dp_keys)",
     "privacy/C5": "a distributed DP op's keys are derived from client data, one key per "
-    "client (fcir.ddp_check)",
+    "client (fcir.dp_keys)",
 }
 
 # What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):
@@ -127,7 +135,8 @@ class _Taint:
                     f"privacy/C2: the program returns {what} a per-client value derived "
                     "from client data, as-is; in a private program return only what "
                     "fcir.dp_sum / fcir.dp_mean release",
-                    path, op,
+                    path,
+                    op,
                 )
         return list(self.found.values())
 
@@ -231,8 +240,13 @@ def _wiring(op: Op) -> list[tuple[list[int | None], list[tuple[str, int]] | None
     ``fcir.control_flow`` does not describe, whose parameters then line up with the last
     operands and whose yields with its results."""
     try:
-        binds = cf.bindings(op.name.removeprefix("jax."), op.attrs, len(op.operands),
-                            len(op.results), len(op.regions))
+        binds = cf.bindings(
+            op.name.removeprefix("jax."),
+            op.attrs,
+            len(op.operands),
+            len(op.results),
+            len(op.regions),
+        )
     except cf.BindingError:
         binds = []
     wiring: list = [None] * len(op.regions)
@@ -252,14 +266,12 @@ def leaks(module: Module) -> list[Leak]:
     aggregates (empty for a leak-free program), each naming its op; every DP op whose
     noise another release may repeat (``privacy/C4``); and every distributed DP op
     whose keys are not the clients' own (``privacy/C5``)."""
-    from fcir.ddp_check import key_leaks
     from fcir.dp_keys import problems
 
     expect_module(module, "fcir.privacy.leaks")
     taint = _Taint(module)
     found = taint.run()
-    found += [Leak("privacy/C4", p.message, p.path, p.op) for p in problems(module)]
-    return found + key_leaks(module, taint.tainted, Leak)
+    return found + [Leak(p.code, p.message, p.path, p.op) for p in problems(module, taint.tainted)]
 
 
 # --- accounting -----------------------------------------------------------------------------
@@ -283,6 +295,17 @@ class DdpRelease(Release):
 
     bits: int = 0
     accounted_noise_multiplier: float = 0.0
+    local_stddev: float = 0.0  # each client's discrete Gaussian std, integer units
+    coordinates: int = 0  # noise coordinates per release: clients x padded dimension
+
+    @property
+    def sampler_tv(self) -> float:
+        """Total variation between one round's float32 noise of this op and the exact
+        discrete Gaussian's (``fcir.privacy_float32``): ``count * coordinates`` times
+        one coordinate's."""
+        from fcir.privacy_float32 import sampler_tv
+
+        return self.count * self.coordinates * sampler_tv(self.local_stddev)
 
 
 def releases(module: Module) -> list[Release]:
@@ -296,13 +319,19 @@ def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
         if op.name in _DDP:  # fed.ddp_*: fcir.ddp
             from fcir.ddp import op_params, rdp_noise_multiplier
 
-            yield DdpRelease(op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"],
-                             times, op.attrs["bits"],
-                             rdp_noise_multiplier(op_params(module, op)))
-        elif op.name in DP_OPS:
-            yield Release(
-                op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"], times
+            p = op_params(module, op)
+            yield DdpRelease(
+                op.name,
+                op.attrs["clip_norm"],
+                op.attrs["noise_multiplier"],
+                times,
+                op.attrs["bits"],
+                rdp_noise_multiplier(p),
+                p.local_stddev,
+                p.n * p.padded_dim,
             )
+        elif op.name in DP_OPS:
+            yield Release(op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"], times)
         elif op.name == "jax.while" and any(_has_dp(r) for r in op.regions):
             raise PrivacyError(
                 f"fcir.privacy: a DP op inside {op.name} runs a number of times known only "
@@ -335,7 +364,8 @@ def _round_event(rels: list[Release], sampling_rate: float):
     if sampling_rate >= 1.0:
         events = [
             dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(_z(r)), r.count)
-            if r.count > 1 else dpa.GaussianDpEvent(_z(r))
+            if r.count > 1
+            else dpa.GaussianDpEvent(_z(r))
             for r in rels
         ]
         return events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
@@ -359,8 +389,14 @@ def _probability(who: str, name: str, value, interval: str) -> float:
     return value
 
 
-def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.0, *,
-            accountant: str = "rdp") -> float:
+def epsilon(
+    module: Module,
+    rounds: int,
+    delta: float,
+    sampling_rate: float = 1.0,
+    *,
+    accountant: str = "rdp",
+) -> float:
     """ε of ``rounds`` rounds of ``module`` at ``delta``, clients Poisson-sampled at
     ``sampling_rate`` each round (1.0: every client takes part).
 
@@ -375,8 +411,7 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise PrivacyError(f"fcir.privacy.epsilon: rounds must be an int >= 0, got {rounds!r}")
     delta = _probability("fcir.privacy.epsilon", "delta", delta, "(0, 1)")
-    sampling_rate = _probability("fcir.privacy.epsilon", "sampling_rate", sampling_rate,
-                                 "(0, 1]")
+    sampling_rate = _probability("fcir.privacy.epsilon", "sampling_rate", sampling_rate, "(0, 1]")
     rels = releases(module)
     _distinct_noise(module)
     if not rels:
@@ -408,6 +443,17 @@ def epsilon(module: Module, rounds: int, delta: float, sampling_rate: float = 1.
     return float(acc.get_epsilon(float(delta)))
 
 
+def sampler_tv(module: Module, rounds: int) -> float:
+    """The total variation between ``rounds`` rounds of ``module`` as run (the float32
+    discrete Gaussian of the ``ddp_*`` ops) and the exact mechanism the accountant
+    bounds (``fcir.privacy_float32``); 0 for a module without ``ddp_*`` ops. The run
+    is ``(ε, δ + (1 + e**ε) tv)``-DP where ``epsilon`` gives ``(ε, δ)``."""
+    expect_module(module, "fcir.privacy.sampler_tv")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        raise PrivacyError(f"fcir.privacy.sampler_tv: rounds must be an int >= 0, got {rounds!r}")
+    return rounds * sum(r.sampler_tv for r in releases(module) if isinstance(r, DdpRelease))
+
+
 def _distinct_noise(module: Module) -> None:
     """The accountant counts each release as independent: refuse a module where two
     may draw the same noise (private or not)."""
@@ -429,13 +475,21 @@ def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
         per_round = epsilon(module, 1, delta)
     except PrivacyError as e:
         return {"error": str(e)}
-    return {
+    cost = {
         "releases": [dataclasses.asdict(r) for r in rels],
         "delta": delta,
         "epsilon_per_round": per_round,
         "accountant": "rdp",
         "unit": call_unit(module),  # "round", or a call of a program that loops over rounds
     }
+    if any(isinstance(r, DdpRelease) for r in rels):
+        from fcir.privacy_float32 import delta_with_sampler
+
+        # The float32 sampler's distance from the exact law, and the δ it makes.
+        tv = sum(r.sampler_tv for r in rels if isinstance(r, DdpRelease))
+        cost["sampler_tv_per_round"] = tv
+        cost["delta_with_sampler"] = delta_with_sampler(per_round, delta, tv)
+    return cost
 
 
 def format_round_cost(cost: dict | None) -> list[str]:
@@ -447,8 +501,11 @@ def format_round_cost(cost: dict | None) -> list[str]:
     lines = [f"privacy (per {cost.get('unit', 'round')}, every client taking part):"]
     for r in cost["releases"]:
         times = f" x{r['count']}" if r["count"] > 1 else ""
-        ddp = (f" bits={r['bits']} (accounted as {r['accounted_noise_multiplier']:.4g})"
-               if "bits" in r else "")
+        ddp = (
+            f" bits={r['bits']} (accounted as {r['accounted_noise_multiplier']:.4g})"
+            if "bits" in r
+            else ""
+        )
         lines.append(
             f"  {r['op']}{times}: clip_norm={r['clip_norm']:g} "
             f"noise_multiplier={r['noise_multiplier']:g}{ddp}"
@@ -458,6 +515,12 @@ def format_round_cost(cost: dict | None) -> list[str]:
         f"({cost['accountant'].upper()}; fcir.privacy.epsilon composes "
         f"{'rounds' if cost.get('unit', 'round') == 'round' else 'calls'})"
     )
+    if "sampler_tv_per_round" in cost:
+        lines.append(
+            f"  float32 discrete Gaussian: within TV {cost['sampler_tv_per_round']:.3g} of the "
+            f"exact law, so as run delta={cost['delta_with_sampler']:.3g} "
+            "(fcir.privacy_float32)"
+        )
     return lines
 
 

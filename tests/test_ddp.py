@@ -3,6 +3,7 @@ encoding and its bounds, the op on every backend, gradients."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -97,7 +98,66 @@ def test_params_overflow_bound_is_the_target_and_noise_is_calibrated():
     half = 2.0**15
     v = (p.scale * 0.5) ** 2 * (50**2 / 1024 + 1.0)
     assert math.isclose(p.overflow_bound, 2 * 1024 * math.exp(-((half - 50) ** 2) / (2 * v)))
-    assert p.delta2 >= p.scale * p.clip_norm + math.sqrt(p.padded_dim)
+    c = p.scale * p.clip_norm * (1 + 18 * 2.0**-23)  # the float32 margin, log2 D = 10
+    assert p.delta2 == pytest.approx(_conditional_delta2(c, 1024), rel=1e-12)
+    assert p.delta2 < c + math.sqrt(1024)  # tighter than the unconditional bound
+    plain = ddp.params(650, 50, 0.5, 1.0, 16, conditional=False)
+    assert plain.delta2 == pytest.approx(c + 32.0, rel=1e-12) and plain.norm_bound == math.inf
+
+
+def _conditional_delta2(c, D, log_inv_beta=0.5):
+    """[KLS21] Theorem 1 with conditional rounding, from the paper's statement: Delta_2 =
+    min(c + sqrt(D), sqrt(c² + D/4 + sqrt(2 ln(1/beta)) (c + sqrt(D)/2)))."""
+    second = c**2 + 0.25 * D + math.sqrt(2 * log_inv_beta) * (c + 0.5 * math.sqrt(D))
+    return min(c + math.sqrt(D), math.sqrt(second))
+
+
+def _at_clip(p, k, seed=0):
+    """k scaled rotated vectors of norm exactly scale * clip_norm (the worst case)."""
+    x = jax.random.normal(jax.random.key(seed), (k, p.padded_dim))
+    return x / jnp.linalg.norm(x, axis=1, keepdims=True) * jnp.float32(p.scale * p.clip_norm)
+
+
+def _norms(q):
+    return np.linalg.norm(np.asarray(q, np.float64), axis=1)
+
+
+def test_conditional_rounding_never_passes_its_bound_where_plain_rounding_does():
+    """Vectors at the clip norm: plain randomized rounding lands above the conditional
+    Delta_2 for some clients (so the check is needed), the conditional one never."""
+    p = ddp.params(650, 50, 0.5, 1.0, 16)
+    v, keys = _at_clip(p, 200), jax.random.split(jax.random.key(1), 200)
+    cond = _norms(ddp.round_batch(v, keys, p))
+    plain = _norms(ddp.round_batch(v, keys, dataclasses.replace(p, conditional=False)))
+    assert cond.max() <= p.delta2 == p.norm_bound
+    assert (plain > p.delta2).mean() > 0.02
+    assert plain.max() <= p.scale * p.clip_norm * (1 + 18 * 2.0**-23) + 32
+
+
+def test_conditional_rounding_falls_back_toward_zero_after_max_attempts():
+    """A bound no rounding can meet: every attempt fails, and each row is rounded
+    toward zero, whose norm is at most the unrounded one's."""
+    p = ddp.params(650, 50, 0.5, 1.0, 16)
+    v = _at_clip(p, 4)
+    strict = dataclasses.replace(p, norm_bound=0.5 * p.scale * p.clip_norm)
+    q = np.asarray(ddp.round_batch(v, jax.random.split(jax.random.key(2), 4), strict))
+    assert np.array_equal(q, np.trunc(np.asarray(v)).astype(np.int32))
+    assert np.all(_norms(q) <= np.linalg.norm(np.asarray(v, np.float64), axis=1))
+    assert p.rounding_failure == ddp.ROUNDING_BETA**ddp.MAX_ROUNDINGS < 1.3e-14
+
+
+def test_conditional_rounding_of_a_row_depends_on_its_key_only():
+    """Rows redraw a different number of times, yet each row is what it is alone, so
+    the reference (client by client), XLA (one batch) and streaming agree."""
+    p = ddp.params(650, 50, 0.5, 1.0, 16)
+    v, keys = _at_clip(p, 64, seed=3), jax.random.split(jax.random.key(4), 64)
+    batch = np.asarray(ddp.round_batch(v, keys, p))
+    plain = np.asarray(ddp.round_batch(v, keys, dataclasses.replace(p, conditional=False)))
+    assert not np.array_equal(batch, plain)  # some rows were redrawn
+    for i in range(0, 64, 7):
+        assert np.array_equal(
+            np.asarray(ddp.round_batch(v[i : i + 1], keys[i : i + 1], p))[0], batch[i]
+        )
 
 
 def test_params_reject_too_few_bits():
@@ -327,7 +387,7 @@ def _central_module(n: int, d: int, z: float, clip: float = 1.0):
 def _independent_epsilon(n, d, z, bits, clip, rounds, delta):
     """ε of the distributed discrete Gaussian computed here from the papers' formulas,
     without fcir.ddp or dp-accounting: the scale of fcir.ddp's docstring; Delta_2 =
-    scale c + sqrt(D) ([KLS21] Theorem 1, first bound); the RDP of order a, [KLS21]
+    Theorem 1's conditional-rounding min(...) (``_conditional_delta2``); the RDP of order a, [KLS21]
     Proposition 14, all three terms; RDP to (ε, δ) with the conversion of Canonne,
     Kamath, Steinke 2020 (Prop. 12) / Asoodeh et al., minimised over a dense grid of a."""
     D = 1 << max(0, (d - 1).bit_length())
@@ -335,7 +395,7 @@ def _independent_epsilon(n, d, z, bits, clip, rounds, delta):
     k = math.sqrt(2 * math.log(2 * D / 2.0**-30))
     scale = (half - n) / (k * clip * math.sqrt(n * n / D + z * z))
     local = z * clip * scale / math.sqrt(n)
-    d2 = scale * clip * (1 + (math.log2(D) + 8) * 2.0**-23) + math.sqrt(D)
+    d2 = _conditional_delta2(scale * clip * (1 + (math.log2(D) + 8) * 2.0**-23), D)
     d1 = min(d2 * math.sqrt(D), d2 * d2)  # ||v||_1 <= sqrt(D) ||v||_2; integers: <= ||v||²
     tau = 10 * sum(math.exp(-2 * math.pi**2 * local**2 * j / (j + 1)) for j in range(1, n))
     sig = math.sqrt(n) * local
@@ -398,7 +458,7 @@ def test_releases_state_the_accounted_noise_and_pld_is_refused():
         fcir.privacy.epsilon(m, 3, 1e-5, accountant="pld")
 
 
-# --- the checker's key rules (fcir.ddp_check) ------------------------------------------------
+# --- the checker's key rules (fcir.dp_keys, shared with the central DP ops) ----------------
 
 N = 4
 
@@ -616,3 +676,36 @@ def test_ddp_ops_are_registry_fed_ops_of_kind_ddp_with_placed_keys():
 def test_ddp_key_codes_are_privacy_c4_for_repeated_keys_and_c5_for_server_keys():
     assert "distinct" in fcir.privacy.CONSTRAINTS["privacy/C4"]
     assert "client data" in fcir.privacy.CONSTRAINTS["privacy/C5"]
+
+
+def test_keys_folded_with_the_next_iterations_index_are_rejected():
+    """fold_in(keys, t) and fold_in(keys, t + 1) in one scan: the second op's keys in
+    iteration t are the first op's in iteration t + 1, so two releases carry the same
+    noise. The key analysis shared with the central DP ops (fcir.dp_keys) sees it."""
+
+    def body(w, keys, x):
+        def step(carry, _):
+            w, t = carry
+            a = fcir.map_fn(lambda k, t: jax.random.fold_in(k, t), (keys, fcir.broadcast(t)))
+            b = fcir.map_fn(lambda k, t: jax.random.fold_in(k, t + 1), (keys, fcir.broadcast(t)))
+            w = w + fcir.ddp_mean(_upd(w, x), 1.0, 1.0, a, bits=12)
+            return (w + fcir.ddp_mean(_upd(w, x), 1.0, 1.0, b, bits=12), t + 1), None
+
+        return jax.lax.scan(step, (w, jnp.int32(0)), None, length=3)[0][0]
+
+    with pytest.raises(fcir.PrivacyError, match=r"privacy/C4: fed.ddp_mean reuses the keys"):
+        _capture_private(body, *ARGS)
+
+
+def test_epsilon_refuses_ddp_keys_reused_in_a_non_private_module_too():
+    """As for the central DP ops, the accountant refuses repeated keys whether or not
+    the program is private."""
+
+    @fcir.program(placements={"clients": N})
+    def round_(w, keys, x):
+        a = fcir.ddp_mean(_upd(w, x), 1.0, 1.0, keys, bits=12)
+        return fcir.ddp_mean(_upd(a, x), 1.0, 1.0, keys, bits=12)
+
+    m = fcir.capture(round_, *ARGS)
+    with pytest.raises(fcir.PrivacyError, match=r"epsilon: privacy/C4: fed.ddp_mean reuses"):
+        fcir.privacy.epsilon(m, 1, 1e-5)
