@@ -28,8 +28,7 @@ from fcir.elementwise import LAYOUT, PER_MEMBER
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
 from fcir.fed import by_primitive
 from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
-from fcir.canonical import canonicalize
-from fcir.jaxcompat import ad_rules, canonical_eqns, core, schema, source_info_util
+from fcir.jaxcompat import ad_rules, core, schema, source_info_util
 from fcir.types import (
     SERVER,
     PlacedType,
@@ -173,7 +172,7 @@ def from_jaxpr(closed: jc.ClosedJaxpr, in_tree=None, out_tree=None, *, name="pro
     # states, dataclasses); a deserialized module rebuilds them from the Structure.
     main.result_treedef = out_tree
     pytrees.remember(main.result_structure, out_tree)
-    module = canonicalize(Module(name, placements, [main], private=private))
+    module = Module(name, placements, [main], private=private)
     # Backends that only need this very jaxpr back take it instead of tracing the IR.
     captured.remember(module, closed)
     return module
@@ -508,7 +507,6 @@ class _Converter:
 
     def convert_eqns(self, jx: core.Jaxpr, env, region: Region, level: int) -> None:
         for eqn in jx.eqns:
-            eqn = canonical_eqns.scan_literal_consts_inlined(eqn)  # the same IR on every JAX
             name = eqn.primitive.name
             if name in _INLINE_IF_FEDERATED and schema.inlined_while_tracing(name, eqn.params):
                 # JAX 0.10 inlined this call while tracing: its literal operands are

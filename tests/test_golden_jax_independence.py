@@ -1,6 +1,7 @@
-"""The goldens are one set for every supported JAX: capture pins the derivative rules
-that changed after JAX 0.10.2 (fcir/jaxcompat/ad_rules.py), so a gradient captures to
-the same equations, and IR written under a newer JAX runs under 0.10."""
+"""The goldens are one set for every supported JAX but the few STILL_PER_VERSION lists:
+capture pins the derivative rules that changed after JAX 0.10.2
+(fcir/jaxcompat/ad_rules.py), so a gradient captures to the same equations, and IR
+written under a newer JAX runs under 0.10."""
 
 from __future__ import annotations
 
@@ -18,11 +19,22 @@ from fcir.jaxcompat import ad_rules
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 
 
-def test_goldens_are_one_set_with_no_per_version_directory():
-    # Every corpus program and gradient prints the same text under every supported JAX
-    # (CI compares these goldens under jax 0.10.2 and 0.12): a golden/jax<X.Y>/ would
-    # mean capture depends on the JAX again.
-    assert [p.name for p in GOLDEN_DIR.iterdir() if p.is_dir()] == []
+# Goldens that still differ under a JAX and so keep a copy in golden/jax<X.Y>/: only ever
+# remove names from here (a new per-version golden means capture depends on the JAX
+# again). Both differ in what JAX 0.12's own transposition and partial evaluation do,
+# which a canonicalizing pass could undo only by moving the IR away from what that JAX's
+# jax.jit computes (ir.md guarantee 1: bitwise, equal flops):
+# - diloco_grad: 0.12 adds three cotangents of the outer momentum in another order
+#   (other bits) and passes the literals 0.9/0.999 of Adam's bias correction to the
+#   forward scan as constant operands;
+# - fedavg_transformer_grad: 0.10.2 saves 21 residuals of the inner scans twice (0.12
+#   once); merging them changes XLA's flops against 0.10.2's jax.jit.
+STILL_PER_VERSION = {"jax0.12": {"diloco_grad", "fedavg_transformer_grad"}}
+
+
+def test_no_golden_has_a_per_version_copy_beyond_the_known_ones():
+    found = {d.name: {p.stem for p in d.glob("*.fcir")} for d in GOLDEN_DIR.iterdir() if d.is_dir()}
+    assert found == STILL_PER_VERSION
     assert len(list(GOLDEN_DIR.glob("*.fcir"))) >= 21
 
 

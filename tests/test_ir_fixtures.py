@@ -92,32 +92,3 @@ def test_old_ir_loads_checks_prints_the_same_and_runs_to_the_same_numbers(case):
     ]
     _assert_same_numbers(reference.run(from_pb, *args), expected, f"{name} (reference)")
     _assert_same_numbers(xla.compile(from_text)(*args), expected, f"{name} (xla)")
-
-
-# Programs whose IR written under JAX 0.10.2 capture now canonicalizes (fcir.canonical:
-# sums of cotangents, residuals yielded or passed twice).
-CANONICALIZED = {
-    "diloco_grad",
-    "fedavg_mlp_grad",
-    "fedavg_transformer",
-    "fedavg_transformer_grad",
-    "scan_rounds_grad",
-}
-
-
-@pytest.mark.parametrize("case", [c for c in CASES if c[1] in CANONICALIZED], ids=_ids)
-def test_old_ir_in_canonical_form_checks_and_runs_to_the_same_numbers(case):
-    from fcir.canonical import canonicalize
-
-    d, name = case
-    spec = json.loads((d / "manifest.json").read_text())["programs"][name]
-    text = (d / f"{name}.fcir").read_text()
-    module = canonicalize(fcir.parse(text))
-    fcir.check(module)
-    assert module.to_text(full_constants=True) != text  # the canonical form is another
-    assert canonicalize(fcir.parse(module.to_text(full_constants=True))).to_text(
-        full_constants=True
-    ) == module.to_text(full_constants=True)  # and a fixed point
-    args = _leaves(d / f"{name}.inputs.npz", "a", spec["inputs"])
-    expected = _leaves(d / f"{name}.outputs.npz", "r", spec["outputs"])
-    _assert_same_numbers(reference.run(module, *args), expected, f"{name} (canonical)")

@@ -30,14 +30,10 @@ checker and backends translate it back (`fcir/jaxcompat/schema.py`). An IR file 
 under one supported JAX loads, checks, runs and prints the same under the others
 (tests/test_ir_fixtures.py, with IR written by fcir under JAX 0.10.2).
 
-Capture also gives one form to what JAX versions trace differently, so that a program
-captures to the same text under each (one set of goldens, tests/golden/):
-`tanh`, `asin`, `acos` and `atanh` differentiate with JAX 0.10.2's rules (no
-`one_minus_square`, which 0.10 lacks) and a partially evaluated `custom_jvp_call` is
-inlined as 0.10.2 does (`fcir/jaxcompat/ad_rules.py`); a scalar literal stays in the
-body of the `jax.scan` that uses it (`fcir/jaxcompat/canonical_eqns.py`); a sum of
-cotangents (`jax.add_any`) adds its terms in the order they are defined, and a region
-yields a value, or receives one, once (`fcir/canonical.py`).
+Capture also pins the derivative rules JAX changed after 0.10.2, so that a gradient
+traces to the same equations under each (`fcir/jaxcompat/ad_rules.py`): `tanh`,
+`asin`, `acos` and `atanh` differentiate with JAX 0.10.2's rules (no `one_minus_square`,
+which 0.10 lacks) and a partially evaluated `custom_jvp_call` is inlined as 0.10.2 does.
 """
 
 
@@ -58,7 +54,7 @@ def _golden_local_ops() -> dict[str, set[str]]:
     """jax.* op -> the attribute keys it carries in the corpus goldens."""
     ops: dict[str, set[str]] = {}
     line_re = re.compile(r"= (jax\.[A-Za-z0-9_\-]+)(?: [^{]*)?(?:\{(.*)\})?")
-    for path in sorted(GOLDEN.glob("*.fcir")):
+    for path in sorted(GOLDEN.rglob("*.fcir")):
         for line in path.read_text().splitlines():
             m = line_re.search(line)
             if not m:

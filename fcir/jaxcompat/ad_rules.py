@@ -17,13 +17,14 @@ a gradient (local SGD inside a round) then keeps ``custom_jvp_call`` in its forw
 under 0.12 only. fcir's IR omits derivative rules anyway (``#Omitted.derivative_rule``).
 
 While :func:`pinned` is active (capture traces inside it), both follow JAX 0.10.2 on every
-JAX, so a gradient traces to JAX 0.10.2's equations; fcir.canonical then normalizes what
-JAX's transposition and partial evaluation still order differently.
+JAX, so a gradient traces to JAX 0.10.2's equations.
 
 JAX caches the JVP and the linearization of each jaxpr it differentiates (a ``jit``
 inside the program, ``jnp.tanh`` itself): entering and leaving :func:`pinned` clears
-those caches, so that neither a derivative traced earlier with JAX's rules leaks into a
-capture nor one traced with the pinned rules leaks out of it. Another thread that
+those caches, so that a derivative traced earlier with JAX's rules does not leak into a
+capture (nor one traced with the pinned rules into later derivatives of other
+functions). ``jax.jit(f)`` of the very function ``f`` capture traced reuses JAX's trace
+of it, so it computes the pinned derivative too: the same math, bit for bit the IR. Another thread that
 differentiates while a capture runs gets the pinned rules: the same derivative.
 """
 
