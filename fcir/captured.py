@@ -77,6 +77,8 @@ def mark_checked(module: Module) -> None:
 def checked(module: Module) -> bool:
     """Whether ``module`` passed ``fcir.check`` in capture and is unchanged since, so a
     backend need not check it again."""
+    if not isinstance(module, Module):  # fcir.check then names what was given instead
+        return False
     parts = _CHECKED.get(module)
     return parts is not None and unchanged(module, parts)
 

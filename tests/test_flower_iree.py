@@ -430,8 +430,8 @@ def test_the_client_app_runs_in_a_process_that_cannot_import_jax(tmp_path, monke
         ns = real(appdir)
         compute = ns.client.compute
 
-        def recording(step_index, values, context):
-            res = compute(step_index, values, context)
+        def recording(step_index, values, context, *rest):
+            res = compute(step_index, values, context, *rest)
             seen.append((step_index, dict(values), dict(context.node_config), res))
             return res
 
