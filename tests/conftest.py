@@ -3,12 +3,9 @@
 A golden is the canonical text of a corpus program (or of its gradient) under
 tests/golden/. A mismatch fails with a short unified diff and the command that
 updates goldens; a missing golden fails; CI never updates them. fcir's IR does not
-depend on the JAX version: capture pins the derivative rules JAX versions differ in
-(fcir/jaxcompat/ad_rules.py). Where a JAX still traces a program to other equations
-(the order its transposition adds cotangents, its scan residuals), that program's
-golden for it is tests/golden/jax<X.Y>/ (``--update-goldens`` writes there
-only what differs from the shared golden); tests/test_golden_jax_independence.py lists
-the ones left.
+depend on the JAX version; where a JAX traces a program itself to other equations (its
+AD rules, its scan residuals), that program's golden for it is tests/golden/jax<X.Y>/
+(``--update-goldens`` writes there only what differs from the shared golden).
 """
 
 from __future__ import annotations

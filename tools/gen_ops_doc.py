@@ -29,11 +29,6 @@ capture translates the running JAX's primitive parameters into this schema and t
 checker and backends translate it back (`fcir/jaxcompat/schema.py`). An IR file written
 under one supported JAX loads, checks, runs and prints the same under the others
 (tests/test_ir_fixtures.py, with IR written by fcir under JAX 0.10.2).
-
-Capture also pins the derivative rules JAX changed after 0.10.2, so that a gradient
-traces to the same equations under each (`fcir/jaxcompat/ad_rules.py`): `tanh`,
-`asin`, `acos` and `atanh` differentiate with JAX 0.10.2's rules (no `one_minus_square`,
-which 0.10 lacks) and a partially evaluated `custom_jvp_call` is inlined as 0.10.2 does.
 """
 
 
