@@ -17,6 +17,13 @@ import gc
 
 __all__ = ["paused", "tenured"]
 
+# Objects already in the permanent generation when fcir is imported. CPython 3.11
+# starts with none; 3.12 starts with a few hundred of its own (375 on 3.12.1), so
+# "nobody froze anything" is this count, not zero. Someone who freezes later (a
+# pre-fork server: import, gc.freeze(), fork) raises it, and then tenured() leaves the
+# permanent generation alone.
+_FROZEN_AT_IMPORT = gc.get_freeze_count()
+
 
 @contextlib.contextmanager
 def paused():
@@ -39,13 +46,13 @@ def tenured():
     the block triggers a collection that scans all of them, and they would be scanned
     again as middle-aged. gc.freeze() + gc.unfreeze() tenures them without a scan. That
     would also release objects someone else froze (e.g. a pre-fork server), so then it
-    is skipped."""
+    is skipped; the interpreter's own frozen objects (Python 3.12) count as nobody's."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if gc.get_freeze_count() == 0:
+        if gc.get_freeze_count() <= _FROZEN_AT_IMPORT:
             gc.freeze()
             gc.unfreeze()
         if was_enabled:
