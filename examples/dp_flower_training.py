@@ -97,14 +97,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=20, help="rounds asked for")
-    parser.add_argument("--first-rounds", type=int, default=2,
-                        help="rounds of the first run, before the resume")
+    parser.add_argument(
+        "--first-rounds", type=int, default=2, help="rounds of the first run, before the resume"
+    )
     parser.add_argument("--max-epsilon", type=float, default=6.0)
     parser.add_argument("--delta", type=float, default=1e-5)
     parser.add_argument("--clip-norm", type=float, default=0.5)
     parser.add_argument("--noise-multiplier", type=float, default=2.0)
-    parser.add_argument("--ddp-bits", type=int, default=None,
-                        help="distributed DP (fcir.ddp_mean) with this secure-sum width")
+    parser.add_argument(
+        "--ddp-bits",
+        type=int,
+        default=None,
+        help="distributed DP (fcir.ddp_mean) with this secure-sum width",
+    )
     parser.add_argument("--actors", type=int, default=None, help="Ray actors (CPUs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="work folder (default: a new temporary one)")
@@ -124,9 +129,12 @@ def main(argv: list[str] | None = None) -> dict:
     server, _ = data.split_arguments(module, round_in, work / "data")
     app = flower.export(module, work / "app", inputs=_outputs(server))
     planned = planned_rounds(module, args.delta, args.max_epsilon, args.rounds)
-    print(f"ε per round {fcir.privacy.epsilon(module, 1, args.delta):.4g} at δ={args.delta:g}: "
-          f"a budget of max-epsilon={args.max_epsilon:g} allows {planned} of "
-          f"{args.rounds} rounds", flush=True)
+    print(
+        f"ε per round {fcir.privacy.epsilon(module, 1, args.delta):.4g} at δ={args.delta:g}: "
+        f"a budget of max-epsilon={args.max_epsilon:g} allows {planned} of "
+        f"{args.rounds} rounds",
+        flush=True,
+    )
 
     ckpt, out = work / "checkpoint", work / "model.npz"
     common = f'max-epsilon={args.max_epsilon!r} checkpoint-dir="{ckpt}" output="{out}"'
@@ -136,8 +144,15 @@ def main(argv: list[str] | None = None) -> dict:
     logs = []
     for label, rounds in (("first run", args.first_rounds), ("resumed run", args.rounds)):
         print(f"--- {label}: rounds={rounds} ---", flush=True)
-        result = simulate(app, args.nodes, work / "data", f"rounds={rounds} {common}",
-                          actors=args.actors, root=work / f"sim{len(logs)}", echo=sys.stdout)
+        result = simulate(
+            app,
+            args.nodes,
+            work / "data",
+            f"rounds={rounds} {common}",
+            actors=args.actors,
+            root=work / f"sim{len(logs)}",
+            echo=sys.stdout,
+        )
         if not result.ok:
             raise SystemExit(f"{label} failed: {result.failure()}")
         logs.append(result.log)
@@ -150,11 +165,21 @@ def main(argv: list[str] | None = None) -> dict:
     outs = _outputs(out)
     model = jax.tree.unflatten(jax.tree.structure(init_model()), outs[:-1])
     spent = fcir.privacy.epsilon(module, ran, args.delta)
-    print(f"{ran} rounds ran in all (the budget planned {planned}), ε {spent:.4g} spent of "
-          f"{args.max_epsilon:g}; test accuracy {accuracy(model, x_test, y_test):.3f} "
-          f"({time.perf_counter() - start:.0f} s)", flush=True)
-    return {"module": module, "round_args": round_args, "planned": planned, "rounds": ran,
-            "epsilon": spent, "outputs": outs, "logs": logs, "work": work}
+    print(
+        f"{ran} rounds ran in all (the budget planned {planned}), ε {spent:.4g} spent of "
+        f"{args.max_epsilon:g}; test accuracy {accuracy(model, x_test, y_test):.3f} "
+        f"({time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
+    return {
+        "module": module,
+        "planned": planned,
+        "rounds": ran,
+        "epsilon": spent,
+        "outputs": outs,
+        "logs": logs,
+        "work": work,
+    }
 
 
 if __name__ == "__main__":

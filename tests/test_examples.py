@@ -175,7 +175,9 @@ def test_dp_flower_example_stops_on_its_budget_and_the_resume_keeps_spending_it(
     more), as many as fcir.privacy.Budget on the module allows; the model is 3 rounds
     of reference.run, and nothing of the simulation is left running."""
     pytest.importorskip("flwr", reason="needs flwr (pip install 'fcir[flower]')")
-    pytest.importorskip("ray", reason="the Simulation Engine needs ray (pip install 'fcir[flower]')")
+    pytest.importorskip(
+        "ray", reason="the Simulation Engine needs ray (pip install 'fcir[flower]')"
+    )
     pytest.importorskip("sklearn")
     import re
 
@@ -191,8 +193,9 @@ def test_dp_flower_example_stops_on_its_budget_and_the_resume_keeps_spending_it(
     module = fcir.capture(rnd, *args)
     eps = [fcir.privacy.epsilon(module, r, 1e-5) for r in (3, 4)]
     cap = sum(eps) / 2
-    result = example.main([*sizes, "--rounds", "6", "--first-rounds", "2",
-                           "--max-epsilon", repr(cap)])
+    result = example.main(
+        [*sizes, "--rounds", "6", "--first-rounds", "2", "--max-epsilon", repr(cap)]
+    )
     out = capsys.readouterr().out
     budget = fcir.privacy.Budget(module, 1e-5, cap)
     while budget.can_spend():
