@@ -20,7 +20,10 @@ round number is state (output ``r + 1`` feeds input ``r``), so every round draws
 noise::
 
     pip install -e ".[flower,examples]"
-    python examples/dp_flower_training.py --nodes 10 --rounds 20 --max-epsilon 6
+    python examples/dp_flower_training.py --nodes 30 --rounds 20 --max-epsilon 6
+
+(the defaults: 6 of the 20 rounds fit in ε = 6 at δ = 1e-5, and the model reaches
+about 0.7 held-out accuracy; about 50 s on 2 CPU cores, most of it Ray's start-up)
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Exports, trains twice on the Simulation Engine (the second run resuming the
     first's checkpoint and budget); returns what ran."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, default=10)
+    parser.add_argument("--nodes", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=20, help="rounds asked for")
     parser.add_argument(
         "--first-rounds", type=int, default=2, help="rounds of the first run, before the resume"
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{ran} rounds ran in all (the budget planned {planned}), ε {spent:.4g} spent of "
         f"{args.max_epsilon:g}; test accuracy {accuracy(model, x_test, y_test):.3f} "
-        f"({time.perf_counter() - start:.0f} s)",
+        f"({time.perf_counter() - start:.0f} s); the model: {out}",
         flush=True,
     )
     return {
