@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fcir import autodiff as AD
@@ -23,7 +22,7 @@ from fcir import primitives as P
 from fcir.types import PlacedType, TensorType
 
 from .base import FedOp
-from .dp_sum import DpSum, dp_jvp
+from .dp_sum import DpSum, dp_jvp, float_members
 
 __all__ = ["DdpSum", "ddp_sum_p", "define_ddp"]
 
@@ -119,16 +118,7 @@ def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, bits, 
             f"got {keys.str_short()}; pass jax.random.split(key, n) (or raw "
             "uint32[n, 2]) as client data",
         )
-    out = []
-    for i, x in enumerate(xs):
-        member = P.member_aval(x, placement, n, f"{op.name} operand {i}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise op.error(
-                "C4",
-                f"operand {i} has dtype {x.dtype}: cast it (x.astype(jnp.float32)) "
-                "before the DP aggregate",
-            )
-        out.append(member.update(weak_type=False))
+    out = float_members(op, xs, placement, n)
     ddp.params(
         ddp.member_dim(x.shape[1:] for x in xs),
         n,

@@ -47,7 +47,6 @@ def _impl(*args, placement, n, clip_norm, noise_multiplier, mean):
 
 
 def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean):
-    what = op.name
     *xs, key = avals
     if not xs:
         raise op.error("C1", "no value leaf before the key")
@@ -55,9 +54,15 @@ def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean):
         raise op.error(
             "C3", f"got {key.str_short()}; pass jax.random.key(...) or a raw uint32[2] key"
         )
+    return float_members(op, xs, placement, n)
+
+
+def float_members(op, xs, placement, n) -> list:
+    """The member avals of a DP aggregate's value leaves (central or distributed), each
+    placed at ``placement`` and floating (C4 otherwise)."""
     out = []
     for i, x in enumerate(xs):
-        member = P.member_aval(x, placement, n, f"{what} operand {i}")
+        member = P.member_aval(x, placement, n, f"{op.name} operand {i}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise op.error(
                 "C4",
