@@ -22,7 +22,7 @@ from fcir import primitives as P
 from fcir.types import PlacedType, TensorType
 
 from .base import FedOp
-from .dp_sum import DpSum, dp_jvp, float_members
+from .dp_sum import DpSum, check_leaves_then_key, dp_jvp, float_members
 
 __all__ = ["DdpSum", "ddp_sum_p", "define_ddp"]
 
@@ -55,13 +55,7 @@ class DdpSum(FedOp):
 
     @classmethod
     def verify(cls, op, ctx):
-        k = len(op.operands) - 1
-        if k < 1 or len(op.results) != k or op.regions:
-            cls.fail(
-                "C1",
-                f"has {len(op.operands)} operands, {len(op.results)} results, "
-                f"{len(op.regions)} regions",
-            )
+        check_leaves_then_key(cls, op)
         keys = op.operands[-1].type
         if not isinstance(keys, PlacedType) or not (
             isinstance(keys.member, TensorType)

@@ -57,6 +57,18 @@ def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean):
     return float_members(op, xs, placement, n)
 
 
+def check_leaves_then_key(cls, op) -> None:
+    """C1 of a DP aggregate (central or distributed): value leaves, then one key operand,
+    one result per leaf and no regions."""
+    k = len(op.operands) - 1
+    if k < 1 or len(op.results) != k or op.regions:
+        cls.fail(
+            "C1",
+            f"has {len(op.operands)} operands, {len(op.results)} results, "
+            f"{len(op.regions)} regions",
+        )
+
+
 def float_members(op, xs, placement, n) -> list:
     """The member avals of a DP aggregate's value leaves (central or distributed), each
     placed at ``placement`` and floating (C4 otherwise)."""
@@ -157,13 +169,7 @@ class DpSum(FedOp):
 
     @classmethod
     def verify(cls, op, ctx):
-        k = len(op.operands) - 1
-        if k < 1 or len(op.results) != k or op.regions:
-            cls.fail(
-                "C1",
-                f"has {len(op.operands)} operands, {len(op.results)} results, "
-                f"{len(op.regions)} regions",
-            )
+        check_leaves_then_key(cls, op)
         key = op.operands[-1].type
         member = ctx.member_of_local(key) if ctx.is_local(key) else None
         if not isinstance(member, TensorType) or not cls.is_key(member.dtype, member.shape):
