@@ -59,6 +59,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import _record  # bench/, the script's own folder
+import _timing
 
 FULL = {
     "vocab": 128,
@@ -166,8 +167,7 @@ def time_interleaved(programs: dict, args, reps: int, warmup: int, budget_s: flo
     cpu = {n: [] for n in names}
     r, target = 0, reps
     while r < warmup + target:
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
+        for name in _timing.rotated(names, r):
             w0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(programs[name](*args))
             dw, dc = time.perf_counter() - w0, time.process_time() - c0
@@ -182,15 +182,11 @@ def time_interleaved(programs: dict, args, reps: int, warmup: int, budget_s: flo
 
 
 def ratio_stats(num: list[float], den: list[float]) -> dict:
-    ratios = [a / b for a, b in zip(num, den)]
+    """``_timing.ratio_stats`` and the interquartile range of the ratios."""
+    stats = _timing.ratio_stats(num, den)
+    ratios = stats["ratios"]
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return {
-        "ratios": ratios,
-        "median": statistics.median(ratios),
-        "min": min(ratios),
-        "max": max(ratios),
-        "iqr": [q[0], q[2]],
-    }
+    return {**stats, "iqr": [q[0], q[2]]}
 
 
 def bench_single_process(
@@ -272,24 +268,7 @@ def call_programs(num_clients: int, cfg: dict, mesh, args):
 def time_calls(programs: dict, args, calls: int, reps: int, warmup: int) -> dict:
     """Seconds per call, wall and CPU: a block of ``calls`` calls per program per
     repetition (results awaited at the end of the block), rotating the first."""
-    import jax
-
-    names = list(programs)
-    wall = {n: [] for n in names}
-    cpu = {n: [] for n in names}
-    for name in names:  # compile and warm the C++ caches
-        jax.block_until_ready(programs[name](*args))
-    for r in range(warmup + reps):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            fn = programs[name]
-            w0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            dw, dc = time.perf_counter() - w0, time.process_time() - c0
-            if r >= warmup:
-                wall[name].append(dw / calls)
-                cpu[name].append(dc / calls)
+    wall, cpu = _timing.time_blocks(programs, args, calls, reps, warmup)
     return {
         "calls_per_block": calls,
         "samples_s": wall,
@@ -606,7 +585,6 @@ def main(argv=None) -> int:
     load.append(os.getloadavg())
     print(report(single, procs, reps, calls))
     print(f"load average (1, 5, 15 min) before: {load[0]}, after: {load[1]}")
-
 
     result = {
         "config": {
