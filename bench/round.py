@@ -480,19 +480,15 @@ def report_calls(calls: dict, reps: int) -> list[str]:
         f"  {'round':38} {'fcir exe':>10} {'drjax jit':>10} {'fcir jit':>10}   "
         f"{'fcir/drjax_jit (goal <= 1.1)':<46} fcir/fcir_jit",
     ]
-    for name, row in calls.items():
-        s = row["samples_s"]
-        lines.append(
-            f"  {name:38} {_us(s['fcir'])} {_us(s['drjax_jit'])} {_us(s['fcir_jit'])}   "
-            f"{_ratio(row['fcir/drjax_jit']):<46} {_ratio(row['fcir/fcir_jit'])}"
-        )
-    lines.append("  CPU time of this process, same blocks:")
-    for name, row in calls.items():
-        s = row["cpu_samples_s"]
-        lines.append(
-            f"  {name:38} {_us(s['fcir'])} {_us(s['drjax_jit'])} {_us(s['fcir_jit'])}   "
-            f"{_ratio(row['cpu fcir/drjax_jit']):<46} {_ratio(row['cpu fcir/fcir_jit'])}"
-        )
+    for samples, cpu in (("samples_s", ""), ("cpu_samples_s", "cpu ")):  # wall, then CPU
+        if cpu:
+            lines.append("  CPU time of this process, same blocks:")
+        for name, row in calls.items():
+            s = row[samples]
+            lines.append(
+                f"  {name:38} {_us(s['fcir'])} {_us(s['drjax_jit'])} {_us(s['fcir_jit'])}   "
+                f"{_ratio(row[f'{cpu}fcir/drjax_jit']):<46} {_ratio(row[f'{cpu}fcir/fcir_jit'])}"
+            )
     return lines
 
 
@@ -507,19 +503,15 @@ def report(single: dict, procs: dict | None, reps: int, calls: dict | None = Non
             f"{'fcir/drjax (goal <= 1.0)':<46} fcir/limit (goal <= 1.02)"
         ),
     ]
-    for n, row in single.items():
-        s = row["samples_s"]
-        lines.append(
-            f"  {n:>7} {_ms(s['fcir'])} {_ms(s['drjax'])} {_ms(s['limit'])}   "
-            f"{_ratio(row['fcir/drjax']):<46} {_ratio(row['fcir/limit'])}"
-        )
-    lines.append("  CPU time of this process (less sensitive to other load), same pairs:")
-    for n, row in single.items():
-        s = row["cpu_samples_s"]
-        lines.append(
-            f"  {n:>7} {_ms(s['fcir'])} {_ms(s['drjax'])} {_ms(s['limit'])}   "
-            f"{_ratio(row['cpu fcir/drjax']):<46} {_ratio(row['cpu fcir/limit'])}"
-        )
+    for samples, cpu in (("samples_s", ""), ("cpu_samples_s", "cpu ")):  # wall, then CPU
+        if cpu:
+            lines.append("  CPU time of this process (less sensitive to other load), same pairs:")
+        for n, row in single.items():
+            s = row[samples]
+            lines.append(
+                f"  {n:>7} {_ms(s['fcir'])} {_ms(s['drjax'])} {_ms(s['limit'])}   "
+                f"{_ratio(row[f'{cpu}fcir/drjax']):<46} {_ratio(row[f'{cpu}fcir/limit'])}"
+            )
     for n, row in single.items():
         same = [k for k, v in row["optimized_hlo_same_as_fcir"].items() if v]
         diff = row["max_abs_diff_from_fcir"]
