@@ -472,6 +472,21 @@ def _us(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e6:10.1f}"
 
 
+def _rows(table: dict, label: str, cell, cols: tuple[str, str, str], cpu_title: str) -> list[str]:
+    """A line per row of ``table`` (its name formatted by ``label``): the median of each
+    of ``cols`` and the ratios of the first to the other two; wall time, then the same
+    lines for CPU time under ``cpu_title``."""
+    lines = []
+    for samples, cpu in (("samples_s", ""), ("cpu_samples_s", "cpu ")):
+        if cpu:
+            lines.append(cpu_title)
+        for name, row in table.items():
+            cells = " ".join(cell(row[samples][c]) for c in cols)
+            first, second = (_ratio(row[f"{cpu}{cols[0]}/{c}"]) for c in cols[1:])
+            lines.append(f"  {name:{label}} {cells}   {first:<46} {second}")
+    return lines
+
+
 def report_calls(calls: dict, reps: int) -> list[str]:
     lines = [
         "",
@@ -480,16 +495,8 @@ def report_calls(calls: dict, reps: int) -> list[str]:
         f"  {'round':38} {'fcir exe':>10} {'drjax jit':>10} {'fcir jit':>10}   "
         f"{'fcir/drjax_jit (goal <= 1.1)':<46} fcir/fcir_jit",
     ]
-    for samples, cpu in (("samples_s", ""), ("cpu_samples_s", "cpu ")):  # wall, then CPU
-        if cpu:
-            lines.append("  CPU time of this process, same blocks:")
-        for name, row in calls.items():
-            s = row[samples]
-            lines.append(
-                f"  {name:38} {_us(s['fcir'])} {_us(s['drjax_jit'])} {_us(s['fcir_jit'])}   "
-                f"{_ratio(row[f'{cpu}fcir/drjax_jit']):<46} {_ratio(row[f'{cpu}fcir/fcir_jit'])}"
-            )
-    return lines
+    cpu_title = "  CPU time of this process, same blocks:"
+    return lines + _rows(calls, "38", _us, ("fcir", "drjax_jit", "fcir_jit"), cpu_title)
 
 
 def report(single: dict, procs: dict | None, reps: int, calls: dict | None = None) -> str:
@@ -503,15 +510,8 @@ def report(single: dict, procs: dict | None, reps: int, calls: dict | None = Non
             f"{'fcir/drjax (goal <= 1.0)':<46} fcir/limit (goal <= 1.02)"
         ),
     ]
-    for samples, cpu in (("samples_s", ""), ("cpu_samples_s", "cpu ")):  # wall, then CPU
-        if cpu:
-            lines.append("  CPU time of this process (less sensitive to other load), same pairs:")
-        for n, row in single.items():
-            s = row[samples]
-            lines.append(
-                f"  {n:>7} {_ms(s['fcir'])} {_ms(s['drjax'])} {_ms(s['limit'])}   "
-                f"{_ratio(row[f'{cpu}fcir/drjax']):<46} {_ratio(row[f'{cpu}fcir/limit'])}"
-            )
+    cpu_title = "  CPU time of this process (less sensitive to other load), same pairs:"
+    lines += _rows(single, ">7", _ms, ("fcir", "drjax", "limit"), cpu_title)
     for n, row in single.items():
         same = [k for k, v in row["optimized_hlo_same_as_fcir"].items() if v]
         diff = row["max_abs_diff_from_fcir"]
