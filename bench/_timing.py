@@ -43,3 +43,13 @@ def ratio_stats(num: list[float], den: list[float]) -> dict:
     ratios = [a / b for a, b in zip(num, den)]
     return {"ratios": ratios, "median": statistics.median(ratios), "min": min(ratios),
             "max": max(ratios)}  # fmt: skip
+
+
+def ratios(wall: dict, cpu: dict, num: str, dens, stats=ratio_stats) -> dict:
+    """``stats`` of the per-repetition ratios ``num``/``den`` for each of ``dens``: of
+    wall time (keys ``"num/den"``), then of CPU time (``"cpu num/den"``)."""
+    return {
+        f"{kind}{num}/{den}": stats(samples[num], samples[den])
+        for kind, samples in (("", wall), ("cpu ", cpu))
+        for den in dens
+    }

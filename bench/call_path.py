@@ -62,10 +62,7 @@ def time_calls(progs: dict, args, calls: int, reps: int, warmup: int) -> dict:
     return {
         "samples_s": wall,
         "cpu_samples_s": cpu,
-        "fcir/drjax": _timing.ratio_stats(wall["fcir"], wall["drjax"]),
-        "fcir/fcir_jit": _timing.ratio_stats(wall["fcir"], wall["fcir_jit"]),
-        "cpu fcir/drjax": _timing.ratio_stats(cpu["fcir"], cpu["drjax"]),
-        "cpu fcir/fcir_jit": _timing.ratio_stats(cpu["fcir"], cpu["fcir_jit"]),
+        **_timing.ratios(wall, cpu, "fcir", ("drjax", "fcir_jit")),
     }
 
 

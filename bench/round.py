@@ -209,10 +209,7 @@ def bench_single_process(
             "optimized_hlo_same_as_fcir": hlo,
             "samples_s": samples,
             "cpu_samples_s": cpu,
-            "fcir/drjax": ratio_stats(samples["fcir"], samples["drjax"]),
-            "fcir/limit": ratio_stats(samples["fcir"], samples["limit"]),
-            "cpu fcir/drjax": ratio_stats(cpu["fcir"], cpu["drjax"]),
-            "cpu fcir/limit": ratio_stats(cpu["fcir"], cpu["limit"]),
+            **_timing.ratios(samples, cpu, "fcir", ("drjax", "limit"), ratio_stats),
         }
     return out
 
@@ -273,10 +270,7 @@ def time_calls(programs: dict, args, calls: int, reps: int, warmup: int) -> dict
         "calls_per_block": calls,
         "samples_s": wall,
         "cpu_samples_s": cpu,
-        "fcir/drjax_jit": ratio_stats(wall["fcir"], wall["drjax_jit"]),
-        "fcir/fcir_jit": ratio_stats(wall["fcir"], wall["fcir_jit"]),
-        "cpu fcir/drjax_jit": ratio_stats(cpu["fcir"], cpu["drjax_jit"]),
-        "cpu fcir/fcir_jit": ratio_stats(cpu["fcir"], cpu["fcir_jit"]),
+        **_timing.ratios(wall, cpu, "fcir", ("drjax_jit", "fcir_jit"), ratio_stats),
     }
 
 
@@ -449,8 +443,7 @@ def bench_processes(clients: int, cfg: dict, reps: int, warmup: int) -> dict:
         "clients": clients,
         "samples_s": samples,
         "cpu_samples_s": cpu,
-        "2x4/1x8": ratio_stats(samples["2x4"], samples["1x8"]),
-        "cpu 2x4/1x8": ratio_stats(cpu["2x4"], cpu["1x8"]),
+        **_timing.ratios(samples, cpu, "2x4", ("1x8",), ratio_stats),
     }
 
 
