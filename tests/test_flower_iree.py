@@ -66,6 +66,21 @@ def _assert_same_numbers(got, want, rtol=1e-5, atol=1e-6):
             np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
 
 
+def _export_by_cli(r: rounds.Round, root, out: str, capsys, *flags: str):
+    """``fcir export --target flower ROUND.fcir -o ROOT/OUT --inputs IN.npz
+    --device-runtime iree FLAGS``, the round's text and server inputs written under
+    ``root`` first; returns the .fcir file."""
+    from fcir.cli import main
+
+    src = root / "round.fcir"
+    src.write_text(r.module.to_text(full_constants=True))
+    np.savez(root / "in.npz", *r.server_leaves)
+    args = ["export", "--target", "flower", str(src), "-o", str(root / out)]
+    args += ["--inputs", str(root / "in.npz"), "--device-runtime", "iree", *flags]
+    assert main(args) == 0, capsys.readouterr().err
+    return src
+
+
 def _client_steps(plan):
     return [s for s in plan["steps"] if s["kind"] == "exchange"]
 
@@ -164,15 +179,8 @@ def test_a_scan_of_rounds_runs_each_iteration_s_client_work_through_iree(tmp_pat
     --device-runtime iree: the round's client work is a module verified at export on
     seeded inputs and on each client's inputs of the first iteration; the app writes
     what the jax app and reference.run write."""
-    from fcir.cli import main
-
     r = rounds.corpus_round("scan_rounds")
-    src = tmp_path / "program.fcir"
-    src.write_text(r.module.to_text(full_constants=True))
-    np.savez(tmp_path / "in.npz", *r.server_leaves)
-    args = ["export", "--target", "flower", str(src), "-o", str(tmp_path / "iree")]
-    args += ["--inputs", str(tmp_path / "in.npz"), "--device-runtime", "iree"]
-    assert main(args) == 0, capsys.readouterr().err
+    _export_by_cli(r, tmp_path, "iree", capsys)
     plan = rounds.plan_of(tmp_path / "iree")
     assert plan["loop"]["kind"] == "scan" and plan["device_runtime"] == "iree"
     (step,) = _client_steps(plan)
@@ -566,13 +574,8 @@ def test_cli_exports_a_flower_app_with_iree_modules_per_target(tmp_path, capsys)
     from fcir.cli import main
 
     r = rounds.corpus_round("fedavg_mlp")
-    src = tmp_path / "round.fcir"
-    src.write_text(r.module.to_text(full_constants=True))
-    np.savez(tmp_path / "in.npz", *r.server_leaves)
-    args = ["export", "--target", "flower", str(src), "-o", str(tmp_path / "app")]
-    args += ["--inputs", str(tmp_path / "in.npz"), "--device-runtime", "iree"]
-    args += ["--device-target", "llvm-cpu", "--device-target", "aarch64-linux-android34"]
-    assert main(args) == 0, capsys.readouterr().err
+    targets = ["--device-target", "llvm-cpu", "--device-target", "aarch64-linux-android34"]
+    src = _export_by_cli(r, tmp_path, "app", capsys, *targets)
     (step,) = _client_steps(rounds.plan_of(tmp_path / "app"))
     assert sorted(step["client"]["iree"]["modules"]) == ["aarch64-linux-android34", "llvm-cpu"]
     with pytest.raises(SystemExit) as e:
