@@ -79,8 +79,8 @@ def main() -> None:
             dep_t.append(time.perf_counter() - t)
             if proc.returncode != 0 or not out2.exists():
                 raise SystemExit(proc.stdout[-3000:])
-            a, b = files.read_outputs(out), files.read_outputs(out2)
-            same = [x.tobytes() for x in a] == [x.tobytes() for x in b]
+            by_sim, by_dep = files.read_outputs(out), files.read_outputs(out2)
+            same = [x.tobytes() for x in by_sim] == [x.tobytes() for x in by_dep]
             print(
                 f"rep {k}: simulate {sim[-1]:.1f} s, deployment flwr run {dep_t[-1]:.1f} s, "
                 f"same bytes: {same}",
