@@ -66,31 +66,32 @@ def capture(fn, *args, name: str | None = None, locations: bool = False, **kwarg
     """
     from fcir.check import check
 
-    traced = _trace(fn, args, kwargs, name)
-    try:
-        # The module is long-lived and acyclic: no collector passes while it is built.
-        with gcpause.tenured():
-            module = check(_convert(traced, locations))
-        captured.mark_checked(module)  # xla.compile need not check it again
-        return module
-    except FcirError as error:
-        if locations:
-            raise
+    # Tracing makes the jaxpr and converting it the module: millions of long-lived
+    # objects and no garbage cycles, so no collector passes while they are made
+    # (fcir.gcpause). Unpaused, the trace alone ran one to three full collections.
+    with gcpause.tenured():
+        traced = _trace(fn, args, kwargs, name)
         try:
-            check(_convert(traced, True))
-        except FcirError as located:
-            if type(located) is type(error):
-                raise located from None
-        raise
+            module = check(_convert(traced, locations))
+        except FcirError as error:
+            if locations:
+                raise
+            try:
+                check(_convert(traced, True))
+            except FcirError as located:
+                if type(located) is type(error):
+                    raise located from None
+            raise
+    captured.mark_checked(module)  # xla.compile need not check it again
+    return module
 
 
 def capture_unchecked(fn, *args, name: str | None = None, locations: bool = False,
                       **kwargs) -> Module:
     """Like :func:`capture` but returns the Module even when it does not check, so that
     ``fcir check`` can report every problem with its op."""
-    traced = _trace(fn, args, kwargs, name)
-    with gcpause.tenured():
-        return _convert(traced, locations)
+    with gcpause.tenured():  # as in capture
+        return _convert(_trace(fn, args, kwargs, name), locations)
 
 
 def _trace(fn, args, kwargs, name):

@@ -1,8 +1,8 @@
 """Capture and lowering at scale do no work twice (issue 23 item 1): ``xla.compile`` of a
 module straight from ``fcir.capture`` does not type-check it again, while any module
 edited since, parsed from text or converted without a check still is; the collector
-pauses around building the module and lowering leave its state as they found it; and
-the fast paths taken for common attribute values give what the general path gives."""
+is paused while capture traces the program and builds the module and while it is
+lowered, and left as it was found; and the fast paths taken for common attribute values give what the general path gives."""
 
 from __future__ import annotations
 
@@ -100,6 +100,28 @@ def test_capture_and_lowering_leave_the_collector_as_they_found_it(enabled):
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_capture_traces_the_program_with_the_collector_paused():
+    """The trace is the bulk of what capture makes (the jaxpr: millions of long-lived
+    objects at FAX scale, no cycles): the collector is off while the program runs under
+    the trace, as while the module is built, and on again afterwards."""
+    during = []
+
+    @fcir.program(placements={"clients": 4})
+    def noting(w, x):
+        during.append(gc.isenabled())
+        deltas = fcir.map_fn(lambda w, x: jnp.tanh(w * x), (fcir.broadcast(w), x))
+        return w + fcir.reduce_mean(deltas)
+
+    assert gc.isenabled()
+    fcir.capture(noting, *ARGS)
+    assert during == [False]
+    assert gc.isenabled()
+    with pytest.raises(FcirError):  # a trace that fails releases the pause too
+        fcir.capture(noting, ARGS[0], jnp.ones((5, 3), jnp.float32))
+    assert during == [False, False]
+    assert gc.isenabled()
 
 
 PLAIN = [
