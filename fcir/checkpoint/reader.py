@@ -491,9 +491,10 @@ def _scatter_tasks(
             groups.append([c])
     gap = len(flat)  # the buffer index of a chunk's bytes no destination needs
 
-    def pieces(c0: int, c1: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    def pieces(c0: int, c1: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
         """The buffers that chunks c0..c1-1 are read into: each piece's buffer index,
-        start and stop in it, and for each chunk the index of its first piece."""
+        start and stop in it; for each chunk the index of its first piece (and one past
+        the last chunk's last), and the bytes it puts into destinations."""
         lo, hi = c0 * chunk, min(c1 * chunk, shard.length)
         i = int(np.searchsorted(runs.end, lo, side="right"))
         j = int(np.searchsorted(runs.src, hi, side="left"))
@@ -507,14 +508,15 @@ def _scatter_tasks(
         at = np.where(inside, runs.dst[r] + p - runs.src[r], p % chunk)
         buf = np.where(inside, runs.buf[r], gap)
         heads = np.searchsorted(p, bounds)
-        return buf.tolist(), at.tolist(), (at + q - p).tolist(), [*heads.tolist(), len(p)]
+        useful = np.add.reduceat(np.where(inside, q - p, 0), heads).tolist()
+        return buf.tolist(), at.tolist(), (at + q - p).tolist(), [*heads.tolist(), len(p)], useful
 
     def task(c0: int, c1: int) -> Task:
         def run() -> None:
-            bufs, starts, stops, heads = pieces(c0, c1)
+            bufs, starts, stops, heads, useful = pieces(c0, c1)
             scratch = memoryview(_scratch(chunk))
             views_of = [*flat, scratch]
-            for c, h0, h1 in zip(range(c0, c1), heads, heads[1:]):
+            for c, h0, h1, got in zip(range(c0, c1), heads, heads[1:], useful):
                 views = [
                     views_of[b][x:y] for b, x, y in zip(bufs[h0:h1], starts[h0:h1], stops[h0:h1])
                 ]
@@ -531,13 +533,7 @@ def _scatter_tasks(
                         "checkpoint is corrupt)"
                     )
                 if progress is not None:
-                    progress.advance(
-                        sum(
-                            y - x
-                            for b, x, y in zip(bufs[h0:h1], starts[h0:h1], stops[h0:h1])
-                            if b != gap
-                        )
-                    )
+                    progress.advance(got)
 
         return run
 
