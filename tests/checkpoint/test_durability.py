@@ -81,7 +81,7 @@ def test_the_layout_is_written_while_the_data_file_is_fsynced_and_the_rename_com
     tmp_path, monkeypatch, devices, blocking
 ):
     tree = _tree(devices)
-    log = Log(monkeypatch, fsync_seconds=0.3)
+    log = Log(monkeypatch, fsync_seconds=0.5)
     checkpoint.save(tmp_path / "c", tree, blocking=blocking).wait()
     monkeypatch.undo()
     data = layout.data_file_name(0)
