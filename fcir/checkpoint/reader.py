@@ -42,10 +42,11 @@ SLAB_BYTES = 2 * checksums.CHUNK_BYTES
 #: Shortest contiguous run that a scatter read puts straight into its destination.
 #: A run costs about 1 us of Python (its memoryview and CRC call, under the GIL); the
 #: slab path's copy costs about as much per 16 KiB. Measured for issue 22 (2 cores,
-#: load 10-13, from the page cache into prefaulted destinations; 512 MiB-1 GiB of f32
-#: saved as 8 row blocks, restored onto a (4, 2) mesh, i.e. half rows): 128 KiB runs
-#: took 0.24 s by scatter reads and 0.31 s by the slab path (0.22 s onto the saved
-#: sharding); 16 KiB runs 0.70-1.05 s and 0.72-1.21 s; 8 KiB runs 0.59 s and 0.57 s.
+#: load 10-14, from the page cache into prefaulted destinations; f32 saved as 8 row
+#: blocks, restored onto a (4, 2) mesh, i.e. half rows; medians of 6-7, s): 128 KiB
+#: runs (512 MiB) 0.24-0.31 by scatter reads, 0.31-0.41 by the slab path, 0.22-0.27
+#: onto the saved sharding; 16 KiB runs (1 GiB) 0.55-1.05, 0.72-1.21 and 0.53-0.92;
+#: 8 KiB runs (256-512 MiB) 0.18-0.59, 0.16-0.57 and 0.12-0.38 (no gain: slab).
 SCATTER_MIN_RUN_BYTES = 16 << 10
 #: Most buffers one preadv takes (Linux's IOV_MAX).
 _IOV_MAX = 1024
