@@ -6,7 +6,11 @@
 Every figure is a ratio measured side by side in one run: each repetition runs the
 contenders back to back (rotating their order, with a rest before each write, since
 cloud disks throttle a writer that follows another), and a figure is the ratio of the
-medians. Prints a table with every goal of docs/design checkpoint.md and writes every
+medians. Every timed call starts on a quiet disk: an untimed os.sync() before it (its
+duration is reported; near zero means nothing was left to flush) and another after it,
+so no contender pays for the writeback another left behind (orbax's save returns before
+its pages are written back; fcir's after its fsyncs). fcir's blocking save is split
+into phases (pwrites, data fsync, the rest of the commit) for every repetition. Prints a table with every goal of docs/design checkpoint.md and writes every
 raw sample, the versions and the core count to bench/results/checkpoint-*.json.
 
 Restores onto the saved sharding are also compared with the restore *limit*: the same
@@ -29,6 +33,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     ).strip()
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -143,14 +148,53 @@ def tree_bytes(tree: dict[str, Any]) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
+#: Seconds each untimed os.sync() before a timed call took (near 0: the disk was quiet).
+PRESYNC: list[float] = []
+
+
 def timed(fn: Callable[[], Any]) -> float:
-    """Seconds `fn` takes; afterwards (untimed) flushes what it left dirty, so the next
-    contender does not pay for this one's writeback."""
+    """Seconds `fn` takes, started on a quiet disk: before it (untimed) os.sync() flushes
+    whatever anyone left dirty, so no contender pays for another's writeback; afterwards
+    (untimed) it flushes what `fn` left dirty (orbax returns before the page cache is
+    written back), so the next one starts quiet too."""
+    start = time.perf_counter()
+    os.sync()
+    PRESYNC.append(time.perf_counter() - start)
     start = time.perf_counter()
     fn()
     elapsed = time.perf_counter() - start
     os.sync()
     return elapsed
+
+
+@contextlib.contextmanager
+def save_phases(into: dict[str, float]):  # type: ignore[no-untyped-def]
+    """Records where a blocking fcir save's time goes: `write` (pwrites and checksums of
+    the data file, on its writer threads), `fsync` (the data file's fsync, which overlaps
+    the layout's write) and `after_write` (from the last pwrite to the commit's end:
+    waiting for that fsync, the layout, the directory fsyncs and the rename)."""
+    from fcir.checkpoint import writer
+
+    real_run, real_fsync = writer.parallel.run_tasks, os.fsync
+    marks: dict[str, float] = {}
+
+    def run_tasks(tasks, threads=None):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        real_run(tasks, threads)
+        marks["write_end"] = time.perf_counter()
+        into["write"] = into.get("write", 0.0) + marks["write_end"] - t
+
+    def fsync(fd: int) -> None:
+        t = time.perf_counter()
+        real_fsync(fd)
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith("data-"):
+            into["fsync"] = into.get("fsync", 0.0) + time.perf_counter() - t
+
+    writer.parallel.run_tasks, os.fsync = run_tasks, fsync  # type: ignore[assignment]
+    try:
+        yield marks
+    finally:
+        writer.parallel.run_tasks, os.fsync = real_run, real_fsync  # type: ignore[assignment]
 
 
 def rm(path: pathlib.Path) -> None:
@@ -162,11 +206,23 @@ def rm(path: pathlib.Path) -> None:
 # --- contenders ------------------------------------------------------------------------
 
 
-def fcir_save(path: pathlib.Path, tree: dict[str, Any]) -> float:
-    return timed(lambda: checkpoint.save(path, tree))
+def fcir_save(path: pathlib.Path, tree: dict[str, Any]) -> dict[str, float]:
+    phases: dict[str, float] = {}
+
+    def run() -> None:
+        with save_phases(phases) as marks:
+            checkpoint.save(path, tree)
+            marks["end"] = time.perf_counter()
+        phases["after_write"] = marks["end"] - marks["write_end"]
+
+    total = timed(run)
+    return {"fcir_save": total, **{f"fcir_save_{k}": v for k, v in phases.items()}}
 
 
 def fcir_async(path: pathlib.Path, tree: dict[str, Any]) -> tuple[float, float]:
+    start = time.perf_counter()
+    os.sync()  # untimed, as in timed(): start on a quiet disk
+    PRESYNC.append(time.perf_counter() - start)
     start = time.perf_counter()
     handle = checkpoint.save(path, tree, blocking=False)
     blocking = time.perf_counter() - start
@@ -514,7 +570,7 @@ def run(args: argparse.Namespace) -> int:
         record = rep >= warmup
         got: dict[str, float] = {}
         writes = [
-            lambda: {"fcir_save": fcir_save(f_path, tree)},
+            lambda: fcir_save(f_path, tree),
             lambda: {"orbax_save": orbax_save(ckptr, o_path, tree)},
             lambda: {"dd": dd(d_path, nbytes)},
             lambda: dict(
@@ -606,6 +662,20 @@ def run(args: argparse.Namespace) -> int:
             met = sum(r >= float(value) if op == ">=" else r <= float(value) for r in per)
             line += f" {median(per):.2f} ({min(per):.2f}..{max(per):.2f}), {met}/{len(per)}"
         print(line)
+    phases = [
+        k for k in ("fcir_save_write", "fcir_save_fsync", "fcir_save_after_write") if k in samples
+    ]
+    print(
+        "fcir save phases, s per repetition: "
+        + "; ".join(f"{k[10:]} " + " ".join(f"{v:.3f}" for v in samples[k]) for k in phases)
+        + " (total "
+        + " ".join(f"{v:.3f}" for v in samples["fcir_save"])
+        + ")"
+    )
+    print(
+        f"untimed os.sync() before each timed call: median {median(PRESYNC):.3f} s, "
+        f"max {max(PRESYNC):.3f} s over {len(PRESYNC)} calls"
+    )
     print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
     if still_cached:
         print(
@@ -645,6 +715,7 @@ def run(args: argparse.Namespace) -> int:
         "samples_s": samples,
         "memory_bytes": memory,
         "cached_after_drop": still_cached,
+        "presync_s": PRESYNC,
         "figures": [
             {
                 "figure": f,

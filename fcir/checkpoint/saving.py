@@ -17,6 +17,7 @@ one process nothing is exchanged.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import pathlib
@@ -178,6 +179,12 @@ class _LocalTarget:
     def __init__(self, final: pathlib.Path, overwrite: bool) -> None:
         self.final, self.overwrite = final, overwrite
         self.temp: pathlib.Path | None = None
+        #: The data file's fsync, which runs on while the part layout or the layout is
+        #: written; waited for before "ok" is reported and before the rename commits.
+        self.durable = writer.Durable(1)
+
+    def wait_durable(self) -> None:
+        self.durable.wait()
 
     def start(self) -> str:
         try:
@@ -194,7 +201,9 @@ class _LocalTarget:
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
         blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
         file_name = layout.data_file_name(me)
-        written, size = writer.write_data_file(self.temp / file_name, blocks, bar)
+        written, size = writer.write_data_file(
+            self.temp / file_name, blocks, bar, durable=self.durable
+        )
         return [(file_name, size)], written
 
     def write_part(self, me: int, data: bytes) -> None:
@@ -206,11 +215,14 @@ class _LocalTarget:
     def commit(self, data: bytes, count: int) -> None:
         self.before_layout(data)
         layout.write_file(self.temp / layout.LAYOUT_FILE, data)
+        self.wait_durable()  # every data byte is on disk before the rename commits
         for q in range(1, count):
             os.unlink(self.temp / layout.part_file_name(q))
         commit.publish(self.temp, self.final, self.overwrite)
 
     def abort(self) -> None:
+        with contextlib.suppress(CheckpointError):
+            self.wait_durable()  # the fsync's error, if any, is not the one to tell
         if self.temp is not None:
             shutil.rmtree(self.temp, ignore_errors=True)
 
@@ -268,6 +280,9 @@ class _ObjectTarget:
 
     def attach(self, token: str) -> None:
         self.nonce = token
+
+    def wait_durable(self) -> None:
+        pass  # an object is durable once its PUT returns
 
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
         blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
@@ -393,7 +408,8 @@ def _write_and_commit(
     try:
         part = _write_part(target, snap, me, count, bar)
         if me != 0:
-            target.write_part(me, layout.encode(part))
+            target.write_part(me, layout.encode(part))  # while the data file is fsynced
+            target.wait_durable()
     except BaseException as e:  # noqa: BLE001 - reported to process 0, then re-raised
         error = e
 

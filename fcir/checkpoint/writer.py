@@ -13,6 +13,7 @@ file per process writing at about the disk's own speed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -127,15 +128,63 @@ def _checksum_and_write(fd: int, data: memoryview, pos: int) -> list[int]:
     return crcs
 
 
+class Durable:
+    """fsyncs of written files, started as soon as each file is written, on a few
+    threads of their own (so the writers go on with later files meanwhile). `wait()`
+    returns once every fsync has returned and re-raises the first failure. Takes
+    ownership of the file descriptors and closes them."""
+
+    def __init__(self, threads: int = parallel.THREADS) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, pathlib.Path] | None] = queue.SimpleQueue()
+        self._max = threads
+        self._workers: list[threading.Thread] = []
+        self._errors: list[CheckpointError] = []
+        self._lock = threading.Lock()
+
+    def add(self, fd: int, path: pathlib.Path) -> None:
+        with self._lock:
+            self._queue.put((fd, path))
+            if len(self._workers) < self._max:
+                worker = threading.Thread(target=self._run, name="fcir-ckpt-fsync", daemon=True)
+                self._workers.append(worker)
+                worker.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fd, path = item
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                with self._lock:
+                    self._errors.append(_os_error("writing", path, e))
+            finally:
+                os.close(fd)
+
+    def wait(self) -> None:
+        with self._lock:
+            workers = list(self._workers)
+            for _ in workers:
+                self._queue.put(None)
+            self._workers = []
+        for w in workers:
+            w.join()
+        if self._errors:
+            raise self._errors[0]
+
+
 def write_data_file(
     path: pathlib.Path,
     blocks: Sequence[np.ndarray],
     progress: Progress | None = None,
     threads: int | None = None,
+    durable: Durable | None = None,
 ) -> tuple[list[Written], int]:
     """Writes every block (C-contiguous) into a new file at `path` and fsyncs it.
 
-    Returns where each block went with its chunk checksums, and the file's size.
+    Returns where each block went with its chunk checksums, and the file's size. With
+    `durable`, it returns once the bytes are written and their checksums known, and the
+    fsync runs on in `durable` (the caller must `durable.wait()` before anything relies
+    on the file being on disk).
     """
     lengths = [b.nbytes for b in blocks]
     offsets, size = plan_offsets(lengths)
@@ -167,11 +216,18 @@ def write_data_file(
             flusher.close()
         if os.fstat(fd).st_size < size:  # trailing alignment of an empty last block
             os.ftruncate(fd, size)
-        os.fsync(fd)
+        if durable is None:
+            os.fsync(fd)
     except OSError as e:
-        raise _os_error("writing", path, e) from e
-    finally:
         os.close(fd)
+        raise _os_error("writing", path, e) from e
+    except BaseException:
+        os.close(fd)
+        raise
+    if durable is None:
+        os.close(fd)
+    else:
+        durable.add(fd, path)
     return [Written(o, n, c) for o, n, c in zip(offsets, lengths, crcs)], size
 
 
@@ -265,8 +321,10 @@ def write_files(
     progress: Progress | None = None,
 ) -> list[Written]:
     """Writes each block into a new file of its own at `directory/name` (creating
-    subdirectories), fsyncs them, several at a time; returns their checksums (the
-    block of `names[k]` is file k)."""
+    subdirectories), several at a time, and fsyncs them: each file's fsync starts as
+    soon as it is written, on a thread of its own, while the writers go on to the next
+    files; returns once every fsync has returned, with their checksums (the block of
+    `names[k]` is file k)."""
     for d in sorted({(directory / n).parent for n in names}):
         d.mkdir(parents=True, exist_ok=True)
     written: list[Written | None] = [None] * len(blocks)
@@ -281,16 +339,26 @@ def write_files(
                 raise _os_error("cannot create", path, e) from e
             try:
                 crcs = _checksum_and_write(fd, view, 0)
-                os.fsync(fd)
-            except OSError as e:
-                raise _os_error("writing", path, e) from e
-            finally:
+                if _start_writeback is not None:
+                    _start_writeback(fd, 0, 0)  # the disk starts on it; the fsync waits
+            except BaseException as e:
                 os.close(fd)
+                if isinstance(e, OSError):
+                    raise _os_error("writing", path, e) from e
+                raise
+            durable.add(fd, path)  # fsynced while this thread writes the next file
             written[k] = Written(0, len(view), crcs, k)
             if progress is not None:
                 progress.advance(len(view))
 
         return run
 
-    parallel.run_tasks([task(k) for k in range(len(blocks))])
+    durable = Durable()
+    try:
+        parallel.run_tasks([task(k) for k in range(len(blocks))])
+    except BaseException:
+        with contextlib.suppress(CheckpointError):
+            durable.wait()  # the files are closed; the first error is the one to tell
+        raise
+    durable.wait()
     return written  # type: ignore[return-value]

@@ -38,6 +38,12 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     assert save["per_repetition"] == [save["a"] / save["b"]]  # one repetition
     assert "A/B of each repetition" in done.stdout and "load average" in done.stdout
     assert doc["samples_s"]["limit_restore"] and doc["samples_s"]["limit_restore_cold"]
+    # Each fcir save is split into phases, and every timed call started after an
+    # untimed os.sync() (a quiet disk), whose durations are kept.
+    phases = [doc["samples_s"][f"fcir_save_{k}"][0] for k in ("write", "fsync", "after_write")]
+    assert all(p >= 0 for p in phases) and phases[0] <= doc["samples_s"]["fcir_save"][0]
+    assert len(doc["presync_s"]) >= 10 and "untimed os.sync() before each timed call" in done.stdout
+    assert "fcir save phases" in done.stdout
 
 
 def test_checkpoint_benchmark_s3_mode_against_a_local_server(tmp_path):

@@ -191,3 +191,25 @@ def test_irregular_tilings_are_checked_pair_by_pair(monkeypatch):
     with pytest.raises(CheckpointError, match=r"overlap at index \(1, 1\)"):
         layout_module.check_tiling((3, 3), [*staggered[:3], ((1, 1), (2, 2))], "arr")
     layout_module.check_tiling((3, 3), [*staggered[:3], ((2, 0), (3, 3))], "arr")
+
+
+@pytest.mark.parametrize("where", [0, 70_000, 2**20 + 5, 2**22 - 1])
+def test_a_flipped_byte_is_caught_by_scatter_reads_onto_another_sharding(tmp_path, devices, where):
+    """Restoring 256 KiB rows onto a (4, 2) mesh reads half rows straight into the
+    destinations (scatter reads); each chunk is still verified whole."""
+    mesh8 = jax.make_mesh((8,), ("x",), devices=devices)
+    big = values((16, 65536), seed=4)  # 4 MiB, two rows per stored block
+    checkpoint.save(tmp_path / "c", {"w": jax.device_put(big, NamedSharding(mesh8, P("x")))})
+    lay = checkpoint.read_layout(tmp_path / "c")
+    first = lay.items[0].arrays.arrays[0].shards[0]
+    data = tmp_path / "c" / lay.files[first.file].name
+    offset = next(
+        s.offset + where - k * first.length
+        for k, s in enumerate(lay.items[0].arrays.arrays[0].shards)
+        if k * first.length <= where < (k + 1) * first.length
+    )
+    flip(data, offset)
+    mesh42 = jax.make_mesh((4, 2), ("a", "b"), devices=devices)
+    spec = jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=NamedSharding(mesh42, P("a", "b")))
+    with pytest.raises(CheckpointError, match=rf"'w'.*{data.name}.*checksum mismatch"):
+        checkpoint.restore(tmp_path / "c", {"w": spec})

@@ -1,7 +1,8 @@
 """Property: reading any set of boxes from any tiling of stored blocks equals numpy slicing.
 
 Uses tiny checksum chunks and slabs so chunk boundaries cut through every read, and
-exercises both the direct path and the scratch-slab path of the reader.
+exercises the direct path, the scatter path (preadv straight into the destinations'
+runs, with any shortest run) and the scratch-slab path of the reader.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def cases(draw):
     chunk = draw(st.sampled_from([4, 12, 16, 1 << 20]))
     slab = draw(st.sampled_from([8, 24, 1 << 20]))
     dtype = draw(st.sampled_from(["float32", "int8", "float64"]))
-    return shape, stored, wanted, chunk, slab, dtype
+    min_run = draw(st.sampled_from([1, 8, 1 << 30]))  # scatter reads always, some, never
+    return shape, stored, wanted, chunk, slab, dtype, min_run
 
 
 @settings(max_examples=150, deadline=None)
 @given(cases())
 def test_any_boxes_from_any_tiling(case):
-    shape, stored, wanted, chunk, slab, dtype = case
+    shape, stored, wanted, chunk, slab, dtype, min_run = case
     full = (np.arange(int(np.prod(shape)), dtype=np.int64) * 7 + 3).astype(dtype).reshape(shape)
     with tempfile.TemporaryDirectory() as tmp:
         directory = pathlib.Path(tmp)
@@ -69,12 +71,12 @@ def test_any_boxes_from_any_tiling(case):
         (directory / "d.bin").write_bytes(bytes(blob))
         layout.files.add(name="d.bin", size_bytes=len(blob))
         dests = [(box, np.full(tuple(b - a for a, b in zip(*box)), 99, dtype)) for box in wanted]
-        old_slab = reader.SLAB_BYTES
-        reader.SLAB_BYTES = slab
+        old = reader.SLAB_BYTES, reader.SCATTER_MIN_RUN_BYTES
+        reader.SLAB_BYTES, reader.SCATTER_MIN_RUN_BYTES = slab, min_run
         try:
             with reader.DataFiles(directory, layout) as files:
                 parallel.run_tasks(reader.plan_array(files, record, "x", dests))
         finally:
-            reader.SLAB_BYTES = old_slab
+            reader.SLAB_BYTES, reader.SCATTER_MIN_RUN_BYTES = old
         for (lo, hi), buf in dests:
             np.testing.assert_array_equal(buf, full[tuple(map(slice, lo, hi))])

@@ -381,3 +381,45 @@ def test_every_pwrite_of_a_save_is_at_most_one_checksum_chunk(tmp_path, monkeypa
     assert max(sizes) == checksums.CHUNK_BYTES == writer.WRITE_BYTES
     assert sum(sizes) >= big.nbytes and len(sizes) >= 8 * 3
     assert same_bits(np.asarray(checkpoint.restore(tmp_path / "c")["p"]["big"]), np.asarray(big))
+
+
+def _addresses(buffers):
+    out = []
+    for b in buffers:
+        a = np.frombuffer(b, np.uint8)
+        out.append((a.ctypes.data, a.ctypes.data + a.nbytes))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "spec"),
+    [((8,), P("x")), ((4, 2), P("a", "b")), ((2, 4), P(None, ("a", "b")))],
+)
+def test_a_restore_onto_another_sharding_reads_each_byte_once_straight_into_the_arrays(
+    tmp_path, monkeypatch, devices, mesh_shape, spec
+):
+    """Half rows (4, 2) and quarter rows of 256 KiB stored rows go by scatter reads: every
+    buffer a preadv fills is memory of the restored arrays' shards (on CPU jax adopts
+    the buffers), so no byte passes through a scratch copy, and each is read once."""
+    big = values((64, 65536), seed=3)  # 16 MiB: stored rows of 256 KiB
+    mesh8 = jax.make_mesh((8,), ("x",), devices=devices)
+    checkpoint.save(tmp_path / "c", {"w": put(big, NamedSharding(mesh8, P("x")))})
+    filled = []
+    real = os.preadv
+
+    def preadv(fd, bufs, off):
+        filled.extend(_addresses(bufs))
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    names = ("x",) if len(mesh_shape) == 1 else ("a", "b")
+    sharding = NamedSharding(jax.make_mesh(mesh_shape, names, devices=devices), spec)
+    got = checkpoint.restore(
+        tmp_path / "c", {"w": jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=sharding)}
+    )["w"]
+    assert same_bits(got, big) and got.sharding == sharding
+    shards = _addresses(
+        memoryview(np.asarray(s.data).reshape(-1).view(np.uint8)) for s in got.addressable_shards
+    )
+    assert all(any(a <= lo and hi <= b for a, b in shards) for lo, hi in filled)
+    assert sum(hi - lo for lo, hi in filled) == big.nbytes
