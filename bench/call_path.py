@@ -33,85 +33,37 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import _record  # bench/, the script's own folder
+import _timing
 
 FULL = {"clients": 64, "calls": 300, "reps": 9, "warmup": 2}
 SMOKE = {"clients": 8, "calls": 5, "reps": 2, "warmup": 1}
-STEPS, BATCH, D_IN, HIDDEN, D_OUT, LR = 3, 4, 8, 16, 2, 0.05
-
-
-def make_round(clients: int, api):
-    """The corpus FedAvg MLP round over ``clients`` clients, on ``api`` (fcir or drjax)."""
-    import jax
-    from corpus import mlp
-
-    def local_update(params, x, y):
-        trained, loss = mlp.sgd_steps(mlp.mse, params, (x, y), LR)
-        return jax.tree.map(lambda new, old: new - old, trained, params), loss
-
-    @api.program(placements={"clients": clients})
-    def fedavg_mlp(params, x, y):
-        deltas, losses = api.map_fn(local_update, (api.broadcast(params), x, y))
-        mean_delta = api.reduce_mean(deltas)
-        new_params = jax.tree.map(lambda p, d: p + d, params, mean_delta)
-        return new_params, api.reduce_mean(losses)
-
-    return fedavg_mlp
 
 
 def programs(clients: int):
+    """The corpus FedAvg MLP round over ``clients`` clients, three ways, and its args."""
     import drjax
     import jax
-    import numpy as np
-    from corpus import mlp
+    from corpus import fedavg_mlp
     from fcir.interpreters import xla
 
     import fcir
 
-    rng = np.random.default_rng(0)
-    params = mlp.init_params(rng, D_IN, HIDDEN, D_OUT)
-    x, y = mlp.regression_data(rng, (clients, STEPS, BATCH), D_IN, D_OUT)
-    args = (params, x, y)
+    args = fedavg_mlp.make_args(clients, seed=0)
     progs = {
-        "fcir": xla.compile(fcir.capture(make_round(clients, fcir), *args)),
-        "drjax": jax.jit(make_round(clients, drjax)),
-        "fcir_jit": jax.jit(make_round(clients, fcir)),
+        "fcir": xla.compile(fcir.capture(fedavg_mlp.build(fcir, clients), *args)),
+        "drjax": jax.jit(fedavg_mlp.build(drjax, clients)),
+        "fcir_jit": jax.jit(fedavg_mlp.build(fcir, clients)),
     }
     return progs, args
 
 
 def time_calls(progs: dict, args, calls: int, reps: int, warmup: int) -> dict:
-    import jax
-
-    names = list(progs)
-    wall = {n: [] for n in names}
-    cpu = {n: [] for n in names}
-    for fn in progs.values():  # compile, and warm JAX's C++ caches
-        jax.block_until_ready(fn(*args))
-    for r in range(warmup + reps):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            fn = progs[name]
-            w0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            dw, dc = time.perf_counter() - w0, time.process_time() - c0
-            if r >= warmup:
-                wall[name].append(dw / calls)
-                cpu[name].append(dc / calls)
+    wall, cpu = _timing.time_blocks(progs, args, calls, reps, warmup)
     return {
         "samples_s": wall,
         "cpu_samples_s": cpu,
-        "fcir/drjax": ratio_stats(wall["fcir"], wall["drjax"]),
-        "fcir/fcir_jit": ratio_stats(wall["fcir"], wall["fcir_jit"]),
-        "cpu fcir/drjax": ratio_stats(cpu["fcir"], cpu["drjax"]),
-        "cpu fcir/fcir_jit": ratio_stats(cpu["fcir"], cpu["fcir_jit"]),
+        **_timing.ratios(wall, cpu, "fcir", ("drjax", "fcir_jit")),
     }
-
-
-def ratio_stats(num: list[float], den: list[float]) -> dict:
-    ratios = [a / b for a, b in zip(num, den)]
-    return {"ratios": ratios, "median": statistics.median(ratios), "min": min(ratios),
-            "max": max(ratios)}  # fmt: skip
 
 
 def _ratio(s: dict) -> str:

@@ -36,41 +36,16 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def outputs(path) -> list:
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]
-
-
 def stage(name: str, root: pathlib.Path):
-    from flowerlib import rounds
+    from flowerlib import simulation
 
-    r = rounds.corpus_round(name)
-    app = rounds.export(r, root / f"{name}-app")
-    plan = rounds.plan_of(app)
-    data = root / f"{name}-data"
-    data.mkdir()
-    for i in range(rounds.NODES):
-        np.savez(data / f"node{i}.npz", *r.node_leaves(plan, i))
-    return r, app, data
+    return simulation.stage(name, root / f"{name}-app", root / f"{name}-data")
 
 
 def simulate(app, data, config: str, root) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "fcir.cli",
-        "flower",
-        "simulate",
-        str(app),
-        "--nodes",
-        "3",
-        "--data",
-        str(data),
-        "--run-config",
-        config,
-        "--dir",
-        str(root),
-    ]
+    from flowerlib import simulation
+
+    cmd = simulation.command(app, data, config, root)
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - t
@@ -82,6 +57,7 @@ def simulate(app, data, config: str, root) -> float:
 def main() -> None:
     from fcir.interpreters import reference
     from fcir.interpreters.flower.local import Deployment
+    from flowerlib import files
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2)
@@ -103,7 +79,8 @@ def main() -> None:
             dep_t.append(time.perf_counter() - t)
             if proc.returncode != 0 or not out2.exists():
                 raise SystemExit(proc.stdout[-3000:])
-            same = [x.tobytes() for x in outputs(out)] == [x.tobytes() for x in outputs(out2)]
+            by_sim, by_dep = files.read_outputs(out), files.read_outputs(out2)
+            same = [x.tobytes() for x in by_sim] == [x.tobytes() for x in by_dep]
             print(
                 f"rep {k}: simulate {sim[-1]:.1f} s, deployment flwr run {dep_t[-1]:.1f} s, "
                 f"same bytes: {same}",
@@ -128,7 +105,7 @@ def main() -> None:
             np.asarray(x) for x in __import__("jax").tree.leaves(reference.run(r.module, *r.leaves))
         ]
         ref.append(time.perf_counter() - t)
-    got = outputs(out)
+    got = files.read_outputs(out)
     close = all(np.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want))
     print(
         f"scan_rounds (3 rounds in a lax.scan, 3 nodes): simulate {min(sims):.1f}-{max(sims):.1f} s; "

@@ -59,6 +59,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import _record  # bench/, the script's own folder
+import _timing
 
 FULL = {
     "vocab": 128,
@@ -166,8 +167,7 @@ def time_interleaved(programs: dict, args, reps: int, warmup: int, budget_s: flo
     cpu = {n: [] for n in names}
     r, target = 0, reps
     while r < warmup + target:
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
+        for name in _timing.rotated(names, r):
             w0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(programs[name](*args))
             dw, dc = time.perf_counter() - w0, time.process_time() - c0
@@ -182,15 +182,11 @@ def time_interleaved(programs: dict, args, reps: int, warmup: int, budget_s: flo
 
 
 def ratio_stats(num: list[float], den: list[float]) -> dict:
-    ratios = [a / b for a, b in zip(num, den)]
+    """``_timing.ratio_stats`` and the interquartile range of the ratios."""
+    stats = _timing.ratio_stats(num, den)
+    ratios = stats["ratios"]
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
-    return {
-        "ratios": ratios,
-        "median": statistics.median(ratios),
-        "min": min(ratios),
-        "max": max(ratios),
-        "iqr": [q[0], q[2]],
-    }
+    return {**stats, "iqr": [q[0], q[2]]}
 
 
 def bench_single_process(
@@ -213,10 +209,7 @@ def bench_single_process(
             "optimized_hlo_same_as_fcir": hlo,
             "samples_s": samples,
             "cpu_samples_s": cpu,
-            "fcir/drjax": ratio_stats(samples["fcir"], samples["drjax"]),
-            "fcir/limit": ratio_stats(samples["fcir"], samples["limit"]),
-            "cpu fcir/drjax": ratio_stats(cpu["fcir"], cpu["drjax"]),
-            "cpu fcir/limit": ratio_stats(cpu["fcir"], cpu["limit"]),
+            **_timing.ratios(samples, cpu, "fcir", ("drjax", "limit"), ratio_stats),
         }
     return out
 
@@ -272,32 +265,12 @@ def call_programs(num_clients: int, cfg: dict, mesh, args):
 def time_calls(programs: dict, args, calls: int, reps: int, warmup: int) -> dict:
     """Seconds per call, wall and CPU: a block of ``calls`` calls per program per
     repetition (results awaited at the end of the block), rotating the first."""
-    import jax
-
-    names = list(programs)
-    wall = {n: [] for n in names}
-    cpu = {n: [] for n in names}
-    for name in names:  # compile and warm the C++ caches
-        jax.block_until_ready(programs[name](*args))
-    for r in range(warmup + reps):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            fn = programs[name]
-            w0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            dw, dc = time.perf_counter() - w0, time.process_time() - c0
-            if r >= warmup:
-                wall[name].append(dw / calls)
-                cpu[name].append(dc / calls)
+    wall, cpu = _timing.time_blocks(programs, args, calls, reps, warmup)
     return {
         "calls_per_block": calls,
         "samples_s": wall,
         "cpu_samples_s": cpu,
-        "fcir/drjax_jit": ratio_stats(wall["fcir"], wall["drjax_jit"]),
-        "fcir/fcir_jit": ratio_stats(wall["fcir"], wall["fcir_jit"]),
-        "cpu fcir/drjax_jit": ratio_stats(cpu["fcir"], cpu["drjax_jit"]),
-        "cpu fcir/fcir_jit": ratio_stats(cpu["fcir"], cpu["fcir_jit"]),
+        **_timing.ratios(wall, cpu, "fcir", ("drjax_jit", "fcir_jit"), ratio_stats),
     }
 
 
@@ -470,8 +443,7 @@ def bench_processes(clients: int, cfg: dict, reps: int, warmup: int) -> dict:
         "clients": clients,
         "samples_s": samples,
         "cpu_samples_s": cpu,
-        "2x4/1x8": ratio_stats(samples["2x4"], samples["1x8"]),
-        "cpu 2x4/1x8": ratio_stats(cpu["2x4"], cpu["1x8"]),
+        **_timing.ratios(samples, cpu, "2x4", ("1x8",), ratio_stats),
     }
 
 
@@ -493,6 +465,21 @@ def _us(xs: list[float]) -> str:
     return f"{statistics.median(xs) * 1e6:10.1f}"
 
 
+def _rows(table: dict, label: str, cell, cols: tuple[str, str, str], cpu_title: str) -> list[str]:
+    """A line per row of ``table`` (its name formatted by ``label``): the median of each
+    of ``cols`` and the ratios of the first to the other two; wall time, then the same
+    lines for CPU time under ``cpu_title``."""
+    lines = []
+    for samples, cpu in (("samples_s", ""), ("cpu_samples_s", "cpu ")):
+        if cpu:
+            lines.append(cpu_title)
+        for name, row in table.items():
+            cells = " ".join(cell(row[samples][c]) for c in cols)
+            first, second = (_ratio(row[f"{cpu}{cols[0]}/{c}"]) for c in cols[1:])
+            lines.append(f"  {name:{label}} {cells}   {first:<46} {second}")
+    return lines
+
+
 def report_calls(calls: dict, reps: int) -> list[str]:
     lines = [
         "",
@@ -501,20 +488,8 @@ def report_calls(calls: dict, reps: int) -> list[str]:
         f"  {'round':38} {'fcir exe':>10} {'drjax jit':>10} {'fcir jit':>10}   "
         f"{'fcir/drjax_jit (goal <= 1.1)':<46} fcir/fcir_jit",
     ]
-    for name, row in calls.items():
-        s = row["samples_s"]
-        lines.append(
-            f"  {name:38} {_us(s['fcir'])} {_us(s['drjax_jit'])} {_us(s['fcir_jit'])}   "
-            f"{_ratio(row['fcir/drjax_jit']):<46} {_ratio(row['fcir/fcir_jit'])}"
-        )
-    lines.append("  CPU time of this process, same blocks:")
-    for name, row in calls.items():
-        s = row["cpu_samples_s"]
-        lines.append(
-            f"  {name:38} {_us(s['fcir'])} {_us(s['drjax_jit'])} {_us(s['fcir_jit'])}   "
-            f"{_ratio(row['cpu fcir/drjax_jit']):<46} {_ratio(row['cpu fcir/fcir_jit'])}"
-        )
-    return lines
+    cpu_title = "  CPU time of this process, same blocks:"
+    return lines + _rows(calls, "38", _us, ("fcir", "drjax_jit", "fcir_jit"), cpu_title)
 
 
 def report(single: dict, procs: dict | None, reps: int, calls: dict | None = None) -> str:
@@ -528,19 +503,8 @@ def report(single: dict, procs: dict | None, reps: int, calls: dict | None = Non
             f"{'fcir/drjax (goal <= 1.0)':<46} fcir/limit (goal <= 1.02)"
         ),
     ]
-    for n, row in single.items():
-        s = row["samples_s"]
-        lines.append(
-            f"  {n:>7} {_ms(s['fcir'])} {_ms(s['drjax'])} {_ms(s['limit'])}   "
-            f"{_ratio(row['fcir/drjax']):<46} {_ratio(row['fcir/limit'])}"
-        )
-    lines.append("  CPU time of this process (less sensitive to other load), same pairs:")
-    for n, row in single.items():
-        s = row["cpu_samples_s"]
-        lines.append(
-            f"  {n:>7} {_ms(s['fcir'])} {_ms(s['drjax'])} {_ms(s['limit'])}   "
-            f"{_ratio(row['cpu fcir/drjax']):<46} {_ratio(row['cpu fcir/limit'])}"
-        )
+    cpu_title = "  CPU time of this process (less sensitive to other load), same pairs:"
+    lines += _rows(single, ">7", _ms, ("fcir", "drjax", "limit"), cpu_title)
     for n, row in single.items():
         same = [k for k, v in row["optimized_hlo_same_as_fcir"].items() if v]
         diff = row["max_abs_diff_from_fcir"]
@@ -606,7 +570,6 @@ def main(argv=None) -> int:
     load.append(os.getloadavg())
     print(report(single, procs, reps, calls))
     print(f"load average (1, 5, 15 min) before: {load[0]}, after: {load[1]}")
-
 
     result = {
         "config": {

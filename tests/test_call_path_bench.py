@@ -3,26 +3,16 @@ JSON record), so the call-path benchmark of issue 23 cannot rot."""
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import benchrun
 
 
 def test_call_path_benchmark_smoke_mode(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "call_path.py"), "--smoke", "--out-dir",
-         str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "fcir/drjax" in result.stdout and "(goal <= 1.05)" in result.stdout
-    (path,) = tmp_path.glob("call_path-smoke-*.json")
-    data = json.loads(path.read_text())
+    out, data = benchrun.run_smoke("call_path", tmp_path)
+    assert "fcir/drjax" in out and "(goal <= 1.05)" in out
     assert data["smoke"] and data["cores"] == os.cpu_count() and len(data["load_average"]) == 2
     assert set(data["versions"]) >= {"jax", "jaxlib", "numpy", "drjax"}
     timing = data["timing"]
@@ -37,7 +27,7 @@ def test_call_path_benchmark_smoke_mode(tmp_path):
 
 def test_call_path_benchmark_refuses_nonpositive_repetitions():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "call_path.py"), "--reps", "0"],
+        [sys.executable, str(benchrun.ROOT / "bench" / "call_path.py"), "--reps", "0"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 2 and "--reps and --calls must be positive" in result.stderr

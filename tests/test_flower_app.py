@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from corpus.compare import assert_trees_match
 from fcir.interpreters import flower, production, reference
-from flowerlib import inprocess, rounds, secure
+from flowerlib import files, inprocess, programs, rounds, secure
 
 import fcir
 
@@ -34,21 +34,16 @@ def fedavg(tmp_path_factory):
     return r, app, nodes
 
 
-def _outputs(path) -> list:
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]
-
-
 def test_silent_and_failing_clients_are_left_out_down_to_the_minimum(fedavg, tmp_path):
     r, app, nodes = fedavg
     out = tmp_path / "out.npz"
     # One node never answers: the mean is over the two that did.
     inprocess.run(app, nodes, {"output": str(out), "timeout": 1.0}, silent={103})
     two = rounds.first_clients(r, 2)
-    assert [g.tobytes() for g in _outputs(out)] == [
+    assert [g.tobytes() for g in files.read_outputs(out)] == [
         e.tobytes() for e in rounds.bundle_outputs(two, tmp_path / "b")
     ]
-    assert_trees_match(_outputs(out), rounds.reference_outputs(two), rtol=1e-5, atol=1e-5)
+    assert_trees_match(files.read_outputs(out), rounds.reference_outputs(two), rtol=1e-5, atol=1e-5)
     # Below min-clients the round fails, names each failure, and writes nothing.
     bad = dict(nodes)
     bad[103] = {**nodes[103], "data-path": str(tmp_path / "nowhere.npz")}
@@ -101,7 +96,8 @@ def test_training_maps_state_and_resumes_from_its_checkpoint(fedavg, tmp_path):
         outs = rounds.bundle_outputs(rounds.dataclasses.replace(r, leaves=leaves), tmp_path / f"b{k}")
         for j, i in enumerate(server):
             leaves[i] = outs[j]
-    assert [g.tobytes() for g in _outputs(tmp_path / "o.npz")] == [o.tobytes() for o in outs]
+    got = files.read_outputs(tmp_path / "o.npz")
+    assert [g.tobytes() for g in got] == [o.tobytes() for o in outs]
     with pytest.raises(RuntimeError, match="state='0=9'"):
         inprocess.run(app, nodes, {"state": "0=9"})
 
@@ -128,22 +124,10 @@ def test_app_directory_layout_and_cli(fedavg, tmp_path):
     assert json.loads((tmp_path / "cli_app/fcir_app/plan.json").read_text()) == rounds.plan_of(app)
 
 
-@fcir.program(placements={"clients": rounds.NODES})
-def mean_then_variance(scale, x):
-    """Two exchanges: the mean is broadcast back to compute the variance around it."""
-    mean = fcir.reduce_mean(
-        fcir.map_fn(lambda s, x: s * jnp.mean(x, axis=0), (fcir.broadcast(scale), x))
-    )
-    var = fcir.reduce_mean(
-        fcir.map_fn(lambda m, x: jnp.mean(jnp.square(x - m), axis=0), (fcir.broadcast(mean), x))
-    )
-    return {"mean": mean, "spread": jnp.sqrt(var) * scale, "var": var}
-
-
 def test_a_multi_exchange_round_runs_as_phases_and_matches_the_reference(tmp_path):
     scale = jnp.float32(2.0)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(rounds.NODES, 5, 4)), jnp.float32)
-    module = fcir.capture(mean_then_variance, scale, x)
+    module = fcir.capture(programs.mean_then_variance, scale, x)
     with pytest.raises(production.ExportError, match="more than one broadcast/aggregate"):
         production.export(module)
     app = flower.export(module, tmp_path / "app", inputs=[np.asarray(scale)])
@@ -156,7 +140,7 @@ def test_a_multi_exchange_round_runs_as_phases_and_matches_the_reference(tmp_pat
     grid = inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
     assert len(grid.sent) == 2 * rounds.NODES  # one message per node and exchange
     expected = [np.asarray(v) for v in jax.tree.leaves(reference.run(module, scale, x))]
-    assert_trees_match(_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-6)
+    assert_trees_match(files.read_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-6)
 
 
 @fcir.program(placements={"clients": rounds.NODES})
@@ -179,7 +163,7 @@ def test_median_and_trimmed_mean_are_aggregated_by_the_server_app(tmp_path):
         nodes[10 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
     inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
     expected = [np.asarray(v) for v in jax.tree.leaves(reference.run(module, w, x))]
-    assert_trees_match(_outputs(tmp_path / "o.npz"), expected, rtol=1e-6, atol=1e-6)
+    assert_trees_match(files.read_outputs(tmp_path / "o.npz"), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_not_exportable_rounds_fail_and_write_nothing(tmp_path):
@@ -224,19 +208,21 @@ def test_secure_sums_go_through_secagg_plus_exactly(secure_app, tmp_path):
     expected = _reference_secure_mix(args, [0, 1, 2])
     grid = inprocess.run(app, nodes, {"output": str(tmp_path / "a.npz")})
     assert len(grid.sent) == 4 * rounds.NODES  # setup, share keys, masked vectors, unmask
-    secure.assert_matches(_outputs(tmp_path / "a.npz"), expected)
+    secure.assert_matches(files.read_outputs(tmp_path / "a.npz"), expected)
 
     grid = inprocess.run(app, nodes, {"output": str(tmp_path / "b.npz"), "secagg": False})
     assert len(grid.sent) == rounds.NODES
-    secure.assert_matches(_outputs(tmp_path / "b.npz"), expected)
+    secure.assert_matches(files.read_outputs(tmp_path / "b.npz"), expected)
 
     bad = {**nodes, 21: {**nodes[21], "data-path": str(tmp_path / "nowhere.npz")}}
     inprocess.run(app, bad, {"output": str(tmp_path / "c.npz")})
-    secure.assert_matches(_outputs(tmp_path / "c.npz"), _reference_secure_mix(args, [0, 2]))
+    want = _reference_secure_mix(args, [0, 2])
+    secure.assert_matches(files.read_outputs(tmp_path / "c.npz"), want)
 
     grid = inprocess.run(app, all_nodes, {"output": str(tmp_path / "d.npz"), "timeout": 1.0}, silent={21})
     assert grid.sent.count(21) == 1 and grid.sent.count(20) == 8  # 4 stages, twice
-    secure.assert_matches(_outputs(tmp_path / "d.npz"), _reference_secure_mix(args, [0, 2, 3]))
+    want = _reference_secure_mix(args, [0, 2, 3])
+    secure.assert_matches(files.read_outputs(tmp_path / "d.npz"), want)
 
 
 def test_secagg_plus_needs_three_sampled_clients(secure_app, tmp_path):
@@ -279,7 +265,8 @@ def test_rounds_without_state_map_outputs_of_the_same_pytree_path_and_say_so(fed
     explicit = ",".join(f"{i}={i}" for i in range(n))
     assert f"state {explicit} inferred from pytree paths: 0=0 ([0]" in said, said
     inprocess.run(app, nodes, {"rounds": 2, "state": explicit, "output": str(tmp_path / "explicit.npz")})
-    inferred, given = _outputs(tmp_path / "inferred.npz"), _outputs(tmp_path / "explicit.npz")
+    inferred = files.read_outputs(tmp_path / "inferred.npz")
+    given = files.read_outputs(tmp_path / "explicit.npz")
     assert [g.tobytes() for g in inferred] == [g.tobytes() for g in given]
     once = rounds.bundle_outputs(r, tmp_path / "b")
     assert inferred[0].tobytes() != once[0].tobytes()  # round 2 did not repeat round 1
@@ -331,7 +318,7 @@ def test_a_resumed_run_with_no_round_left_writes_outputs_in_their_declared_shape
     inprocess.run(app, nodes, {**base, "output": str(tmp_path / "a.npz")})
     grid = inprocess.run(app, nodes, {**base, "output": str(tmp_path / "b.npz")})
     assert grid.sent == []  # nothing left to run
-    first, resumed = _outputs(tmp_path / "a.npz"), _outputs(tmp_path / "b.npz")
+    first, resumed = files.read_outputs(tmp_path / "a.npz"), files.read_outputs(tmp_path / "b.npz")
     assert [(x.dtype, x.shape) for x in resumed] == [(x.dtype, x.shape) for x in first]
     assert any(x.shape == () for x in resumed)  # the loss
     assert [x.tobytes() for x in resumed] == [x.tobytes() for x in first]

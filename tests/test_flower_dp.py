@@ -11,32 +11,15 @@ import numpy as np
 import pytest
 from corpus.compare import assert_trees_match
 from fcir.interpreters import flower, production, reference
-from flowerlib import inprocess, rounds
+from flowerlib import files, inprocess, rounds
+from flowerlib.programs import CLIP, Z, private_fedavg
 
 import fcir
 
 pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
 
 N = rounds.NODES
-CLIP, Z = 0.5, 1.1
 KEY = jax.random.key_data(jax.random.key(3))  # production wire types carry raw key bits
-
-
-def private_fedavg(dp):
-    @fcir.program(placements={"clients": N}, private=True)
-    def round_(w, b, key, x, y):
-        def local(w, b, x, y):
-            def loss(p):
-                return jnp.mean(jnp.square(x @ p[0] + p[1] - y))
-
-            gw, gb = jax.grad(loss)((w, b))
-            return {"b": -0.5 * gb, "w": -0.5 * gw}
-
-        upd = fcir.map_fn(local, (fcir.broadcast(w), fcir.broadcast(b), x, y))
-        d = dp(upd, CLIP, Z, key)
-        return w + d["w"], b + d["b"]
-
-    return round_
 
 
 def _data():
@@ -72,17 +55,9 @@ def _payload(msg) -> int:
     return sum(len(a.data) for a in msg.content["values"].values())
 
 
-def _outputs(path) -> list:
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]
-
-
 def _nodes(tmp_path, *client_arrays) -> dict:
-    nodes = {}
-    for i in range(N):
-        np.savez(tmp_path / f"n{i}.npz", *(np.asarray(a[i]) for a in client_arrays))
-        nodes[10 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
-    return nodes
+    """Nodes 10, 11, 12, each reading its row of every one of ``client_arrays``."""
+    return files.write_nodes(tmp_path, [[a[i] for a in client_arrays] for i in range(N)], 10)
 
 
 def test_private_fedavg_clips_on_the_device_and_noises_in_server_result(tmp_path, recording):
@@ -123,7 +98,7 @@ def test_private_fedavg_clips_on_the_device_and_noises_in_server_result(tmp_path
     for node in (11, 12):
         assert norms[node] == pytest.approx(CLIP, rel=1e-5)
 
-    got = _outputs(tmp_path / "o.npz")
+    got = files.read_outputs(tmp_path / "o.npz")
     want = production.run_bundle(bundle, w, b, KEY, x, y)
     assert [g.tobytes() for g in got] == [np.asarray(v).tobytes() for v in want]
     ref = reference.run(module, w, b, KEY, x, y)
@@ -132,7 +107,7 @@ def test_private_fedavg_clips_on_the_device_and_noises_in_server_result(tmp_path
     # A client drops out: the two replies' clipped sum gets the same noise and is divided
     # by the declared cardinality (3), not by the 2 that replied.
     inprocess.run(app, nodes, {"output": str(tmp_path / "o2.npz"), "timeout": 1.0}, silent={12})
-    got2 = _outputs(tmp_path / "o2.npz")
+    got2 = files.read_outputs(tmp_path / "o2.npz")
     two = [w, b, KEY, x[:2], y[:2]]
     sum_round = rounds.rebind(fcir.capture(private_fedavg(fcir.dp_sum), w, b, KEY, x, y), 2)
     noised_sum = [np.asarray(v) - np.asarray(p) for v, p in zip(reference.run(sum_round, *two), (w, b))]
@@ -173,7 +148,7 @@ def test_dp_aggregates_end_phases_and_their_costs_compose(tmp_path):
     assert privacy["epsilon_per_round"] == fcir.privacy.epsilon(module, 1, 1e-5)
     inprocess.run(app, _nodes(tmp_path, x), {"output": str(tmp_path / "o.npz")})
     expected = [np.asarray(v) for v in reference.run(module, scale, KEY, x)]
-    assert_trees_match(_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-5)
+    assert_trees_match(files.read_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_progress_lines_state_cumulative_epsilon_for_the_sampling_used(tmp_path, capsys):
@@ -246,8 +221,8 @@ def test_max_epsilon_stops_before_the_round_that_would_pass_it(tmp_path, capsys)
         f"stopping before round 4: it would bring epsilon to {eps4:.4g}, past max-epsilon="
         f"{cap:g} (delta=1e-05, every client); ran 3 round(s), epsilon={eps3:.4g} spent"
     ) in text
-    assert [a.tobytes() for a in _outputs(out)] == [
-        a.tobytes() for a in _outputs(tmp_path / "three.npz")
+    assert [a.tobytes() for a in files.read_outputs(out)] == [
+        a.tobytes() for a in files.read_outputs(tmp_path / "three.npz")
     ]
     # A budget that round 1 already passes: nothing to write, a clear error.
     with pytest.raises(Exception, match="stopping before round 1.*raise max-epsilon") as e:
@@ -281,8 +256,8 @@ def test_a_resumed_run_keeps_spending_the_checkpointed_budget(tmp_path, capsys):
     assert re.findall(r"round (\d)/6:", text) == ["3"]
     assert "stopping before round 4" in text and "ran 3 round(s)" in text
     inprocess.run(app, nodes, {"rounds": 3, "output": str(tmp_path / "three.npz")})
-    assert [a.tobytes() for a in _outputs(out)] == [
-        a.tobytes() for a in _outputs(tmp_path / "three.npz")
+    assert [a.tobytes() for a in files.read_outputs(out)] == [
+        a.tobytes() for a in files.read_outputs(tmp_path / "three.npz")
     ]
     # Resumed at another sampling rate, the saved rounds' epsilon would not compose.
     with pytest.raises(Exception, match="resume with the same fraction") as e:

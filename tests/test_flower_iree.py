@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from corpus.compare import assert_trees_match
 from fcir.interpreters import flower, reference
-from flowerlib import inprocess, rounds, secure
+from flowerlib import files, inprocess, programs, rounds, secure
 from production import iree_faults
 
 import fcir
@@ -37,18 +37,9 @@ pytest.importorskip("iree.runtime", reason="needs iree-base-runtime (pip install
 N = rounds.NODES
 
 
-def _outputs(path) -> list:
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]
-
-
 def _nodes(root, rows: list[list]) -> dict:
-    nodes = {}
-    for i, leaves in enumerate(rows):
-        p = pathlib.Path(root) / f"node{i}.npz"
-        np.savez(p, *leaves)
-        nodes[101 + i] = {"partition-id": i, "data-path": str(p)}
-    return nodes
+    """Nodes 101, 102, 103, node ``101 + i`` reading ``rows[i]``."""
+    return files.write_nodes(root, rows, 101)
 
 
 def _both(module, root, inputs, rows, run_config=None):
@@ -61,7 +52,7 @@ def _both(module, root, inputs, rows, run_config=None):
         app = flower.export(module, root / runtime, inputs=inputs, device_runtime=runtime)
         out = root / f"{runtime}.npz"
         inprocess.run(app, nodes, {"output": str(out), **(run_config or {})})
-        outs[runtime] = _outputs(out)
+        outs[runtime] = files.read_outputs(out)
     return outs["iree"], outs["jax"], rounds.plan_of(root / "iree")
 
 
@@ -73,6 +64,21 @@ def _assert_same_numbers(got, want, rtol=1e-5, atol=1e-6):
             assert g.tobytes() == w.tobytes()
         else:
             np.testing.assert_allclose(g, w, rtol=rtol, atol=atol)
+
+
+def _export_by_cli(r: rounds.Round, root, out: str, capsys, *flags: str):
+    """``fcir export --target flower ROUND.fcir -o ROOT/OUT --inputs IN.npz
+    --device-runtime iree FLAGS``, the round's text and server inputs written under
+    ``root`` first; returns the .fcir file."""
+    from fcir.cli import main
+
+    src = root / "round.fcir"
+    src.write_text(r.module.to_text(full_constants=True))
+    np.savez(root / "in.npz", *r.server_leaves)
+    args = ["export", "--target", "flower", str(src), "-o", str(root / out)]
+    args += ["--inputs", str(root / "in.npz"), "--device-runtime", "iree", *flags]
+    assert main(args) == 0, capsys.readouterr().err
+    return src
 
 
 def _client_steps(plan):
@@ -115,27 +121,13 @@ def test_secure_sums_go_through_secagg_plus_exactly_with_iree_clients(tmp_path):
     _assert_same_numbers(got, jax_outs)
 
 
-def _private_round(w, b, key, x, y):
-    def local(w, b, x, y):
-        def loss(p):
-            return jnp.mean(jnp.square(x @ p[0] + p[1] - y))
-
-        gw, gb = jax.grad(loss)((w, b))
-        return {"b": -0.5 * gb, "w": -0.5 * gw}
-
-    upd = fcir.map_fn(local, (fcir.broadcast(w), fcir.broadcast(b), x, y))
-    d = fcir.dp_mean(upd, 0.5, 1.1, key)
-    return w + d["w"], b + d["b"]
-
-
 def test_a_dp_round_clips_on_the_iree_device_and_noises_at_the_server(tmp_path):
     rng = np.random.default_rng(0)
     w, b = jnp.zeros((4, 2), jnp.float32), jnp.full((2,), 0.1, jnp.float32)
     key = jax.random.key_data(jax.random.key(3))
     x = jnp.asarray(rng.normal(size=(N, 5, 4)), jnp.float32)
     y = jnp.asarray(rng.normal(size=(N, 5, 2)) * 3, jnp.float32)
-    program = fcir.program(placements={"clients": N}, private=True)(_private_round)
-    module = fcir.capture(program, w, b, key, x, y)
+    module = fcir.capture(programs.private_fedavg(fcir.dp_mean), w, b, key, x, y)
     rows = [[np.asarray(x[i]), np.asarray(y[i])] for i in range(N)]
     got, jax_outs, plan = _both(
         module, tmp_path, [np.asarray(w), np.asarray(b), np.asarray(key)], rows
@@ -147,22 +139,10 @@ def test_a_dp_round_clips_on_the_iree_device_and_noises_at_the_server(tmp_path):
     assert_trees_match(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@fcir.program(placements={"clients": N})
-def mean_then_variance(scale, x):
-    """Two exchanges: the mean is broadcast back to compute the variance around it."""
-    mean = fcir.reduce_mean(
-        fcir.map_fn(lambda s, x: s * jnp.mean(x, axis=0), (fcir.broadcast(scale), x))
-    )
-    var = fcir.reduce_mean(
-        fcir.map_fn(lambda m, x: jnp.mean(jnp.square(x - m), axis=0), (fcir.broadcast(mean), x))
-    )
-    return {"mean": mean, "spread": jnp.sqrt(var) * scale, "var": var}
-
-
 def test_a_multi_exchange_round_runs_each_phase_through_iree(tmp_path):
     scale = jnp.float32(2.0)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(N, 5, 4)), jnp.float32)
-    module = fcir.capture(mean_then_variance, scale, x)
+    module = fcir.capture(programs.mean_then_variance, scale, x)
     got, jax_outs, plan = _both(
         module, tmp_path, [np.asarray(scale)], [[np.asarray(x[i])] for i in range(N)]
     )
@@ -183,7 +163,7 @@ def test_a_phase_iree_gets_wrong_is_an_export_error_naming_it(tmp_path, monkeypa
     iree_faults.wrong_at(monkeypatch, set(iree.OPT_LEVELS))
     scale = jnp.float32(2.0)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(N, 5, 4)), jnp.float32)
-    module = fcir.capture(mean_then_variance, scale, x)
+    module = fcir.capture(programs.mean_then_variance, scale, x)
     with pytest.raises(
         flower.ExportError, match=r"1\.client_work .*max error.*--device-runtime jax"
     ):
@@ -199,15 +179,8 @@ def test_a_scan_of_rounds_runs_each_iteration_s_client_work_through_iree(tmp_pat
     --device-runtime iree: the round's client work is a module verified at export on
     seeded inputs and on each client's inputs of the first iteration; the app writes
     what the jax app and reference.run write."""
-    from fcir.cli import main
-
     r = rounds.corpus_round("scan_rounds")
-    src = tmp_path / "program.fcir"
-    src.write_text(r.module.to_text(full_constants=True))
-    np.savez(tmp_path / "in.npz", *r.server_leaves)
-    args = ["export", "--target", "flower", str(src), "-o", str(tmp_path / "iree")]
-    args += ["--inputs", str(tmp_path / "in.npz"), "--device-runtime", "iree"]
-    assert main(args) == 0, capsys.readouterr().err
+    _export_by_cli(r, tmp_path, "iree", capsys)
     plan = rounds.plan_of(tmp_path / "iree")
     assert plan["loop"]["kind"] == "scan" and plan["device_runtime"] == "iree"
     (step,) = _client_steps(plan)
@@ -221,45 +194,9 @@ def test_a_scan_of_rounds_runs_each_iteration_s_client_work_through_iree(tmp_pat
     for name, app in (("iree", tmp_path / "iree"), ("jax", jax_app)):
         grid = inprocess.run(app, nodes, {"output": str(tmp_path / f"{name}.npz")})
         assert len(grid.sent) == 3 * N  # one Flower round per iteration
-        outs[name] = _outputs(tmp_path / f"{name}.npz")
+        outs[name] = files.read_outputs(tmp_path / f"{name}.npz")
     _assert_same_numbers(outs["iree"], outs["jax"])
     assert_trees_match(outs["iree"], rounds.reference_outputs(r), rtol=1e-5, atol=1e-5)
-
-
-@fcir.program(placements={"clients": N})
-def reverse_scan_two_exchanges(w, lrs, x):
-    """A reverse scan over a server xs with two exchanges per iteration (the mean is
-    broadcast back for a spread)."""
-
-    def one_round(carry, lr):
-        w, step = carry
-        mean = fcir.reduce_mean(
-            fcir.map_fn(lambda w, x: jnp.mean(x, axis=0) - w, (fcir.broadcast(w), x))
-        )
-        w = w + lr * mean
-        spread = fcir.reduce_mean(
-            fcir.map_fn(lambda w, x: jnp.mean(jnp.square(x - w)), (fcir.broadcast(w), x))
-        )
-        return (w, step + 1), spread
-
-    (w, steps), spreads = jax.lax.scan(one_round, (w, jnp.int32(0)), lrs, reverse=True)
-    return {"spreads": spreads, "steps": steps, "w": w * 2.0}
-
-
-@fcir.program(placements={"clients": N})
-def train_until(w, target, x):
-    """A while_loop over rounds; its condition runs at the server between rounds."""
-
-    def body(c):
-        w, _, i = c
-        grads, losses = fcir.map_fn(
-            lambda w, x: jax.value_and_grad(lambda w: jnp.mean(jnp.square(x - w)))(w)[::-1],
-            (fcir.broadcast(w), x),
-        )
-        return w - 0.3 * fcir.reduce_mean(grads), fcir.reduce_mean(losses), i + 1
-
-    c = (w, jnp.float32(jnp.inf), jnp.int32(0))
-    return jax.lax.while_loop(lambda c: jnp.logical_and(c[1] > target, c[2] < 10), body, c)
 
 
 def _loop_case(name):
@@ -268,9 +205,9 @@ def _loop_case(name):
     w = jnp.zeros(4, jnp.float32)
     if name == "reverse_scan":
         lrs = jnp.asarray([0.5, 0.25, 0.125], jnp.float32)
-        return reverse_scan_two_exchanges, (w, lrs, x), 3 * 2
+        return programs.reverse_scan_two_exchanges, (w, lrs, x), 3 * 2
     x = jnp.asarray(1.0 + 0.1 * rng.normal(size=(N, 5, 4)), jnp.float32)
-    return train_until, (w, jnp.float32(0.3), x), None
+    return programs.train_until, (w, jnp.float32(0.3), x), None
 
 
 @pytest.mark.parametrize("name", ["reverse_scan", "while"])
@@ -285,8 +222,7 @@ def test_loop_apps_with_iree_clients_equal_the_jax_app_and_the_reference(name, t
     assert steps and all("iree" in s["client"] for s in steps)
     assert steps[0]["client"]["iree"]["input_sets"] == 2 + N
     _assert_same_numbers(got, jax_outs)
-    flat = jax.tree.leaves(reference.run(module, *args))
-    want = [np.asarray(flat[i]) for i in rounds.output_order(module)]
+    want = rounds.module_reference_outputs(module, args)
     assert_trees_match(got, want, rtol=1e-5, atol=1e-6)
     if name == "while":
         assert 1 < int(want[2]) < 10  # the condition stopped it after a few rounds
@@ -519,9 +455,8 @@ def test_a_jax_app_s_jax_range_holds_the_exporting_jax_and_no_earlier_one():
     import tomllib
 
     import jax
-    from packaging.requirements import Requirement
-
     from fcir.interpreters.flower.writer import _pyproject
+    from packaging.requirements import Requirement
 
     deps = tomllib.loads(_pyproject("x", "jax"))["project"]["dependencies"]
     (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "jax"]
@@ -628,7 +563,9 @@ def test_real_supernodes_without_jax_run_the_app(name, tmp_path):
         assert "ModuleNotFoundError" not in logs
         if "loop" in rounds.plan_of(app):
             assert "round 3/3: 3/3 clients replied" in p.stdout + p.stderr
-        assert_trees_match(_outputs(out), rounds.reference_outputs(r), rtol=1e-5, atol=1e-5)
+        assert_trees_match(
+            files.read_outputs(out), rounds.reference_outputs(r), rtol=1e-5, atol=1e-5
+        )
     finally:
         dep.stop()
 
@@ -637,13 +574,8 @@ def test_cli_exports_a_flower_app_with_iree_modules_per_target(tmp_path, capsys)
     from fcir.cli import main
 
     r = rounds.corpus_round("fedavg_mlp")
-    src = tmp_path / "round.fcir"
-    src.write_text(r.module.to_text(full_constants=True))
-    np.savez(tmp_path / "in.npz", *r.server_leaves)
-    args = ["export", "--target", "flower", str(src), "-o", str(tmp_path / "app")]
-    args += ["--inputs", str(tmp_path / "in.npz"), "--device-runtime", "iree"]
-    args += ["--device-target", "llvm-cpu", "--device-target", "aarch64-linux-android34"]
-    assert main(args) == 0, capsys.readouterr().err
+    targets = ["--device-target", "llvm-cpu", "--device-target", "aarch64-linux-android34"]
+    src = _export_by_cli(r, tmp_path, "app", capsys, *targets)
     (step,) = _client_steps(rounds.plan_of(tmp_path / "app"))
     assert sorted(step["client"]["iree"]["modules"]) == ["aarch64-linux-android34", "llvm-cpu"]
     with pytest.raises(SystemExit) as e:

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus.compare import assert_trees_match
-from fcir.interpreters import flower, reference
-from flowerlib import inprocess, rounds
+from fcir.interpreters import flower
+from flowerlib import files, inprocess, programs, rounds
 
 import fcir
 
@@ -20,22 +20,11 @@ pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fci
 N = rounds.NODES
 
 
-def _outputs(path) -> list:
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]
-
-
 def _nodes(root, client_leaves) -> dict:
-    nodes = {}
-    for i in range(N):
-        np.savez(root / f"n{i}.npz", *(np.asarray(x)[i] for x in client_leaves))
-        nodes[40 + i] = {"partition-id": i, "data-path": str(root / f"n{i}.npz")}
-    return nodes
-
-
-def _reference(module, args) -> list:
-    flat = jax.tree.leaves(reference.run(module, *args))
-    return [np.asarray(flat[i]) for i in rounds.output_order(module)]
+    """Nodes 40, 41, 42, each reading its row of every leaf of ``client_leaves``."""
+    return files.write_nodes(
+        root, [[np.asarray(x)[i] for x in client_leaves] for i in range(N)], 40
+    )
 
 
 def _assert_same(got, want):
@@ -64,7 +53,7 @@ def test_a_scan_of_rounds_runs_one_flower_round_per_iteration_and_resumes(tmp_pa
     assert len(grid.sent) == 3 * N
     said = capsys.readouterr().out
     assert "round 3/3: 3/3 clients replied" in said and "ys_0=" in said, said
-    got = _outputs(tmp_path / "o.npz")
+    got = files.read_outputs(tmp_path / "o.npz")
     _assert_same(got, rounds.reference_outputs(r))
     assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2", "3"]
     import shutil
@@ -75,7 +64,9 @@ def test_a_scan_of_rounds_runs_one_flower_round_per_iteration_and_resumes(tmp_pa
     )
     assert len(grid.sent) == N  # round 3 only
     assert "resuming after round 2" in capsys.readouterr().out
-    assert [g.tobytes() for g in _outputs(tmp_path / "p.npz")] == [g.tobytes() for g in got]
+    assert [g.tobytes() for g in files.read_outputs(tmp_path / "p.npz")] == [
+        g.tobytes() for g in got
+    ]
     with pytest.raises(RuntimeError, match="runs its own scan of rounds"):
         inprocess.run(app, nodes, {"rounds": 3})
     from fcir.interpreters.flower.cli import run_hint
@@ -83,70 +74,31 @@ def test_a_scan_of_rounds_runs_one_flower_round_per_iteration_and_resumes(tmp_pa
     assert run_hint(app).endswith("--run-config 'output=\"/abs/out.npz\"'")  # no rounds/state
 
 
-@fcir.program(placements={"clients": N})
-def fori_two_exchanges(w, lrs, x):
-    """A fori_loop-style counter, a per-round learning rate scanned over (server xs),
-    and two exchanges per iteration (the mean is broadcast back for a spread), then
-    server code after the loop."""
-
-    def one_round(carry, lr):
-        w, step = carry
-        mean = fcir.reduce_mean(
-            fcir.map_fn(lambda w, x: jnp.mean(x, axis=0) - w, (fcir.broadcast(w), x))
-        )
-        w = w + lr * mean
-        spread = fcir.reduce_mean(
-            fcir.map_fn(lambda w, x: jnp.mean(jnp.square(x - w)), (fcir.broadcast(w), x))
-        )
-        return (w, step + 1), spread
-
-    (w, steps), spreads = jax.lax.scan(one_round, (w, jnp.int32(0)), lrs, reverse=True)
-    return {"w": w * 2.0, "steps": steps, "spreads": spreads, "last": spreads[0]}
-
-
 def test_a_reverse_scan_with_server_xs_and_two_exchanges_per_iteration(tmp_path):
     w = jnp.zeros(4, jnp.float32)
     lrs = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
     x = jnp.asarray(np.random.default_rng(2).normal(size=(N, 6, 4)), jnp.float32)
-    module = fcir.capture(fori_two_exchanges, w, lrs, x)
+    module = fcir.capture(programs.reverse_scan_two_exchanges, w, lrs, x)
     app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(lrs)])
     grid = inprocess.run(app, _nodes(tmp_path, [x]), {"output": str(tmp_path / "o.npz")})
     assert len(grid.sent) == 4 * 2 * N  # 4 rounds, 2 exchanges each
-    _assert_same(_outputs(tmp_path / "o.npz"), _reference(module, (w, lrs, x)))
-
-
-@fcir.program(placements={"clients": N})
-def train_until(w, target, x):
-    """A while_loop over rounds: its condition (at the server) reads the carry."""
-
-    def cond(c):
-        w, loss, i = c
-        return jnp.logical_and(loss > target, i < 10)
-
-    def body(c):
-        w, _, i = c
-        grads, losses = fcir.map_fn(
-            lambda w, x: jax.value_and_grad(lambda w: jnp.mean(jnp.square(x - w)))(w)[::-1],
-            (fcir.broadcast(w), x),
-        )
-        return w - 0.3 * fcir.reduce_mean(grads), fcir.reduce_mean(losses), i + 1
-
-    w, loss, i = jax.lax.while_loop(cond, body, (w, jnp.float32(jnp.inf), jnp.int32(0)))
-    return w, loss, i
+    _assert_same(
+        files.read_outputs(tmp_path / "o.npz"), rounds.module_reference_outputs(module, (w, lrs, x))
+    )
 
 
 def test_a_while_loop_of_rounds_evaluates_its_condition_at_the_server(tmp_path):
     w = jnp.zeros(3, jnp.float32)
     x = jnp.asarray(1.0 + 0.1 * np.random.default_rng(3).normal(size=(N, 5, 3)), jnp.float32)
     target = jnp.float32(0.3)
-    module = fcir.capture(train_until, w, target, x)
-    want = _reference(module, (w, target, x))
+    module = fcir.capture(programs.train_until, w, target, x)
+    want = rounds.module_reference_outputs(module, (w, target, x))
     app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(target)])
     assert rounds.plan_of(app)["loop"]["kind"] == "while"
     grid = inprocess.run(app, _nodes(tmp_path, [x]), {"output": str(tmp_path / "o.npz")})
     rounds_run = int(want[2])
     assert 1 < rounds_run < 10 and len(grid.sent) == rounds_run * N
-    _assert_same(_outputs(tmp_path / "o.npz"), want)
+    _assert_same(files.read_outputs(tmp_path / "o.npz"), want)
 
 
 @fcir.program(placements={"clients": N})
@@ -221,8 +173,8 @@ def test_per_client_state_stays_on_the_nodes_equals_the_reference_and_resumes(tm
     assert "round 4/4: 3/3 clients replied" in said and "client state of partition(s) 0,1,2" in said
     # 3 clients x (model delta f32[4], control delta f32[4], loss f32[]): no control.
     assert "received 108 B" in said, said
-    got = _outputs(out)
-    _assert_same(got, _reference(module, args))
+    got = files.read_outputs(out)
+    _assert_same(got, rounds.module_reference_outputs(module, args))
     for i in range(N):
         kept = _kept(tmp_path, i)
         assert sorted(kept) == [1, 2, 3, 4]
@@ -234,9 +186,13 @@ def test_per_client_state_stays_on_the_nodes_equals_the_reference_and_resumes(tm
     shutil.rmtree(ckpt / "4")
     for i in range(N):  # the nodes' round-4 state is gone too: round 4 must read round 3's
         next((tmp_path / "state").glob(f"*/partition-{i}/round-4.npz")).unlink()
-    grid = inprocess.run(app, nodes, {"output": str(tmp_path / "p.npz"), "checkpoint-dir": str(ckpt)}, run_id=8)
+    grid = inprocess.run(
+        app, nodes, {"output": str(tmp_path / "p.npz"), "checkpoint-dir": str(ckpt)}, run_id=8
+    )
     assert len(grid.sent) == N and "resuming after round 3" in capsys.readouterr().out
-    assert [g.tobytes() for g in _outputs(tmp_path / "p.npz")] == [g.tobytes() for g in got]
+    assert [g.tobytes() for g in files.read_outputs(tmp_path / "p.npz")] == [
+        g.tobytes() for g in got
+    ]
 
 
 def _controls_after(example, args, r: int):
@@ -276,7 +232,7 @@ def test_a_node_that_missed_rounds_goes_on_from_the_last_round_it_took_part_in(t
         assert lines[r - 1].endswith(f"client state of partition(s) {','.join(map(str, who))}")
     assert "round 2/4: 1/2 clients replied" in said
     want = example.by_hand(*args, participation=counted)
-    _assert_same(_outputs(tmp_path / "o.npz"), [np.asarray(w) for w in want[:3]])
+    _assert_same(files.read_outputs(tmp_path / "o.npz"), [np.asarray(w) for w in want[:3]])
     for i, ran in enumerate(([1, 2, 3, 4], [4], [1, 2, 3])):  # the rounds each node ran
         kept = _kept(tmp_path, i)
         assert sorted(kept) == ran
@@ -292,7 +248,9 @@ def personal_two_exchanges(w, v, x):
     def body(c):
         w, v, i = c
         b = fcir.broadcast(w)
-        mean = fcir.reduce_mean(fcir.map_fn(lambda w, v, x: jnp.mean(x, 0) - w + 0.1 * v, (b, v, x)))
+        mean = fcir.reduce_mean(
+            fcir.map_fn(lambda w, v, x: jnp.mean(x, 0) - w + 0.1 * v, (b, v, x))
+        )
         w2 = w + 0.5 * mean
         spread = fcir.reduce_mean(
             fcir.map_fn(lambda w, v, x: jnp.mean(jnp.square(x - w - v)), (fcir.broadcast(w2), v, x))
@@ -337,7 +295,9 @@ def test_client_state_in_a_while_loop_of_two_exchange_rounds_and_what_is_refused
         cfg["state-dir"] = str(tmp_path / "state")
     grid = inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
     assert len(grid.sent) == 3 * 2 * N
-    _assert_same(_outputs(tmp_path / "o.npz"), _reference(module, (w, v, x)))
+    _assert_same(
+        files.read_outputs(tmp_path / "o.npz"), rounds.module_reference_outputs(module, (w, v, x))
+    )
     module = fcir.capture(stacks_a_client_value, w, v)
     with pytest.raises(flower.ExportError, match="stacked by a scan live at the server"):
         flower.export(module, tmp_path / "refused")
@@ -375,6 +335,9 @@ def test_client_state_beside_a_secure_sum_on_secagg_plus(tmp_path):
     for cfg in nodes.values():
         cfg["state-dir"] = str(tmp_path / "state")
     inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
-    got, want = _outputs(tmp_path / "o.npz"), _reference(module, (w, counts, x))
+    got, want = (
+        files.read_outputs(tmp_path / "o.npz"),
+        rounds.module_reference_outputs(module, (w, counts, x)),
+    )
     assert [g.tobytes() for g in got] == [v.tobytes() for v in want]
     assert int(want[1][-1]) > 0

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import subprocess
-import sys
 
-import numpy as np
 import pytest
-from flowerlib import rounds
+from flowerlib import files, rounds, simulation
 
 pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
 pytest.importorskip("ray", reason="the Simulation Engine needs ray (pip install 'fcir[flower]')")
@@ -19,37 +17,11 @@ pytest.importorskip("ray", reason="the Simulation Engine needs ray (pip install 
 @pytest.fixture(scope="module")
 def fedavg(tmp_path_factory):
     root = tmp_path_factory.mktemp("sim")
-    r = rounds.corpus_round("fedavg_mlp")
-    app = rounds.export(r, root / "app")
-    plan = rounds.plan_of(app)
-    (root / "data").mkdir()
-    for i in range(rounds.NODES):
-        np.savez(root / "data" / f"node{i}.npz", *r.node_leaves(plan, i))
-    return r, app, root / "data"
-
-
-def _outputs(path) -> list:
-    with np.load(path) as f:
-        return [f[f"arr_{i}"] for i in range(len(f.files))]
+    return simulation.stage("fedavg_mlp", root / "app", root / "data")
 
 
 def _simulate(app, data, config, root):
-    cmd = [
-        sys.executable,
-        "-m",
-        "fcir.cli",
-        "flower",
-        "simulate",
-        str(app),
-        "--nodes",
-        str(rounds.NODES),
-        "--data",
-        str(data),
-        "--run-config",
-        config,
-        "--dir",
-        str(root),
-    ]
+    cmd = simulation.command(app, data, config, root)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
@@ -75,7 +47,7 @@ def test_simulation_runs_rounds_bit_for_bit_as_run_bundle_and_stops_everything(f
         outs = rounds.bundle_outputs(dataclasses.replace(r, leaves=leaves), tmp_path / f"b{k}")
         for j, i in enumerate(server):
             leaves[i] = outs[j]
-    assert [g.tobytes() for g in _outputs(out)] == [o.tobytes() for o in outs]
+    assert [g.tobytes() for g in files.read_outputs(out)] == [o.tobytes() for o in outs]
     assert _started_under(tmp_path / "sim") == []
 
 
@@ -101,19 +73,12 @@ def test_a_scan_of_rounds_program_on_the_simulation_engine_writes_the_programs_r
     iteration, the output file reference.run's results, checkpoints each round."""
     from corpus.compare import assert_trees_match
 
-    r = rounds.corpus_round("scan_rounds")
-    app = rounds.export(r, tmp_path / "app")
-    plan = rounds.plan_of(app)
-    (tmp_path / "data").mkdir()
-    for i in range(rounds.NODES):
-        np.savez(tmp_path / "data" / f"node{i}.npz", *r.node_leaves(plan, i))
+    r, app, data = simulation.stage("scan_rounds", tmp_path / "app", tmp_path / "data")
     out, ckpt = tmp_path / "out.npz", tmp_path / "ckpt"
-    proc = _simulate(
-        app, tmp_path / "data", f'output="{out}" checkpoint-dir="{ckpt}"', tmp_path / "sim"
-    )
+    proc = _simulate(app, data, f'output="{out}" checkpoint-dir="{ckpt}"', tmp_path / "sim")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "round 3/3: 3/3 clients replied" in proc.stdout, proc.stdout[-3000:]
-    got, want = _outputs(out), rounds.reference_outputs(r)
+    got, want = files.read_outputs(out), rounds.reference_outputs(r)
     assert [(g.dtype, g.shape) for g in got] == [(w.dtype, w.shape) for w in want]
     assert_trees_match(got, want, rtol=1e-5, atol=1e-6)
     assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["2", "3"]
@@ -125,22 +90,7 @@ def test_sigterm_stops_the_simulation_and_everything_it_started(fedavg, tmp_path
 
     _, app, data = fedavg
     root = tmp_path / "sim"
-    cmd = [
-        sys.executable,
-        "-m",
-        "fcir.cli",
-        "flower",
-        "simulate",
-        str(app),
-        "--nodes",
-        "3",
-        "--data",
-        str(data),
-        "--run-config",
-        "rounds=50",
-        "--dir",
-        str(root),
-    ]
+    cmd = simulation.command(app, data, "rounds=50", root)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:

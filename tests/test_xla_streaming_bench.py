@@ -2,35 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import pathlib
-import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import benchrun
 
 
 def test_streaming_benchmark_smoke_mode(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "streaming.py"),
-            "--smoke",
-            "--out-dir",
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "fcir growth" in result.stdout and "fcir/drjax median" in result.stdout
-    (path,) = tmp_path.glob("streaming-smoke-*.json")
-    data = json.loads(path.read_text())
+    out, data = benchrun.run_smoke("streaming", tmp_path)
+    assert "fcir growth" in out and "fcir/drjax median" in out
     assert data["smoke"] and data["devices"] == 8 and data["cores"] == os.cpu_count()
     assert set(data["versions"]) >= {"jax", "jaxlib", "numpy", "drjax"}
     for n, row in data["results"].items():
@@ -41,7 +20,7 @@ def test_streaming_benchmark_smoke_mode(tmp_path):
     # The two rounds compute the same thing.
     assert data["pair"]["max_abs_diff"] < 1e-5
     # The gradient and DP rows: every program compiled at every cohort.
-    assert "Gradient and DP programs" in result.stdout
+    assert "Gradient and DP programs" in out
     rows = data["memory_rows"]
     assert set(rows) == set(data["results"])
     for n, row in rows.items():

@@ -30,8 +30,8 @@ def local_update(params, x, y):
     return jax.tree.map(lambda new, old: new - old, trained, params), loss
 
 
-def build(api=fcir):
-    @api.program(placements={"clients": NUM_CLIENTS})
+def build(api=fcir, clients: int = NUM_CLIENTS):
+    @api.program(placements={"clients": clients})
     def fedavg_mlp(params, x, y):
         deltas, losses = api.map_fn(local_update, (api.broadcast(params), x, y))
         mean_delta = api.reduce_mean(deltas)
@@ -41,10 +41,10 @@ def build(api=fcir):
     return fedavg_mlp
 
 
-def make_args():
-    rng = np.random.default_rng(3)
+def make_args(clients: int = NUM_CLIENTS, seed: int = 3):
+    rng = np.random.default_rng(seed)
     params = mlp.init_params(rng, D_IN, HIDDEN, D_OUT)
-    x, y = mlp.regression_data(rng, (NUM_CLIENTS, STEPS, BATCH), D_IN, D_OUT)
+    x, y = mlp.regression_data(rng, (clients, STEPS, BATCH), D_IN, D_OUT)
     return params, x, y
 
 

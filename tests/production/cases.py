@@ -12,10 +12,9 @@ import shutil
 import tempfile
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 from corpus import CASES, case
+from corpus.compare import assert_leaf_matches
 from fcir.interpreters import production, reference
 
 import fcir
@@ -94,13 +93,4 @@ def assert_close(actual, expected, *, name: str = "", rtol=1e-5, atol=1e-6) -> N
     assert str(jax.tree.structure(actual)) == str(jax.tree.structure(expected)), name
     assert len(flat_a) == len(flat_e)
     for i, (a, e) in enumerate(zip(flat_a, flat_e)):
-        a, e = np.asarray(a), np.asarray(e)
-        where = f"{name} leaf {i}"
-        assert a.dtype == e.dtype, f"{where}: dtype {a.dtype} != {e.dtype}"
-        assert a.shape == e.shape, f"{where}: shape {a.shape} != {e.shape}"
-        if jnp.issubdtype(a.dtype, jnp.inexact):
-            np.testing.assert_allclose(
-                a.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol, err_msg=where
-            )
-        else:
-            np.testing.assert_array_equal(a, e, err_msg=where)
+        assert_leaf_matches(a, e, f"{name} leaf {i}", rtol=rtol, atol=atol)
