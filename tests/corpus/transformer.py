@@ -3,7 +3,8 @@
 The pieces are public so ``bench/`` can build the same round at larger sizes:
 
 - ``init_params(key, vocab, d, layers, ...)``: parameter pytree; per-layer weights
-  are stacked on a leading ``layers`` axis and applied with ``lax.scan``.
+  are stacked on a leading ``layers`` axis and applied with ``lax.scan``
+  (``logits_fn`` also takes them as a list of per-layer dicts, a Python loop).
 - ``loss_fn(params, tokens, num_heads)``: next-token softmax cross-entropy.
 - ``local_train(params, batches, lr, num_heads)``: SGD, one step per batch.
 - ``make_round(num_clients, ...)``: the federated round, for ``fcir`` or ``drjax``.
@@ -115,13 +116,23 @@ def block(x, p, num_heads: int):
 
 
 def logits_fn(params, tokens, num_heads: int):
-    """``tokens``: int32[batch, seq] -> logits f32[batch, seq, vocab]."""
+    """``tokens``: int32[batch, seq] -> logits f32[batch, seq, vocab].
+
+    ``params["layers"]`` is either the dict of per-layer weights stacked on a leading
+    layers axis (``init_params``), applied by one ``lax.scan``, or a list (any
+    iterable) of one dict per layer, applied by a Python loop: one copy of the block
+    per layer in the jaxpr, as flax and hand-written models trace (``bench/scale.py``
+    measures both)."""
     x = params["embed"][tokens] + params["pos"][: tokens.shape[-1]]
+    if isinstance(params["layers"], dict):
 
-    def layer(h, p):
-        return block(h, p, num_heads), None
+        def layer(h, p):
+            return block(h, p, num_heads), None
 
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+        x, _ = jax.lax.scan(layer, x, params["layers"])
+    else:
+        for p in params["layers"]:
+            x = block(x, p, num_heads)
     x = layer_norm(x, params["ln_f_scale"], params["ln_f_bias"])
     return x @ params["unembed"]
 
