@@ -154,10 +154,10 @@ def unrolled_loss(params, tokens, heads: int):
 def make_round(form: str, clients: int, model: dict, api):
     """The FedAvg round of ``tests/corpus/transformer.py`` on ``api`` (fcir or drjax):
     ``"scan"`` is the corpus round itself; ``"unrolled"`` the same model with its
-    layers applied by a Python loop over per-layer parameters. The unrolled round
-    keeps its own loss, client update and name, which trace a few ops in another
-    order than the corpus round's, so that its jaxpr (what part 1 measures) stays the
-    one the published figures were measured on."""
+    layers applied by a Python loop over per-layer parameters (``logits_fn`` of a
+    list). The unrolled round keeps its own loss and client update, which trace a few
+    ops in another order than the corpus round's, so that its jaxpr (what part 1
+    times) stays the one docs/backends/xla.md's figures were measured on."""
     import jax
     import jax.numpy as jnp
     from corpus import transformer
@@ -174,14 +174,9 @@ def make_round(form: str, clients: int, model: dict, api):
         trained, losses = jax.lax.scan(step, params, batches)
         return jax.tree.map(lambda new, old: new - old, trained, params), jnp.mean(losses)
 
-    @api.program(placements={"clients": clients})
-    def fedavg_transformer_unrolled(params, tokens):
-        deltas, losses = api.map_fn(client_update, (api.broadcast(params), tokens))
-        mean_delta = api.reduce_mean(deltas)
-        new_params = jax.tree.map(lambda p, d: p + d, params, mean_delta)
-        return new_params, api.reduce_mean(losses)
-
-    return fedavg_transformer_unrolled
+    return transformer.fedavg_program(
+        clients, client_update, api=api, name="fedavg_transformer_unrolled"
+    )
 
 
 # --- part 1: one fresh process per sample ------------------------------------------------
