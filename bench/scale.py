@@ -309,8 +309,7 @@ def cost_table(configs: dict, steps: int, batch: int) -> list[dict]:
 # --- report ------------------------------------------------------------------------------
 
 
-def _ratio(s: dict) -> str:
-    return f"{s['median']:.3f} [min {s['min']:.3f}, max {s['max']:.3f}]"
+_ratio = _timing.format_ratio
 
 
 def report(lowering: dict, table: list[dict], pairs: int, load: list) -> str:
