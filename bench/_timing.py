@@ -45,6 +45,11 @@ def ratio_stats(num: list[float], den: list[float]) -> dict:
             "max": max(ratios)}  # fmt: skip
 
 
+def format_ratio(s: dict) -> str:
+    """A ``ratio_stats`` result as ``median [min a, max b]``, three decimals each."""
+    return f"{s['median']:.3f} [min {s['min']:.3f}, max {s['max']:.3f}]"
+
+
 def ratios(wall: dict, cpu: dict, num: str, dens, stats=ratio_stats) -> dict:
     """``stats`` of the per-repetition ratios ``num``/``den`` for each of ``dens``: of
     wall time (keys ``"num/den"``), then of CPU time (``"cpu num/den"``)."""

@@ -66,8 +66,7 @@ def time_calls(progs: dict, args, calls: int, reps: int, warmup: int) -> dict:
     }
 
 
-def _ratio(s: dict) -> str:
-    return f"{s['median']:.3f} [min {s['min']:.3f}, max {s['max']:.3f}]"
+_ratio = _timing.format_ratio
 
 
 def report(result: dict, cfg: dict, load: list) -> str:

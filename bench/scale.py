@@ -57,6 +57,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import _record  # bench/, the script's own folder
+import _timing
 
 TOKENS_PER_CLIENT = 16_384
 STEPS, BATCH = 16, 4  # local steps x sequences per step x SEQ = TOKENS_PER_CLIENT
@@ -138,10 +139,25 @@ def num_params(model: dict) -> int:
 FORMS = ("unrolled", "scan")
 
 
+def unrolled_loss(params, tokens, heads: int):
+    """Next-token cross-entropy of ``transformer.logits_fn`` (its layers a list of
+    per-layer dicts: a Python loop), as the unrolled round has always traced it: the
+    negation after the mean (``transformer.loss_fn`` negates before it)."""
+    import jax
+    import jax.numpy as jnp
+    from corpus import transformer
+
+    logp = jax.nn.log_softmax(transformer.logits_fn(params, tokens[:, :-1], heads), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
 def make_round(form: str, clients: int, model: dict, api):
     """The FedAvg round of ``tests/corpus/transformer.py`` on ``api`` (fcir or drjax):
     ``"scan"`` is the corpus round itself; ``"unrolled"`` the same model with its
-    layers applied by a Python loop over per-layer parameters."""
+    layers applied by a Python loop over per-layer parameters (``logits_fn`` of a
+    list). The unrolled round keeps its own loss and client update, which trace a few
+    ops in another order than the corpus round's, so that its jaxpr (what part 1
+    times) stays the one docs/backends/xla.md's figures were measured on."""
     import jax
     import jax.numpy as jnp
     from corpus import transformer
@@ -150,30 +166,17 @@ def make_round(form: str, clients: int, model: dict, api):
     if form == "scan":
         return transformer.make_round(clients, lr=lr, num_heads=heads, api=api)
 
-    def loss(params, tokens):
-        x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[-1] - 1]
-        for p in params["layers"]:  # the Python loop: 24 copies of the block
-            x = transformer.block(x, p, heads)
-        x = transformer.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"])
-        logp = jax.nn.log_softmax(x @ params["unembed"], axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
     def client_update(params, batches):
         def step(p, tokens):
-            value, grads = jax.value_and_grad(loss)(p, tokens)
+            value, grads = jax.value_and_grad(unrolled_loss)(p, tokens, heads)
             return jax.tree.map(lambda w, g: w - lr * g, p, grads), value
 
         trained, losses = jax.lax.scan(step, params, batches)
         return jax.tree.map(lambda new, old: new - old, trained, params), jnp.mean(losses)
 
-    @api.program(placements={"clients": clients})
-    def fedavg_transformer_unrolled(params, tokens):
-        deltas, losses = api.map_fn(client_update, (api.broadcast(params), tokens))
-        mean_delta = api.reduce_mean(deltas)
-        new_params = jax.tree.map(lambda p, d: p + d, params, mean_delta)
-        return new_params, api.reduce_mean(losses)
-
-    return fedavg_transformer_unrolled
+    return transformer.fedavg_program(
+        clients, client_update, api=api, name="fedavg_transformer_unrolled"
+    )
 
 
 # --- part 1: one fresh process per sample ------------------------------------------------
@@ -233,36 +236,27 @@ def bench_lowering(model: dict, clients: int, steps: int, batch: int, pairs: int
     for form in FORMS:
         s = samples[form]
         ratios = {
-            key: ratio_stats([x[key] for x in s["fcir"]], [x[key] for x in s["drjax"]])
+            key: _timing.ratio_stats([x[key] for x in s["fcir"]], [x[key] for x in s["drjax"]])
             for key in ("total_s", "lower_s", "capture_s", "total_cpu_s", "lower_cpu_s")
         }
         out[form] = {"samples": s, "fcir/drjax": ratios}
     return out
 
 
-def ratio_stats(num: list[float], den: list[float]) -> dict:
-    ratios = [a / b for a, b in zip(num, den)]
-    return {"ratios": ratios, "median": statistics.median(ratios), "min": min(ratios),
-            "max": max(ratios)}  # fmt: skip
-
-
 # --- part 2: cost of a round -------------------------------------------------------------
 
 
 def step_flops(model: dict, batch: int) -> float:
-    """XLA's flops of one SGD step of one client, the layer loop unrolled."""
+    """XLA's flops of one SGD step of one client, the layer loop unrolled (XLA counts a
+    loop body once): the stacked weights sliced into one dict per layer, each as the
+    loop reaches it."""
     import jax
     from corpus import transformer
 
-    heads = model["heads"]
-
     def loss(params, tokens):
-        x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[-1] - 1]
-        for i in range(model["layers"]):  # unrolled: XLA counts a loop body once
-            x = transformer.block(x, jax.tree.map(lambda w: w[i], params["layers"]), heads)
-        x = transformer.layer_norm(x, params["ln_f_scale"], params["ln_f_bias"])
-        logp = jax.nn.log_softmax(x @ params["unembed"], axis=-1)
-        return -jax.numpy.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+        stacked = params["layers"]
+        layers = (jax.tree.map(lambda w, i=i: w[i], stacked) for i in range(model["layers"]))
+        return unrolled_loss({**params, "layers": layers}, tokens, model["heads"])
 
     def step(params, tokens):
         grads = jax.grad(loss)(params, tokens)
@@ -315,8 +309,7 @@ def cost_table(configs: dict, steps: int, batch: int) -> list[dict]:
 # --- report ------------------------------------------------------------------------------
 
 
-def _ratio(s: dict) -> str:
-    return f"{s['median']:.3f} [min {s['min']:.3f}, max {s['max']:.3f}]"
+_ratio = _timing.format_ratio
 
 
 def report(lowering: dict, table: list[dict], pairs: int, load: list) -> str:

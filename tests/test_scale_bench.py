@@ -1,33 +1,44 @@
 """bench/scale.py --smoke runs end to end (fresh processes, both sides, both forms of
-the layer stack, the cost table), so the FAX-scale benchmark cannot rot."""
+the layer stack, the cost table), so the FAX-scale benchmark cannot rot; and its two
+forms of the layer stack are one model."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
-import pathlib
-import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import benchrun
+import jax
+import numpy as np
+from corpus import transformer
+
+import fcir
+
+BENCH = benchrun.ROOT / "bench"
+
+
+def load_scale():
+    """Imports bench/scale.py as the script sees it (bench/ on sys.path)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_scale", BENCH / "scale.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
 
 
 def test_scale_benchmark_smoke_mode(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "scale.py"), "--smoke", "--out-dir", str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "fcir/drjax total" in result.stdout and "2NT/1024" in result.stdout
-    (path,) = tmp_path.glob("scale-smoke-*.json")
-    data = json.loads(path.read_text())
+    out, data = benchrun.run_smoke("scale", tmp_path)
+    assert "fcir/drjax total" in out and "2NT/1024" in out
     assert data["smoke"] and data["cores"] == os.cpu_count() and len(data["load_average"]) == 2
     assert set(data["versions"]) >= {"jax", "jaxlib", "numpy", "drjax"}
     # Both forms of the layer stack: a Python loop (unrolled) and a lax.scan.
     assert set(data["lowering"]) == {"unrolled", "scan"}
-    assert "layers as a Python loop (unrolled)" in result.stdout
-    assert "layers as a lax.scan (scan)" in result.stdout
+    assert "layers as a Python loop (unrolled)" in out
+    assert "layers as a lax.scan (scan)" in out
     for form in data["lowering"].values():
         samples = form["samples"]
         assert len(samples["fcir"]) == len(samples["drjax"]) == 1
@@ -42,3 +53,30 @@ def test_scale_benchmark_smoke_mode(tmp_path):
         assert 0.5 < row["flops_xla"] / row["flops_6nd"] < 2.0
     # The paper's figures are 2 N T / 1024 for its nominal sizes.
     assert abs(rows["8B"]["paper_2nd_over_1024"] / rows["8B"]["paper_flops"] - 1) < 1e-3
+
+
+def test_unrolled_and_scan_forms_compute_the_same_round():
+    # The unrolled form is the corpus model with its layers a list of per-layer dicts
+    # (transformer.logits_fn's Python loop): from the same weights, the same new
+    # weights and loss, to float rounding (its loss negates after the mean).
+    scale = load_scale()
+    params, tokens = transformer.make_args()
+    n = transformer.LAYERS
+    per_layer = [jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(n)]
+    model = {"heads": transformer.HEADS}
+    clients = transformer.NUM_CLIENTS
+    scan_round = scale.make_round("scan", clients, model, fcir)
+    unrolled_round = scale.make_round("unrolled", clients, model, fcir)
+    (scan_params, scan_loss) = jax.jit(scan_round)(params, tokens)
+    (new_params, loss) = jax.jit(unrolled_round)({**params, "layers": per_layer}, tokens)
+    assert isinstance(new_params["layers"], list) and len(new_params["layers"]) == n
+    restacked = jax.tree.map(lambda *ws: np.stack(ws), *new_params["layers"])
+    for got, want in zip(
+        jax.tree.leaves({**new_params, "layers": restacked}), jax.tree.leaves(scan_params)
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, scan_loss, rtol=1e-6)
+    assert not np.allclose(scan_params["layers"]["wqkv"], params["layers"]["wqkv"])
+    # The unrolled round keeps its own name in fcir's text.
+    module = fcir.capture(unrolled_round, {**params, "layers": per_layer}, tokens)
+    assert module.to_text().startswith("fcir.module @fedavg_transformer_unrolled ")

@@ -3,10 +3,12 @@
 The pieces are public so ``bench/`` can build the same round at larger sizes:
 
 - ``init_params(key, vocab, d, layers, ...)``: parameter pytree; per-layer weights
-  are stacked on a leading ``layers`` axis and applied with ``lax.scan``.
+  are stacked on a leading ``layers`` axis and applied with ``lax.scan``
+  (``logits_fn`` also takes them as a list of per-layer dicts, a Python loop).
 - ``loss_fn(params, tokens, num_heads)``: next-token softmax cross-entropy.
 - ``local_train(params, batches, lr, num_heads)``: SGD, one step per batch.
-- ``make_round(num_clients, ...)``: the federated round, for ``fcir`` or ``drjax``.
+- ``make_round(num_clients, ...)``: the federated round, for ``fcir`` or ``drjax``;
+  ``fedavg_program(num_clients, update)`` the same round around another client update.
 - ``make_args(num_clients, ...)``: deterministic parameters and client tokens.
 
 The model exercises an embedding gather, causal multi-head self-attention, layer
@@ -115,13 +117,23 @@ def block(x, p, num_heads: int):
 
 
 def logits_fn(params, tokens, num_heads: int):
-    """``tokens``: int32[batch, seq] -> logits f32[batch, seq, vocab]."""
+    """``tokens``: int32[batch, seq] -> logits f32[batch, seq, vocab].
+
+    ``params["layers"]`` is either the dict of per-layer weights stacked on a leading
+    layers axis (``init_params``), applied by one ``lax.scan``, or a list (any
+    iterable) of one dict per layer, applied by a Python loop: one copy of the block
+    per layer in the jaxpr, as flax and hand-written models trace (``bench/scale.py``
+    measures both)."""
     x = params["embed"][tokens] + params["pos"][: tokens.shape[-1]]
+    if isinstance(params["layers"], dict):
 
-    def layer(h, p):
-        return block(h, p, num_heads), None
+        def layer(h, p):
+            return block(h, p, num_heads), None
 
-    x, _ = jax.lax.scan(layer, x, params["layers"])
+        x, _ = jax.lax.scan(layer, x, params["layers"])
+    else:
+        for p in params["layers"]:
+            x = block(x, p, num_heads)
     x = layer_norm(x, params["ln_f_scale"], params["ln_f_bias"])
     return x @ params["unembed"]
 
@@ -153,15 +165,22 @@ def client_update(params, batches, lr: float, num_heads: int):
 def make_round(num_clients: int, *, lr: float = LR, num_heads: int = HEADS, api=fcir):
     """FedAvg round ``(params, tokens{[steps, batch, seq+1]}@clients) -> (params, loss)``."""
     update = functools.partial(client_update, lr=lr, num_heads=num_heads)
+    return fedavg_program(num_clients, update, api=api)
 
-    @api.program(placements={"clients": num_clients})
-    def fedavg_transformer(params, tokens):
+
+def fedavg_program(num_clients: int, update, *, api=fcir, name: str = "fedavg_transformer"):
+    """The FedAvg round around a member's ``update(params, batches) -> (delta, loss)``:
+    broadcast the parameters, map, apply the mean delta, mean the losses. ``name``
+    names the program (fcir's module)."""
+
+    def fedavg(params, tokens):
         deltas, losses = api.map_fn(update, (api.broadcast(params), tokens))
         mean_delta = api.reduce_mean(deltas)
         new_params = jax.tree.map(lambda p, d: p + d, params, mean_delta)
         return new_params, api.reduce_mean(losses)
 
-    return fedavg_transformer
+    fedavg.__name__ = fedavg.__qualname__ = name
+    return api.program(placements={"clients": num_clients})(fedavg)
 
 
 def make_tokens(
