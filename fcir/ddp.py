@@ -8,8 +8,10 @@ aggregation sums them modulo ``2**bits``, and the server decodes the sum.
 
 Client (``encode``), for a member's pytree with ``d`` elements in all:
 
-1. clip to global L2 norm ``clip_norm`` (``fcir.primitives.clip_member``, as ``dp_*``);
-2. flatten, zero-pad to ``D = 2**ceil(log2 d)`` and rotate: ``R x = H S x / sqrt(D)``,
+1. flatten (as float32) and zero-pad to ``D = 2**ceil(log2 d)``; clip to global L2
+   norm ``clip_norm`` (``fcir.primitives.clip_member``'s rule, as ``dp_*``, with the
+   squared norm summed in a fixed pairwise order: ``_clip_rows``);
+2. rotate: ``R x = H S x / sqrt(D)``,
    ``H`` the ``D x D`` Walsh-Hadamard matrix, ``S`` random signs. ``R`` is orthonormal
    and *public*, the same for every client (the server inverts it on the sum), drawn
    from the fixed seed ``ROTATION_SEED``; it spreads the update's energy evenly over the
@@ -51,7 +53,10 @@ to; an adversarial client can at most spoil the sum, not learn from it).
 
 **Sensitivity with rounding.** The privacy analysis needs a bound ``Delta_2`` on each
 client's integer vector before noise. With ``c = scale * clip_norm`` (times a float32
-margin for the clip and the rotation, ``(log2 D + 8) * 2**-23`` relative), [KLS21]
+margin for the clip and the rotation, ``(log2 D + 8) * 2**-23`` relative: the clipped
+row's norm is within ``(log2 D / 2 + 4) * 2**-24`` of ``clip_norm``, each of the
+``log2 D`` butterfly passes and the two roundings of the scaling add at most ``2**-24``
+to the norm, ``(1.5 log2 D + 6) * 2**-24`` in all), [KLS21]
 Theorem 1 gives two:
 
 * any rounding to neighbouring integers moves each coordinate by less than 1:
@@ -68,10 +73,13 @@ with probability at least ``1 - beta`` (about 0.39; in practice nearly always th
 first), and after ``MAX_ROUNDINGS`` (64) failed attempts, probability at most
 ``beta**64 = exp(-32) < 1.3e-14`` per client and release, the client rounds every
 coordinate toward zero, whose norm is at most ``||scale R x|| <= c``. So ``||q|| <=
-delta2`` always: the fallback costs a little bias, never privacy. The norm is checked in
-float32 (squares summed pairwise, ``log2 D + 1`` roundings) against ``norm_bound**2``
-lowered by ``(log2 D + 2) * 2**-23`` relative, so the check never passes a vector above
-the bound. Without conditioning (``conditional=False``) ``delta2`` is the first bound.
+delta2`` always: the fallback costs a little bias, never privacy. The check is exact
+(``within_norm_bound``): the squared norm of the integer vector in 64-bit integer
+arithmetic (pairs of ``uint32`` words), against the integer ``floor(norm_bound**2)``
+computed once on the host, so it passes exactly the vectors of norm at most
+``norm_bound``, and it is an integer sum, the same in any order: every program that
+encodes a client (reference, XLA, streamed, production) accepts the same attempt.
+Without conditioning (``conditional=False``) ``delta2`` is the first bound.
 The accountant (``fcir.privacy``) uses [KLS21] Proposition 14, see
 ``rdp_noise_multiplier``.
 
@@ -92,7 +100,9 @@ Gaussian by about ``2**-24`` in total variation per coordinate, which
 (``fcir.privacy.round_cost``'s ``delta_with_sampler``).
 
 Every function here is plain JAX (jit, vmap, eager alike) and deterministic for its
-keys, so the reference interpreter (client by client, eagerly), the XLA backend (all
+keys and its input's bits: no float reduction is left to XLA's choice of order (the
+clip's norm is a fixed pairwise sum, the rounding's check an integer one; the rest is
+elementwise), so the reference interpreter (client by client, eagerly), the XLA backend (all
 clients in one batch, ``encode_batch``) and the streamed one (``k`` at a time) agree
 bit for bit.
 """
@@ -212,6 +222,14 @@ def params(
     v = (scale * c) ** 2 * (n * n / D + z * z)
     bound = min(1.0, 2.0 * D * math.exp(-((half - n) ** 2) / (2.0 * v)))
     cm = scale * c * (1.0 + (math.log2(D) + 8) * 2.0**-23)
+    if cm + math.sqrt(D) >= 2.0**31:
+        # A rounded coordinate must fit int32, and a squared norm 64 bits
+        # (within_norm_bound): both hold below 2**31.
+        raise IRTypeError(
+            f"{what}: noise_multiplier={noise_multiplier!r} with {n} clients and {D} "
+            f"coordinates scales the updates past int32 (scale * clip_norm = {scale * c:.3g}): "
+            "use fewer bits or more noise"
+        )
     delta2, norm_bound = rounding_sensitivity(cm, D, conditional)
     return DdpParams(
         n=n,
@@ -357,11 +375,8 @@ def encode(leaves, key, p: DdpParams):
 def encode_batch(leaves, keys, p: DdpParams):
     """``encode`` for a batch of clients (a leading axis on every leaf and on ``keys``):
     ``uint32[k, D]``, row ``i`` bit for bit ``encode`` of client ``i``."""
-    from fcir.primitives import clip_member
-
     D = p.padded_dim
-    clipped = jax.vmap(lambda *m: clip_member(list(m), p.clip_norm))(*leaves)
-    flat = jax.vmap(lambda *m: _flat(m, D))(*clipped)
+    flat = _clip_rows(jax.vmap(lambda *m: _flat(m, D))(*leaves), p.clip_norm)
     v = fwht(flat * _signs(D)) * jnp.float32(p.scale / math.sqrt(D))
     k_round = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
     k_noise = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
@@ -370,24 +385,78 @@ def encode_batch(leaves, keys, p: DdpParams):
     return jnp.bitwise_and(q.astype(jnp.uint32), jnp.uint32(p.modulus - 1))
 
 
-def _sum_squares(q):
-    """``sum(q**2)`` along the last axis (a power of two) in float32, pairwise in
-    explicit passes: ``log2 D + 1`` roundings of relative size ``2**-24`` at most, in
-    this order on every backend."""
-    x = jnp.square(q.astype(jnp.float32))
+def _pairwise_sum(x):
+    """``sum(x)`` along the last axis (a power of two) in explicit halving passes: a
+    fixed order of float adds (``log2 D`` roundings), whatever the batch or the
+    program around it, where ``jnp.sum`` leaves the order to XLA (which picks it by
+    shape and fusion: on jax 0.12 a batch of 3 rows and one of 8 sum differently)."""
     while x.shape[-1] > 1:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x[..., 0]
 
 
-def _check_threshold(p: DdpParams) -> np.float32:
-    """The float32 threshold for the computed squared norm: ``norm_bound**2`` lowered
-    so that the true squared norm of a vector that passes is at most ``norm_bound**2``
-    (the computed sum is within ``(log2 D + 1) * 2**-24`` relative of the true one)."""
-    t = p.norm_bound**2 / (1.0 + (math.log2(p.padded_dim) + 2) * 2.0**-23)
-    f = np.float32(t)
-    return f if float(f) <= t else np.nextafter(f, np.float32(0))
+def _clip_rows(flat, clip_norm: float):
+    """Each row (one client's flattened, zero-padded ``float32[D]``) scaled by ``min(1,
+    clip_norm / norm)``, an all-zero row kept (``fcir.primitives.clip_member``'s rule),
+    the squared norm summed in ``_pairwise_sum``'s fixed order: the clip is a float
+    decision, and it must be the same in every program that encodes the row. The
+    computed norm is within ``(log2 D / 2 + 2) * 2**-24`` relative of the true one, so
+    the clipped row's norm is at most ``clip_norm * (1 + (log2 D / 2 + 4) * 2**-24)``
+    (the margin ``params`` allows for it)."""
+    sq = _pairwise_sum(jnp.square(flat))
+    positive = sq > 0
+    norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
+    one = jnp.ones_like(sq)
+    factor = jnp.where(positive, jnp.minimum(one, jnp.float32(clip_norm) / norm), one)
+    return flat * factor[..., None]
+
+
+_LO16 = 0xFFFF
+
+
+def _square_limbs(q):
+    """``q**2`` exactly, as two ``uint32`` words ``(hi, lo)`` (``q**2 = hi * 2**32 +
+    lo``), for ``int32`` ``q`` (``|q| < 2**31``): ``|q| = a * 2**16 + b`` with ``a <
+    2**15``, ``b < 2**16``, so ``a**2``, ``2 a b`` and ``b**2`` all fit ``uint32``."""
+    m = jnp.abs(q).astype(jnp.uint32)
+    a, b = m >> 16, m & jnp.uint32(_LO16)
+    ab2 = a * b * jnp.uint32(2)  # < 2**32
+    bb = b * b
+    lo = bb + ((ab2 & jnp.uint32(_LO16)) << 16)
+    carry = (lo < bb).astype(jnp.uint32)
+    return a * a + (ab2 >> 16) + carry, lo
+
+
+def _sum_limbs(hi, lo):
+    """The exact sum along the last axis (a power of two) of the 64-bit integers ``hi *
+    2**32 + lo``, halving with a carry (an integer sum: the same in any order; no
+    overflow while the total is below ``2**64``, which ``params`` guarantees)."""
+    while hi.shape[-1] > 1:
+        half = hi.shape[-1] // 2
+        lo_a, lo_b = lo[..., :half], lo[..., half:]
+        lo = lo_a + lo_b
+        hi = hi[..., :half] + hi[..., half:] + (lo < lo_a).astype(jnp.uint32)
+    return hi[..., 0], lo[..., 0]
+
+
+def norm_bound_squared(p: DdpParams) -> int:
+    """``floor(norm_bound**2)``, exactly (the float64 ``norm_bound`` as a rational): an
+    integer vector's squared norm is at most ``norm_bound**2`` iff it is at most this."""
+    from fractions import Fraction
+
+    return math.floor(Fraction(p.norm_bound) ** 2)
+
+
+def within_norm_bound(q, p: DdpParams):
+    """``||q||**2 <= norm_bound**2`` for each row of ``int32`` ``q``, decided exactly:
+    the squared norm in 64-bit integer arithmetic (``uint32`` word pairs), against
+    ``norm_bound_squared(p)`` computed once on the host. Integer sums do not depend on
+    their order, so every program that checks a row decides the same."""
+    bound = norm_bound_squared(p)
+    b_hi, b_lo = jnp.uint32(bound >> 32), jnp.uint32(bound & 0xFFFFFFFF)
+    hi, lo = _sum_limbs(*_square_limbs(q))
+    return jnp.logical_or(hi < b_hi, jnp.logical_and(hi == b_hi, lo <= b_lo))
 
 
 def round_batch(v, keys, p: DdpParams):
@@ -411,10 +480,9 @@ def round_batch(v, keys, p: DdpParams):
 
     if not p.conditional:
         return attempt(0)
-    threshold = _check_threshold(p)
 
     def ok(q):
-        return _sum_squares(q) <= threshold
+        return within_norm_bound(q, p)
 
     def cond(state):
         a, _, done = state

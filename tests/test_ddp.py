@@ -160,6 +160,73 @@ def test_conditional_rounding_of_a_row_depends_on_its_key_only():
         )
 
 
+def _norm_bound_at(s2: int) -> float:
+    """The float64 norm bound whose exact square is in ``[s2, s2 + 1)``."""
+    from fractions import Fraction
+
+    nb = math.sqrt(s2)
+    while Fraction(nb) ** 2 < s2:
+        nb = float(np.nextafter(nb, math.inf))
+    return nb
+
+
+def test_the_norm_check_is_exact_at_the_bound():
+    """A client whose rounding is either ``w`` or ``w + e_0``, ``||w + e_0||**2`` the
+    bound exactly (about 4e9: float32 cannot tell it from its neighbours). The check is
+    exact integer arithmetic, so at ``floor(norm_bound**2) = ||w + e_0||**2`` both
+    roundings pass and coordinate 0 goes up about half the time (unbiased), and one
+    below it never does (redrawn). The float32 check this replaced rejected both."""
+    p = ddp.params(650, 50, 0.5, 1.0, 16)
+    D = p.padded_dim
+    w = np.asarray(jax.random.randint(jax.random.key(0), (D,), -2000, 2000), np.int64)
+    w[0] = abs(w[0])
+    up = w.copy()
+    up[0] += 1
+    s_up = int((up * up).sum())
+    assert s_up > 2**30  # far beyond float32's integers (2**24)
+    v = jnp.asarray(w + np.eye(D)[0] * 0.5, jnp.float32)[None].repeat(400, 0)
+    keys = jax.random.split(jax.random.key(1), 400)
+    at = dataclasses.replace(p, norm_bound=_norm_bound_at(s_up))
+    below = dataclasses.replace(p, norm_bound=_norm_bound_at(s_up - 1))
+    assert ddp.norm_bound_squared(at) == s_up and ddp.norm_bound_squared(below) == s_up - 1
+    q_at = np.asarray(ddp.round_batch(v, keys, at))
+    q_below = np.asarray(ddp.round_batch(v, keys, below))
+    assert np.array_equal(q_at[:, 1:], np.broadcast_to(w[1:], (400, D - 1)))
+    assert 0.4 < (q_at[:, 0] == up[0]).mean() < 0.6
+    assert np.array_equal(q_below, np.broadcast_to(w, (400, D)))
+
+
+def test_squared_norms_are_exact_64_bit_integers():
+    """``within_norm_bound``'s arithmetic: int32 squares in uint32 word pairs, summed
+    with carries, equal Python's integers (extremes included)."""
+    rng = np.random.default_rng(0)
+    q = rng.integers(-(2**31) + 1, 2**31, size=(6, 4), dtype=np.int64)
+    q[0] = [2**31 - 1, -(2**31) + 1, 2**16, -(2**16) - 1]
+    q[1] = [65535, -65535, 65536, 1]
+    hi, lo = ddp._sum_limbs(*ddp._square_limbs(jnp.asarray(q, jnp.int32)))
+    got = [(int(h) << 32) + int(x) for h, x in zip(np.asarray(hi), np.asarray(lo))]
+    assert got == [int(sum(int(a) ** 2 for a in row)) for row in q]
+
+
+def test_the_clip_is_the_same_in_every_batch_and_program():
+    """The clip's norm is a fixed pairwise sum (a float decision XLA must not reorder):
+    a client's encoding under jit in a batch of 8, of 3, with an elementwise producer
+    fused in, and eagerly alone is the same, bit for bit."""
+    n = 8
+    rng = np.random.default_rng(3)
+    leaves = [jnp.asarray(rng.normal(size=(n, *s)), jnp.float32) for s in [(6, 8), (8, 3)]]
+    keys = jax.random.split(jax.random.key(5), n)
+    p = ddp.params(72, n, 0.05, 0.5, 20)
+    f = jax.jit(lambda ls, k: ddp.encode_batch([jnp.tanh(x) * 0.3 for x in ls], k, p))
+    full = np.asarray(f(leaves, keys))
+    for s in (0, 3, 5):
+        assert np.array_equal(
+            np.asarray(f([x[s : s + 3] for x in leaves], keys[s : s + 3])), full[s : s + 3]
+        )
+    alone = ddp.encode([jnp.tanh(x[2]) * 0.3 for x in leaves], keys[2], p)
+    assert np.array_equal(np.asarray(alone), full[2])
+
+
 def test_params_reject_too_few_bits():
     with pytest.raises(fcir.IRTypeError, match="use more bits"):
         ddp.params(10, 8, 1.0, 1.0, 3)
