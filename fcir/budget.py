@@ -87,7 +87,7 @@ class Budget:
 
     @property
     def sampler_tv(self) -> float:
-        """Total variation between the rounds spent as run (float32 discrete Gaussian
+        """Total variation between the rounds spent as run (the sampled discrete Gaussian
         noise of ``ddp_*`` ops) and the exact mechanism: ``fcir.privacy.sampler_tv``."""
         from fcir.privacy import sampler_tv
 

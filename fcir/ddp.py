@@ -8,8 +8,10 @@ aggregation sums them modulo ``2**bits``, and the server decodes the sum.
 
 Client (``encode``), for a member's pytree with ``d`` elements in all:
 
-1. clip to global L2 norm ``clip_norm`` (``fcir.primitives.clip_member``, as ``dp_*``);
-2. flatten, zero-pad to ``D = 2**ceil(log2 d)`` and rotate: ``R x = H S x / sqrt(D)``,
+1. flatten (as float32) and zero-pad to ``D = 2**ceil(log2 d)``; clip to global L2
+   norm ``clip_norm`` (``fcir.primitives.clip_member``'s rule, as ``dp_*``, with the
+   squared norm summed in a fixed pairwise order: ``_clip_rows``);
+2. rotate: ``R x = H S x / sqrt(D)``,
    ``H`` the ``D x D`` Walsh-Hadamard matrix, ``S`` random signs. ``R`` is orthonormal
    and *public*, the same for every client (the server inverts it on the sum), drawn
    from the fixed seed ``ROTATION_SEED``; it spreads the update's energy evenly over the
@@ -19,7 +21,8 @@ Client (``encode``), for a member's pytree with ``d`` elements in all:
    part (unbiased), *conditionally* ([KLS21] Section 4.1): the rounding is drawn again
    while the rounded vector's L2 norm exceeds ``DdpParams.norm_bound`` (see
    "Sensitivity with rounding");
-4. add discrete Gaussian noise ``N_Z(0, local_stddev**2)`` per coordinate, where
+4. add discrete Gaussian noise ``N_Z(0, local_stddev**2)`` per coordinate (integer
+   inverse CDF, see "The discrete Gaussian sampler"), where
    ``local_stddev = noise_multiplier * clip_norm * scale / sqrt(n)``: the sum of the
    ``n`` clients' shares has variance ``(noise_multiplier * clip_norm * scale)**2``,
    i.e. std ``noise_multiplier * clip_norm`` in the update's units, as ``dp_sum``;
@@ -51,7 +54,10 @@ to; an adversarial client can at most spoil the sum, not learn from it).
 
 **Sensitivity with rounding.** The privacy analysis needs a bound ``Delta_2`` on each
 client's integer vector before noise. With ``c = scale * clip_norm`` (times a float32
-margin for the clip and the rotation, ``(log2 D + 8) * 2**-23`` relative), [KLS21]
+margin for the clip and the rotation, ``(log2 D + 8) * 2**-23`` relative: the clipped
+row's norm is within ``(log2 D / 2 + 4) * 2**-24`` of ``clip_norm``, each of the
+``log2 D`` butterfly passes and the two roundings of the scaling add at most ``2**-24``
+to the norm, ``(1.5 log2 D + 6) * 2**-24`` in all), [KLS21]
 Theorem 1 gives two:
 
 * any rounding to neighbouring integers moves each coordinate by less than 1:
@@ -68,31 +74,35 @@ with probability at least ``1 - beta`` (about 0.39; in practice nearly always th
 first), and after ``MAX_ROUNDINGS`` (64) failed attempts, probability at most
 ``beta**64 = exp(-32) < 1.3e-14`` per client and release, the client rounds every
 coordinate toward zero, whose norm is at most ``||scale R x|| <= c``. So ``||q|| <=
-delta2`` always: the fallback costs a little bias, never privacy. The norm is checked in
-float32 (squares summed pairwise, ``log2 D + 1`` roundings) against ``norm_bound**2``
-lowered by ``(log2 D + 2) * 2**-23`` relative, so the check never passes a vector above
-the bound. Without conditioning (``conditional=False``) ``delta2`` is the first bound.
+delta2`` always: the fallback costs a little bias, never privacy. The check is exact
+(``within_norm_bound``): the squared norm of the integer vector in 64-bit integer
+arithmetic (pairs of ``uint32`` words), against the integer ``floor(norm_bound**2)``
+computed once on the host, so it passes exactly the vectors of norm at most
+``norm_bound``, and it is an integer sum, the same in any order: every program that
+encodes a client (reference, XLA, streamed, production) accepts the same attempt.
+Without conditioning (``conditional=False``) ``delta2`` is the first bound.
 The accountant (``fcir.privacy``) uses [KLS21] Proposition 14, see
 ``rdp_noise_multiplier``.
 
-**The discrete Gaussian sampler** is Algorithm 3 of Canonne, Kamath, Steinke (2020):
-propose ``Y`` from the discrete Laplace with scale ``t = floor(s) + 1`` (a difference
-of two geometric variables ``floor(t * Exp(1))``), accept with probability
-``exp(-(|Y| - s**2/t)**2 / (2 s**2))``. It is vectorized: every coordinate proposes in
-parallel until all have accepted (a ``lax.while_loop``; each pass draws from
-``fold_in(key, pass)``, and a coordinate keeps its first accepted value), so the
-number of passes is random, about ``log(D) / -log(1 - p)`` with acceptance probability
-``p`` (above 0.44 for every ``s``, the least 0.445 near ``s = 0.3``, about 0.55 for
-``s >= 1``; computed exactly in tests/test_ddp.py). The loop stops after
-``MAX_PASSES`` (256) passes; a coordinate still without a value gets 0, with
-probability below ``0.56**256 < 1e-64`` per coordinate. The arithmetic is float32, as in TensorFlow
-Federated's implementation of the same algorithm: the sampled law is off the discrete
-Gaussian by about ``2**-24`` in total variation per coordinate, which
-``fcir.privacy_float32`` computes exactly and turns into the δ the run as computed has
-(``fcir.privacy.round_cost``'s ``delta_with_sampler``).
+**The discrete Gaussian sampler** draws from the law's inverse CDF in integers only:
+the host tabulates ``T[k] = floor(2**96 P(|Y| <= k))`` for ``|Y|`` of ``N_Z(0, s**2)``
+(``s`` the float64 ``local_stddev`` itself, an exact rational: nothing is rounded; the
+pmf in 192-bit fixed point from ``decimal``'s ``exp``) out to ``R = 12.01 s + 2``, where
+``P(|Y| >= R) < 2**-100``; each coordinate draws a uniform 96-bit integer ``W`` (three
+``uint32`` words of ``jax.random.bits``) and a sign bit (a fourth word), and ``|Y|`` is
+the number of thresholds at most ``W`` (a binary search of ``log2 R`` fixed steps, no
+loop to exhaust). Its law is within ``sampler_tv(s) = R * 2**-95 + 2 P(|Y| >= R - 1)``
+(about ``12 s * 2**-95``, 1e-24 at ``s = 5000``) in total variation of the discrete
+Gaussian, the same on every backend; ``fcir.privacy.round_cost``'s
+``delta_with_sampler`` adds it to δ. (Before, the sampler was Canonne, Kamath and
+Steinke's rejection in float32, ``2**-24`` off per coordinate: a vacuous δ over a
+realistic run.) The table costs ``12 s`` words of 12 bytes in the clients' program
+(about 0.8 MB at ``s = 5000``).
 
 Every function here is plain JAX (jit, vmap, eager alike) and deterministic for its
-keys, so the reference interpreter (client by client, eagerly), the XLA backend (all
+keys and its input's bits: no float reduction is left to XLA's choice of order (the
+clip's norm is a fixed pairwise sum, the rounding's check an integer one; the rest is
+elementwise), so the reference interpreter (client by client, eagerly), the XLA backend (all
 clients in one batch, ``encode_batch``) and the streamed one (``k`` at a time) agree
 bit for bit.
 """
@@ -112,6 +122,7 @@ from fcir.errors import IRTypeError
 __all__ = [
     "DdpParams",
     "MAX_BITS",
+    "SAMPLER_BITS",
     "MIN_BITS",
     "MAX_ROUNDINGS",
     "OVERFLOW_TARGET",
@@ -125,12 +136,14 @@ __all__ = [
     "encode_batch",
     "fwht",
     "params",
+    "norm_bound_squared",
     "rdp_noise_multiplier",
+    "sampler_tv",
+    "within_norm_bound",
 ]
 
 ROTATION_SEED = 0x5EED
 OVERFLOW_TARGET = 2.0**-30
-MAX_PASSES = 256
 # Conditional randomized rounding ([KLS21] Section 4.1): the tail probability of one
 # rounding's norm the bound is set at, and the attempts before the fallback.
 ROUNDING_BETA = math.exp(-0.5)
@@ -212,6 +225,14 @@ def params(
     v = (scale * c) ** 2 * (n * n / D + z * z)
     bound = min(1.0, 2.0 * D * math.exp(-((half - n) ** 2) / (2.0 * v)))
     cm = scale * c * (1.0 + (math.log2(D) + 8) * 2.0**-23)
+    if cm + math.sqrt(D) >= 2.0**31:
+        # A rounded coordinate must fit int32, and a squared norm 64 bits
+        # (within_norm_bound): both hold below 2**31.
+        raise IRTypeError(
+            f"{what}: noise_multiplier={noise_multiplier!r} with {n} clients and {D} "
+            f"coordinates scales the updates past int32 (scale * clip_norm = {scale * c:.3g}): "
+            "use fewer bits or more noise"
+        )
     delta2, norm_bound = rounding_sensitivity(cm, D, conditional)
     return DdpParams(
         n=n,
@@ -295,52 +316,118 @@ def _signs(D: int):
     return jnp.asarray(_sign_table(D))
 
 
+SAMPLER_BITS = 96  # the uniform integer each noise coordinate is drawn from
+_TAIL_BITS = 104  # the table reaches past the point where P(|Y| > R) < 2**-104 (about)
+_HOST_BITS = 192  # the fixed-point precision of the host's pmf
+
+
+@functools.lru_cache(maxsize=32)
+def _dg_table(stddev: float) -> tuple[np.ndarray, int, float]:
+    """The inverse-CDF table of ``|Y|``, ``Y ~ N_Z(0, stddev**2)``: ``(T, R, tv)``.
+
+    ``T[k] = floor(2**96 * P(|Y| <= k))`` for ``k`` in ``[0, R)``, as ``uint32[L, 3]``
+    words (most significant first), ``L`` a power of two, padded with ``2**96 - 1``.
+    ``stddev`` is the float64 it is, an exact rational: no rounding of ``sigma``. The
+    pmf ``p_k = exp(-k**2 / (2 s**2))`` is computed on the host in ``_HOST_BITS``-bit
+    fixed point from ``a = exp(-1 / (2 s**2))`` (``decimal``, 70 digits) by ``p_{k+1} =
+    p_k a**(2k+1)``, the normaliser with the tail past ``R`` summed as a geometric
+    bound. ``tv`` bounds the total variation between what ``discrete_gaussian`` draws
+    and ``N_Z(0, stddev**2)``: ``R * 2**-95`` for the floors (each ``T[k]`` within one
+    unit of ``2**96`` times the exact CDF, the host's error far below a unit) plus twice
+    the mass from ``R - 1`` on, where the table ends (drawn as ``R - 1``), below
+    ``2**-100``.
+    """
+    import decimal
+
+    R = int(math.ceil(stddev * math.sqrt(2.0 * math.log(2.0) * _TAIL_BITS))) + 2
+    one = 1 << _HOST_BITS
+    with decimal.localcontext() as ctx:
+        ctx.prec = 70
+        s2 = decimal.Decimal(stddev) ** 2  # the float64 is a dyadic rational, squared to 70 digits
+        a = int((-1 / (2 * s2)).exp() * one)
+    p, step, a2 = one, a, a * a >> _HOST_BITS
+    cums, total = [], 0
+    for k in range(R):
+        total += p if k == 0 else 2 * p
+        cums.append(total)
+        p = p * step >> _HOST_BITS
+        step = step * a2 >> _HOST_BITS
+    # Past R: p_{k+1} / p_k <= step / one for k >= R, so the tail is at most p / (1 - step).
+    tail = 2 * (p * one // max(one - step, 1) + 1)
+    z = total + tail
+    T = [(c << SAMPLER_BITS) // z for c in cums[:-1]]
+    L = 1 << max(1, (R - 1).bit_length())
+    top = (1 << SAMPLER_BITS) - 1
+    T += [top] * (L - len(T))
+    words = np.array(
+        [[(t >> 64) & 0xFFFFFFFF, (t >> 32) & 0xFFFFFFFF, t & 0xFFFFFFFF] for t in T], np.uint32
+    )
+    words.flags.writeable = False
+    # P(|Y| >= R - 1 is misdrawn): the mass from R - 1 on, plus the host's slack.
+    tail_mass = (2 * cums[-1] - 2 * cums[-2] + 2 * tail) / z if R > 1 else 1.0
+    tv = R * 2.0**-95 + tail_mass
+    return words, R, tv
+
+
+def sampler_tv(stddev: float) -> float:
+    """An upper bound on the total variation between one coordinate of
+    ``discrete_gaussian(key, shape, stddev)`` and ``N_Z(0, stddev**2)`` (0 when
+    ``stddev == 0``: no noise is drawn). About ``12 stddev * 2**-95``: 1e-24 at 5000."""
+    return 0.0 if stddev == 0 else _dg_table(float(stddev))[2]
+
+
+def _lt3(a, b):
+    """``a < b`` for 96-bit integers as three uint32 words (most significant first)."""
+    return (a[0] < b[0]) | ((a[0] == b[0]) & ((a[1] < b[1]) | ((a[1] == b[1]) & (a[2] < b[2]))))
+
+
+def _lookup(table, idx):
+    """``table[idx]`` (rows), with the indices' sharding on the rows: a mesh's explicit
+    sharding (the clients' axis) cannot infer a gather's output sharding by itself."""
+    spec = tuple(jax.typeof(idx).sharding.spec)
+    spec += (None,) * (idx.ndim - len(spec))
+    if not any(spec):
+        return table[idx]
+    return table.at[idx].get(out_sharding=jax.sharding.PartitionSpec(*spec, None))
+
+
 def discrete_gaussian(key, shape, stddev: float):
     """int32 samples of the discrete Gaussian ``P(y) ∝ exp(-y**2 / (2 stddev**2))``
-    (Canonne, Kamath, Steinke 2020, Algorithm 3; see the module docstring)."""
+    (see the module docstring: integer inverse CDF, no float in any decision)."""
     return discrete_gaussian_batch(jnp.asarray(key)[None], shape, stddev)[0]
 
 
 def discrete_gaussian_batch(keys, shape, stddev: float):
     """``discrete_gaussian`` for each key of ``keys`` (a leading axis): ``int32[len(keys),
-    *shape]``, row ``i`` what ``discrete_gaussian(keys[i], ...)`` gives. Only the draws
-    are vmapped over the keys; the rejection loop runs once over the whole batch (a
-    loop under vmap would take the keys' sharding into its carry)."""
+    *shape]``, row ``i`` what ``discrete_gaussian(keys[i], ...)`` gives.
+
+    Each coordinate draws four uint32 words from its key (``jax.random.bits``): three
+    make a uniform 96-bit integer ``W``, whose rank among the host's thresholds
+    ``T[k] = floor(2**96 P(|Y| <= k))`` is ``|Y|`` (a binary search of ``log2 L`` fixed
+    steps, integer comparisons only), and the fourth's low bit the sign. Integer
+    operations only, the same on every backend, in every batch."""
     shape = tuple(shape)
     n = keys.shape[0]
     if stddev == 0:
         return jnp.zeros((n, *shape), jnp.int32)
-    s = float(stddev)
-    t = float(math.floor(s) + 1)
-    s2 = s * s
-
-    def draws(key, i):
-        k1, k2, k3 = jax.random.split(jax.random.fold_in(key, i), 3)
-        e1 = jax.random.exponential(k1, shape, jnp.float32)
-        e2 = jax.random.exponential(k2, shape, jnp.float32)
-        return e1, e2, jax.random.uniform(k3, shape, jnp.float32)
-
-    def propose(i):
-        e1, e2, u = jax.vmap(draws, in_axes=(0, None))(keys, i)
-        y = jnp.floor(t * e1) - jnp.floor(t * e2)
-        accept = u < jnp.exp(-jnp.square(jnp.abs(y) - s2 / t) / (2.0 * s2))
-        return y.astype(jnp.int32), accept
-
-    def cond(state):
-        i, _, done = state
-        return jnp.logical_and(i < MAX_PASSES, jnp.logical_not(jnp.all(done)))
-
-    def body(state):
-        i, out, done = state
-        y, acc = propose(i)
-        take = jnp.logical_and(acc, jnp.logical_not(done))
-        return i + 1, jnp.where(take, y, out), jnp.logical_or(done, acc)
-
-    # The first pass runs outside the loop, so the carry is typed (sharding included,
-    # on a mesh) like what the body computes.
-    y, acc = propose(0)
-    init = (jnp.int32(1), jnp.where(acc, y, jnp.zeros_like(y)), acc)
-    return jax.lax.while_loop(cond, body, init)[1]
+    words, R, _ = _dg_table(float(stddev))
+    table = jnp.asarray(words)
+    L = words.shape[0]
+    raw = jax.vmap(lambda k: jax.random.bits(k, (4, *shape), jnp.uint32))(keys)
+    # Slices, not integer indexing (a gather, which a mesh's sharded batch refuses).
+    hi, mid, lo, sign = (jax.lax.index_in_dim(raw, j, axis=1, keepdims=False) for j in range(4))
+    w = (hi, mid, lo)
+    pos = jnp.zeros(raw.shape[:1] + shape, jnp.int32)
+    step = L // 2
+    while step >= 1:
+        t = _lookup(table, pos + (step - 1))
+        # T[pos + step - 1] <= W: at least pos + step thresholds are passed.
+        passed = jnp.logical_not(_lt3(w, (t[..., 0], t[..., 1], t[..., 2])))
+        pos = pos + jnp.where(passed, jnp.int32(step), jnp.int32(0))
+        step //= 2
+    mag = jnp.minimum(pos, jnp.int32(R - 1))
+    negative = (sign & jnp.uint32(1)) == jnp.uint32(1)
+    return jnp.where(negative, -mag, mag)
 
 
 def _flat(leaves, D: int):
@@ -357,11 +444,8 @@ def encode(leaves, key, p: DdpParams):
 def encode_batch(leaves, keys, p: DdpParams):
     """``encode`` for a batch of clients (a leading axis on every leaf and on ``keys``):
     ``uint32[k, D]``, row ``i`` bit for bit ``encode`` of client ``i``."""
-    from fcir.primitives import clip_member
-
     D = p.padded_dim
-    clipped = jax.vmap(lambda *m: clip_member(list(m), p.clip_norm))(*leaves)
-    flat = jax.vmap(lambda *m: _flat(m, D))(*clipped)
+    flat = _clip_rows(jax.vmap(lambda *m: _flat(m, D))(*leaves), p.clip_norm)
     v = fwht(flat * _signs(D)) * jnp.float32(p.scale / math.sqrt(D))
     k_round = jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
     k_noise = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
@@ -370,24 +454,78 @@ def encode_batch(leaves, keys, p: DdpParams):
     return jnp.bitwise_and(q.astype(jnp.uint32), jnp.uint32(p.modulus - 1))
 
 
-def _sum_squares(q):
-    """``sum(q**2)`` along the last axis (a power of two) in float32, pairwise in
-    explicit passes: ``log2 D + 1`` roundings of relative size ``2**-24`` at most, in
-    this order on every backend."""
-    x = jnp.square(q.astype(jnp.float32))
+def _pairwise_sum(x):
+    """``sum(x)`` along the last axis (a power of two) in explicit halving passes: a
+    fixed order of float adds (``log2 D`` roundings), whatever the batch or the
+    program around it, where ``jnp.sum`` leaves the order to XLA (which picks it by
+    shape and fusion: on jax 0.12 a batch of 3 rows and one of 8 sum differently)."""
     while x.shape[-1] > 1:
         half = x.shape[-1] // 2
         x = x[..., :half] + x[..., half:]
     return x[..., 0]
 
 
-def _check_threshold(p: DdpParams) -> np.float32:
-    """The float32 threshold for the computed squared norm: ``norm_bound**2`` lowered
-    so that the true squared norm of a vector that passes is at most ``norm_bound**2``
-    (the computed sum is within ``(log2 D + 1) * 2**-24`` relative of the true one)."""
-    t = p.norm_bound**2 / (1.0 + (math.log2(p.padded_dim) + 2) * 2.0**-23)
-    f = np.float32(t)
-    return f if float(f) <= t else np.nextafter(f, np.float32(0))
+def _clip_rows(flat, clip_norm: float):
+    """Each row (one client's flattened, zero-padded ``float32[D]``) scaled by ``min(1,
+    clip_norm / norm)``, an all-zero row kept (``fcir.primitives.clip_member``'s rule),
+    the squared norm summed in ``_pairwise_sum``'s fixed order: the clip is a float
+    decision, and it must be the same in every program that encodes the row. The
+    computed norm is within ``(log2 D / 2 + 2) * 2**-24`` relative of the true one, so
+    the clipped row's norm is at most ``clip_norm * (1 + (log2 D / 2 + 4) * 2**-24)``
+    (the margin ``params`` allows for it)."""
+    sq = _pairwise_sum(jnp.square(flat))
+    positive = sq > 0
+    norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
+    one = jnp.ones_like(sq)
+    factor = jnp.where(positive, jnp.minimum(one, jnp.float32(clip_norm) / norm), one)
+    return flat * factor[..., None]
+
+
+_LO16 = 0xFFFF
+
+
+def _square_limbs(q):
+    """``q**2`` exactly, as two ``uint32`` words ``(hi, lo)`` (``q**2 = hi * 2**32 +
+    lo``), for ``int32`` ``q`` (``|q| < 2**31``): ``|q| = a * 2**16 + b`` with ``a <
+    2**15``, ``b < 2**16``, so ``a**2``, ``2 a b`` and ``b**2`` all fit ``uint32``."""
+    m = jnp.abs(q).astype(jnp.uint32)
+    a, b = m >> 16, m & jnp.uint32(_LO16)
+    ab2 = a * b * jnp.uint32(2)  # < 2**32
+    bb = b * b
+    lo = bb + ((ab2 & jnp.uint32(_LO16)) << 16)
+    carry = (lo < bb).astype(jnp.uint32)
+    return a * a + (ab2 >> 16) + carry, lo
+
+
+def _sum_limbs(hi, lo):
+    """The exact sum along the last axis (a power of two) of the 64-bit integers ``hi *
+    2**32 + lo``, halving with a carry (an integer sum: the same in any order; no
+    overflow while the total is below ``2**64``, which ``params`` guarantees)."""
+    while hi.shape[-1] > 1:
+        half = hi.shape[-1] // 2
+        lo_a, lo_b = lo[..., :half], lo[..., half:]
+        lo = lo_a + lo_b
+        hi = hi[..., :half] + hi[..., half:] + (lo < lo_a).astype(jnp.uint32)
+    return hi[..., 0], lo[..., 0]
+
+
+def norm_bound_squared(p: DdpParams) -> int:
+    """``floor(norm_bound**2)``, exactly (the float64 ``norm_bound`` as a rational): an
+    integer vector's squared norm is at most ``norm_bound**2`` iff it is at most this."""
+    from fractions import Fraction
+
+    return math.floor(Fraction(p.norm_bound) ** 2)
+
+
+def within_norm_bound(q, p: DdpParams):
+    """``||q||**2 <= norm_bound**2`` for each row of ``int32`` ``q``, decided exactly:
+    the squared norm in 64-bit integer arithmetic (``uint32`` word pairs), against
+    ``norm_bound_squared(p)`` computed once on the host. Integer sums do not depend on
+    their order, so every program that checks a row decides the same."""
+    bound = norm_bound_squared(p)
+    b_hi, b_lo = jnp.uint32(bound >> 32), jnp.uint32(bound & 0xFFFFFFFF)
+    hi, lo = _sum_limbs(*_square_limbs(q))
+    return jnp.logical_or(hi < b_hi, jnp.logical_and(hi == b_hi, lo <= b_lo))
 
 
 def round_batch(v, keys, p: DdpParams):
@@ -411,10 +549,9 @@ def round_batch(v, keys, p: DdpParams):
 
     if not p.conditional:
         return attempt(0)
-    threshold = _check_threshold(p)
 
     def ok(q):
-        return _sum_squares(q) <= threshold
+        return within_norm_bound(q, p)
 
     def cond(state):
         a, _, done = state

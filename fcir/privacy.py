@@ -300,9 +300,9 @@ class DdpRelease(Release):
 
     @property
     def sampler_tv(self) -> float:
-        """Total variation between one round's float32 noise of this op and the exact
-        discrete Gaussian's (``fcir.privacy_float32``): ``count * coordinates`` times
-        one coordinate's."""
+        """A bound on the total variation between one round's noise of this op as
+        sampled (integer inverse CDF, ``fcir.ddp.sampler_tv``) and the exact discrete
+        Gaussian's: ``count * coordinates`` times one coordinate's."""
         from fcir.privacy_float32 import sampler_tv
 
         return self.count * self.coordinates * sampler_tv(self.local_stddev)
@@ -444,9 +444,9 @@ def epsilon(
 
 
 def sampler_tv(module: Module, rounds: int) -> float:
-    """The total variation between ``rounds`` rounds of ``module`` as run (the float32
-    discrete Gaussian of the ``ddp_*`` ops) and the exact mechanism the accountant
-    bounds (``fcir.privacy_float32``); 0 for a module without ``ddp_*`` ops. The run
+    """A bound on the total variation between ``rounds`` rounds of ``module`` as run
+    (the sampled discrete Gaussian of the ``ddp_*`` ops, ``fcir.ddp.sampler_tv``) and
+    the exact mechanism the accountant bounds; 0 for a module without ``ddp_*`` ops. The run
     is ``(ε, δ + (1 + e**ε) tv)``-DP where ``epsilon`` gives ``(ε, δ)``."""
     expect_module(module, "fcir.privacy.sampler_tv")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
@@ -485,7 +485,7 @@ def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
     if any(isinstance(r, DdpRelease) for r in rels):
         from fcir.privacy_float32 import delta_with_sampler
 
-        # The float32 sampler's distance from the exact law, and the δ it makes.
+        # The sampler's distance from the exact law (a bound), and the δ it makes.
         tv = sum(r.sampler_tv for r in rels if isinstance(r, DdpRelease))
         cost["sampler_tv_per_round"] = tv
         cost["delta_with_sampler"] = delta_with_sampler(per_round, delta, tv)
@@ -517,9 +517,9 @@ def format_round_cost(cost: dict | None) -> list[str]:
     )
     if "sampler_tv_per_round" in cost:
         lines.append(
-            f"  float32 discrete Gaussian: within TV {cost['sampler_tv_per_round']:.3g} of the "
+            f"  discrete Gaussian sampler: within TV {cost['sampler_tv_per_round']:.3g} of the "
             f"exact law, so as run delta={cost['delta_with_sampler']:.3g} "
-            "(fcir.privacy_float32)"
+            "(fcir.ddp.sampler_tv)"
         )
     return lines
 
