@@ -467,18 +467,22 @@ def _pairwise_sum(x):
 
 def _clip_rows(flat, clip_norm: float):
     """Each row (one client's flattened, zero-padded ``float32[D]``) scaled by ``min(1,
-    clip_norm / norm)``, an all-zero row kept (``fcir.primitives.clip_member``'s rule),
+    clip_norm / norm)``, an all-zero row kept and a row with a non-finite entry zeroed
+    (``fcir.primitives.clip_member``'s rule),
     the squared norm summed in ``_pairwise_sum``'s fixed order: the clip is a float
     decision, and it must be the same in every program that encodes the row. The
     computed norm is within ``(log2 D / 2 + 2) * 2**-24`` relative of the true one, so
     the clipped row's norm is at most ``clip_norm * (1 + (log2 D / 2 + 4) * 2**-24)``
     (the margin ``params`` allows for it)."""
     sq = _pairwise_sum(jnp.square(flat))
-    positive = sq > 0
+    # A row with a NaN or inf entry has a non-finite squared norm: it is encoded as the
+    # all-zero row (clip_member's rule), never left to how a backend converts NaN to int.
+    finite = jnp.isfinite(sq)
+    positive = (sq > 0) & finite
     norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
     one = jnp.ones_like(sq)
     factor = jnp.where(positive, jnp.minimum(one, jnp.float32(clip_norm) / norm), one)
-    return flat * factor[..., None]
+    return jnp.where(finite[..., None], flat * factor[..., None], jnp.zeros_like(flat))
 
 
 _LO16 = 0xFFFF

@@ -805,3 +805,31 @@ def test_epsilon_refuses_ddp_keys_reused_in_a_non_private_module_too():
     m = fcir.capture(round_, *ARGS)
     with pytest.raises(fcir.PrivacyError, match=r"epsilon: privacy/C4: fed.ddp_mean reuses"):
         fcir.privacy.epsilon(m, 1, 1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_member_with_a_nan_or_inf_entry_contributes_zero(bad):
+    """A client whose update has a non-finite entry is encoded as the all-zero vector,
+    as the central ops' clip_member does: its integers would otherwise come from a NaN
+    (NaN passes no norm test and converts to whatever the backend makes of it), its
+    contribution unbounded, and everyone's modular sum garbage."""
+    fn, (w, keys, x) = _program(mean=False), _args()
+    m = fcir.capture(fn, w, keys, x)
+    bad_x = x.at[2, 1].set(bad)
+    zero_x = x.at[2].set(0.0)  # "a" = x - w = 0 and "b" = 2 x[:2] = 0 for client 2
+    got = reference.run(m, w, keys, bad_x)
+    want = reference.run(m, w, keys, zero_x)
+    for k in ("a", "b"):
+        assert np.all(np.isfinite(got[k])), k
+        assert np.array_equal(got[k], want[k]), k
+        assert np.array_equal(xla.compile(m)(w, keys, bad_x)[k], want[k]), k
+
+
+def test_the_clip_zeroes_a_row_with_a_non_finite_entry_before_any_rounding():
+    """The zero above must not rest on how a backend converts NaN to an integer (XLA's
+    CPU convert gives 0, LLVM's fptosi on a device gives poison): the clip itself
+    returns an all-zero row for a row with a NaN or inf entry, and leaves others be."""
+    rows = jnp.array([[1.0, jnp.nan, 0.0, 0.0], [jnp.inf, 0.0, 0.0, 0.0], [3.0, 4.0, 0.0, 0.0]])
+    out = np.asarray(ddp._clip_rows(rows, 1.0))
+    assert np.array_equal(out[:2], np.zeros((2, 4), np.float32))
+    np.testing.assert_allclose(out[2], [0.6, 0.8, 0.0, 0.0], rtol=1e-6)
