@@ -118,6 +118,14 @@ def mean_result_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32)
 
 
+def accumulation_dtype(dtype) -> np.dtype:
+    """The dtype a member sum accumulates in: f32 for f16 and bf16 (as ``jnp.sum`` and
+    ``jnp.mean`` do; in f16 a partial sum overflows and bf16 drops small terms), else the
+    dtype itself."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype in (np.float16, jnp.bfloat16) else dtype
+
+
 def sum_result_dtype(dtype) -> np.dtype:
     """``reduce_sum`` of bools counts them in int32, as ``jnp.sum`` does."""
     dtype = np.dtype(dtype)

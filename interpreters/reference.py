@@ -15,7 +15,13 @@ from fcir.control_flow import scan_axis
 from fcir.errors import InterpreterError
 from fcir.interpreter import Interpreter, impl, is_placed
 from fcir.ir import Module, Op, walk
-from fcir.primitives import clip_member, dp_noise, mean_result_dtype, sum_result_dtype
+from fcir.primitives import (
+    accumulation_dtype,
+    clip_member,
+    dp_noise,
+    mean_result_dtype,
+    sum_result_dtype,
+)
 from fcir.types import runtime_type
 
 
@@ -41,16 +47,16 @@ class ReferenceInterpreter(Interpreter):
     @impl(F.Sum)
     def sum(self, op, x):
         dt = sum_result_dtype(x.dtype)
-        members = [m.astype(dt) for m in _members(x)]
+        members = [jnp.asarray(m).astype(accumulation_dtype(dt)) for m in _members(x)]
         total = members[0]
         for m in members[1:]:
             total = total + m
-        return total
+        return total.astype(dt)
 
     @impl(F.Mean)
     def mean(self, op, x):
         dt = mean_result_dtype(x.dtype)
-        members = [m.astype(dt) for m in _members(x)]
+        members = [jnp.asarray(m).astype(accumulation_dtype(dt)) for m in _members(x)]
         total = members[0]
         for m in members[1:]:
             total = total + m
