@@ -179,7 +179,9 @@ def _norm_dtype(dtypes) -> np.dtype:
 
 def clip_member(leaves, clip_norm: float) -> list:
     """One member's leaves scaled by ``min(1, clip_norm / norm)``, ``norm`` their global
-    L2 norm; an all-zero member stays zero (scale 1).
+    L2 norm; an all-zero member stays zero (scale 1). A member whose squared norm is not
+    finite (a NaN or infinite entry, or a norm that overflows) contributes zero: scaling
+    would leave NaN exactly where its bad entries are, a noise-free release of them.
 
     The ``where`` on the squared norm keeps the gradient finite at zero: sqrt's
     derivative at 0 is infinite, and the untaken branch must not see it.
@@ -189,10 +191,13 @@ def clip_member(leaves, clip_norm: float) -> list:
     for leaf in leaves:
         term = jnp.sum(jnp.square(leaf.astype(acc)))
         sq = term if sq is None else sq + term
-    positive = sq > 0
+    finite = jnp.isfinite(sq)
+    positive = (sq > 0) & finite
     norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
     scale = jnp.where(positive, jnp.minimum(jnp.ones_like(sq), clip_norm / norm), jnp.ones_like(sq))
-    return [leaf * scale.astype(leaf.dtype) for leaf in leaves]
+    return [
+        jnp.where(finite, leaf * scale.astype(leaf.dtype), jnp.zeros_like(leaf)) for leaf in leaves
+    ]
 
 
 def dp_noise(key, i: int, shape, dtype, clip_norm: float, noise_multiplier: float):

@@ -49,3 +49,36 @@ def test_half_precision_sum_and_mean_equal_plain_jax_on_every_backend(x):
         for g, w in zip(got, want):
             assert g.dtype == w.dtype, name
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), name)
+
+
+# --- dp_mean: a client's NaN or inf must not reach the release --------------------------------
+
+
+@fcir.program(placements={"clients": N}, private=True)
+def _dp_round(w, key, x):
+    upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+    return w + fcir.dp_mean(upd, 1.0, 1.1, key)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_client_with_a_non_finite_entry_contributes_zero_and_its_position_is_not_released(bad):
+    """Before: clipping left a NaN member unscaled (NaN > 0 is false) and scaled an inf
+    one by 0 (inf * 0 = NaN), so the noised mean was NaN exactly at the coordinates where
+    one client had a bad entry: a noise-free release of that client's data."""
+    w, key = jnp.zeros(3), jax.random.key(0)
+    x = np.ones((N, 3), np.float32)
+    zeroed = x.copy()
+    zeroed[1] = 0.0  # what the checker's guarantee allows: the member contributes nothing
+    module = fcir.capture(_dp_round, w, key, x)
+    exe = xla.compile(module)
+    for at in range(3):
+        leaky = x.copy()
+        leaky[1, at] = bad
+        for name, run in [
+            ("jit", jax.jit(_dp_round)),
+            ("reference", lambda *a: reference.run(module, *a)),
+            ("xla", exe),
+        ]:
+            got, want = run(w, key, leaky), run(w, key, zeroed)
+            assert np.isfinite(np.asarray(got)).all(), (name, at, got)
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{name} at {at}")
