@@ -82,3 +82,23 @@ def test_a_client_with_a_non_finite_entry_contributes_zero_and_its_position_is_n
             got, want = run(w, key, leaky), run(w, key, zeroed)
             assert np.isfinite(np.asarray(got)).all(), (name, at, got)
             np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{name} at {at}")
+
+
+# --- private programs: a DP op without noise is no DP op -------------------------------------
+
+
+@pytest.mark.parametrize("op", [fcir.dp_sum, fcir.dp_mean])
+def test_a_private_program_whose_dp_op_has_no_noise_is_rejected(op):
+    """Before: ``noise_multiplier=0`` passed the private check (the clipped sum of client
+    data reached the server un-noised) and only ``fcir.privacy.epsilon`` said inf."""
+
+    @fcir.program(placements={"clients": N}, private=True)
+    def round_(w, key, x):
+        upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+        return w + op(upd, 1.0, 0.0, key)
+
+    with pytest.raises(fcir.PrivacyError, match="privacy/C1: fed.dp_.* has noise_multiplier=0"):
+        fcir.capture(round_, jnp.zeros(3), jax.random.key(0), jnp.ones((N, 3)))
+    # without private=True it is a clipped sum, as documented
+    plain = fcir.program(placements={"clients": N})(round_.__wrapped__)
+    fcir.capture(plain, jnp.zeros(3), jax.random.key(0), jnp.ones((N, 3)))
