@@ -135,7 +135,8 @@ def _convert(traced, locations: bool) -> Module:
 
 
 def _check_client_data(fn, module: Module) -> None:
-    """With ``fcir.program(client_data=...)``: no other argument may be client data."""
+    """With ``fcir.program(client_data=...)``: no other argument may be client data, and
+    a declared one may not be used at the server."""
     declared = _declared(fn, "fcir_client_data")
     structure = module.main.arg_structure
     if declared is None or structure is None or structure.kind != "tuple":
@@ -146,15 +147,32 @@ def _check_client_data(fn, module: Module) -> None:
         names = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         names = []
-    allowed = {i for i, _ in declared}
     params = module.main.body.params
+    # A server value read by a server op, or by a map_fn body through a closure (which
+    # broadcasts it: every member then holds all members' data).
+    used = {id(v) for op in module.main.body.ops for v in op.operands}
+    allowed = {i for i, _ in declared}
     for i, arg in enumerate(structure.children):
+        name = names[i] if i < len(names) else f"argument {i}"
+        at_server = [
+            (leaf, params[leaf].type) for leaf in arg.leaves()
+            if id(params[leaf]) in used and isinstance(params[leaf].type, PlacedType)
+            and (params[leaf].type.placement == SERVER or params[leaf].type.all_equal)
+        ]
+        if i in allowed and at_server:
+            leaf, t = at_server[0]
+            raise PlacementError(
+                f"@{module.name}: argument {name!r} is declared client data "
+                f"(fcir.program(client_data=...)) but %{leaf}: {t} is used at the server, "
+                "read whole by a server op or by a map_fn body through a closure (which gives "
+                f"every member all members' data): pass {name!r} to fcir.map_fn as an "
+                "argument, one member's slice per member"
+            )
         if i in allowed:
             continue
         for leaf in arg.leaves():
             t = params[leaf].type
             if isinstance(t, PlacedType) and t.placement != SERVER and not t.all_equal:
-                name = names[i] if i < len(names) else f"argument {i}"
                 said = ", ".join(repr(c) for _, c in declared) or "none"
                 raise PlacementError(
                     f"@{module.name}: argument {name!r} (%{leaf}: {t}) is used as client "

@@ -102,3 +102,48 @@ def test_a_private_program_whose_dp_op_has_no_noise_is_rejected(op):
     # without private=True it is a clipped sum, as documented
     plain = fcir.program(placements={"clients": N})(round_.__wrapped__)
     fcir.capture(plain, jnp.zeros(3), jax.random.key(0), jnp.ones((N, 3)))
+
+
+
+# --- client data that never goes through map_fn's arguments ----------------------------------
+
+_X = jnp.arange(12.0).reshape(N, 3)
+
+
+def test_declared_client_data_read_through_a_closure_is_refused():
+    """Before: with ``client_data=("x",)`` declared, a map_fn body that closed over ``x``
+    captured: ``x`` was typed a server value and broadcast, so every client computed on
+    all clients' data (what jit computes too, so no backend disagreed)."""
+
+    @fcir.program(placements={"clients": N}, client_data=("x",))
+    def round_(w, x):
+        return fcir.reduce_mean(fcir.map_fn(lambda w: w * jnp.mean(x), fcir.broadcast(w)))
+
+    with pytest.raises(fcir.PlacementError, match="'x' is declared client data .* closure"):
+        fcir.capture(round_, jnp.ones(3), _X)
+
+
+def _leaky_closure(w, key, x):
+    return fcir.dp_mean(fcir.map_fn(lambda w: w * jnp.mean(x), fcir.broadcast(w)), 1.0, 1.0, key)
+
+
+def _leaky_server_read(w, key, x):
+    upd = fcir.map_fn(lambda w: w, fcir.broadcast(w))
+    return fcir.dp_mean(upd, 1.0, 1.0, key) + jnp.mean(x)
+
+
+@pytest.mark.parametrize("body", [_leaky_closure, _leaky_server_read], ids=["closure", "server"])
+def test_a_private_program_that_reads_declared_client_data_at_the_server_is_rejected(body):
+    """Before: the private check follows client-*placed* values only; client data read
+    whole at the server (directly, or by a closure in map_fn) is typed a server value, so
+    ``jnp.mean(x)`` over every client's data reached the server un-noised and passed.
+    Declaring the client data is how a private program says which arguments they are
+    (undeclared, fcir cannot tell ``x`` from a model with the cohort's leading axis)."""
+    declared = fcir.program(placements={"clients": N}, private=True, client_data=("x",))(body)
+    with pytest.raises(fcir.PlacementError, match="'x' is declared client data"):
+        fcir.capture(declared, jnp.ones(3), jax.random.key(0), _X)
+    # passed to map_fn, the same data is client data and the round checks
+    ok = fcir.program(placements={"clients": N}, private=True, client_data=("x",))(
+        _dp_round.__wrapped__
+    )
+    fcir.capture(ok, jnp.ones(3), jax.random.key(0), _X)
