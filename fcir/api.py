@@ -130,7 +130,13 @@ PRIVATE_SCOPE = "fcir_private_program"
 
 
 def program(
-    *, placements: Mapping[str, int], mesh=None, private: bool = False, client_data=None
+    fn: Callable | None = None,
+    /,
+    *,
+    placements: Mapping[str, int] | None = None,
+    mesh=None,
+    private: bool = False,
+    client_data=None,
 ) -> Callable[[Callable], Callable]:
     """Declares a federated program's placements, outermost first.
 
@@ -149,6 +155,11 @@ def program(
     ``fcir.broadcast`` (silently client data when its leading axis happens to equal the
     cohort size).
     """
+    if fn is not None or placements is None:
+        raise PlacementError(
+            "fcir.program needs its placements: write @fcir.program(placements={'clients': "
+            "8}) above the round, with the number of members of each placement"
+        )
     spec = Placements.from_mapping(placements)
     if not isinstance(private, bool):
         raise PlacementError(f"fcir.program: private must be True or False, got {private!r}")

@@ -93,6 +93,24 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
         return _convert(traced, locations)
 
 
+def _check_arguments(args, kwargs) -> None:
+    """Every argument leaf is an array, a number or a ``jax.ShapeDtypeStruct``: name the
+    first that is not (JAX's own message speaks of jit and static_argnums)."""
+    leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__jax_array__"):
+            continue
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # arrays, ShapeDtypeStruct
+            continue
+        where = jax.tree_util.keystr(path[1:]) if path else ""
+        kind = "argument" if path and getattr(path[0], "idx", None) == 0 else "keyword argument"
+        raise IRTypeError(
+            f"fcir.capture: {kind} {where or '?'} is a {type(leaf).__name__}, not an array: "
+            "pass arrays or jax.ShapeDtypeStruct pytrees (bind other values with "
+            "functools.partial or a closure)"
+        )
+
+
 def _trace(fn, args, kwargs, name):
     if not callable(fn):
         raise IRTypeError(
@@ -104,6 +122,7 @@ def _trace(fn, args, kwargs, name):
             f"capture(name={name!r}): a module name is an ASCII identifier "
             f"([A-Za-z_][A-Za-z0-9_]*), e.g. {sanitize_name(name)!r}"
         )
+    _check_arguments(args, kwargs)
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:

@@ -48,7 +48,9 @@ def test_half_precision_sum_and_mean_equal_plain_jax_on_every_backend(x):
     ]:
         for g, w in zip(got, want):
             assert g.dtype == w.dtype, name
-            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), name)
+            np.testing.assert_array_equal(
+                np.asarray(g, np.float32), np.asarray(w, np.float32), name
+            )
 
 
 # --- dp_mean: a client's NaN or inf must not reach the release --------------------------------
@@ -84,6 +86,33 @@ def test_a_client_with_a_non_finite_entry_contributes_zero_and_its_position_is_n
             np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"{name} at {at}")
 
 
+# --- first mistakes: plain-Python errors become FcirErrors that say what to do ---------------
+
+
+def test_program_without_placements_says_how_to_declare_them():
+    """Before: ``@fcir.program`` without parentheses was a raw ``TypeError: program()
+    takes 0 positional arguments but 1 was given``."""
+    with pytest.raises(fcir.PlacementError, match=r"@fcir.program\(placements=\{'clients'"):
+
+        @fcir.program
+        def round_(x):
+            return fcir.reduce_mean(x)
+
+    with pytest.raises(fcir.PlacementError, match="needs its placements"):
+        fcir.program()
+
+
+def test_capture_of_a_non_array_argument_names_the_argument():
+    """Before: a raw JAX TypeError about jit-wrapped functions and static arguments."""
+
+    @fcir.program(placements={"clients": N})
+    def round_(w, data):
+        return fcir.reduce_mean(fcir.map_fn(lambda w, x: w * x, (fcir.broadcast(w), data["x"])))
+
+    with pytest.raises(fcir.IRTypeError, match=r"argument \[1\]\['name'\] is a str"):
+        fcir.capture(round_, jnp.ones(()), {"x": jnp.ones(N), "name": "mnist"})
+
+
 # --- private programs: a DP op without noise is no DP op -------------------------------------
 
 
@@ -103,6 +132,18 @@ def test_a_private_program_whose_dp_op_has_no_noise_is_rejected(op):
     plain = fcir.program(placements={"clients": N})(round_.__wrapped__)
     fcir.capture(plain, jnp.zeros(3), jax.random.key(0), jnp.ones((N, 3)))
 
+
+def test_cli_args_with_a_missing_type_names_the_parameters(tmp_path, capsys):
+    """Before: ``TypeError: fedavg_round() missing 1 required positional argument``."""
+    from fcir import cli
+
+    code = cli.main(
+        ["compile", "examples/fedavg.py:fedavg_round", "--args", "f32[3]", "-o", str(tmp_path)]
+    )
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "fedavg_round(model, client_data) takes 2 argument(s) but --args gave 1" in err
+    assert "TypeError" not in err
 
 
 # --- client data that never goes through map_fn's arguments ----------------------------------
