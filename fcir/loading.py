@@ -349,7 +349,15 @@ def load_inputs(path: str, module=None) -> list:
     try:
         with np.load(p, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    except ValueError as e:
+        if "pickled" not in str(e):
+            raise FcirError(f"cannot read inputs {path}: {type(e).__name__}: {e}") from None
+        # np.load's advice (allow_pickle=) is not ours: fcir never unpickles inputs.
+        raise FcirError(
+            f"{path} is not an .npz of arrays: write the argument leaves with "
+            "np.savez(path, *jax.tree_util.tree_leaves(args))"
+        ) from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
         raise FcirError(f"cannot read inputs {path}: {type(e).__name__}: {e}") from None
     save = "save them in jax.tree_util flatten order with np.savez(path, *jax.tree_util.tree_leaves(args))"
     if module is None:

@@ -188,3 +188,16 @@ def test_a_private_program_that_reads_declared_client_data_at_the_server_is_reje
         _dp_round.__wrapped__
     )
     fcir.capture(ok, jnp.ones(3), jax.random.key(0), _X)
+
+
+def test_cli_run_with_a_non_npz_inputs_file_says_how_to_write_one(tmp_path, capsys):
+    """Before: numpy's 'If you trust the file you can load it unsafely using the
+    allow_pickle= keyword' advice, which fcir cannot take and a user should not."""
+    from fcir import cli
+
+    ir = tmp_path / "r.fcir"
+    ir.write_text(fcir.capture(_sum_and_mean, np.ones((N, 1), np.float32)).to_text())
+    assert cli.main(["run", str(ir), "--backend", "reference", "--inputs", str(ir)]) == 1
+    err = capsys.readouterr().err
+    assert "is not an .npz of arrays" in err and "np.savez(" in err
+    assert "allow_pickle" not in err
