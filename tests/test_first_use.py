@@ -201,3 +201,24 @@ def test_cli_run_with_a_non_npz_inputs_file_says_how_to_write_one(tmp_path, caps
     err = capsys.readouterr().err
     assert "is not an .npz of arrays" in err and "np.savez(" in err
     assert "allow_pickle" not in err
+
+
+def test_vmap_over_client_data_batched_in_front_of_the_members_says_use_in_axes_1():
+    """jit runs ``jax.vmap(round_, in_axes=(None, 0))`` over data sets ``[B, N, ...]``,
+    but capture sees a server value ``[B, N, ...]`` (its leading axis is not the cohort):
+    the error said only 'pass per-member values as client data', which the user did."""
+
+    @fcir.program(placements={"clients": N})
+    def round_(w, x):
+        return fcir.reduce_mean(fcir.map_fn(lambda w, x: w * jnp.sum(x), (fcir.broadcast(w), x)))
+
+    with pytest.raises(fcir.PlacementError, match=r"under jax.vmap, .* in_axes=1"):
+        fcir.capture(
+            lambda w, xs: jax.vmap(round_, (None, 0))(w, xs), jnp.ones(3), jnp.ones((2, N, 3))
+        )
+    module = fcir.capture(
+        lambda w, xs: jax.vmap(round_, (None, 1))(w, xs), jnp.ones(3), jnp.ones((N, 2, 3))
+    )
+    np.testing.assert_array_equal(
+        reference.run(module, jnp.ones(3), jnp.ones((N, 2, 3))), np.full((2, 3), 3.0)
+    )
