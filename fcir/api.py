@@ -396,7 +396,9 @@ def reduce_weighted_mean(x, w):
 
     ``w`` is a placed scalar per member (shape ``[n]``) or a pytree matching ``x``.
     A zero total weight is an InterpreterError in the reference interpreter; compiled
-    code (jit, the XLA backend) computes 0/0 and returns NaN there, as jnp.average does.
+    code (jit, the XLA backend) divides by zero there, as jnp.average does: NaN where
+    the weighted sum is 0 too (all weights 0), +-inf where it is not (weights such as
+    ``[1, -1]`` that cancel).
     """
     what = "fcir.reduce_weighted_mean"
     frame = _current(what)

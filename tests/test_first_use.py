@@ -222,3 +222,21 @@ def test_vmap_over_client_data_batched_in_front_of_the_members_says_use_in_axes_
     np.testing.assert_array_equal(
         reference.run(module, jnp.ones(3), jnp.ones((N, 2, 3))), np.full((2, 3), 3.0)
     )
+
+
+def test_weighted_mean_with_cancelling_weights_is_what_the_docstring_says():
+    """The docstring said compiled code returns NaN for a zero total weight; with
+    weights that cancel (``[-1, 1, 0, 0]``) it is +-inf, as jnp.average's."""
+
+    @fcir.program(placements={"clients": N})
+    def round_(x, w):
+        return fcir.reduce_weighted_mean(x, w)
+
+    x = jnp.arange(12.0).reshape(N, 3)
+    cancel, zero = jnp.array([-1.0, 1.0, 0.0, 0.0]), jnp.zeros(N)
+    got = jax.jit(round_)(x, cancel)
+    np.testing.assert_array_equal(got, jnp.average(x, axis=0, weights=cancel))
+    assert np.isinf(got).all() and np.isnan(jax.jit(round_)(x, zero)).all()
+    assert "+-inf where it is not" in fcir.reduce_weighted_mean.__doc__
+    with pytest.raises(fcir.InterpreterError, match="total weight is zero"):
+        reference.run(fcir.capture(round_, x, cancel), x, cancel)
