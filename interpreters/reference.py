@@ -79,12 +79,15 @@ class ReferenceInterpreter(Interpreter):
     @impl(F.WeightedMean)
     def weighted_mean(self, op, x, w):
         dt = mean_result_dtype(x.dtype)
+        acc = accumulation_dtype(dt)  # products in dt, sums in acc: jnp.sum's rounding
         num = den = None
         for xi, wi in zip(_members(x), _members(w)):
-            xi = xi.astype(dt)
-            wi = wi.astype(dt).reshape(wi.shape + (1,) * (xi.ndim - wi.ndim))
-            num = xi * wi if num is None else num + xi * wi
-            den = wi if den is None else den + wi
+            xi = jnp.asarray(xi).astype(dt)
+            wi = jnp.asarray(wi).astype(dt).reshape(wi.shape + (1,) * (xi.ndim - wi.ndim))
+            term = (xi * wi).astype(acc)
+            num = term if num is None else num + term
+            den = wi.astype(acc) if den is None else den + wi.astype(acc)
+        num, den = num.astype(dt), den.astype(dt)
         if np.any(np.asarray(den) == 0):
             raise InterpreterError(
                 "fed.weighted_mean: the total weight is zero, so the weighted mean is undefined"

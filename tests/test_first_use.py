@@ -37,6 +37,29 @@ _HALF = [
 ]
 
 
+@fcir.program(placements={"clients": N})
+def _weighted(x, w):
+    return fcir.reduce_weighted_mean(x, w)
+
+
+@pytest.mark.parametrize("x", _HALF, ids=["f16-cancel", "f16-mean-of-big", "bf16-small-terms"])
+def test_half_precision_weighted_mean_equals_jnp_average_on_every_backend(x):
+    """Before: the reference interpreter added the weighted members in bf16 one by one
+    (256 + 1 + 1 + 1 stayed 256), where jit and jnp.average accumulate in f32."""
+    w = np.ones(N, x.dtype)
+    want = jnp.average(x, axis=0, weights=w)
+    module = fcir.capture(_weighted, x, w)
+    for name, got in [
+        ("jit", jax.jit(_weighted)(x, w)),
+        ("reference", reference.run(module, x, w)),
+        ("xla", xla.compile(module)(x, w)),
+    ]:
+        assert got.dtype == want.dtype, name
+        np.testing.assert_array_equal(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), name
+        )
+
+
 @pytest.mark.parametrize("x", _HALF, ids=["f16-cancel", "f16-mean-of-big", "bf16-small-terms"])
 def test_half_precision_sum_and_mean_equal_plain_jax_on_every_backend(x):
     want = jax.jit(_plain_sum_and_mean)(x)
