@@ -133,9 +133,11 @@ class ReferenceInterpreter(Interpreter):
         totals = None
         for i in range(n):
             clipped = clip_member([x[i] for x in xs], clip)
+            clipped = [c.astype(accumulation_dtype(c.dtype)) for c in clipped]  # as jnp.sum
             totals = clipped if totals is None else [t + c for t, c in zip(totals, clipped)]
         out = []
-        for i, t in enumerate(totals):
+        for i, (t, x) in enumerate(zip(totals, xs)):
+            t = t.astype(x.dtype)
             noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
             out.append(noisy / n if mean else noisy)
         return out

@@ -60,6 +60,29 @@ def test_half_precision_weighted_mean_equals_jnp_average_on_every_backend(x):
         )
 
 
+@fcir.program(placements={"clients": N})
+def _dp_unclipped(x, key):  # a clip norm above every member and no noise: the plain sum
+    return fcir.dp_sum(x, 1e6, 0.0, key), fcir.dp_mean(x, 1e6, 0.0, key)
+
+
+@pytest.mark.parametrize("x", _HALF, ids=["f16-cancel", "f16-mean-of-big", "bf16-small-terms"])
+def test_half_precision_dp_sum_without_noise_or_clipping_equals_jnp_sum_on_every_backend(x):
+    """Before: the reference interpreter added clipped members in the narrow dtype."""
+    key = jax.random.key(0)
+    want = (jnp.sum(x, axis=0), (jnp.sum(x, axis=0) / N).astype(x.dtype))
+    module = fcir.capture(_dp_unclipped, x, key)
+    for name, got in [
+        ("jit", jax.jit(_dp_unclipped)(x, key)),
+        ("reference", reference.run(module, x, key)),
+        ("xla", xla.compile(module)(x, key)),
+    ]:
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype, name
+            np.testing.assert_array_equal(
+                np.asarray(g, np.float32), np.asarray(w, np.float32), name
+            )
+
+
 @pytest.mark.parametrize("x", _HALF, ids=["f16-cancel", "f16-mean-of-big", "bf16-small-terms"])
 def test_half_precision_sum_and_mean_equal_plain_jax_on_every_backend(x):
     want = jax.jit(_plain_sum_and_mean)(x)
