@@ -303,6 +303,13 @@ def map_fn(fn: Callable, arg, *, mesh=None):
         member_arg = jax.tree_util.tree_unflatten(in_tree, member_leaves)
         out = fn(*member_arg) if isinstance(member_arg, tuple) else fn(member_arg)
         out_leaves, out_tree = _flatten(out)
+        for leaf in out_leaves:
+            if not (isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype")):
+                raise PlacementError(
+                    f"fcir.map_fn: fn returned a {type(leaf).__name__} ({leaf!r:.40}) among its "
+                    "results; a member's results are arrays (pytrees of them): return "
+                    "non-array values from outside the map_fn"
+                )
         out_tree_box.append(out_tree)
         return out_leaves
 

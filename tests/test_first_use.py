@@ -286,3 +286,15 @@ def test_weighted_mean_with_cancelling_weights_is_what_the_docstring_says():
     assert "+-inf where it is not" in fcir.reduce_weighted_mean.__doc__
     with pytest.raises(fcir.InterpreterError, match="total weight is zero"):
         reference.run(fcir.capture(round_, x, cancel), x, cancel)
+
+
+def test_a_map_fn_body_that_returns_a_string_is_an_fcir_error():
+    """Before: JAX's 'function flat_body at fcir/api.py traced for jit returned a value of
+    type <class 'str'>', naming fcir's internals instead of the user's body."""
+
+    @fcir.program(placements={"clients": N})
+    def round_(x):
+        return fcir.map_fn(lambda x: {"loss": jnp.sum(x), "tag": "client"}, x)
+
+    with pytest.raises(fcir.PlacementError, match=r"fn returned a str \('client'\)"):
+        fcir.capture(round_, jnp.ones((N, 3)))
