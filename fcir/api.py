@@ -130,7 +130,13 @@ PRIVATE_SCOPE = "fcir_private_program"
 
 
 def program(
-    *, placements: Mapping[str, int], mesh=None, private: bool = False, client_data=None
+    fn: Callable | None = None,
+    /,
+    *,
+    placements: Mapping[str, int] | None = None,
+    mesh=None,
+    private: bool = False,
+    client_data=None,
 ) -> Callable[[Callable], Callable]:
     """Declares a federated program's placements, outermost first.
 
@@ -149,6 +155,11 @@ def program(
     ``fcir.broadcast`` (silently client data when its leading axis happens to equal the
     cohort size).
     """
+    if fn is not None or placements is None:
+        raise PlacementError(
+            "fcir.program needs its placements: write @fcir.program(placements={'clients': "
+            "8}) above the round, with the number of members of each placement"
+        )
     spec = Placements.from_mapping(placements)
     if not isinstance(private, bool):
         raise PlacementError(f"fcir.program: private must be True or False, got {private!r}")
@@ -292,6 +303,13 @@ def map_fn(fn: Callable, arg, *, mesh=None):
         member_arg = jax.tree_util.tree_unflatten(in_tree, member_leaves)
         out = fn(*member_arg) if isinstance(member_arg, tuple) else fn(member_arg)
         out_leaves, out_tree = _flatten(out)
+        for leaf in out_leaves:
+            if not (isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype")):
+                raise PlacementError(
+                    f"fcir.map_fn: fn returned a {type(leaf).__name__} ({leaf!r:.40}) among its "
+                    "results; a member's results are arrays (pytrees of them): return "
+                    "non-array values from outside the map_fn"
+                )
         out_tree_box.append(out_tree)
         return out_leaves
 
@@ -385,7 +403,9 @@ def reduce_weighted_mean(x, w):
 
     ``w`` is a placed scalar per member (shape ``[n]``) or a pytree matching ``x``.
     A zero total weight is an InterpreterError in the reference interpreter; compiled
-    code (jit, the XLA backend) computes 0/0 and returns NaN there, as jnp.average does.
+    code (jit, the XLA backend) divides by zero there, as jnp.average does: NaN where
+    the weighted sum is 0 too (all weights 0), +-inf where it is not (weights such as
+    ``[1, -1]`` that cancel).
     """
     what = "fcir.reduce_weighted_mean"
     frame = _current(what)

@@ -94,6 +94,24 @@ def capture_unchecked(fn, *args, name: str | None = None, locations: bool = Fals
         return _convert(_trace(fn, args, kwargs, name), locations)
 
 
+def _check_arguments(args, kwargs) -> None:
+    """Every argument leaf is an array, a number or a ``jax.ShapeDtypeStruct``: name the
+    first that is not (JAX's own message speaks of jit and static_argnums)."""
+    leaves = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "__jax_array__"):
+            continue
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):  # arrays, ShapeDtypeStruct
+            continue
+        where = jax.tree_util.keystr(path[1:]) if path else ""
+        kind = "argument" if path and getattr(path[0], "idx", None) == 0 else "keyword argument"
+        raise IRTypeError(
+            f"fcir.capture: {kind} {where or '?'} is a {type(leaf).__name__}, not an array: "
+            "pass arrays or jax.ShapeDtypeStruct pytrees (bind other values with "
+            "functools.partial or a closure)"
+        )
+
+
 def _trace(fn, args, kwargs, name):
     if not callable(fn):
         raise IRTypeError(
@@ -105,6 +123,7 @@ def _trace(fn, args, kwargs, name):
             f"capture(name={name!r}): a module name is an ASCII identifier "
             f"([A-Za-z_][A-Za-z0-9_]*), e.g. {sanitize_name(name)!r}"
         )
+    _check_arguments(args, kwargs)
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
@@ -136,7 +155,8 @@ def _convert(traced, locations: bool) -> Module:
 
 
 def _check_client_data(fn, module: Module) -> None:
-    """With ``fcir.program(client_data=...)``: no other argument may be client data."""
+    """With ``fcir.program(client_data=...)``: no other argument may be client data, and
+    a declared one may not be used at the server."""
     declared = _declared(fn, "fcir_client_data")
     structure = module.main.arg_structure
     if declared is None or structure is None or structure.kind != "tuple":
@@ -147,15 +167,32 @@ def _check_client_data(fn, module: Module) -> None:
         names = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         names = []
-    allowed = {i for i, _ in declared}
     params = module.main.body.params
+    # A server value read by a server op, or by a map_fn body through a closure (which
+    # broadcasts it: every member then holds all members' data).
+    used = {id(v) for op in module.main.body.ops for v in op.operands}
+    allowed = {i for i, _ in declared}
     for i, arg in enumerate(structure.children):
+        name = names[i] if i < len(names) else f"argument {i}"
+        at_server = [
+            (leaf, params[leaf].type) for leaf in arg.leaves()
+            if id(params[leaf]) in used and isinstance(params[leaf].type, PlacedType)
+            and (params[leaf].type.placement == SERVER or params[leaf].type.all_equal)
+        ]
+        if i in allowed and at_server:
+            leaf, t = at_server[0]
+            raise PlacementError(
+                f"@{module.name}: argument {name!r} is declared client data "
+                f"(fcir.program(client_data=...)) but %{leaf}: {t} is used at the server, "
+                "read whole by a server op or by a map_fn body through a closure (which gives "
+                f"every member all members' data): pass {name!r} to fcir.map_fn as an "
+                "argument, one member's slice per member"
+            )
         if i in allowed:
             continue
         for leaf in arg.leaves():
             t = params[leaf].type
             if isinstance(t, PlacedType) and t.placement != SERVER and not t.all_equal:
-                name = names[i] if i < len(names) else f"argument {i}"
                 said = ", ".join(repr(c) for _, c in declared) or "none"
                 raise PlacementError(
                     f"@{module.name}: argument {name!r} (%{leaf}: {t}) is used as client "

@@ -241,6 +241,30 @@ def example_args(fn_name: str, module, fn=None) -> tuple:
     return args if isinstance(args, tuple) else (args,)
 
 
+def _check_arity(fn, name: str, args: tuple) -> None:
+    """``--args`` gives one type per parameter of ``fn``: say so before tracing (a
+    missing one was a bare Python TypeError from inside the trace)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) <= len(args) <= len(positional):
+        return
+    names = ", ".join(p.name for p in positional)
+    want = (str(len(required)) if len(required) == len(positional)
+            else f"{len(required)} to {len(positional)}")
+    raise FcirError(
+        f"{name}({names}) takes {want} argument(s) but --args gave {len(args)} type(s): "
+        f"give {SPEC_SYNTAX}, in the order of the parameters"
+    )
+
+
 def load_module(target: str, arg_specs: list[str] | None = None, *,
                 locations: bool = False) -> Module:
     """Any target -> a captured (or loaded) Module (``locations``: capture records each
@@ -252,6 +276,8 @@ def load_module(target: str, arg_specs: list[str] | None = None, *,
     fn, module = load_function(target)
     name = target.rpartition(":")[2]
     args = parse_arg_specs(arg_specs) if arg_specs else example_args(name, module, fn)
+    if arg_specs:
+        _check_arity(fn, name, args)
     from fcir.capture import capture
 
     return capture(fn, *args, name=name, locations=locations)
@@ -262,6 +288,8 @@ def load_python_target(target: str, arg_specs: list[str] | None = None):
     fn, module = load_function(target)
     name = target.rpartition(":")[2]
     args = parse_arg_specs(arg_specs) if arg_specs else example_args(name, module, fn)
+    if arg_specs:
+        _check_arity(fn, name, args)
     return fn, args
 
 
@@ -321,7 +349,15 @@ def load_inputs(path: str, module=None) -> list:
     try:
         with np.load(p, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+    except ValueError as e:
+        if "pickled" not in str(e):
+            raise FcirError(f"cannot read inputs {path}: {type(e).__name__}: {e}") from None
+        # np.load's advice (allow_pickle=) is not ours: fcir never unpickles inputs.
+        raise FcirError(
+            f"{path} is not an .npz of arrays: write the argument leaves with "
+            "np.savez(path, *jax.tree_util.tree_leaves(args))"
+        ) from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
         raise FcirError(f"cannot read inputs {path}: {type(e).__name__}: {e}") from None
     save = "save them in jax.tree_util flatten order with np.savez(path, *jax.tree_util.tree_leaves(args))"
     if module is None:

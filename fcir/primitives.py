@@ -118,6 +118,14 @@ def mean_result_dtype(dtype) -> np.dtype:
     return np.dtype(np.float32)
 
 
+def accumulation_dtype(dtype) -> np.dtype:
+    """The dtype a member sum accumulates in: f32 for f16 and bf16 (as ``jnp.sum`` and
+    ``jnp.mean`` do; in f16 a partial sum overflows and bf16 drops small terms), else the
+    dtype itself."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype in (np.float16, jnp.bfloat16) else dtype
+
+
 def sum_result_dtype(dtype) -> np.dtype:
     """``reduce_sum`` of bools counts them in int32, as ``jnp.sum`` does."""
     dtype = np.dtype(dtype)
@@ -171,7 +179,9 @@ def _norm_dtype(dtypes) -> np.dtype:
 
 def clip_member(leaves, clip_norm: float) -> list:
     """One member's leaves scaled by ``min(1, clip_norm / norm)``, ``norm`` their global
-    L2 norm; an all-zero member stays zero (scale 1).
+    L2 norm; an all-zero member stays zero (scale 1). A member whose squared norm is not
+    finite (a NaN or infinite entry, or a norm that overflows) contributes zero: scaling
+    would leave NaN exactly where its bad entries are, a noise-free release of them.
 
     The ``where`` on the squared norm keeps the gradient finite at zero: sqrt's
     derivative at 0 is infinite, and the untaken branch must not see it.
@@ -181,10 +191,28 @@ def clip_member(leaves, clip_norm: float) -> list:
     for leaf in leaves:
         term = jnp.sum(jnp.square(leaf.astype(acc)))
         sq = term if sq is None else sq + term
-    positive = sq > 0
+    finite = jnp.isfinite(sq)
+    positive = (sq > 0) & finite
     norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
     scale = jnp.where(positive, jnp.minimum(jnp.ones_like(sq), clip_norm / norm), jnp.ones_like(sq))
-    return [leaf * scale.astype(leaf.dtype) for leaf in leaves]
+    out = []
+    for leaf in leaves:
+        # Scale in the accumulation dtype, round once to the leaf's; for a leaf narrower
+        # than it (bf16, f16) shrink a clipping scale by that rounding's unit roundoff u,
+        # so that rounding to nearest cannot lift the norm above clip_norm (bf16 went up
+        # to 0.34% above it: a sensitivity above the one accounted).
+        u = _unit_roundoff(leaf.dtype, acc)
+        s = scale if u == 0 else jnp.where(scale < 1, scale * (1 - u), scale)
+        clipped = (leaf.astype(acc) * s).astype(leaf.dtype)
+        out.append(jnp.where(finite, clipped, jnp.zeros_like(leaf)))
+    return out
+
+
+def _unit_roundoff(dtype, acc) -> float:
+    """Unit roundoff of rounding from ``acc`` to ``dtype``; 0 when ``dtype`` is ``acc``."""
+    if np.dtype(dtype) == np.dtype(acc):
+        return 0.0
+    return float(jnp.finfo(dtype).eps) / 2
 
 
 def dp_noise(key, i: int, shape, dtype, clip_norm: float, noise_multiplier: float):

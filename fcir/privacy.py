@@ -153,8 +153,10 @@ class _Taint:
 
     def op(self, op: Op, path: tuple, server: bool) -> None:
         ins = [v in self.tainted for v in op.operands]
-        if op.name in DP_OPS:
+        if op.name in DP_OPS and op.attrs["noise_multiplier"] > 0:
             outs = [False] * len(op.results)
+        elif op.name in DP_OPS:  # noise_multiplier=0: the clipped sum, un-noised
+            outs = [any(ins)] * len(op.results)
         elif op.name == "fed.map":
             outs = self.region(op.regions[0], ins, (*path, 0), server=False)
         elif op.regions:
@@ -172,7 +174,15 @@ class _Taint:
     def report(self, op: Op, path: tuple) -> None:
         if id(op) in self.found:
             return
-        if op.name in _AGGREGATES:
+        if op.name in DP_OPS:
+            msg = (
+                f"privacy/C1: {op.name} has noise_multiplier=0, so it releases the clipped "
+                "sum of client data without noise; in a private program pass a "
+                "noise_multiplier > 0 (0 is for a program without private=True, e.g. to "
+                "measure what clipping alone costs)"
+            )
+            code = "privacy/C1"
+        elif op.name in _AGGREGATES:
             msg = (
                 f"privacy/C1: {op.name} releases a value derived from client data to the "
                 "server without noise; in a private program aggregate client data with "

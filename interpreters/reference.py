@@ -15,7 +15,13 @@ from fcir.control_flow import scan_axis
 from fcir.errors import InterpreterError
 from fcir.interpreter import Interpreter, impl, is_placed
 from fcir.ir import Module, Op, walk
-from fcir.primitives import clip_member, dp_noise, mean_result_dtype, sum_result_dtype
+from fcir.primitives import (
+    accumulation_dtype,
+    clip_member,
+    dp_noise,
+    mean_result_dtype,
+    sum_result_dtype,
+)
 from fcir.types import runtime_type
 
 
@@ -41,16 +47,16 @@ class ReferenceInterpreter(Interpreter):
     @impl(F.Sum)
     def sum(self, op, x):
         dt = sum_result_dtype(x.dtype)
-        members = [m.astype(dt) for m in _members(x)]
+        members = [jnp.asarray(m).astype(accumulation_dtype(dt)) for m in _members(x)]
         total = members[0]
         for m in members[1:]:
             total = total + m
-        return total
+        return total.astype(dt)
 
     @impl(F.Mean)
     def mean(self, op, x):
         dt = mean_result_dtype(x.dtype)
-        members = [m.astype(dt) for m in _members(x)]
+        members = [jnp.asarray(m).astype(accumulation_dtype(dt)) for m in _members(x)]
         total = members[0]
         for m in members[1:]:
             total = total + m
@@ -73,12 +79,15 @@ class ReferenceInterpreter(Interpreter):
     @impl(F.WeightedMean)
     def weighted_mean(self, op, x, w):
         dt = mean_result_dtype(x.dtype)
+        acc = accumulation_dtype(dt)  # products in dt, sums in acc: jnp.sum's rounding
         num = den = None
         for xi, wi in zip(_members(x), _members(w)):
-            xi = xi.astype(dt)
-            wi = wi.astype(dt).reshape(wi.shape + (1,) * (xi.ndim - wi.ndim))
-            num = xi * wi if num is None else num + xi * wi
-            den = wi if den is None else den + wi
+            xi = jnp.asarray(xi).astype(dt)
+            wi = jnp.asarray(wi).astype(dt).reshape(wi.shape + (1,) * (xi.ndim - wi.ndim))
+            term = (xi * wi).astype(acc)
+            num = term if num is None else num + term
+            den = wi.astype(acc) if den is None else den + wi.astype(acc)
+        num, den = num.astype(dt), den.astype(dt)
         if np.any(np.asarray(den) == 0):
             raise InterpreterError(
                 "fed.weighted_mean: the total weight is zero, so the weighted mean is undefined"
@@ -124,9 +133,11 @@ class ReferenceInterpreter(Interpreter):
         totals = None
         for i in range(n):
             clipped = clip_member([x[i] for x in xs], clip)
+            clipped = [c.astype(accumulation_dtype(c.dtype)) for c in clipped]  # as jnp.sum
             totals = clipped if totals is None else [t + c for t, c in zip(totals, clipped)]
         out = []
-        for i, t in enumerate(totals):
+        for i, (t, x) in enumerate(zip(totals, xs)):
+            t = t.astype(x.dtype)
             noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
             out.append(noisy / n if mean else noisy)
         return out

@@ -164,7 +164,9 @@ class FedOp:
                 hint = (
                     f"; a value computed at '{ctx.here}' reaches the members of "
                     f"'{ctx.child}' only through fed.broadcast (every member gets the same "
-                    "value): pass per-member values as client data"
+                    "value): pass per-member values as client data, an argument whose "
+                    f"leading axis is the number of '{ctx.child}' (under jax.vmap, batch "
+                    "client data along an axis behind it: in_axes=1)"
                 )
             cls.fail(code_placement, f"operand has type {t}{hint}")
         if ctx.child is None or t.placement != ctx.child:

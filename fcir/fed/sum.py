@@ -24,9 +24,15 @@ def _transpose(ct, x, *, placement, n):
     return [broadcast_p.bind(ct, placement=placement, n=n)]
 
 
+def _impl(x, *, n):
+    # Accumulate f16/bf16 in f32 as jnp.sum does (an explicit dtype would stop that).
+    dt = P.sum_result_dtype(x.dtype)
+    return jnp.sum(x, axis=0, dtype=P.accumulation_dtype(dt)).astype(dt)
+
+
 sum_p = P.define_reduction(
     "fed_sum",
-    lambda x, *, n: jnp.sum(x, axis=0, dtype=P.sum_result_dtype(x.dtype)),
+    _impl,
     result_dtype=P.sum_result_dtype,
     weak_type=True,
 )
