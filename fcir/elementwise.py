@@ -25,7 +25,8 @@ ELEMENTWISE = frozenset(
     neg nextafter not or population_count pow real reduce_precision rem round rsqrt
     select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt
     square sub tan tanh xor stop_gradient bessel_i0e bessel_i1e clz igamma igamma_grad_a
-    igammac polygamma regularized_incomplete_beta zeta""".split()
+    igammac polygamma regularized_incomplete_beta zeta
+    tanh_residual tanh_tangent tanh_cotangent""".split()  # fcir's derivative ops (docs/ops.md)
 )
 LAYOUT = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
 PER_MEMBER = ELEMENTWISE | LAYOUT

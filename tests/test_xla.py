@@ -35,6 +35,11 @@ CAPTURE_FAILS: dict[str, str] = {}
 # strongly typed, so a no-op `stablehlo.convert` in the called function disappears.
 # Values and flops are unaffected; the StableHLO text differs by that line.
 WEAK_LITERALS = {"secure_histogram", "minmax_agg"}
+# From JAX 0.11 on, capture's version-neutral derivative of tanh (docs/ops.md: derivative
+# ops) keeps ans = tanh(x) as a forward-pass residual next to one_minus_square(ans), which
+# jax.jit's own rule does not keep: the same values and flops (the bitwise tests above),
+# one more scan output in the StableHLO text.
+NEUTRAL_DERIVATIVES = {"fedavg_transformer"} if jax.__version_info__ >= (0, 11) else set()
 
 
 def _params(names, *, text=False):
@@ -47,6 +52,8 @@ def _params(names, *, text=False):
             )
         elif text and name in WEAK_LITERALS:
             marks.append(pytest.mark.xfail(strict=True, reason="weak-typed literal (see above)"))
+        elif text and name in NEUTRAL_DERIVATIVES:
+            marks.append(pytest.mark.xfail(strict=True, reason="tanh residual (see above)"))
         out.append(pytest.param(name, marks=marks, id=name + ("-slow" if name in SLOW else "")))
     return out
 

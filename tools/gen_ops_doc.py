@@ -91,6 +91,19 @@ def render() -> str:
             f"| `jax.{prim}` | `{key}` | absent (a later JAX's `{key}={default}` is left "
             f"out; given back to a JAX that takes it) | `{prim}` |"
         )
+    from fcir.jaxcompat import derivatives
+
+    out.append(
+        "\n### Derivative ops\n\nfcir's own local ops, which capture writes for the first "
+        "derivative of `tanh` so that a gradient prints the same under every JAX "
+        "(`fcir/jaxcompat/derivatives.py`). They are elementwise, take no attributes and "
+        "run the running JAX's own derivative rule, so a compiled module computes what "
+        "`jax.jit` computes, bit for bit:\n"
+    )
+    out.append("| op | operands | meaning |")
+    out.append("|---|---|---|")
+    for op, (operands, meaning) in sorted(derivatives.OPS.items()):
+        out.append(f"| `jax.{op}` | {_cell(operands)} | {_cell(meaning)} |")
     out.append("\nRegions are closed (they carry constants) except these, which are open:\n")
     for prim, key in sorted(schema.OPEN_REGIONS):
         where = "any op" if prim == "*" else f"`jax.{prim}`"
@@ -100,7 +113,9 @@ def render() -> str:
     out.append("|---|---|---|---|")
     for op, keys in sorted(_golden_local_ops().items()):
         attrs = ", ".join(f"`{k}`" for k in sorted(keys)) or "none"
-        out.append(f"| `{op}` | {attrs} | as the primitive | `{op.removeprefix('jax.')}` |")
+        prim = op.removeprefix("jax.")
+        jax_prim = "fcir's own (derivative ops)" if prim in derivatives.OPS else f"`{prim}`"
+        out.append(f"| `{op}` | {attrs} | as the primitive | {jax_prim} |")
     return "\n".join(out) + "\n"
 
 

@@ -19,6 +19,10 @@ What changed between the versions, and how it is handled:
   :func:`register_remat_rule`.
 - Local-op parameters: fcir's IR keeps its own attribute set (docs/ops.md) whatever the
   JAX; :mod:`fcir.jaxcompat.schema` translates both ways.
+- Derivative rules: ``tanh``'s JVP changed (0.12's ``one_minus_square``) and 0.12's
+  partial evaluation keeps ``custom_jvp_call``; while capturing,
+  :mod:`fcir.jaxcompat.derivatives` makes a gradient print the same on every JAX
+  without changing what the running JAX computes.
 """
 
 from __future__ import annotations
@@ -233,3 +237,8 @@ def export_serialization_problem() -> str | None:
     except ImportError as e:
         return str(e)
     return None
+
+
+# Installs capture's version-neutral derivative rules (inert outside fcir.capture) and
+# defines fcir's derivative primitives, which the backends find by name.
+from fcir.jaxcompat import derivatives as derivatives  # noqa: E402

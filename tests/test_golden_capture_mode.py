@@ -1,0 +1,210 @@
+"""Capture's version-neutral derivatives (fcir/jaxcompat/derivatives.py) keep ir.md's
+guarantee 1 and do not depend on what JAX traced before.
+
+While capturing, ``tanh``'s first derivative is fcir's ``tanh_residual`` /
+``tanh_tangent`` / ``tanh_cotangent`` ops and a ``custom_jvp_call`` in the linear part
+of a derivative is inlined (as JAX 0.10.2 does), so scan_rounds, fedavg_transformer and
+fedavg_mlp's gradient print the same on JAX 0.10.2 and 0.12. Capture mode is part of
+JAX's trace context, so JAX's trace caches never hand a trace made with JAX's own rules
+to a capture, nor a capture's trace to ``jax.jit``: the cache-order tests run each order
+in a fresh process (what earlier tests in this process traced cannot mask a leak).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fcir.interpreters import reference, xla
+
+import fcir
+from fcir import captured
+from fcir.jaxcompat import derivatives
+
+TESTS = pathlib.Path(__file__).resolve().parent
+DERIVATIVE_OPS = {f"jax.{name}" for name in derivatives.OPS}
+
+# One process: JAX traces and differentiates the corpus program itself (jit, make_jaxpr,
+# running it), then fcir captures it, or the other way round; it prints the captured
+# text's match with the golden and whether xla.compile of the IR is bitwise jax.jit.
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import jax, numpy as np
+    import fcir
+    from fcir import captured
+    from fcir.interpreters import xla
+    from corpus import case
+    from conftest import GOLDEN_DIR, _JAX_DIR
+
+    name, jax_first = sys.argv[1], sys.argv[2] == "jax_first"
+    c = case(name.removesuffix("_grad"))
+    args = c.make_args()
+    fn = c.fn
+    if name.endswith("_grad"):
+        fn = jax.grad(lambda *a: c.loss(c.fn(*a)), c.grad_argnums)
+
+    def by_jax():
+        jaxpr = str(jax.make_jaxpr(fn)(*args))
+        compiled = jax.jit(fn).lower(*args).compile()
+        return jaxpr, compiled, compiled(*args)
+
+    if jax_first:
+        jaxpr, compiled, expected = by_jax()
+    module = fcir.capture(fn, *args, name=name)
+    if not jax_first:
+        jaxpr, compiled, expected = by_jax()
+    path = GOLDEN_DIR / _JAX_DIR / f"{{name}}.fcir"
+    if not path.exists():
+        path = GOLDEN_DIR / f"{{name}}.fcir"
+    captured.forget(module)  # the backend rebuilds the program from the IR
+    exe = xla.compile(module)
+    got = exe(*args)
+    same = all(
+        np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
+    )
+    def flops(comp):
+        a = comp.cost_analysis()
+        return (a[0] if isinstance(a, (list, tuple)) else a)["flops"]
+    print(json.dumps({{
+        "golden": module.to_text() == path.read_text(),
+        "bitwise": same,
+        "flops": [flops(exe.compiled(*args)), flops(compiled)],
+        "jax_trace_has_fcir_ops": any(n in jaxpr for n in ("tanh_tangent", "tanh_cotangent")),
+    }}))
+    """
+).format(tests=str(TESTS))
+
+
+def _run(name: str, order: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, name, order],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=TESTS.parent,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("order", ["jax_first", "capture_first"])
+@pytest.mark.parametrize("name", ["scan_rounds", "fedavg_mlp_grad", "scan_rounds_grad"])
+def test_capture_matches_golden_and_jit_whatever_jax_traced_before(name, order):
+    result = _run(name, order)
+    assert result["golden"], f"{name} captured after/before JAX's own trace differs from its golden"
+    assert result["bitwise"], f"xla.compile(capture({name})) is not bitwise jax.jit ({order})"
+    assert result["flops"][0] == result["flops"][1]
+    assert not result["jax_trace_has_fcir_ops"], "capture mode leaked into jax.make_jaxpr"
+
+
+def _tanh_fit(w, x, y):
+    return jnp.mean(jnp.square(jnp.tanh(x @ w) - y))
+
+
+def _ops(module) -> set[str]:
+    return {op.name for _, op in fcir.ir.walk(module.main.body)}
+
+
+def _args():
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(4,)).astype(np.float32)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = rng.normal(size=(8,)).astype(np.float32)
+    return w, x, y
+
+
+def _assert_bitwise_jit(fn, args):
+    module = fcir.capture(fn, *args)
+    captured.forget(module)
+    exe = xla.compile(module)
+    ref = jax.jit(fn).lower(*args).compile()
+    for a, b in zip(jax.tree.leaves(exe(*args)), jax.tree.leaves(ref(*args))):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+    def flops(comp):
+        a = comp.cost_analysis()
+        return (a[0] if isinstance(a, (list, tuple)) else a)["flops"]
+
+    assert flops(exe.compiled(*args)) == flops(ref)
+    return module
+
+
+def test_first_derivative_of_tanh_captures_to_fcir_ops_that_run_like_jit():
+    args = _args()
+    module = _assert_bitwise_jit(jax.grad(_tanh_fit), args)
+    assert {"jax.tanh_residual", "jax.tanh_cotangent"} <= _ops(module)
+    assert not _ops(module) & {"jax.one_minus_square"}
+    fcir.check(module)
+    text = module.to_text()
+    again = fcir.parse(text)
+    assert again.to_text() == text
+    np.testing.assert_allclose(
+        reference.run(again, *args), jax.jit(jax.grad(_tanh_fit))(*args), rtol=1e-6
+    )
+
+
+def test_forward_mode_keeps_tanh_tangent_and_runs_like_jit():
+    w, x, y = _args()
+
+    def jvp(w, t):
+        return jax.jvp(lambda w: _tanh_fit(w, x, y), (w,), (t,))[1]
+
+    module = _assert_bitwise_jit(jvp, (w, np.ones_like(w)))
+    assert "jax.tanh_tangent" in _ops(module)
+
+
+def test_vmapped_derivative_runs_like_jit():
+    w, x, y = _args()
+    fn = jax.vmap(jax.grad(_tanh_fit), in_axes=(0, None, None))
+    _assert_bitwise_jit(fn, (np.stack([w, 2 * w]), x, y))
+
+
+def test_gradient_of_a_gradient_keeps_the_running_jaxs_own_rules():
+    # Differentiating tanh_cotangent again would sum the outer cotangents in another
+    # order than jax.jit (other bits), so capture traces such programs with JAX's rules.
+    w, x, y = _args()
+
+    def outer(w):
+        return jnp.sum(jax.grad(_tanh_fit)(w, x, y) ** 2)
+
+    module = _assert_bitwise_jit(jax.grad(outer), (w,))
+    assert not _ops(module) & DERIVATIVE_OPS
+
+
+def test_capture_mode_is_off_outside_capture_and_in_the_trace_context():
+    w, x, y = _args()
+    fn = jax.grad(_tanh_fit)
+    fcir.capture(fn, w, x, y)
+    assert not derivatives.CAPTURE_MODE.value
+    assert "tanh_cotangent" not in str(jax.make_jaxpr(fn)(w, x, y))
+    with derivatives.capturing():
+        assert "tanh_cotangent" in str(jax.make_jaxpr(fn)(w, x, y))
+    assert "tanh_cotangent" not in str(jax.make_jaxpr(fn)(w, x, y))
+
+
+def test_jaxs_trace_caches_keep_capture_traces_apart_in_both_directions():
+    # A jitted gradient JAX has traced and run is traced afresh in capture mode (its
+    # cached jaxpr holds JAX's rule), and capture's trace is not what JAX gets after.
+    @jax.jit
+    def inner(w):
+        return jnp.sum(jnp.tanh(w))
+
+    g = jax.jit(jax.grad(inner))
+    w = np.ones(3, np.float32)
+    before = str(jax.make_jaxpr(g)(w))
+    g(w)
+    with derivatives.capturing():
+        during = str(jax.make_jaxpr(g)(w))
+    after = str(jax.make_jaxpr(g)(w))
+    assert "tanh_cotangent" in during
+    assert "tanh_cotangent" not in before and after == before
