@@ -133,9 +133,20 @@ def map_fn(fn: Callable[..., Any], arg: Any, *, mesh: _Mesh = None) -> Any:
 
 
 def reduce_sum(x: Any) -> Any:
-    """Computes a sum across placed values."""
+    """Computes a sum across placed values, in ``jnp.sum``'s dtype as DrJAX does: bools
+    and integers narrower than the default int are summed as int32 (uint32 for unsigned
+    ones), not wrapped in their own width (``fcir.reduce_sum`` keeps ``T``)."""
     _require_program("reduce_sum")
+    leaves = jax.tree_util.tree_leaves(x)
+    if any(_sum_dtype(leaf.dtype) != leaf.dtype for leaf in leaves):
+        # The widening is a client-side cast, so it is a map like any other client work.
+        x = _api.map_fn(lambda v: jax.tree.map(lambda a: a.astype(_sum_dtype(a.dtype)), v), x)
     return _api.reduce_sum(x)
+
+
+def _sum_dtype(dtype):
+    """The dtype ``jnp.sum`` gives for a ``dtype`` operand (follows the x64 flag)."""
+    return jnp.sum(jnp.zeros((1,), dtype)).dtype
 
 
 def reduce_mean(x: Any) -> Any:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from fcir.interpreters import reference, xla
 
 import fcir
 import fcir.drjax as fdrjax
@@ -266,12 +267,12 @@ def test_integer_mean_is_float32_where_drjax_fails_to_lower():
 
 
 @pytest.mark.parametrize(
-    "dtype,expected", [("bool", "int32"), ("int8", "int8"), ("uint16", "uint16")]
+    "dtype,expected", [("bool", "int32"), ("int8", "int32"), ("uint16", "uint32")]
 )
 def test_sum_of_bools_and_narrow_ints(dtype, expected):
     """DrJAX's sum declares the input dtype but jnp.sum promotes, so bools and narrow ints
-    only work eagerly (as int32/uint32). fcir: bools count in int32, other dtypes keep
-    theirs, the same under jit and eagerly."""
+    only work eagerly (as int32/uint32). fcir.drjax gives those eager values and dtypes
+    (no wrapping in the narrow width), the same under jit and eagerly."""
     x = jnp.ones((3, 2), dtype)
 
     def total(api):
@@ -794,3 +795,27 @@ def test_constraint_inside_map_fn_pins_member_axis(mesh_results):
 
 if __name__ == "__main__":
     print(_MARK + json.dumps(_mesh_checks()))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "bool"])
+def test_reduce_sum_of_narrow_integers_widens_as_drjax_does(dtype):
+    """DrJAX sums with jnp.sum, which widens bools and narrow integers: four clients'
+    int8 100 give int32 400, where summing in int8 wraps to -112."""
+    fill = True if dtype == "bool" else 100
+    x = jnp.full((4, 3), fill, dtype)
+
+    def prog(api):
+        @api.program(placements={"clients": 4})
+        def f(x):
+            return api.reduce_sum(x)
+
+        return f
+
+    want = prog(drjax)(x)
+    got = prog(fdrjax)(x)
+    assert got.dtype == want.dtype and np.array_equal(got, want), (got, want)
+    m = fcir.capture(prog(fdrjax), x)
+    for out in (reference.run(m, x), xla.compile(m)(x)):
+        assert out.dtype == want.dtype and np.array_equal(out, want)
+    if dtype != "bool":  # fcir's own reduce_sum keeps an integer T, as documented
+        assert prog(fcir)(x).dtype == x.dtype
