@@ -354,7 +354,7 @@ def load_inputs(path: str, module=None) -> list:
             raise FcirError(f"cannot read inputs {path}: {type(e).__name__}: {e}") from None
         # np.load's advice (allow_pickle=) is not ours: fcir never unpickles inputs.
         raise FcirError(
-            f"{path} is not an .npz of arrays: write the argument leaves with "
+            f"cannot read inputs {path}: it is not an .npz of arrays: write the argument leaves with "
             "np.savez(path, *jax.tree_util.tree_leaves(args))"
         ) from None
     except (OSError, EOFError, zipfile.BadZipFile) as e:
