@@ -124,15 +124,17 @@ class Interpreter:
 
     # -- entry points -----------------------------------------------------------------------
 
-    def run(self, module: Module, *args, intermediates: bool = False):
-        """Runs ``main`` on pytree ``args``; returns the result pytree (and, when
-        ``intermediates``, a dict value-number -> value)."""
+    def run(self, module: Module, *args, intermediates: bool = False, **kwargs):
+        """Runs ``main`` on pytree ``args`` (and the keyword arguments it was captured
+        with); returns the result pytree (and, when ``intermediates``, a dict
+        value-number -> value)."""
         from fcir.ir import expect_module, value_numbering
 
         expect_module(module, f"{type(self).__name__}.run")
         self.module = module
         func = module.main
-        leaves = jax.tree_util.tree_leaves(args)
+        called = pytrees.call_arguments(module, args, kwargs, f"{type(self).__name__}.run")
+        leaves = jax.tree_util.tree_leaves(called)
         params = func.body.params
         if len(leaves) != len(params):
             raise InterpreterError(

@@ -50,3 +50,54 @@ def unflatten_results(func, outs: Sequence) -> Any:
         return treedef.unflatten(list(outs))
     structure = func.result_structure
     return structure.unflatten(list(outs)) if structure is not None else tuple(outs)
+
+
+def call_arguments(module, args: tuple, kwargs: dict, who: str) -> Any:
+    """The pytree a call ``run(module, *args, **kwargs)`` flattens into ``main``'s
+    parameters: ``args`` without keywords (as before), ``(args, kwargs)`` with them, the
+    way ``fcir.capture(f, *args, **kwargs)`` flattened and recorded them (``.args
+    ((...), {"x": ...})``). Keyword names must be those the module was captured with."""
+    if not kwargs:
+        return args
+    from fcir.errors import InterpreterError
+
+    structure = module.main.arg_structure
+    expected = _expected_arguments(structure)
+    captured = _captured_keywords(structure)
+    if captured is None:
+        raise InterpreterError(
+            f"{who}: @{module.name} was captured without keyword arguments "
+            f"(it takes {expected}); got keyword(s) {', '.join(sorted(map(str, kwargs)))}: "
+            "pass the arguments positionally, as they were passed to fcir.capture"
+        )
+    positional, names = captured
+    if sorted(map(str, kwargs)) != sorted(names) or len(args) != positional:
+        got = ", ".join([f"{len(args)} positional"] + [f"{k}=" for k in sorted(map(str, kwargs))])
+        raise InterpreterError(
+            f"{who}: @{module.name} was captured as f({expected}); got ({got}): "
+            "pass the same positional arguments and keyword names as to fcir.capture"
+        )
+    return (args, kwargs)
+
+
+def _captured_keywords(structure: Structure | None) -> tuple[int, tuple[str, ...]] | None:
+    """(number of positional arguments, keyword names) of a capture with keywords."""
+    if (
+        structure is None
+        or structure.kind != "tuple"
+        or len(structure.children) != 2
+        or structure.children[0].kind != "tuple"
+        or structure.children[1].kind != "dict"
+    ):
+        return None
+    return len(structure.children[0].children), structure.children[1].names
+
+
+def _expected_arguments(structure: Structure | None) -> str:
+    captured = _captured_keywords(structure)
+    if captured is not None:
+        positional, names = captured
+        return ", ".join([f"{positional} positional"] + [f"{n}=" for n in names])
+    if structure is not None and structure.kind == "tuple":
+        return f"{len(structure.children)} positional"
+    return "its arguments positionally"

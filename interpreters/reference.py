@@ -238,6 +238,8 @@ def _federated(op: Op) -> bool:
     return any(o.name.startswith("fed.") for sub in op.regions for _, o in walk(sub))
 
 
-def run(module: Module, *args, intermediates: bool = False):
-    """Runs ``module`` eagerly with per-member semantics; returns the output pytree."""
-    return ReferenceInterpreter().run(module, *args, intermediates=intermediates)
+def run(module: Module, *args, intermediates: bool = False, **kwargs):
+    """Runs ``module`` eagerly with per-member semantics; returns the output pytree.
+    Keyword arguments are those the module was captured with (``fcir.capture(f, w,
+    x=x)``: ``run(module, w, x=x)``)."""
+    return ReferenceInterpreter().run(module, *args, intermediates=intermediates, **kwargs)

@@ -317,3 +317,62 @@ def test_a_clipped_half_precision_member_never_exceeds_the_clip_norm(dtype):
         worst = max(worst, norm)
     assert worst <= 1.0, worst
     assert worst > 0.99  # still clipped to about the norm, not far below it
+
+
+# --- keyword arguments: a module captured with f(w, x=x) runs with f(w, x=x) ---------------
+
+
+@fcir.program(placements={"clients": N})
+def _scaled_stats(w, x, y):
+    return {"mean": w * fcir.reduce_mean(x), "max": fcir.reduce_max(y) - w}
+
+
+def _keyword_args():
+    w = jnp.float32(3.0)
+    x = jnp.arange(N, dtype=jnp.float32)
+    y = jnp.asarray([5.0, -1.0, 2.0, 0.5], jnp.float32)
+    return w, x, y
+
+
+def test_reference_and_xla_run_with_the_keyword_arguments_capture_recorded():
+    w, x, y = _keyword_args()
+    module = fcir.capture(_scaled_stats, w, y=y, x=x)
+    assert '.args (($0,), {"x": $1, "y": $2})' in module.to_text()
+    want = _scaled_stats(w, x=x, y=y)
+    exe = xla.compile(module)
+    for got in (
+        reference.run(module, w, x=x, y=y),
+        reference.run(module, w, y=y, x=x),  # keyword order is free, as in Python
+        exe(w, x=x, y=y),
+        exe(w, y=np.asarray(y), x=x),  # numpy leaves take the checked path
+        exe(w, x=x, y=y),  # warm
+    ):
+        np.testing.assert_allclose(got["mean"], want["mean"])
+        np.testing.assert_allclose(got["max"], want["max"])
+    assert exe.lower(w, x=x, y=y).as_text() == exe.lower(w, x=x, y=y).as_text()
+    exe(w, x, y)  # positional leaves in flatten order still run, as before
+
+
+def test_keyword_arguments_that_do_not_match_the_capture_are_an_fcir_error_naming_them():
+    w, x, y = _keyword_args()
+    module = fcir.capture(_scaled_stats, w, x=x, y=y)
+    exe = xla.compile(module)
+    for run in (lambda **kw: reference.run(module, w, **kw), lambda **kw: exe(w, **kw)):
+        with pytest.raises(
+            fcir.InterpreterError, match=r"1 positional, x=, y=.*got \(1 positional, x=, z=\)"
+        ):
+            run(x=x, z=y)
+        with pytest.raises(fcir.InterpreterError, match=r"1 positional, x=, y="):
+            run(x=x)
+    with pytest.raises(fcir.InterpreterError, match=r"got \(2 positional, y=\)"):
+        exe(w, x, y=y)
+    positional = fcir.capture(_scaled_stats, w, x, y)
+    for run in (
+        lambda: reference.run(positional, w, x, y=y),
+        lambda: xla.compile(positional)(w, x, y=y),
+    ):
+        with pytest.raises(
+            fcir.InterpreterError,
+            match=r"captured without keyword arguments \(it takes 3 positional\)",
+        ):
+            run()

@@ -164,3 +164,73 @@ def test_export_says_the_aggregator_sees_every_value(tmp_path):
     want = numpy_robust(np.asarray(x), 1)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+
+
+# --- NaN members: NaN out (np.median, jnp.median, scipy.stats.trim_mean), zero gradient -----
+
+
+def _with_nans(n: int) -> np.ndarray:
+    x = np.random.default_rng(10 + n).normal(size=(n, 3)).astype(np.float32)
+    x[1, 0] = np.nan  # one NaN member: a sort would rank it largest and trim it away
+    x[:, 2] = np.nan  # every member NaN
+    return x
+
+
+def _numpy_robust_nan(x: np.ndarray, trim: int):
+    # np.median gives NaN for a coordinate with a NaN; the trimmed mean likewise
+    # (scipy.stats.trim_mean's default nan_policy='propagate').
+    med, tm = numpy_robust(x, trim)
+    bad = np.isnan(x).any(axis=0)
+    return np.where(bad, np.nan, med), np.where(bad, np.nan, tm)
+
+
+@pytest.mark.parametrize("n, trim", [(5, 1), (6, 2), (4, 1)])
+def test_a_nan_member_makes_its_coordinate_nan_on_every_backend(n, trim, tmp_path):
+    from fcir.interpreters import production
+    from fcir.interpreters.flower.app import runtime
+
+    x = _with_nans(n)
+    want = _numpy_robust_nan(x, trim)
+    np.testing.assert_array_equal(want[0], np.asarray(jnp.median(jnp.asarray(x), axis=0)))
+    assert np.isnan(want[0][0]) and not np.isnan(want[0][1])
+    f = program(n, trim)
+    module = fcir.capture(f, x)
+    plan = production.export(module)
+    plan.write(tmp_path / "b")
+    gathered = [
+        runtime._server_aggregate(cls.server_aggregate_source())(x, **attrs)
+        for cls, attrs in ((fcir.fed.Median, {}), (fcir.fed.TrimmedMean, {"trim": trim}))
+    ]
+    for got in (
+        f(x),
+        jax.jit(f)(x),
+        reference.run(module, x),
+        xla.compile(module)(x),
+        production.run_bundle(tmp_path / "b", x),
+        gathered,  # what the Flower ServerApp computes from the replies
+    ):
+        np.testing.assert_allclose(np.asarray(got[0]), want[0], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), want[1], rtol=1e-6)
+
+
+def _plain_trimmed_mean(x, trim: int):  # plain JAX, NaN propagating as the median does
+    n = x.shape[0]
+    mean = jnp.mean(jnp.sort(x, axis=0)[trim : n - trim], axis=0)
+    return jnp.where(jnp.isnan(x).any(axis=0), jnp.nan, mean)
+
+
+@pytest.mark.parametrize("n, trim", [(5, 1), (6, 2), (4, 1)])
+def test_the_gradient_at_a_nan_member_is_plain_jaxs(n, trim):
+    x = jnp.asarray(_with_nans(n))
+    f = program(n, trim)
+    want_med = jax.grad(lambda x: jnp.sum(jnp.median(x, axis=0)))(x)
+    want_tm = jax.grad(lambda x: jnp.sum(_plain_trimmed_mean(x, trim)))(x)
+    # The NaN coordinates get zero, the clean one the sorted positions' weights.
+    assert not np.isnan(np.asarray(want_med)).any() and np.asarray(want_med)[:, 1].sum() == 1
+    np.testing.assert_allclose(_weights(f, x, 0), want_med, rtol=1e-6)
+    np.testing.assert_allclose(_weights(f, x, 1), want_tm, rtol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(f(x)[0]) + 2.0 * jnp.sum(f(x)[1]))
+    module = fcir.capture(grad, x)
+    want = want_med + 2.0 * want_tm
+    np.testing.assert_allclose(reference.run(module, x), want, rtol=1e-6)
+    np.testing.assert_allclose(xla.compile(module)(x), want, rtol=1e-6)

@@ -5,7 +5,8 @@ It is ``fed.trimmed_mean`` with ``trim = (n - 1) // 2``, and shares its impl, nu
 semantics and derivative (``fcir.fed.trimmed_mean``). Its derivative finds the two
 middle values without peeling: they are the largest value not above the median and
 the smallest not below it (one ``fed.max`` and one ``fed.min``), so the gradient
-program has a fixed size.
+program has a fixed size. NaN as there: a NaN member makes its coordinate NaN (as
+``np.median`` / ``jnp.median``) with a zero gradient.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class Median(Reduction):
         n = x.shape[0]
         k = (n - 1) // 2
         acc = np.result_type(x.dtype, np.float32)
-        return jnp.mean(jnp.sort(x, axis=0)[k : n - k].astype(acc), axis=0).astype(x.dtype)
+        s = jnp.sort(x, axis=0)  # NaN sorts last: a NaN reply makes its coordinate NaN
+        mean = jnp.mean(s[k : n - k].astype(acc), axis=0)
+        return jnp.where(jnp.isnan(s[n - 1]), jnp.nan, mean).astype(x.dtype)
 
     @classmethod
     def trim_for(cls, n: int, attrs: dict) -> int:
@@ -97,6 +100,9 @@ def reduce_median(x):
 
     For an even number of members, the mean of the two middle values. A robust
     aggregate, not a secure one: whoever aggregates sees every member's value.
+
+    A coordinate where any member is NaN is NaN (as ``np.median`` and ``jnp.median``),
+    and its gradient is zero for every member (as ``jax.grad(jnp.median)``).
     """
     from fcir.api import _reduce
 

@@ -15,6 +15,14 @@ members. Everything per member happens in ``fed_map`` regions and every sum over
 members is a ``fed.sum``, so the derivative stays federated. The thresholds come from
 ``trim + 1`` rounds of ``fed.min`` (``fed.max``) over the values above (below) the
 previous one: the gradient program grows with ``trim``.
+
+NaN: a coordinate where any member's value is NaN comes out NaN (as ``np.median``,
+``jnp.median`` and ``scipy.stats.trim_mean`` give; a sort alone would rank NaN as the
+largest value and trim it away unseen), and its derivative is zero for every member
+(as ``jax.grad`` of ``jnp.median`` gives there). The derivative counts NaN members
+with a ``fed.sum``, not from the thresholds (``fed.min``/``fed.max`` propagate NaN).
+Other coordinates are unaffected. To drop a bad client's update rather than let it
+poison the coordinate, filter or clip it on the client first.
 """
 
 from __future__ import annotations
@@ -42,28 +50,33 @@ def l_estimate(x, *, n: int, trim: int):
     """The trimmed mean over axis 0 (jnp ops: the primitive's impl and lowering)."""
     import jax.numpy as jnp
 
-    kept = jnp.sort(x, axis=0)[trim : n - trim]
-    return jnp.mean(kept.astype(_accumulator(x.dtype)), axis=0).astype(x.dtype)
+    s = jnp.sort(x, axis=0)  # NaN sorts last: a NaN member makes the last row NaN
+    mean = jnp.mean(s[trim : n - trim].astype(_accumulator(x.dtype)), axis=0)
+    return jnp.where(jnp.isnan(s[n - 1]), jnp.nan, mean).astype(x.dtype)
 
 
 def l_estimate_numpy(x: np.ndarray, trim: int) -> np.ndarray:
     """The same in numpy: the reference interpreter's semantics."""
     x = np.asarray(x)
     n = x.shape[0]
-    kept = np.sort(x, axis=0)[trim : n - trim]
-    return kept.astype(_accumulator(x.dtype)).mean(axis=0).astype(x.dtype)
+    s = np.sort(x, axis=0)  # NaN sorts last
+    mean = s[trim : n - trim].astype(_accumulator(x.dtype)).mean(axis=0)
+    return np.where(np.isnan(s[n - 1]), np.nan, mean).astype(x.dtype)
 
 
 def server_aggregate(x, *, trim):
     """The trimmed mean over axis 0 of the clients' replies, as a Flower ServerApp
     computes it (self-contained: the app copies this source, it cannot import fcir;
-    the same jnp calls as ``l_estimate``, so all replies give the bundle's bits)."""
+    the same jnp calls as ``l_estimate``, so all replies give the bundle's bits; NaN
+    in a coordinate gives NaN)."""
     import jax.numpy as jnp
     import numpy as np
 
     n = x.shape[0]
     acc = np.result_type(x.dtype, np.float32)
-    return jnp.mean(jnp.sort(x, axis=0)[trim : n - trim].astype(acc), axis=0).astype(x.dtype)
+    s = jnp.sort(x, axis=0)
+    mean = jnp.mean(s[trim : n - trim].astype(acc), axis=0)
+    return jnp.where(jnp.isnan(s[n - 1]), jnp.nan, mean).astype(x.dtype)
 
 
 def float_problem(cls, dtype: str) -> tuple[str, str] | None:
@@ -156,7 +169,7 @@ def _count_region(op: str):
     def count(x, v):
         import jax.numpy as jnp
 
-        hit = {"<": x < v, ">": x > v, "==": x == v}[op]
+        hit = {"<": x < v, ">": x > v, "==": x == v, "nan": jnp.isnan(x)}[op]
         return [hit.astype(jnp.float32)]
 
     return count
@@ -219,17 +232,19 @@ def order_statistic(f: _Fed, x, k: int, *, largest: bool):
 
 def l_estimate_tangent(f: _Fed, x, t, n: int, k: int, lo, hi):
     """``sum_i w_i t_i`` (a ``fed.sum``) for the kept-position weights ``w`` given the
-    thresholds ``lo = s_k`` and ``hi = s_{n-1-k}``."""
+    thresholds ``lo = s_k`` and ``hi = s_{n-1-k}``; zero where a member is NaN (the
+    value is NaN there: jnp.median's derivative)."""
     import jax.numpy as jnp
 
     m = n - 2 * k
+    nan = f.count("nan", x, lo) > 0
     a, b = f.count("<", x, lo), f.count("==", x, lo)
     c, d = f.count(">", x, hi), f.count("==", x, hi)
     same = lo == hi
     c_lo = (jnp.minimum(a + b, n - k) - k) / (b * m)
     c_hi = jnp.where(same, 0.0, (jnp.minimum(c + d, n - k) - k) / (d * m))
     c_mid = jnp.full(jnp.shape(lo), 1.0 / m, jnp.float32)
-    parts = [f.bcast(v.astype(jnp.float32)) for v in (c_lo, c_hi, c_mid)]
+    parts = [f.bcast(jnp.where(nan, 0.0, v).astype(jnp.float32)) for v in (c_lo, c_hi, c_mid)]
     return f.sum(f.map(_weighted_region, (), x, f.bcast(lo), f.bcast(hi), *parts, t))
 
 
@@ -257,6 +272,10 @@ def reduce_trimmed_mean(x, *, trim: int):
     Drops the ``trim`` largest and ``trim`` smallest member values of each coordinate
     and averages the rest (``0 <= 2*trim < n``). A robust aggregate, not a secure one:
     whoever aggregates sees every member's value (docs/adding_an_op.md).
+
+    A coordinate where any member is NaN is NaN, whatever ``trim`` (as
+    ``scipy.stats.trim_mean``), and its gradient is zero for every member; ``inf`` is
+    an ordinary, largest value.
     """
     from fcir.api import _reduce
     from fcir.errors import PlacementError

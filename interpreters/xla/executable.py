@@ -146,8 +146,10 @@ class Executable:
 
     # -- running --------------------------------------------------------------------------
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         # The fast path: no Python between here and JAX's C++ dispatch but this frame.
+        if kwargs:
+            return self(self._keywords(args, kwargs, "call"))
         if self._direct:
             try:
                 return self._jitted(*args)
@@ -156,6 +158,11 @@ class Executable:
             except Exception as e:  # noqa: BLE001  JAX rejected the arguments as given
                 return self._call_slow(args, e)
         return self._call_on_mesh(args)
+
+    def _keywords(self, args, kwargs, what: str):
+        """``(args, kwargs)`` as capture flattened them, checked against the names the
+        module was captured with: one positional pytree for the positional paths."""
+        return pytrees.call_arguments(self.module, args, kwargs, f"xla executable {what}")
 
     def _call_on_mesh(self, args):
         """The fast path on a mesh: one look at each leaf's sharding first."""
@@ -196,17 +203,23 @@ class Executable:
             out = self._jitted(*laid_out)
         return out if self._rebuild is None else self._rebuild.unflatten(list(out))
 
-    def lower(self, *args) -> jax.stages.Lowered:
-        """``jax.stages.Lowered`` for ``args`` (arrays or ``ShapeDtypeStruct``s), or for
-        :attr:`in_specs` when no arguments are given."""
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """``jax.stages.Lowered`` for ``args`` (arrays or ``ShapeDtypeStruct``s, and the
+        keyword arguments the module was captured with), or for :attr:`in_specs` when
+        no arguments are given."""
+        if kwargs:
+            args = (self._keywords(args, kwargs, "lower"),)
         if not args:
             return self._lower(self.in_specs)
         leaves = self._flat_args(args, abstract_ok=True)
         return self._lower(leaves, jax.tree_util.tree_structure(args))
 
-    def compiled(self, *args) -> jax.stages.Compiled:
-        """``jax.stages.Compiled`` for ``args`` (or :attr:`in_specs`); calls, ``as_text``
-        and ``cost`` with the same argument types share one compilation."""
+    def compiled(self, *args, **kwargs) -> jax.stages.Compiled:
+        """``jax.stages.Compiled`` for ``args`` (and the captured keyword arguments; or
+        :attr:`in_specs`); calls, ``as_text`` and ``cost`` with the same argument types
+        share one compilation."""
+        if kwargs:
+            args = (self._keywords(args, kwargs, "compiled"),)
         if not args:
             return self._compile(self.in_specs)
         leaves = self._flat_args(args, abstract_ok=True)
