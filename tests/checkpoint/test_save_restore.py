@@ -246,20 +246,32 @@ def test_every_stored_byte_is_read_once_whatever_the_target_sharding(
     tmp_path, monkeypatch, devices, mesh_shape, spec
 ):
     big = values((64, 8192), seed=1)  # 2 MiB: 256 KiB per stored block
-    mesh8 = jax.make_mesh((8,), ("x",), devices=devices)
-    checkpoint.save(tmp_path / "c", {"w": put(big, NamedSharding(mesh8, P("x")))})
+    _save_rows_over_8(tmp_path, big, devices)
     read = []
     real = os.preadv
     monkeypatch.setattr(
         os, "preadv", lambda fd, bufs, off: read.append(real(fd, bufs, off)) or read[-1]
     )
+    _restore_checked(tmp_path, big, devices, mesh_shape, spec)
+    assert sum(read) == big.nbytes
+
+
+def _save_rows_over_8(tmp_path, big, devices):
+    """``big`` saved as ``tmp_path/c`` with its rows split over 8 devices."""
+    mesh8 = jax.make_mesh((8,), ("x",), devices=devices)
+    checkpoint.save(tmp_path / "c", {"w": put(big, NamedSharding(mesh8, P("x")))})
+
+
+def _restore_checked(tmp_path, big, devices, mesh_shape, spec):
+    """``tmp_path/c`` restored onto ``spec`` over a ``mesh_shape`` mesh, checked equal to
+    ``big`` bit for bit and laid out as asked."""
     names = ("x",) if len(mesh_shape) == 1 else ("a", "b")
     sharding = NamedSharding(jax.make_mesh(mesh_shape, names, devices=devices), spec)
     got = checkpoint.restore(
         tmp_path / "c", {"w": jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=sharding)}
     )["w"]
     assert same_bits(got, big) and got.sharding == sharding
-    assert sum(read) == big.nbytes
+    return got
 
 
 def test_items_must_exist(tmp_path):
@@ -402,8 +414,7 @@ def test_a_restore_onto_another_sharding_reads_each_byte_once_straight_into_the_
     buffer a preadv fills is memory of the restored arrays' shards (on CPU jax adopts
     the buffers), so no byte passes through a scratch copy, and each is read once."""
     big = values((64, 65536), seed=3)  # 16 MiB: stored rows of 256 KiB
-    mesh8 = jax.make_mesh((8,), ("x",), devices=devices)
-    checkpoint.save(tmp_path / "c", {"w": put(big, NamedSharding(mesh8, P("x")))})
+    _save_rows_over_8(tmp_path, big, devices)
     filled = []
     real = os.preadv
 
@@ -412,12 +423,7 @@ def test_a_restore_onto_another_sharding_reads_each_byte_once_straight_into_the_
         return real(fd, bufs, off)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    names = ("x",) if len(mesh_shape) == 1 else ("a", "b")
-    sharding = NamedSharding(jax.make_mesh(mesh_shape, names, devices=devices), spec)
-    got = checkpoint.restore(
-        tmp_path / "c", {"w": jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=sharding)}
-    )["w"]
-    assert same_bits(got, big) and got.sharding == sharding
+    got = _restore_checked(tmp_path, big, devices, mesh_shape, spec)
     shards = _addresses(
         memoryview(np.asarray(s.data).reshape(-1).view(np.uint8)) for s in got.addressable_shards
     )
