@@ -474,14 +474,11 @@ def _clip_rows(flat, clip_norm: float):
     computed norm is within ``(log2 D / 2 + 2) * 2**-24`` relative of the true one, so
     the clipped row's norm is at most ``clip_norm * (1 + (log2 D / 2 + 4) * 2**-24)``
     (the margin ``params`` allows for it)."""
-    sq = _pairwise_sum(jnp.square(flat))
+    from fcir.primitives import clip_scale
+
     # A row with a NaN or inf entry has a non-finite squared norm: it is encoded as the
-    # all-zero row (clip_member's rule), never left to how a backend converts NaN to int.
-    finite = jnp.isfinite(sq)
-    positive = (sq > 0) & finite
-    norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
-    one = jnp.ones_like(sq)
-    factor = jnp.where(positive, jnp.minimum(one, jnp.float32(clip_norm) / norm), one)
+    # all-zero row, never left to how a backend converts NaN to int.
+    finite, factor = clip_scale(_pairwise_sum(jnp.square(flat)), clip_norm)
     return jnp.where(finite[..., None], flat * factor[..., None], jnp.zeros_like(flat))
 
 

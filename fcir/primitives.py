@@ -191,10 +191,7 @@ def clip_member(leaves, clip_norm: float) -> list:
     for leaf in leaves:
         term = jnp.sum(jnp.square(leaf.astype(acc)))
         sq = term if sq is None else sq + term
-    finite = jnp.isfinite(sq)
-    positive = (sq > 0) & finite
-    norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
-    scale = jnp.where(positive, jnp.minimum(jnp.ones_like(sq), clip_norm / norm), jnp.ones_like(sq))
+    finite, scale = clip_scale(sq, clip_norm)
     out = []
     for leaf in leaves:
         # Scale in the accumulation dtype, round once to the leaf's; for a leaf narrower
@@ -206,6 +203,18 @@ def clip_member(leaves, clip_norm: float) -> list:
         clipped = (leaf.astype(acc) * s).astype(leaf.dtype)
         out.append(jnp.where(finite, clipped, jnp.zeros_like(leaf)))
     return out
+
+
+def clip_scale(sq, clip_norm: float):
+    """``(finite, scale)`` for squared norms ``sq``: ``scale = min(1, clip_norm / norm)``,
+    1 for a zero norm, and ``finite`` False where ``sq`` is NaN or infinite (such a
+    member contributes zero). The rule of :func:`clip_member`, shared with
+    ``fcir.ddp``'s clip, which sums its squares in a fixed order."""
+    finite = jnp.isfinite(sq)
+    positive = (sq > 0) & finite
+    norm = jnp.sqrt(jnp.where(positive, sq, jnp.ones_like(sq)))
+    scale = jnp.where(positive, jnp.minimum(jnp.ones_like(sq), clip_norm / norm), jnp.ones_like(sq))
+    return finite, scale
 
 
 def _unit_roundoff(dtype, acc) -> float:
