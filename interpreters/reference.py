@@ -47,20 +47,12 @@ class ReferenceInterpreter(Interpreter):
     @impl(F.Sum)
     def sum(self, op, x):
         dt = sum_result_dtype(x.dtype)
-        members = [jnp.asarray(m).astype(accumulation_dtype(dt)) for m in _members(x)]
-        total = members[0]
-        for m in members[1:]:
-            total = total + m
-        return total.astype(dt)
+        return _member_total(x, dt).astype(dt)
 
     @impl(F.Mean)
     def mean(self, op, x):
         dt = mean_result_dtype(x.dtype)
-        members = [jnp.asarray(m).astype(accumulation_dtype(dt)) for m in _members(x)]
-        total = members[0]
-        for m in members[1:]:
-            total = total + m
-        return (total / len(members)).astype(dt)
+        return (_member_total(x, dt) / x.shape[0]).astype(dt)
 
     @impl(F.Min)
     def min(self, op, x):
@@ -236,6 +228,16 @@ def _federated(op: Op) -> bool:
     if any(is_placed(v.type) for v in [*op.operands, *op.results]):
         return True
     return any(o.name.startswith("fed.") for sub in op.regions for _, o in walk(sub))
+
+
+def _member_total(x, dt):
+    """The members of ``x`` added one by one in ``dt``'s accumulation dtype (f32 for
+    f16/bf16, as ``jnp.sum`` and ``jnp.mean`` accumulate)."""
+    members = [jnp.asarray(m).astype(accumulation_dtype(dt)) for m in _members(x)]
+    total = members[0]
+    for m in members[1:]:
+        total = total + m
+    return total
 
 
 def run(module: Module, *args, intermediates: bool = False, **kwargs):
