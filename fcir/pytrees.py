@@ -62,8 +62,8 @@ def call_arguments(module, args: tuple, kwargs: dict, who: str) -> Any:
     from fcir.errors import InterpreterError
 
     structure = module.main.arg_structure
-    expected = _expected_arguments(structure)
     captured = _captured_keywords(structure)
+    expected = _expected_arguments(structure, captured)
     if captured is None:
         raise InterpreterError(
             f"{who}: @{module.name} was captured without keyword arguments "
@@ -93,8 +93,8 @@ def _captured_keywords(structure: Structure | None) -> tuple[int, tuple[str, ...
     return len(structure.children[0].children), structure.children[1].names
 
 
-def _expected_arguments(structure: Structure | None) -> str:
-    captured = _captured_keywords(structure)
+def _expected_arguments(structure: Structure | None, captured) -> str:
+    """How the module was captured, in words (``captured``: ``_captured_keywords``)."""
     if captured is not None:
         positional, names = captured
         return ", ".join([f"{positional} positional"] + [f"{n}=" for n in names])
