@@ -174,21 +174,21 @@ def _check_client_data(fn, module: Module) -> None:
     allowed = {i for i, _ in declared}
     for i, arg in enumerate(structure.children):
         name = names[i] if i < len(names) else f"argument {i}"
-        at_server = [
-            (leaf, params[leaf].type) for leaf in arg.leaves()
-            if id(params[leaf]) in used and isinstance(params[leaf].type, PlacedType)
-            and (params[leaf].type.placement == SERVER or params[leaf].type.all_equal)
-        ]
-        if i in allowed and at_server:
-            leaf, t = at_server[0]
-            raise PlacementError(
-                f"@{module.name}: argument {name!r} is declared client data "
-                f"(fcir.program(client_data=...)) but %{leaf}: {t} is used at the server, "
-                "read whole by a server op or by a map_fn body through a closure (which gives "
-                f"every member all members' data): pass {name!r} to fcir.map_fn as an "
-                "argument, one member's slice per member"
-            )
         if i in allowed:
+            at_server = [
+                (leaf, params[leaf].type) for leaf in arg.leaves()
+                if id(params[leaf]) in used and isinstance(params[leaf].type, PlacedType)
+                and (params[leaf].type.placement == SERVER or params[leaf].type.all_equal)
+            ]
+            if at_server:
+                leaf, t = at_server[0]
+                raise PlacementError(
+                    f"@{module.name}: argument {name!r} is declared client data "
+                    f"(fcir.program(client_data=...)) but %{leaf}: {t} is used at the "
+                    "server, read whole by a server op or by a map_fn body through a closure "
+                    f"(which gives every member all members' data): pass {name!r} to "
+                    "fcir.map_fn as an argument, one member's slice per member"
+                )
             continue
         for leaf in arg.leaves():
             t = params[leaf].type
