@@ -131,6 +131,15 @@ class Interpreter:
         from fcir.ir import expect_module, value_numbering
 
         expect_module(module, f"{type(self).__name__}.run")
+        if not isinstance(intermediates, (bool, np.bool_)):
+            # Not the flag: a program keyword named ``intermediates`` (or a mistake).
+            if "intermediates" not in pytrees.captured_keyword_names(module):
+                raise InterpreterError(
+                    f"{type(self).__name__}.run: intermediates= asks for every computed "
+                    f"value and takes True or False, got {type(intermediates).__name__}; "
+                    f"@{module.name} has no keyword argument of that name"
+                )
+            kwargs["intermediates"], intermediates = intermediates, False
         self.module = module
         func = module.main
         called = pytrees.call_arguments(module, args, kwargs, f"{type(self).__name__}.run")
@@ -282,8 +291,11 @@ class Interpreter:
     def _dp(self, prim, op, *args):
         p = op.operands[0].type.placement
         return prim.bind(
-            *args, placement=p, n=self.module.cardinality(p),
-            clip_norm=op.attrs["clip_norm"], noise_multiplier=op.attrs["noise_multiplier"],
+            *args,
+            placement=p,
+            n=self.module.cardinality(p),
+            clip_norm=op.attrs["clip_norm"],
+            noise_multiplier=op.attrs["noise_multiplier"],
         )
 
     @impl("fed.dp_sum")

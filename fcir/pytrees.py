@@ -80,6 +80,12 @@ def call_arguments(module, args: tuple, kwargs: dict, who: str) -> Any:
     return (args, kwargs)
 
 
+def captured_keyword_names(module) -> tuple[str, ...]:
+    """The keyword names ``module`` was captured with (none when captured positionally)."""
+    captured = _captured_keywords(module.main.arg_structure)
+    return () if captured is None else tuple(captured[1])
+
+
 def _captured_keywords(structure: Structure | None) -> tuple[int, tuple[str, ...]] | None:
     """(number of positional arguments, keyword names) of a capture with keywords."""
     if (

@@ -353,6 +353,31 @@ def test_reference_and_xla_run_with_the_keyword_arguments_capture_recorded():
     exe(w, x, y)  # positional leaves in flatten order still run, as before
 
 
+def test_cost_and_as_text_take_the_keyword_arguments_capture_recorded():
+    w, x, y = _keyword_args()
+    exe = xla.compile(fcir.capture(_scaled_stats, w, x=x, y=y))
+    by_keyword, by_specs = exe.cost(w, x=x, y=y), exe.cost()
+    assert by_keyword["xla"] == by_specs["xla"]
+    assert exe.as_text("hlo", w, x=x, y=y) == exe.as_text("hlo")
+    with pytest.raises(fcir.InterpreterError, match=r"cost: .*got \(1 positional, x=\)"):
+        exe.cost(w, x=x)
+
+
+@fcir.program(placements={"clients": N})
+def _with_intermediates_keyword(w, intermediates):
+    return w * fcir.reduce_mean(intermediates)
+
+
+def test_a_program_keyword_named_intermediates_is_the_programs_not_run_s_flag():
+    w, x, _ = _keyword_args()
+    module = fcir.capture(_with_intermediates_keyword, w, intermediates=x)
+    want = _with_intermediates_keyword(w, intermediates=x)
+    np.testing.assert_allclose(reference.run(module, w, intermediates=x), want)
+    plain = fcir.capture(_with_intermediates_keyword, w, x)
+    with pytest.raises(fcir.InterpreterError, match=r"takes True or False, got .*Array"):
+        reference.run(plain, w, intermediates=x)
+
+
 def test_keyword_arguments_that_do_not_match_the_capture_are_an_fcir_error_naming_them():
     w, x, y = _keyword_args()
     module = fcir.capture(_scaled_stats, w, x=x, y=y)

@@ -253,21 +253,24 @@ class Executable:
 
     # -- inspecting -----------------------------------------------------------------------
 
-    def as_text(self, dialect: str = "stablehlo", *args) -> str:
+    def as_text(self, dialect: str = "stablehlo", *args, **kwargs) -> str:
         """The program as text: ``"stablehlo"`` (the lowered MLIR module), ``"hlo"`` (the
         HLO module handed to XLA, before its optimizations) or ``"optimized_hlo"`` (what
         XLA runs: after fusion and, on a mesh, SPMD partitioning)."""
         if dialect not in DIALECTS:
             raise ValueError(f"as_text: dialect must be one of {DIALECTS}, got {dialect!r}")
         if dialect == "optimized_hlo":
-            return self.compiled(*args).as_text()
-        return self.lower(*args).as_text(dialect)
+            return self.compiled(*args, **kwargs).as_text()
+        return self.lower(*args, **kwargs).as_text(dialect)
 
-    def cost(self, *args) -> dict:
-        """XLA's cost analysis and the per-round communication and compute report; see
+    def cost(self, *args, **kwargs) -> dict:
+        """XLA's cost analysis and the per-round communication and compute report for
+        ``args`` (and the captured keyword arguments; or :attr:`in_specs`); see
         ``fcir.interpreters.xla.cost``. JSON-serializable."""
         from .cost import cost_report
 
+        if kwargs:
+            args = (self._keywords(args, kwargs, "cost"),)
         return cost_report(self, *args)
 
 
@@ -279,7 +282,7 @@ def _check_leaf(module: Module, i: int, v, t, shape: tuple, dtype) -> None:
         return
     got = f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"  # the IR's type syntax
     levels = _placement_levels(v.type)
-    if levels and dtype_name(dtype) == t.dtype and shape[len(levels):] == t.shape[len(levels):]:
+    if levels and dtype_name(dtype) == t.dtype and shape[len(levels) :] == t.shape[len(levels) :]:
         wanted = ", ".join(f"{module.cardinality(p)} {p}" for p in levels)
         raise PlacementError(
             f"@{module.name} argument leaf {i} (%{i}: {v.type}) is placed: it needs one "
@@ -410,8 +413,7 @@ def _xla_errors(module: Module, step: str):
     except Exception as e:
         text = str(e).strip()
         raise InterpreterError(
-            f"@{module.name}: XLA could not {step} the program: {type(e).__name__}: "
-            f"{text[:2000]}"
+            f"@{module.name}: XLA could not {step} the program: {type(e).__name__}: {text[:2000]}"
         ) from e
 
 
