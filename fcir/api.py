@@ -465,7 +465,9 @@ def dp_sum(x, clip_norm, noise_multiplier, key):
     """Differentially private sum: ``{T}@child -> T@p`` for a placed pytree ``x``.
 
     Each member's pytree is scaled by ``min(1, clip_norm / norm)`` (``norm`` its global
-    L2 norm over all leaves; a zero member stays zero), the clipped members are summed,
+    L2 norm over all leaves; a zero member stays zero; ``clip_norm`` less the float
+    error of the clip, so the clipped norm is at most ``clip_norm``: docs/privacy.md),
+    the clipped members are summed,
     and where the result lives leaf ``i`` gets
     ``noise_multiplier * clip_norm * jax.random.normal(jax.random.fold_in(key, i), ...)``.
     ``key`` is a PRNG key at the server (the current placement). ``clip_norm`` and

@@ -454,31 +454,20 @@ def encode_batch(leaves, keys, p: DdpParams):
     return jnp.bitwise_and(q.astype(jnp.uint32), jnp.uint32(p.modulus - 1))
 
 
-def _pairwise_sum(x):
-    """``sum(x)`` along the last axis (a power of two) in explicit halving passes: a
-    fixed order of float adds (``log2 D`` roundings), whatever the batch or the
-    program around it, where ``jnp.sum`` leaves the order to XLA (which picks it by
-    shape and fusion: on jax 0.12 a batch of 3 rows and one of 8 sum differently)."""
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
-
-
 def _clip_rows(flat, clip_norm: float):
     """Each row (one client's flattened, zero-padded ``float32[D]``) scaled by ``min(1,
     clip_norm / norm)``, an all-zero row kept and a row with a non-finite entry zeroed
     (``fcir.primitives.clip_member``'s rule),
-    the squared norm summed in ``_pairwise_sum``'s fixed order: the clip is a float
+    the squared norm summed in ``fcir.primitives.pairwise_sum``'s fixed order: the clip is a float
     decision, and it must be the same in every program that encodes the row. The
     computed norm is within ``(log2 D / 2 + 2) * 2**-24`` relative of the true one, so
     the clipped row's norm is at most ``clip_norm * (1 + (log2 D / 2 + 4) * 2**-24)``
     (the margin ``params`` allows for it)."""
-    from fcir.primitives import clip_scale
+    from fcir.primitives import clip_scale, pairwise_sum
 
     # A row with a NaN or inf entry has a non-finite squared norm: it is encoded as the
     # all-zero row, never left to how a backend converts NaN to int.
-    finite, factor = clip_scale(_pairwise_sum(jnp.square(flat)), clip_norm)
+    finite, factor = clip_scale(pairwise_sum(jnp.square(flat)), clip_norm)
     return jnp.where(finite[..., None], flat * factor[..., None], jnp.zeros_like(flat))
 
 

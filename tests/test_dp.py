@@ -1,8 +1,10 @@
 """fed.dp_sum / fed.dp_mean, private programs and the accountant (fcir.privacy).
 
 Semantics are pinned against a plain-JAX oracle written from the definition: clip each
-member's pytree to global L2 norm ``clip``, add the members in member order, add
-``z * clip * normal(fold_in(key, i))`` to leaf ``i`` (and divide by n for the mean).
+member's pytree to global L2 norm ``clip`` (less ``clip_margin``, the float error of
+the clip, with the squared norm added in ``pairwise_sum``'s order), add the members in
+member order, add ``z * clip * normal(fold_in(key, i))`` to leaf ``i`` (and divide by
+n for the mean).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 from fcir.interpreters import reference, xla
 
 import fcir
+from fcir.primitives import clip_margin, pairwise_sum
 
 N = 4
 CLIP, Z = 1.5, 0.8
@@ -30,8 +33,10 @@ def oracle(xs: dict, key, clip: float, z: float, mean: bool, zero=(0,)) -> dict:
     totals = None
     for m in range(n):
         leaves = [xs[k][m] for k in names]
-        sq = sum(jnp.sum(jnp.square(leaf)) for leaf in leaves)
-        scale = 1.0 if m in zero else jnp.minimum(1.0, clip / jnp.sqrt(sq))
+        sq = pairwise_sum(jnp.stack([pairwise_sum(jnp.square(v).reshape(-1)) for v in leaves]))
+        paths = (max(v.size for v in leaves) - 1).bit_length() + (len(leaves) - 1).bit_length()
+        c = clip * (1 - clip_margin(paths, jnp.float32))
+        scale = 1.0 if m in zero else jnp.minimum(1.0, c / jnp.sqrt(sq))
         clipped = [leaf * scale for leaf in leaves]
         totals = clipped if totals is None else [t + c for t, c in zip(totals, clipped)]
     out = {}
@@ -107,8 +112,9 @@ def test_xla_backend_is_jit_bitwise_and_the_gradient_is_the_oracles():
     g_want = jax.jit(jax.grad(oracle_objective, argnums=(0, 1)))(W, xs)
     for got_leaf, want_leaf in zip(jax.tree.leaves(g), jax.tree.leaves(g_want)):
         assert np.all(np.isfinite(np.asarray(got_leaf)))
-        np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf),
-                                   rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(got_leaf), np.asarray(want_leaf), rtol=2e-5, atol=1e-6
+        )
     # The derivative stays federated: captured, it checks, and its IR computes it. (Of
     # the round declared private it is private too, and a leak: tests/test_dp_transforms.)
     public = make_round(fcir.dp_mean, private=False)
@@ -117,14 +123,13 @@ def test_xla_backend_is_jit_bitwise_and_the_gradient_is_the_oracles():
         out = public(w, KEY, xs)
         return jnp.sum(out["a"] * jnp.arange(3.0)) + jnp.sum(jnp.cos(out["b"]))
 
-    grad_round = fcir.program(placements={"clients": N})(
-        jax.grad(public_objective, argnums=(0, 1))
-    )
+    grad_round = fcir.program(placements={"clients": N})(jax.grad(public_objective, argnums=(0, 1)))
     gm = fcir.capture(grad_round, W, xs)
     g_ref = xla.compile(gm)(W, xs)
     for got_leaf, want_leaf in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_want)):
-        np.testing.assert_allclose(np.asarray(got_leaf), np.asarray(want_leaf),
-                                   rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(got_leaf), np.asarray(want_leaf), rtol=2e-5, atol=1e-6
+        )
 
 
 def test_noise_std_is_noise_multiplier_times_clip_norm():
@@ -176,9 +181,7 @@ def test_epsilon_is_dp_accountings_figure_for_the_same_events():
         ("fed.dp_mean", 2.5, 3),  # inside a scan of length 3
     ]
     rounds, delta = 5, 1e-5
-    one_round = dpa.ComposedDpEvent(
-        [dpa.GaussianDpEvent(1.1)] + [dpa.GaussianDpEvent(2.5)] * 3
-    )
+    one_round = dpa.ComposedDpEvent([dpa.GaussianDpEvent(1.1)] + [dpa.GaussianDpEvent(2.5)] * 3)
     by_hand = dpa.SelfComposedDpEvent(one_round, rounds)
     want = dpa.rdp.RdpAccountant().compose(by_hand).get_epsilon(delta)
     assert fcir.privacy.epsilon(module, rounds, delta) == pytest.approx(want, rel=1e-9)
@@ -351,14 +354,12 @@ def test_production_clips_at_clients_sums_and_adds_noise_at_the_server(tmp_path)
     out = plan.write(tmp_path / "bundle")
     manifest = json.loads((out / "manifest.json").read_text())
     (release,) = manifest["privacy"]["releases"]
-    assert release == {"op": "fed.dp_mean", "clip_norm": CLIP, "noise_multiplier": Z,
-                       "count": 1}
+    assert release == {"op": "fed.dp_mean", "clip_norm": CLIP, "noise_multiplier": Z, "count": 1}
     assert manifest["privacy"]["private_program_checked"] is True
     want = reference.run(module, W, raw, xs)
     got = production.run_bundle(out, W, raw, xs)
     for k in want:
-        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5,
-                                   atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
 
 
 def test_example_trains_on_digits_and_draws_its_picture(tmp_path, capsys):

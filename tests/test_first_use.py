@@ -319,6 +319,27 @@ def test_a_clipped_half_precision_member_never_exceeds_the_clip_norm(dtype):
     assert worst > 0.99  # still clipped to about the norm, not far below it
 
 
+@pytest.mark.parametrize("sizes", [(1000,), (4096, 33), (7, 1, 250_001)])
+def test_a_clipped_float32_member_never_exceeds_the_clip_norm_exactly(sizes):
+    """The same bound in float32, where the error is the norm's own: scaling by
+    ``clip_norm / norm`` with a computed norm a few ulps low left about half the clipped
+    members above clip_norm (by up to ~1e-7 relative) before ``clip_margin``."""
+    from fcir.primitives import clip_member
+
+    rng = np.random.default_rng(len(sizes))
+    clip = jax.jit(lambda leaves: clip_member(leaves, 1.0))
+    norms = []
+    for _ in range(40):
+        leaves = [
+            jnp.asarray(rng.normal(size=n) * rng.uniform(0.1, 9.0), jnp.float32) for n in sizes
+        ]
+        out = clip(leaves)
+        exact = sum(np.sum(np.asarray(c, np.float64) ** 2) for c in out)
+        norms.append(float(np.sqrt(exact)))
+    assert max(norms) <= 1.0, max(norms)
+    assert min(norms) > 1 - 1e-5  # each is clipped to the norm, less a few ulps
+
+
 # --- keyword arguments: a module captured with f(w, x=x) runs with f(w, x=x) ---------------
 
 
