@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from fcir import attrs as A
-from fcir import captured, gcpause, pytrees
+from fcir import canonical, captured, gcpause, pytrees
 from fcir import control_flow as CF
 from fcir import jaxcompat as jc
 from fcir import primitives as P
@@ -208,7 +208,8 @@ def from_jaxpr(closed: jc.ClosedJaxpr, in_tree=None, out_tree=None, *, name="pro
     jaxpr's federated ops use."""
     if placements is None:
         placements = _placements(None, closed.jaxpr)
-    body = _Converter(placements, locations).convert_closed(closed, level=-1, label="main")
+    converter = _Converter(placements, locations)
+    body = converter.convert_closed(closed, level=-1, label="main")
     main = Func("main", body, in_tree and structure_of(in_tree),
                 out_tree and structure_of(out_tree))
     # In this process, results come back with the program's own pytree classes (optax
@@ -216,6 +217,8 @@ def from_jaxpr(closed: jc.ClosedJaxpr, in_tree=None, out_tree=None, *, name="pro
     main.result_treedef = out_tree
     pytrees.remember(main.result_structure, out_tree)
     module = Module(name, placements, [main], private=private)
+    # One layout wherever JAX versions emit the same computation in another (fcir.canonical).
+    canonical.canonicalize(module, converter.weak_literals)
     # Backends that only need this very jaxpr back take it instead of tracing the IR.
     captured.remember(module, closed)
     return module
@@ -331,6 +334,7 @@ class _Converter:
         self.sizes = dict(placements)
         self.locations = locations
         self.constants: set[Value] = set()
+        self.weak_literals: set[Value] = set()  # scalar ones, for fcir.canonical
         # Values a jax.scan stacked from per-iteration placed values: the IR keeps their
         # member axis first, where the jaxpr has the scan axis first (control_flow.py).
         self.swapped: set[Value] = set()
@@ -532,7 +536,10 @@ class _Converter:
 
     def read(self, env, atom, region: Region, level: int) -> Value:
         if isinstance(atom, core.Literal):
-            return self.constant(region, atom.val if hasattr(atom, "val") else atom, level)
+            c = self.constant(region, atom.val if hasattr(atom, "val") else atom, level)
+            if getattr(atom.aval, "weak_type", False) and not atom.aval.shape:
+                self.weak_literals.add(c)
+            return c
         try:
             v = env[atom]
         except KeyError:
