@@ -171,9 +171,6 @@ def test_vmapped_derivative_runs_like_jit():
     _assert_bitwise_jit(fn, (np.stack([w, 2 * w]), x, y))
 
 
-SECOND_ORDER_OPS = {op for op in DERIVATIVE_OPS if "_jvp" in op}
-
-
 def _outer(w, x, y):
     return jnp.sum(jax.grad(_tanh_fit)(w, x, y) ** 2)
 
@@ -220,11 +217,13 @@ def test_gradient_of_a_gradient_through_a_scan_compiles_to_jits_flops():
     assert has_zeros == (jax.__version_info__ >= (0, 11))
 
 
-def test_vmapped_gradient_of_a_gradient_runs_like_jit():
+def test_vmapped_gradient_of_a_gradient_runs_like_jit_whichever_rules_capture_keeps():
+    # Batched over w only, a second-order op can meet batched and unbatched operands;
+    # it then batches as JAX's expression (no broadcast of the unbatched one), which
+    # sends capture back to JAX's own rules (here, on both JAX).
     w, x, y = _args()
     fn = jax.vmap(jax.grad(_outer), in_axes=(0, None, None))
-    module = _assert_bitwise_jit(fn, (np.stack([w, 2 * w]), x, y))
-    assert _ops(module) & SECOND_ORDER_OPS
+    _assert_bitwise_jit(fn, (np.stack([w, 2 * w]), x, y))
 
 
 def test_forward_over_forward_runs_like_jit_whichever_rules_capture_keeps():

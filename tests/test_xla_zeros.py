@@ -7,7 +7,9 @@ for such an op, so the pass is pinned the same way on every JAX.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
+import pytest
 from corpus import case
 from fcir.interpreters import reference, xla
 from fcir.interpreters.xla import zeros
@@ -15,6 +17,7 @@ from test_xla import assert_bitwise, gradient
 
 import fcir
 from fcir.ir import walk
+from fcir.jaxcompat import derivatives
 
 
 def x_minus_x(op):
@@ -91,3 +94,29 @@ def test_module_is_left_alone_without_structural_zeros():
     c = case("fedavg_mlp")
     grad = fcir.capture(gradient(c), *c.make_args())
     assert zeros.without_structural_zeros(grad) is grad
+
+
+@pytest.mark.parametrize("name", ["tanh_residual", "tanh_tangent", "tanh_cotangent"])
+def test_zero_results_are_the_cotangents_that_are_zero_on_the_running_jax(name):
+    # On JAX 0.12 tanh_tangent (g * r) and tanh_cotangent (ct * r) read no ans, so the
+    # cotangent of ans's tangent is zero; on 0.10.2 every cotangent reads its tangent.
+    arity = 1 if name == "tanh_residual" else 3
+    rng = np.random.default_rng(1)
+    ans = np.tanh(rng.normal(size=5)).astype(np.float32)
+    primals = [ans] if arity == 1 else [rng.normal(size=5).astype(np.float32), ans, 1 - ans * ans]
+    primal_p, _, cotangent_p = derivatives._SECOND[name]
+    found = {}
+    for mask in range(1, 2**arity):
+        zero = derivatives.zero_results(f"{name}_jvp_cotangent", {"tangents": mask}, np.float32)
+        if derivatives._split_of(name, ans, mask) is None:  # capture writes no such op
+            assert zero == frozenset()
+            continue
+        s = primal_p.bind(*primals, tangents=mask)[1]
+        ct = rng.normal(size=5).astype(np.float32)
+        cts = cotangent_p.bind(ct, *primals, s, tangents=mask)
+        assert {i for i, c in enumerate(cts) if not np.any(np.asarray(c))} == zero
+        found[mask] = zero
+    if name != "tanh_residual" and jax.__version_info__ >= (0, 11):
+        assert found[(1 << arity) - 1] == {1}  # (ct or g, ans, r): ans's cotangent
+    else:
+        assert found and not any(found.values())

@@ -438,10 +438,13 @@ def zero_results(name: str, attrs: dict, dtype) -> frozenset[int]:
     base = name.removesuffix("_jvp_cotangent")
     if base == name or base not in _EXPRESSIONS:
         return frozenset()
-    mask = attrs.get("tangents")
-    if isinstance(mask, bool) or not isinstance(mask, int) or mask <= 0:
+    mask, arity = attrs.get("tangents"), _EXPRESSIONS[base][1]
+    dtype = jax.numpy.dtype(dtype)
+    if isinstance(mask, bool) or not isinstance(mask, int) or mask <= 0 or mask >> arity:
         return frozenset()
-    split = _jvp_split(base, (), jax.numpy.dtype(dtype), False, mask)
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return frozenset()
+    split = _jvp_split(base, (), dtype, False, mask)
     if split is None:  # not an op capture writes (a hand-edited module): nothing known
         return frozenset()
     return frozenset(i for i, read in enumerate(split[-1]) if not read)
