@@ -213,8 +213,9 @@ def test_gradient_of_a_gradient_through_a_scan_compiles_to_jits_flops():
 
     module = _assert_bitwise_jit(jax.grad(outer), (ws, x))
     assert "jax.tanh_cotangent_jvp_cotangent" in _ops(module)
-    has_zeros = zeros.without_structural_zeros(module) is not module
-    assert has_zeros == (jax.__version_info__ >= (0, 11))
+    lowered = zeros.without_structural_zeros(module)
+    assert (lowered is not module) == (jax.__version_info__ >= (0, 11))
+    fcir.check(lowered)  # what XLA compiles is well-typed IR too
 
 
 def test_vmapped_gradient_of_a_gradient_runs_like_jit_whichever_rules_capture_keeps():
