@@ -218,6 +218,20 @@ def test_gradient_of_a_gradient_through_a_scan_compiles_to_jits_flops():
     fcir.check(lowered)  # what XLA compiles is well-typed IR too
 
 
+def test_meta_learning_gradient_runs_like_jit():
+    # meta_learning_grad's golden (second-order ops, one text for both JAX) compiles to
+    # jax.jit's bits and flops on each (scan_rounds_grad: test_xla.py's corpus tests).
+    import importlib.util
+
+    path = TESTS.parent / "examples" / "meta_learning.py"
+    spec = importlib.util.spec_from_file_location("meta_learning_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.EXAMPLE_ARGS["post_round_loss"]()
+    module = _assert_bitwise_jit(jax.grad(example.post_round_loss), args)
+    assert "jax.tanh_cotangent_jvp_cotangent" in _ops(module)
+
+
 def test_vmapped_gradient_of_a_gradient_runs_like_jit_whichever_rules_capture_keeps():
     # Batched over w only, a second-order op can meet batched and unbatched operands;
     # it then batches as JAX's expression (no broadcast of the unbatched one), which
