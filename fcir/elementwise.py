@@ -26,7 +26,10 @@ ELEMENTWISE = frozenset(
     select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt
     square sub tan tanh xor stop_gradient bessel_i0e bessel_i1e clz igamma igamma_grad_a
     igammac polygamma regularized_incomplete_beta zeta
-    tanh_residual tanh_tangent tanh_cotangent""".split()  # fcir's derivative ops (docs/ops.md)
+    tanh_residual tanh_tangent tanh_cotangent tanh_residual_jvp tanh_residual_jvp_tangent
+    tanh_residual_jvp_cotangent tanh_tangent_jvp tanh_tangent_jvp_tangent
+    tanh_tangent_jvp_cotangent tanh_cotangent_jvp tanh_cotangent_jvp_tangent
+    tanh_cotangent_jvp_cotangent""".split()  # fcir's derivative ops (docs/ops.md)
 )
 LAYOUT = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
 PER_MEMBER = ELEMENTWISE | LAYOUT

@@ -2,9 +2,10 @@
 guarantee 1 and do not depend on what JAX traced before.
 
 While capturing, ``tanh``'s first derivative is fcir's ``tanh_residual`` /
-``tanh_tangent`` / ``tanh_cotangent`` ops and a ``custom_jvp_call`` in the linear part
-of a derivative is inlined (as JAX 0.10.2 does), so scan_rounds, fedavg_transformer and
-fedavg_mlp's gradient print the same on JAX 0.10.2 and 0.12. Capture mode is part of
+``tanh_tangent`` / ``tanh_cotangent`` ops, their derivative the ``tanh_*_jvp*`` ops, and
+a ``custom_jvp_call`` in the linear part of a derivative is inlined (as JAX 0.10.2
+does), so scan_rounds, fedavg_mlp's gradient and scan_rounds' and meta-learning's
+gradients of a gradient print the same on JAX 0.10.2 and 0.12. Capture mode is part of
 JAX's trace context, so JAX's trace caches never hand a trace made with JAX's own rules
 to a capture, nor a capture's trace to ``jax.jit``: the cache-order tests run each order
 in a fresh process (what earlier tests in this process traced cannot mask a leak).
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fcir.interpreters import reference, xla
+from fcir.interpreters.xla import zeros
 
 import fcir
 from fcir import captured
@@ -169,16 +171,87 @@ def test_vmapped_derivative_runs_like_jit():
     _assert_bitwise_jit(fn, (np.stack([w, 2 * w]), x, y))
 
 
-def test_gradient_of_a_gradient_keeps_the_running_jaxs_own_rules():
-    # Differentiating tanh_cotangent again would sum the outer cotangents in another
-    # order than jax.jit (other bits), so capture traces such programs with JAX's rules.
+def _outer(w, x, y):
+    return jnp.sum(jax.grad(_tanh_fit)(w, x, y) ** 2)
+
+
+def test_gradient_of_a_gradient_captures_to_second_order_ops_that_run_like_jit():
+    # JAX's own gradient of a gradient re-differentiates the first derivative's
+    # expression eqn by eqn (0.10.2: sub, neg and one more add_any; 0.12:
+    # one_minus_square and mul -2); capture writes version-neutral ops that run it.
     w, x, y = _args()
+    module = _assert_bitwise_jit(jax.grad(_outer), (w, x, y))
+    ops = _ops(module)
+    assert {"jax.tanh_cotangent_jvp", "jax.tanh_cotangent_jvp_cotangent"} <= ops
+    assert not ops & {"jax.one_minus_square", "jax.neg"}
+    fcir.check(module)
+    text = module.to_text()
+    again = fcir.parse(text)
+    assert again.to_text() == text
+    np.testing.assert_allclose(
+        reference.run(again, w, x, y), jax.jit(jax.grad(_outer))(w, x, y), rtol=1e-5
+    )
 
-    def outer(w):
-        return jnp.sum(jax.grad(_tanh_fit)(w, x, y) ** 2)
 
-    module = _assert_bitwise_jit(jax.grad(outer), (w,))
-    assert not _ops(module) & DERIVATIVE_OPS
+def _layers(ws, x):
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return jnp.sum(h**2)
+
+
+def test_gradient_of_a_gradient_through_a_scan_compiles_to_jits_flops():
+    # Under JAX 0.12 tanh_cotangent_jvp_cotangent's cotangent of ans is zero (0.12's
+    # tanh_cotangent, ct * r, reads no ans): JAX adds nothing, the IR (the same on every
+    # JAX) adds it, and that zero goes from one scan's ys to the next scan's xs, where
+    # XLA does not fold the add (5619 flops against jax.jit's 5587). The XLA backend
+    # drops it first (interpreters/xla/zeros.py).
+    rng = np.random.default_rng(0)
+    ws = (0.5 * rng.normal(size=(3, 8, 8))).astype(np.float32)
+    x = rng.normal(size=(4, 8)).astype(np.float32)
+
+    def outer(ws, x):
+        return jnp.sum(jax.grad(_layers)(ws, x) ** 2)
+
+    module = _assert_bitwise_jit(jax.grad(outer), (ws, x))
+    assert "jax.tanh_cotangent_jvp_cotangent" in _ops(module)
+    lowered = zeros.without_structural_zeros(module)
+    assert (lowered is not module) == (jax.__version_info__ >= (0, 11))
+    fcir.check(lowered)  # what XLA compiles is well-typed IR too
+
+
+def test_meta_learning_gradient_runs_like_jit():
+    # meta_learning_grad's golden (second-order ops, one text for both JAX) compiles to
+    # jax.jit's bits and flops on each (scan_rounds_grad: test_xla.py's corpus tests).
+    import importlib.util
+
+    path = TESTS.parent / "examples" / "meta_learning.py"
+    spec = importlib.util.spec_from_file_location("meta_learning_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.EXAMPLE_ARGS["post_round_loss"]()
+    module = _assert_bitwise_jit(jax.grad(example.post_round_loss), args)
+    assert "jax.tanh_cotangent_jvp_cotangent" in _ops(module)
+
+
+def test_vmapped_gradient_of_a_gradient_runs_like_jit_whichever_rules_capture_keeps():
+    # Batched over w only, a second-order op can meet batched and unbatched operands;
+    # it then batches as JAX's expression (no broadcast of the unbatched one), which
+    # sends capture back to JAX's own rules (here, on both JAX).
+    w, x, y = _args()
+    fn = jax.vmap(jax.grad(_outer), in_axes=(0, None, None))
+    _assert_bitwise_jit(fn, (np.stack([w, 2 * w]), x, y))
+
+
+def test_forward_over_forward_runs_like_jit_whichever_rules_capture_keeps():
+    # JAX 0.10.2's tanh tangent reads g twice ((g + g*ans) * r): a fused transpose would
+    # sum its cotangents in another order, so capture keeps JAX's own rules there.
+    w, x, y = _args()
+    t = np.ones_like(w)
+
+    def fwd_fwd(w):
+        inner = lambda w: jax.jvp(lambda w: _tanh_fit(w, x, y), (w,), (t,))[1]  # noqa: E731
+        return jax.jvp(inner, (w,), (t,))[1]
+
+    _assert_bitwise_jit(jax.grad(fwd_fwd), (w,))
 
 
 def test_capture_mode_is_off_outside_capture_and_in_the_trace_context():

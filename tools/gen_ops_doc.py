@@ -95,10 +95,11 @@ def render() -> str:
 
     out.append(
         "\n### Derivative ops\n\nfcir's own local ops, which capture writes for the first "
-        "derivative of `tanh` so that a gradient prints the same under every JAX "
-        "(`fcir/jaxcompat/derivatives.py`). They are elementwise, take no attributes and "
-        "run the running JAX's own derivative rule, so a compiled module computes what "
-        "`jax.jit` computes, bit for bit:\n"
+        "derivative of `tanh` (and, `_jvp*`, for a derivative of those) so that a "
+        "gradient prints the same under every JAX (`fcir/jaxcompat/derivatives.py`). "
+        "They are elementwise, take no attributes but the `_jvp*` ops' `tangents` bitmask, "
+        "and run the running JAX's own derivative rule, so a compiled module computes "
+        "what `jax.jit` computes, bit for bit:\n"
     )
     out.append("| op | operands | meaning |")
     out.append("|---|---|---|")

@@ -18,10 +18,19 @@ lowering and batching run those very equations, so a compiled module runs the op
 ``jax.jit`` of the same function runs, where it runs them, on the same values. (Under
 0.12 ``ans`` is one more residual than ``jax.jit`` keeps: no flops, no other bits.)
 
-A derivative of such an op (a gradient of a gradient) would expand it into JAX's
-expression at another place than ``jax.jit`` differentiates it, and sum the outer
-cotangents in another order; so when that happens capture traces the program again
-with the running JAX's own rules (:func:`make_jaxpr`), whose text is then JAX's.
+A derivative of such an op (a gradient of a gradient) is fcir's second-order ops,
+``<op>_jvp`` / ``<op>_jvp_tangent`` / ``<op>_jvp_cotangent`` (:func:`_second_order`):
+the running JAX's JVP of the op's expression, split and transposed as JAX splits and
+transposes it. They take a tangent for every operand that has one, on every JAX (the
+same text): under JAX 0.12 ``tanh_cotangent`` (``ct * r``) reads no ``ans``, so its
+``_jvp_cotangent`` gives a zero cotangent for ``ans`` where JAX's own trace has a
+symbolic zero; :func:`zero_results` names such results and the XLA backend removes
+them and the adds of them before XLA sees them (fcir/interpreters/xla/zeros.py), so
+the compiled program does the flops ``jax.jit``'s does. Where the running JAX's JVP
+does not split that way (a tangent read twice: JAX 0.10.2's forward-over-forward of
+``tanh``), an expansion would sum cotangents in another order than ``jax.jit``, so
+capture traces the program again with the running JAX's own rules
+(:func:`make_jaxpr`), whose text is then JAX's.
 
 A ``custom_jvp_call`` with unknown inputs is inlined while capturing, as JAX 0.10.2's
 partial evaluation does (see :func:`_inline_custom_jvp_call`).
@@ -51,7 +60,7 @@ __all__ = [
     "tanh_cotangent_p",
     "tanh_residual_p",
     "tanh_tangent_p",
-]
+]  # and the second-order ops, tanh_*_jvp{,_tangent,_cotangent}_p (see below)
 
 #: True while fcir captures a program (part of JAX's trace context: see the module doc).
 CAPTURE_MODE = config.bool_state(
@@ -180,26 +189,39 @@ def _elementwise_aval(*avals):
     return core.ShapedArray(first.shape, first.dtype, weak_type=all(a.weak_type for a in avals))
 
 
-def _define(name: str, expression):
+def _define(name: str, expression, results=None):
+    """A derivative op computing ``expression`` (the running JAX's equations); ``results``
+    maps its ``tangents`` param to its number of results (None: one result, no params)."""
     prim = core.Primitive(name)
+    multiple = results is not None
+    prim.multiple_results = multiple
     prim.def_impl(expression)
-    prim.def_abstract_eval(_elementwise_aval)
-    mlir.register_lowering(prim, mlir.lower_fun(expression, multiple_results=False))
+    if multiple:
+        prim.def_abstract_eval(
+            lambda *avals, tangents: [_elementwise_aval(*avals)] * results(tangents)
+        )
+    else:
+        prim.def_abstract_eval(lambda *avals, **_: _elementwise_aval(*avals))
+    mlir.register_lowering(prim, mlir.lower_fun(expression, multiple_results=multiple))
 
-    def batch(args, dims):
+    def batch(args, dims, **params):
         if dims[0] is not None and all(d == dims[0] for d in dims):
-            return prim.bind(*args), dims[0]  # elementwise: the same op on the batch
+            out = prim.bind(*args, **params)  # elementwise: the same op on the batch
+            return out, ([dims[0]] * len(out) if multiple else dims[0])
         # Otherwise JAX's expression, batched as JAX batches it (so no broadcast of an
         # unbatched operand, and the flops of ``jax.vmap`` of JAX's derivative).
         _expanded()
-        return jax.vmap(expression, in_axes=tuple(dims))(*args), 0  # unmapped: None
+        fn = functools.partial(expression, **params)
+        out = jax.vmap(fn, in_axes=tuple(dims))(*args)  # unmapped: None
+        return out, ([0] * len(out) if multiple else 0)
 
     batching.primitive_batchers[prim] = batch
 
-    def jvp(primals, tangents):
+    def jvp(primals_in, tangents_in, /, **params):  # params may name "tangents"
         _expanded()
-        tangents = [ad.instantiate_zeros(t) for t in tangents]
-        return jax.jvp(expression, tuple(primals), tuple(tangents))
+        tangents_in = [ad.instantiate_zeros(t) for t in tangents_in]
+        fn = functools.partial(expression, **params)
+        return jax.jvp(fn, tuple(primals_in), tuple(tangents_in))
 
     ad.primitive_jvps[prim] = jvp
     return prim
@@ -242,6 +264,238 @@ def _tanh_jvp(primals, tangents, **params):
 if _RULE is not None:
     ad.primitive_jvps[_lax.tanh_p] = _tanh_jvp
 
+# Second order. JAX's own gradient of a gradient differentiates, equation by equation,
+# the expression a derivative op stands for, where the op stands: the forward pass runs
+# what JAX's partial evaluation keeps known (the primal and what the tangent rules
+# compute from primals alone), the linear part the rest, and the transposes accumulate
+# the outer cotangents eqn by eqn. fcir's second-order ops are that JVP of the running
+# JAX's expression (:func:`_jvp_split`) split the same way:
+#
+# - ``<op>_jvp(primals) -> (out, s)``: the known equations; ``s`` is the one value the
+#   tangent needs from them besides the primals (when JAX's split needs none, ``s`` is
+#   the first operand again: no flops);
+# - ``<op>_jvp_tangent(tangents, primals, s)``: the tangent equations, linear in the
+#   tangents; ``tangents`` is a bitmask of the operands with a (nonzero) tangent;
+# - ``<op>_jvp_cotangent(ct, primals, s)``: its transpose, one cotangent per tangent
+#   (zero for a tangent the running JAX's equations do not read: :func:`zero_results`).
+#
+# The fused transpose sums the cotangents an outer operand receives at once; JAX sums
+# them eqn by eqn onto what that operand has received already, in another order when
+# the tangent equations read it more than once. So the ops are used only where each
+# tangent operand is read once (else capture falls back: see make_jaxpr).
+
+
+def _zero(aval):
+    return ad.Zero(aval.to_tangent_aval())
+
+
+def _jvp_run(jaxpr, primals, tangents):
+    """JAX's JVP of ``jaxpr`` as a JVPTrace runs it (symbolic zeros kept): each
+    equation's primal, and its JAX JVP rule unless all its tangents are zero."""
+    penv, tenv = dict(zip(jaxpr.invars, primals)), dict(zip(jaxpr.invars, tangents))
+
+    def p(v):
+        return v.val if isinstance(v, core.Literal) else penv[v]
+
+    def t(v):
+        return _zero(v.aval) if isinstance(v, core.Literal) else tenv[v]
+
+    for eqn in jaxpr.eqns:
+        ps, ts = [p(v) for v in eqn.invars], [t(v) for v in eqn.invars]
+        if all(type(x) is ad.Zero for x in ts):
+            outs = eqn.primitive.bind(*ps, **eqn.params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            touts = [_zero(v.aval) for v in eqn.outvars]
+        else:
+            outs, touts = ad.primitive_jvps[eqn.primitive](ps, ts, **eqn.params)
+            if not eqn.primitive.multiple_results:
+                outs, touts = [outs], [touts]
+        penv.update(zip(eqn.outvars, outs))
+        tenv.update(zip(eqn.outvars, touts))
+    return p(jaxpr.outvars[0]), t(jaxpr.outvars[0])
+
+
+@functools.lru_cache(maxsize=256)
+def _jvp_split(name, shape, dtype, weak_type, mask):
+    """The running JAX's JVP of derivative op ``name``'s expression, with tangents on
+    the operands in bitmask ``mask``, split into ``(jaxpr, primals, tangents, known,
+    unknown, out, residual, tout)``; None when it does not split into one residual
+    with each tangent read once (or has a zero tangent)."""
+    expression, arity = _EXPRESSIONS[name]
+    aval = core.ShapedArray(shape, dtype, weak_type=weak_type)
+    nz = [bool(mask >> i & 1) for i in range(arity)]
+
+    def fn(*args):
+        primals, ts = args[:arity], iter(args[arity:])
+        tangents = [next(ts) if z else _zero(aval) for z in nz]
+        inner = jax.make_jaxpr(expression)(*primals).jaxpr
+        out, tout = _jvp_run(inner, primals, tangents)
+        if type(tout) is ad.Zero:
+            raise _NoSplit
+        return out, tout
+
+    try:
+        closed = jax.make_jaxpr(fn)(*[aval] * (arity + sum(nz)))
+    except _NoSplit:
+        return None
+    jaxpr = closed.jaxpr
+    if closed.consts or jaxpr.constvars:
+        return None
+    primals, tangents = jaxpr.invars[:arity], jaxpr.invars[arity:]
+    tainted, known, unknown = set(tangents), [], []
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, core.Var) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+            unknown.append(eqn)
+        else:
+            known.append(eqn)
+    out, tout = jaxpr.outvars
+    reads = [v for e in unknown for v in e.invars if isinstance(v, core.Var)]
+    produced = {v for e in known for v in e.outvars}
+    residuals = {v for v in reads if v in produced}
+    if (
+        len(residuals) > 1
+        or not isinstance(out, core.Var)
+        or out not in produced
+        or not isinstance(tout, core.Var)
+        or tout in tangents
+        or any(reads.count(v) > 1 for v in tangents)
+    ):
+        return None
+    # No residual: s is the first operand again (already a value of the forward pass;
+    # ``out`` would have to be materialized for a scan's residuals, and XLA would
+    # compute it twice where jax.jit fuses it into its one use).
+    residual = residuals.pop() if residuals else primals[0]
+    known, unknown = tuple(known), tuple(unknown)
+    read = tuple(v in reads for v in tangents)
+    return jaxpr, tuple(primals), tuple(tangents), known, unknown, out, residual, tout, read
+
+
+class _NoSplit(Exception):
+    pass
+
+
+def _split_of(name, x, mask):
+    weak = bool(getattr(core.typeof(x), "weak_type", False))
+    return _jvp_split(name, tuple(x.shape), x.dtype, weak, mask)
+
+
+def _apply(fn, rest, tangents, *ts):
+    return fn(*ts, *rest, tangents=tangents)
+
+
+def _second_order(name):
+    """The three second-order ops of derivative op ``name`` (see above)."""
+
+    def jvp_primal(*primals, tangents):
+        _, ps, _, known, _, out, res, _, _ = _split_of(name, primals[0], tangents)
+        env = _run(known, dict(zip(ps, primals)))
+        return [env[out], env[res]]
+
+    def jvp_tangent(*args, tangents):
+        n = bin(tangents).count("1")
+        ts, primals, s = args[:n], args[n:-1], args[-1]
+        _, ps, tvs, _, unknown, _, res, tout, _ = _split_of(name, primals[0], tangents)
+        env = {**dict(zip(ps, primals)), **dict(zip(tvs, ts)), res: s}
+        return _run(unknown, env)[tout]
+
+    def jvp_cotangent(ct, *rest, tangents):
+        # jax.linear_transpose gives zeros for a tangent the rule does not read (JAX
+        # 0.12's tanh_cotangent, ct * r, reads no ans): the outer backward pass adds
+        # them where JAX adds nothing. The op keeps that result on every JAX (the same
+        # text); :func:`zero_results` names it, and the XLA backend drops it and the
+        # adds of it before XLA sees them (fcir/interpreters/xla/zeros.py).
+        aval = jax.ShapeDtypeStruct(ct.shape, ct.dtype)
+        n = bin(tangents).count("1")
+        linear = functools.partial(_apply, jvp_tangent, rest, tangents)
+        return list(jax.linear_transpose(linear, *[aval] * n)(ct))
+
+    primal_p = _define(f"{name}_jvp", jvp_primal, results=lambda m: 2)
+    tangent_p = _define(f"{name}_jvp_tangent", jvp_tangent)
+    cotangent_p = _define(
+        f"{name}_jvp_cotangent", jvp_cotangent, results=lambda m: bin(m).count("1")
+    )
+
+    def tangent_transpose(ct, *args, tangents):
+        n = bin(tangents).count("1")
+        if any(ad.is_undefined_primal(a) for a in args[n:]):
+            raise ValueError(f"{tangent_p.name}: transposed in an operand it is not linear in")
+        if type(ct) is ad.Zero:
+            return [None] * len(args)
+        cts = cotangent_p.bind(ct, *args[n:], tangents=tangents)
+        return [*cts, *[None] * (len(args) - n)]
+
+    ad.primitive_transposes[tangent_p] = tangent_transpose
+    return primal_p, tangent_p, cotangent_p
+
+
+def zero_results(name: str, attrs: dict, dtype) -> frozenset[int]:
+    """The results of derivative op ``jax.<name>`` (attributes ``attrs``, operands of
+    ``dtype``) that are zero whatever its operands, on the running JAX: a
+    ``<op>_jvp_cotangent``'s cotangents of the tangents the running JAX's rule does not
+    read (JAX 0.12's ``tanh_cotangent``, ``ct * r``, reads no ``ans``). Empty for every
+    other op. JAX itself carries such a cotangent as a symbolic zero and adds nothing."""
+    base = name.removesuffix("_jvp_cotangent")
+    if base == name or base not in _EXPRESSIONS:
+        return frozenset()
+    mask, arity = attrs.get("tangents"), _EXPRESSIONS[base][1]
+    dtype = jax.numpy.dtype(dtype)
+    if isinstance(mask, bool) or not isinstance(mask, int) or mask <= 0 or mask >> arity:
+        return frozenset()
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        return frozenset()
+    split = _jvp_split(base, (), dtype, False, mask)
+    if split is None:  # not an op capture writes (a hand-edited module): nothing known
+        return frozenset()
+    return frozenset(i for i, read in enumerate(split[-1]) if not read)
+
+
+def _derivative_jvp(prim, name):
+    fallback = ad.primitive_jvps[prim]
+
+    def jvp(primals, tangents):
+        mask = sum(1 << i for i, t in enumerate(tangents) if type(t) is not ad.Zero)
+        split = _split_of(name, primals[0], mask) if CAPTURE_MODE.value else None
+        if split is None:
+            return fallback(primals, tangents)
+        primal_p, tangent_p, _ = _SECOND[name]
+        out, s = primal_p.bind(*primals, tangents=mask)
+        ts = [t for i, t in enumerate(tangents) if mask >> i & 1]
+        return out, tangent_p.bind(*ts, *primals, s, tangents=mask)
+
+    ad.primitive_jvps[prim] = jvp
+
+
+_EXPRESSIONS = {
+    "tanh_residual": (_residual, 1),
+    "tanh_tangent": (_tangent, 3),
+    "tanh_cotangent": (_cotangent, 3),
+}
+tanh_residual_jvp_p, tanh_residual_jvp_tangent_p, tanh_residual_jvp_cotangent_p = _second_order(
+    "tanh_residual"
+)
+tanh_tangent_jvp_p, tanh_tangent_jvp_tangent_p, tanh_tangent_jvp_cotangent_p = _second_order(
+    "tanh_tangent"
+)
+tanh_cotangent_jvp_p, tanh_cotangent_jvp_tangent_p, tanh_cotangent_jvp_cotangent_p = _second_order(
+    "tanh_cotangent"
+)
+_SECOND = {
+    "tanh_residual": (
+        tanh_residual_jvp_p,
+        tanh_residual_jvp_tangent_p,
+        tanh_residual_jvp_cotangent_p,
+    ),
+    "tanh_tangent": (tanh_tangent_jvp_p, tanh_tangent_jvp_tangent_p, tanh_tangent_jvp_cotangent_p),
+    "tanh_cotangent": (
+        tanh_cotangent_jvp_p,
+        tanh_cotangent_jvp_tangent_p,
+        tanh_cotangent_jvp_cotangent_p,
+    ),
+}
+for _prim in (tanh_residual_p, tanh_tangent_p, tanh_cotangent_p):
+    _derivative_jvp(_prim, _prim.name)
+
 #: fcir's derivative ops: name -> (operands, meaning), for docs/ops.md.
 OPS = {
     "tanh_residual": (
@@ -259,14 +513,36 @@ OPS = {
         "the transpose of tanh_tangent in g: jax.linear_transpose of the running JAX's rule",
     ),
 }
+for _name, (_operands, _) in list(OPS.items()):
+    OPS[f"{_name}_jvp"] = (
+        _operands,
+        f"the forward-pass half of the running JAX's JVP of {_name} (tangents "
+        "on the operands in bitmask tangents): (its value, the one value the tangent needs "
+        "from that pass, or the first operand again)",
+    )
+    OPS[f"{_name}_jvp_tangent"] = (
+        f"tangents..., {_operands}, s",
+        f"the linear half of that JVP of {_name}, from the tangents, the "
+        f"operands and s (the second result of {_name}_jvp)",
+    )
+    OPS[f"{_name}_jvp_cotangent"] = (
+        f"out_ct, {_operands}, s",
+        f"the transpose of {_name}_jvp_tangent: one cotangent per tangent "
+        "(jax.linear_transpose of the running JAX's equations); zero for a tangent the "
+        "running JAX's rule does not read (JAX 0.12's tanh_tangent and tanh_cotangent: "
+        "ans's), which the XLA backend drops with the adds of it (JAX adds no symbolic "
+        "zero)",
+    )
 
 
 def make_jaxpr(fn, *args, **kwargs):
     """``jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)`` as capture traces it: in
-    capture mode, so that first derivatives of ``tanh`` are fcir's derivative ops. When
-    one of those was itself differentiated (a gradient of a gradient), the expansion
-    would accumulate the outer cotangents in another order than ``jax.jit`` of ``fn``
-    (other bits), so ``fn`` is traced again with the running JAX's own rules."""
+    capture mode, so that first derivatives of ``tanh`` are fcir's derivative ops (and
+    their derivatives its second-order ops). When one of those had to be expanded into
+    JAX's expression instead (differentiated where its JVP does not split, or batched
+    over differing axes), the expansion would accumulate the outer cotangents in
+    another order than ``jax.jit`` of ``fn`` (other bits), so ``fn`` is traced again
+    with the running JAX's own rules."""
     with capturing() as probe:
         out = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
     if not probe.expanded:

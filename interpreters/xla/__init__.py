@@ -22,7 +22,10 @@ onto JAX (``interpreter.py``); :mod:`.executable` wraps it in ``jax.jit`` and
 :mod:`.cost` reads XLA's cost analysis, per program and per fed.map region. Without a
 mesh, a module straight from ``fcir.capture`` (unedited) skips the rebuild and reuses
 the captured jaxpr (``fcir.captured``). A warm ``exe(*args)`` is JAX's C++ dispatch
-alone; the argument checks run when the program is traced (``.executable``).
+alone; the argument checks run when the program is traced (``.executable``). One
+rewrite comes first where the IR, the same on every JAX, computes a zero the running
+JAX's own trace does not (a second-order derivative op's cotangent under JAX 0.12):
+:mod:`.zeros` removes it and the adds of it, as JAX's symbolic zeros do.
 
 Streaming (``clients_per_step``): :mod:`.streaming` plans each ``fed.map`` with the
 reductions it feeds into a loop over chunks of ``k`` members per device with running

@@ -45,6 +45,7 @@ from fcir.ir import Module
 from fcir.jaxcompat import core
 from fcir.types import PlacedType, Type, dtype_name, runtime_type
 
+from . import zeros
 from .interpreter import XlaInterpreter
 
 __all__ = ["Executable", "default_sharding", "placement_spec", "trace_count"]
@@ -317,6 +318,11 @@ class _Program:
         self.traces = 0
         # The module holds its programs (weakly keyed): the program holds it weakly.
         ref = weakref.ref(module)
+        # What XLA compiles: the module less the zeros JAX's own trace would not compute
+        # (zeros.py; the module itself when it has none, nearly always).
+        lowered = zeros.without_structural_zeros(module)
+        if lowered is module:
+            lowered = None
 
         def program(*args):
             self.traces += 1
@@ -331,13 +337,14 @@ class _Program:
             # Without a mesh the interpreter rebuilds exactly the captured jaxpr: when
             # the module is capture's, unchanged, take that jaxpr instead of tracing
             # every op again (checked at each trace).
-            plain = mesh is None and interpreter is None
+            plain = mesh is None and interpreter is None and lowered is None
             closed = captured.captured_jaxpr(module) if plain else None
             if closed is not None:
                 return inside(core.jaxpr_as_fun(closed)(*leaves))
+            run = lowered or module
             interp = (interpreter or XlaInterpreter)(mesh)
-            interp.module = module
-            return inside(interp.run_region(module.main.body, leaves))
+            interp.module = run
+            return inside(interp.run_region(run.main.body, leaves))
 
         # The jit name becomes the HLO module's name: jit_<program>, as for jax.jit(program).
         program.__name__ = program.__qualname__ = module.name
