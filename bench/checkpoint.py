@@ -640,7 +640,7 @@ def run(args: argparse.Namespace) -> int:
         spreads[figure] = per_rep_ratios(samples[num], samples[den])
     for key, figure in (
         ("fcir", "peak extra host memory of a restore / restored bytes"),
-        ("fcir_other", "the same, restoring onto mesh (4,2) P('a','b')"),
+        ("fcir_other", "peak extra host memory onto mesh (4,2) / restored"),
     ):
         mem = memory[key]
         mem_ratio = (mem["peak"] - mem["before"]) / mem["restored"]

@@ -34,7 +34,7 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     assert doc["cpu_count"] and doc["versions"]["jax"] and doc["versions"]["numpy"]
     assert doc["versions"]["jaxlib"] and doc["samples_s"]["fcir_save"]
     assert len(doc["figures"]) == 11
-    assert "the same, restoring onto mesh (4,2)" in done.stdout
+    assert "peak extra host memory onto mesh (4,2) / restored" in done.stdout
     save = doc["figures"][0]
     assert save["per_repetition"] == [save["a"] / save["b"]]  # one repetition
     assert "A/B of each repetition" in done.stdout and "load average" in done.stdout

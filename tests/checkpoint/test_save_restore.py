@@ -264,9 +264,10 @@ def _record_reads(monkeypatch):
         reads.extend(("preadv", lo, hi) for lo, hi in _addresses(bufs))
         return real_preadv(fd, bufs, off)
 
-    def fill_mapped(m, skew, *rest):
-        reads.append(("mapped", 0, len(m) - skew))
-        return real_fill(m, skew, *rest)
+    def fill_mapped(m, at, lo, start, stop, shard, chunk, *rest):
+        hi = min(-(-stop // chunk) * chunk, shard.length)  # the block, in whole chunks
+        reads.append(("mapped", lo, hi))
+        return real_fill(m, at, lo, start, stop, shard, chunk, *rest)
 
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(reader, "_fill_mapped", fill_mapped)
