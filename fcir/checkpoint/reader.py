@@ -45,13 +45,13 @@ SLAB_BYTES = 2 * checksums.CHUNK_BYTES
 #: Bytes of a stored shard mapped at a time when only parts of its rows are needed,
 #: from local files. Mapped pages count as resident memory while they are mapped, so
 #: a restore's peak is its arrays plus THREADS such blocks. Measured for issue 22 (2
-#: cores, load 6-10, warm page cache, 4 f32 leaves saved as 8 row blocks and restored
-#: onto a (4, 2) mesh, i.e. half rows; process CPU time, medians of 11-15, relative to
-#: the same restore onto the saved sharding): 8 KiB half rows 1.09-1.10 (1 MiB maps
-#: 1.39, 4 MiB 1.12-1.18; the scratch-slab copy that mappings replaced 1.33-1.37,
-#: columns of 2 KiB 1.20 against its 1.32); 16-64 KiB half rows 1.02-1.13, against
-#: 1.12-1.32 for a preadv straight into the destinations' runs (one buffer and CRC call
-#: per run), which mappings replaced too.
+#: cores, load 2-10, warm page cache; 4 f32 leaves saved as 8 row blocks, restored
+#: onto another sharding; process CPU time relative to the same restore onto the saved
+#: sharding, medians of 11-15 side by side): 8 KiB half rows 1.05-1.10 and 2 KiB
+#: columns 1.15-1.23 from mappings, against 1.27-1.32 and 1.26-1.45 by the scratch
+#: slab (a pread, then a copy) they replaced; 16-64 KiB half rows 1.02-1.13, against
+#: 1.12-1.32 by a preadv straight into the destinations' runs (a buffer and a CRC call
+#: per run), which they replaced too. Blocks of 1 MiB cost 1.39, of 4 MiB 1.12-1.18.
 MAP_BYTES = 8 * checksums.CHUNK_BYTES
 
 Task = Callable[[], None]
