@@ -443,9 +443,9 @@ def rss_bytes(field: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def measure_memory_child(library: str, path: str, rows: int, cols: int) -> None:
+def measure_memory_child(library: str, path: str, rows: int, cols: int, kind: str) -> None:
     shape = (rows, cols)
-    target = abstract_tree(shape, "saved")
+    target = abstract_tree(shape, kind)
     jax.block_until_ready(jax.device_put(np.zeros(8), shardings("saved")["small"]))
     if library == "orbax":
         ckptr = orbax_checkpointer()
@@ -460,9 +460,13 @@ def measure_memory_child(library: str, path: str, rows: int, cols: int) -> None:
     print(json.dumps({"before": before, "peak": peak, "restored": tree_bytes(out)}))
 
 
-def measure_memory(library: str, path: pathlib.Path, shape: tuple[int, int]) -> dict[str, int]:
+def measure_memory(
+    library: str, path: pathlib.Path, shape: tuple[int, int], kind: str = "saved"
+) -> dict[str, int]:
+    """Peak resident memory of a restore onto the `kind` sharding in a fresh process
+    (VmHWM: file pages mapped during the restore count too)."""
     done = subprocess.run(
-        [sys.executable, __file__, "--memory-child", library, str(path), *map(str, shape)],
+        [sys.executable, __file__, "--memory-child", library, str(path), *map(str, shape), kind],
         capture_output=True,
         text=True,
         check=True,
@@ -610,6 +614,7 @@ def run(args: argparse.Namespace) -> int:
         if rep == warmup + reps - 1:  # fresh processes, once, on the last checkpoints
             memory = {
                 "fcir": measure_memory("fcir", f_path, shape),
+                "fcir_other": measure_memory("fcir", f_path, shape, "other"),
                 **({} if args.quick else {"orbax": measure_memory("orbax", o_path, shape)}),
             }
         for path in (f_path, o_path, d_path, a_path):
@@ -633,25 +638,29 @@ def run(args: argparse.Namespace) -> int:
         ok = ratio >= goal if op == ">=" else ratio <= goal
         rows.append((figure, median(samples[num]), median(samples[den]), ratio, f"{op} {goal}", ok))
         spreads[figure] = per_rep_ratios(samples[num], samples[den])
-    mem = memory["fcir"]
-    mem_ratio = (mem["peak"] - mem["before"]) / mem["restored"]
-    rows.append(
-        (
-            "peak extra host memory of a restore / restored bytes",
-            (mem["peak"] - mem["before"]) / 2**20,
-            mem["restored"] / 2**20,
-            mem_ratio,
-            "<= 1.2",
-            mem_ratio <= 1.2,
+    for key, figure in (
+        ("fcir", "peak extra host memory of a restore / restored bytes"),
+        ("fcir_other", "peak extra host memory onto mesh (4,2) / restored"),
+    ):
+        mem = memory[key]
+        mem_ratio = (mem["peak"] - mem["before"]) / mem["restored"]
+        rows.append(
+            (
+                figure,
+                (mem["peak"] - mem["before"]) / 2**20,
+                mem["restored"] / 2**20,
+                mem_ratio,
+                "<= 1.2",
+                mem_ratio <= 1.2,
+            )
         )
-    )
     print()
     print(
         f"{'figure':<52} {'A':>9} {'B':>9} {'A/B':>7}  {'goal':<7} ok   "
         "A/B of each repetition: median (min..max), goal met in"
     )
     for figure, a, b, ratio, goal, ok in rows:
-        unit = "MiB" if figure.startswith("peak") else "s"
+        unit = "MiB" if "memory" in figure else "s"
         line = (
             f"{figure:<52} {a:>7.3f}{unit[0]:>2} {b:>7.3f}{unit[0]:>2} {ratio:>7.3f}  {goal:<7} "
             f"{'yes' if ok else 'NO ':<4}"
@@ -861,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--dir", help="where to write checkpoints (default: a temporary dir)")
     parser.add_argument("--results", default=str(RESULTS), help="where to write the JSON")
-    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument(
         "--s3",
         action="store_true",
@@ -870,8 +879,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-url", help="s3://BUCKET/PREFIX to measure against (AWS_* env)")
     args = parser.parse_args(argv)
     if args.memory_child:
-        library, path, rows, cols = args.memory_child
-        measure_memory_child(library, path, int(rows), int(cols))
+        library, path, rows, cols, kind = args.memory_child
+        measure_memory_child(library, path, int(rows), int(cols), kind)
         return 0
     if args.size_mib is None:
         args.size_mib = 1 if args.quick else 1024

@@ -4,12 +4,12 @@ Reads go straight into the destination buffers when the needed part of a stored
 shard is one contiguous byte range that lands contiguously in a destination (the same
 sharding, or any resharding along the leading dimension). A split along another
 dimension cuts a stored shard into runs (e.g. half rows) that land in several
-destinations: from local files each checksum chunk is then read with one `preadv`
-whose buffers are the runs' places in their destinations (a *scatter* read), so no
-byte is copied twice. Runs shorter than SCATTER_MIN_RUN_BYTES (where a Python-level
-buffer per run costs more than a copy), overlapping destinations and object stores
-take the slab path: the needed rows are read once, a slab at a time, into a scratch
-buffer and copied into every destination that needs them.
+destinations: such a shard is read a block of whole rows at a time, and each block,
+once verified, is copied into every destination that needs part of it with one numpy
+copy per destination and checksum chunk, so the per-run work is numpy's, never a
+Python loop's. From local files the block is a read-only mapping of the data file
+(whose pages are the page cache's: no byte is copied twice); from object stores it is
+read into a scratch buffer.
 
 Checksums cover fixed-size chunks of each stored shard; a partial read also reads the
 rest of the chunks it touches, so every byte handed back has been verified.
@@ -18,10 +18,12 @@ rest of the chunks it touches, so every byte handed back has been verified.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import pathlib
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Self
 
 import numpy as np
@@ -36,20 +38,21 @@ from fcir.errors import CheckpointError
 
 #: Largest single read straight into a destination.
 PIECE_BYTES = 16 * checksums.CHUNK_BYTES
-#: Rows read into scratch at a time: small enough to stay in cache while the slab is
+#: Bytes of a stored shard read into scratch at a time when only parts of its rows are
+#: needed, from object stores: small enough to stay in cache while the slab is
 #: checksummed and copied out.
 SLAB_BYTES = 2 * checksums.CHUNK_BYTES
-#: Shortest contiguous run that a scatter read puts straight into its destination.
-#: A run costs about 1 us of Python (its memoryview and CRC call, under the GIL); the
-#: slab path's copy costs about as much per 16 KiB. Measured for issue 22 (2 cores,
-#: load 10-14, from the page cache into prefaulted destinations; f32 saved as 8 row
-#: blocks, restored onto a (4, 2) mesh, i.e. half rows; medians of 6-7, s): 128 KiB
-#: runs (512 MiB) 0.24-0.31 by scatter reads, 0.31-0.41 by the slab path, 0.22-0.27
-#: onto the saved sharding; 16 KiB runs (1 GiB) 0.55-1.05, 0.72-1.21 and 0.53-0.92;
-#: 8 KiB runs (256-512 MiB) 0.18-0.59, 0.16-0.57 and 0.12-0.38 (no gain: slab).
-SCATTER_MIN_RUN_BYTES = 16 << 10
-#: Most buffers one preadv takes (Linux's IOV_MAX).
-_IOV_MAX = 1024
+#: Bytes of a stored shard mapped at a time when only parts of its rows are needed,
+#: from local files. Mapped pages count as resident memory while they are mapped, so
+#: a restore's peak is its arrays plus THREADS such blocks. Measured for issue 22 (2
+#: cores, load 2-10, warm page cache; 4 f32 leaves saved as 8 row blocks, restored
+#: onto another sharding; process CPU time relative to the same restore onto the saved
+#: sharding, medians of 11-15 side by side): 8 KiB half rows 1.05-1.10 and 2 KiB
+#: columns 1.15-1.23 from mappings, against 1.27-1.32 and 1.26-1.45 by the scratch
+#: slab (a pread, then a copy) they replaced; 16-64 KiB half rows 1.02-1.13, against
+#: 1.12-1.32 by a preadv straight into the destinations' runs (a buffer and a CRC call
+#: per run), which they replaced too. Blocks of 1 MiB cost 1.39, of 4 MiB 1.12-1.18.
+MAP_BYTES = 8 * checksums.CHUNK_BYTES
 
 Task = Callable[[], None]
 
@@ -72,6 +75,7 @@ class DataFiles:
         self.directory = directory
         self.layout = layout
         self._fds: dict[int, int] = {}
+        self._maps: dict[int, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def fd(self, index: int, array: str) -> int:
@@ -99,6 +103,21 @@ class DataFiles:
     def name(self, index: int) -> str:
         return str(self.directory / self.layout.files[index].name)
 
+    def mapping(self, index: int, array: str) -> mmap.mmap:
+        """A read-only mapping of all of data file `index`, made on first use: one per
+        restore, since each mmap and munmap takes the process's memory-map lock, which
+        the page faults of every other reading thread wait for."""
+        fd = self.fd(index, array)
+        with self._lock:
+            if index not in self._maps:
+                try:
+                    self._maps[index] = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+                except (OSError, ValueError) as e:
+                    raise CheckpointError(
+                        f"array {array!r}: cannot map data file {self.name(index)}: {e}"
+                    ) from e
+            return self._maps[index]
+
     #: Whether a read should fetch whole checksum chunks in one request (object stores).
     whole_chunks = False
 
@@ -111,27 +130,14 @@ class DataFiles:
             lambda: f"array {array!r}: data file {self.name(index)}",
         )
 
-    def preadv(self, index: int, dests: list[memoryview], offset: int, array: str) -> None:
-        """Fills the buffers `dests`, one after another, from byte `offset` of file `index`."""
-        fd = self.fd(index, array)
-        views = list(dests)
-        i = 0
-        while i < len(views):
-            n = os.preadv(fd, views[i : i + _IOV_MAX], offset)
-            if n <= 0:
-                raise CheckpointError(
-                    f"array {array!r}: data file {self.name(index)} is truncated "
-                    f"(nothing at byte {offset})"
-                )
-            offset += n
-            while n and n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            if n:
-                views[i] = views[i][n:]
-
     def close(self) -> None:
         with self._lock:
+            for m in self._maps.values():
+                try:
+                    m.close()
+                except BufferError:  # a raised error's traceback still holds a view of
+                    pass  # it: it unmaps when that goes
+            self._maps.clear()
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -300,7 +306,6 @@ def plan_array(
         sbox = (tuple(r.start for r in shard.index), tuple(r.stop for r in shard.index))
         sshape = shardings.box_shape(sbox)
         scattered: list[tuple[Box, np.ndarray]] = []  # (box in shard coords, dest view)
-        bases: list[np.ndarray] = []  # the C-contiguous buffer of each scattered view
         for d, (dbox, buf) in enumerate(dests):
             inter = shardings.intersect(sbox, dbox)
             if inter is None:
@@ -313,17 +318,8 @@ def plan_array(
                 tasks += _direct_tasks(files, shard, chunk, start, view, array, progress)
             else:
                 scattered.append((in_shard, view))
-                bases.append(buf)
         if scattered:
-            runs = None
-            if isinstance(files, DataFiles):
-                runs = _scatter_runs(sshape, itemsize, scattered, bases)
-            if runs is not None:
-                tasks += _scatter_tasks(files, shard, chunk, runs, bases, array, progress)
-            else:
-                tasks += _slab_tasks(
-                    files, shard, chunk, sshape, itemsize, scattered, array, progress
-                )
+            tasks += _block_tasks(files, shard, chunk, sshape, itemsize, scattered, array, progress)
     for (dbox, _), got in zip(dests, covered):
         if got != shardings.volume(dbox):
             raise CheckpointError(
@@ -363,7 +359,7 @@ def _direct_tasks(
     return [task(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
-def _slab_tasks(
+def _block_tasks(
     files: DataFiles | ObjectDataFiles,
     shard: pb.ShardRecord,
     chunk: int,
@@ -373,178 +369,155 @@ def _slab_tasks(
     array: str,
     progress: Progress | None,
 ) -> list[Task]:
-    row_bytes = int(np.prod(sshape[1:], dtype=np.int64)) * itemsize
-    rows_per_slab = max(1, SLAB_BYTES // max(row_bytes, 1))
-    intervals: list[list[int]] = []  # merged leading-dimension row ranges that are needed
-    for lo, hi in sorted((b[0][0], b[1][0]) for b, _ in scattered):
-        if intervals and lo <= intervals[-1][1]:
-            intervals[-1][1] = max(intervals[-1][1], hi)
-        else:
-            intervals.append([lo, hi])
-    dtype = scattered[0][1].dtype
+    """Tasks that each take a block of whole rows of a stored shard (along some dimension
+    k, below fixed indices of the dimensions before it), verified, and copy into every
+    destination its part of those rows with one numpy copy per destination and checksum
+    chunk: the per-run work is numpy's, not Python's.
 
-    def task(r0: int, r1: int) -> Task:
-        def run() -> None:
-            scratch = _scratch((r1 - r0) * row_bytes)
-            read_range(
-                files, shard, chunk, r0 * row_bytes, r1 * row_bytes, memoryview(scratch), array
-            )
-            rows = scratch.view(dtype).reshape((r1 - r0, *sshape[1:]))
-            for (lo, hi), view in scattered:
-                a, b = max(lo[0], r0), min(hi[0], r1)
-                if a < b:
-                    src = rows[(slice(a - r0, b - r0), *map(slice, lo[1:], hi[1:]))]
-                    view[a - lo[0] : b - lo[0]] = src
-                    if progress is not None:
-                        progress.advance(src.nbytes)
-
-        return run
-
-    return [
-        task(r, min(r + rows_per_slab, hi))
-        for lo, hi in intervals
-        for r in range(lo, hi, rows_per_slab)
-    ]
-
-
-class _Runs:
-    """Where a stored shard's needed bytes go: contiguous runs, in file order, each
-    `length[i]` bytes from byte `src[i]` of the shard to byte `dst[i]` of `bases[buf[i]]`."""
-
-    def __init__(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray, buf: np.ndarray):
-        order = np.argsort(src, kind="stable")
-        self.src, self.dst = src[order], dst[order]
-        self.length, self.buf = length[order], buf[order]
-        self.end = self.src + self.length
-
-    def overlap(self) -> bool:
-        return bool(np.any(self.src[1:] < self.end[:-1]))
-
-
-def _scatter_runs(
-    sshape: tuple[int, ...],
-    itemsize: int,
-    scattered: list[tuple[Box, np.ndarray]],
-    bases: list[np.ndarray],
-) -> _Runs | None:
-    """The runs of a scatter read of these destination views, or None where one is
-    shorter than SCATTER_MIN_RUN_BYTES or two destinations need the same bytes."""
-    ndim = len(sshape)
-    shard_strides = [itemsize * int(np.prod(sshape[j + 1 :], dtype=np.int64)) for j in range(ndim)]
-    srcs, dsts, lengths, bufs = [], [], [], []
-    for b, ((lo, hi), view) in enumerate(scattered):
-        ext = [h - a for a, h in zip(lo, hi)]
-        # Merge trailing dimensions into one run while the destination view stays
-        # contiguous over them and the shard holds them whole (dimension k itself may
-        # be partial in the shard: the run is then a part of a row).
-        k, run = ndim, itemsize
-        while k > 0:
-            j = k - 1
-            if ext[j] != 1 and view.strides[j] != run:
-                break
-            k, run = j, run * ext[j]
-            if ext[j] != sshape[j]:
-                break
-        if run < SCATTER_MIN_RUN_BYTES:
-            return None
-        start = sum(lo[j] * shard_strides[j] for j in range(k, ndim))
-        view_at = view.__array_interface__["data"][0] - bases[b].__array_interface__["data"][0]
-        if k == 0:
-            src, dst = np.array([start], np.int64), np.array([view_at], np.int64)
-        else:
-            idx = np.indices(ext[:k], dtype=np.int64).reshape(k, -1)
-            src = start + sum((lo[j] + idx[j]) * shard_strides[j] for j in range(k))
-            dst = view_at + sum(idx[j] * view.strides[j] for j in range(k))
-        srcs.append(src)
-        dsts.append(dst)
-        lengths.append(np.full(len(src), run, np.int64))
-        bufs.append(np.full(len(src), b, np.int64))
-    runs = _Runs(*(np.concatenate(x) for x in (srcs, dsts, lengths, bufs)))
-    return None if runs.overlap() else runs
-
-
-def _scatter_tasks(
-    files: DataFiles,
-    shard: pb.ShardRecord,
-    chunk: int,
-    runs: _Runs,
-    bases: list[np.ndarray],
-    array: str,
-    progress: Progress | None,
-) -> list[Task]:
-    """Tasks that read each checksum chunk the runs touch with one preadv whose buffers
-    are the runs' places in their destinations (the chunk's other bytes go to scratch,
-    to be checksummed), then verify the chunk.
-
-    Where each buffer goes is worked out with numpy for a whole task at once; per run,
-    only a memoryview slice and a CRC call are left to Python.
+    From local files the block is a read-only mapping of the data file's page cache
+    (MAP_BYTES at most), so no byte is copied twice; from object stores it is read
+    into scratch (SLAB_BYTES at most) by read_range. Rows are taken along the first
+    dimension whose rows fit in that budget, so the budget holds for any shape.
     """
-    flat = [memoryview(b.reshape(-1).view(np.uint8)) for b in bases]
-    first = runs.src // chunk
-    last = (runs.end - 1) // chunk
-    needed = np.unique(np.concatenate([first, last, *_between(first, last)]))
-    per_task = max(1, PIECE_BYTES // chunk)
-    groups: list[list[int]] = []
-    for c in needed.tolist():
-        if groups and c == groups[-1][-1] + 1 and len(groups[-1]) < per_task:
-            groups[-1].append(c)
-        else:
-            groups.append([c])
-    gap = len(flat)  # the buffer index of a chunk's bytes no destination needs
+    local = isinstance(files, DataFiles)
+    budget = MAP_BYTES if local else SLAB_BYTES
+    dtype = scattered[0][1].dtype
+    ndim = len(sshape)
+    strides = [itemsize * int(np.prod(sshape[j + 1 :], dtype=np.int64)) for j in range(ndim)]
+    tasks: list[Task] = []
 
-    def pieces(c0: int, c1: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """The buffers that chunks c0..c1-1 are read into: each piece's buffer index,
-        start and stop in it; for each chunk the index of its first piece (and one past
-        the last chunk's last), and the bytes it puts into destinations."""
-        lo, hi = c0 * chunk, min(c1 * chunk, shard.length)
-        i = int(np.searchsorted(runs.end, lo, side="right"))
-        j = int(np.searchsorted(runs.src, hi, side="left"))
-        bounds = np.arange(lo, hi, chunk, dtype=np.int64)
-        cuts = np.unique(np.concatenate([bounds, runs.src[i:j], runs.end[i:j], [lo, hi]]))
-        cuts = cuts[(cuts >= lo) & (cuts <= hi)]
-        p, q = cuts[:-1], cuts[1:]
-        r = np.searchsorted(runs.src[i:j], p, side="right") - 1 + i
-        inside = (r >= i) & (p < runs.end[np.maximum(r, 0)])
-        r = np.maximum(r, 0)
-        at = np.where(inside, runs.dst[r] + p - runs.src[r], p % chunk)
-        buf = np.where(inside, runs.buf[r], gap)
-        heads = np.searchsorted(p, bounds)
-        useful = np.add.reduceat(np.where(inside, q - p, 0), heads).tolist()
-        return buf.tolist(), at.tolist(), (at + q - p).tolist(), [*heads.tolist(), len(p)], useful
+    def task(k: int, base: int, r0: int, r1: int, parts: list[_Part]) -> Task:
+        row = strides[k]
+        shape = (r1 - r0, *sshape[k + 1 :])
+        start, stop = base + r0 * row, base + r1 * row
+        step = max(1, chunk // row)  # rows copied out while their chunk is in the cache
 
-    def task(c0: int, c1: int) -> Task:
+        def fill(block: np.ndarray, verify: Callable[[int], None]) -> None:
+            rows = block.view(dtype).reshape(shape)
+            for a in range(r0, r1, step):
+                b = min(a + step, r1)
+                verify(base + b * row)
+                for lo, hi, view in parts:
+                    x, y = max(lo[0], a), min(hi[0], b)
+                    if x < y:
+                        src = rows[(slice(x - r0, y - r0), *map(slice, lo[1:], hi[1:]))]
+                        view[x - lo[0] : y - lo[0]] = src
+                        if progress is not None:
+                            progress.advance(src.nbytes)
+
         def run() -> None:
-            bufs, starts, stops, heads, useful = pieces(c0, c1)
-            scratch = memoryview(_scratch(chunk))
-            views_of = [*flat, scratch]
-            for c, h0, h1, got in zip(range(c0, c1), heads, heads[1:], useful):
-                views = [
-                    views_of[b][x:y] for b, x, y in zip(bufs[h0:h1], starts[h0:h1], stops[h0:h1])
-                ]
-                lo = c * chunk
-                files.preadv(shard.file, views, shard.offset + lo, array)
-                crc = 0
-                for v in views:
-                    crc = checksums.crc32(v, crc)
-                if crc != shard.chunk_checksums[c]:
-                    hi = min(lo + chunk, shard.length)
-                    raise CheckpointError(
-                        f"array {array!r}: data file {files.name(shard.file)}: checksum "
-                        f"mismatch in bytes {shard.offset + lo}..{shard.offset + hi} (the "
-                        "checkpoint is corrupt)"
-                    )
-                if progress is not None:
-                    progress.advance(got)
+            if local:
+                _with_mapping(files, shard, chunk, start, stop, array, fill)
+            else:
+                block = _scratch(stop - start)
+                read_range(files, shard, chunk, start, stop, memoryview(block), array)
+                fill(block, lambda _: None)
 
         return run
 
-    tasks = []
-    for g in groups:  # runs of consecutive chunks, at most PIECE_BYTES each
-        tasks.append(task(g[0], g[-1] + 1))
+    def plan(k: int, base: int, parts: list[_Part]) -> None:
+        """Plans rows of dimension k at byte `base` of the shard; each part is a
+        destination's box over dimensions k.. and its view, indexed down to them."""
+        for lo, hi in _merged((p[0][0], p[1][0]) for p in parts):
+            if strides[k] > budget and k + 1 < ndim:  # rows too long: one at a time
+                for i in range(lo, hi):
+                    sub = [(a[1:], b[1:], v[i - a[0]]) for a, b, v in parts if a[0] <= i < b[0]]
+                    plan(k + 1, base + i * strides[k], sub)
+                continue
+            per = max(1, budget // strides[k])
+            for r in range(lo, hi, per):
+                r1 = min(r + per, hi)
+                tasks.append(
+                    task(k, base, r, r1, [p for p in parts if p[0][0] < r1 and r < p[1][0]])
+                )
+
+    plan(0, 0, [(lo, hi, view) for (lo, hi), view in scattered])
     return tasks
 
 
-def _between(first: np.ndarray, last: np.ndarray) -> list[np.ndarray]:
-    """The chunk indices strictly between each run's first and last chunk."""
-    wide = np.nonzero(last - first > 1)[0]
-    return [np.arange(first[i] + 1, last[i], dtype=np.int64) for i in wide.tolist()]
+_Part = tuple[tuple[int, ...], tuple[int, ...], np.ndarray]
+
+
+def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of half-open ranges, as sorted disjoint ranges."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+#: madvise(2) advice that reads a range's pages into a mapping in one call (Linux 5.14+),
+#: instead of a page fault per 64 KiB when they are first used.
+_POPULATE = 22 if sys.platform == "linux" else None  # MADV_POPULATE_READ
+
+
+def _advise(m: mmap.mmap, advice: int | None, start: int, length: int) -> None:
+    if advice is not None and hasattr(m, "madvise"):
+        try:
+            m.madvise(advice, start, length)
+        except OSError:  # e.g. an older kernel: the pages fault in when they are used
+            pass
+
+
+def _with_mapping(
+    files: DataFiles,
+    shard: pb.ShardRecord,
+    chunk: int,
+    start: int,
+    stop: int,
+    array: str,
+    fill: Callable[[np.ndarray, Callable[[int], None]], None],
+) -> None:
+    """Calls fill(block, verify) on bytes [start, stop) of a stored shard in the
+    mapping of its data file; verify(end) checks every checksum chunk up to byte `end`
+    (whole: the chunks' bytes outside the range are mapped too) before fill uses them.
+    The block's pages are then dropped from the mapping (MADV_DONTNEED; they stay in
+    the page cache), so mapped pages never add up to more than the blocks in flight."""
+    lo = start // chunk * chunk
+    hi = min(-(-stop // chunk) * chunk, shard.length)
+    m = files.mapping(shard.file, array)
+    at, end = shard.offset + lo, shard.offset + hi
+    page = at - at % mmap.PAGESIZE
+    _advise(m, _POPULATE, page, end - page)
+    try:
+        _fill_mapped(m, at, lo, start, stop, shard, chunk, files.name(shard.file), array, fill)
+    finally:
+        _advise(m, mmap.MADV_DONTNEED, page, end - page)
+
+
+def _fill_mapped(
+    m: mmap.mmap,
+    at: int,
+    lo: int,
+    start: int,
+    stop: int,
+    shard: pb.ShardRecord,
+    chunk: int,
+    name: str,
+    array: str,
+    fill: Callable[[np.ndarray, Callable[[int], None]], None],
+) -> None:
+    data = memoryview(m)[at:]
+    checked = lo // chunk  # the next chunk to verify
+
+    def verify(end: int) -> None:
+        nonlocal checked
+        while checked * chunk < end:
+            a, b = checked * chunk, min((checked + 1) * chunk, shard.length)
+            if checksums.crc32(data[a - lo : b - lo]) != shard.chunk_checksums[checked]:
+                raise CheckpointError(
+                    f"array {array!r}: data file {name}: checksum mismatch in bytes "
+                    f"{shard.offset + a}..{shard.offset + b} (the checkpoint is corrupt)"
+                )
+            checked += 1
+
+    try:
+        fill(np.frombuffer(data, np.uint8, stop - start, start - lo), verify)
+    finally:
+        try:
+            data.release()
+        except BufferError:  # as in DataFiles.close
+            pass

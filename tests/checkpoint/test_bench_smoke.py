@@ -33,7 +33,8 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     doc = json.loads(result.read_text())
     assert doc["cpu_count"] and doc["versions"]["jax"] and doc["versions"]["numpy"]
     assert doc["versions"]["jaxlib"] and doc["samples_s"]["fcir_save"]
-    assert len(doc["figures"]) == 10
+    assert len(doc["figures"]) == 11
+    assert "peak extra host memory onto mesh (4,2) / restored" in done.stdout
     save = doc["figures"][0]
     assert save["per_repetition"] == [save["a"] / save["b"]]  # one repetition
     assert "A/B of each repetition" in done.stdout and "load average" in done.stdout

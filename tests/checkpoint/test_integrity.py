@@ -194,9 +194,11 @@ def test_irregular_tilings_are_checked_pair_by_pair(monkeypatch):
 
 
 @pytest.mark.parametrize("where", [0, 70_000, 2**20 + 5, 2**22 - 1])
-def test_a_flipped_byte_is_caught_by_scatter_reads_onto_another_sharding(tmp_path, devices, where):
-    """Restoring 256 KiB rows onto a (4, 2) mesh reads half rows straight into the
-    destinations (scatter reads); each chunk is still verified whole."""
+def test_a_flipped_byte_is_caught_when_rows_are_split_onto_another_sharding(
+    tmp_path, devices, where
+):
+    """Restoring 256 KiB rows onto a (4, 2) mesh copies half rows from mappings of the
+    data file; each chunk is still verified whole, before any of it is used."""
     mesh8 = jax.make_mesh((8,), ("x",), devices=devices)
     big = values((16, 65536), seed=4)  # 4 MiB, two rows per stored block
     checkpoint.save(tmp_path / "c", {"w": jax.device_put(big, NamedSharding(mesh8, P("x")))})

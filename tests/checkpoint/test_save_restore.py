@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
 from fcir._proto import checkpoint_pb2 as pb
+from fcir.checkpoint import reader
 from fcir.errors import CheckpointError
 
 Pair = collections.namedtuple("Pair", ["mu", "nu"])
@@ -247,13 +248,30 @@ def test_every_stored_byte_is_read_once_whatever_the_target_sharding(
 ):
     big = values((64, 8192), seed=1)  # 2 MiB: 256 KiB per stored block
     _save_rows_over_8(tmp_path, big, devices)
-    read = []
-    real = os.preadv
-    monkeypatch.setattr(
-        os, "preadv", lambda fd, bufs, off: read.append(real(fd, bufs, off)) or read[-1]
-    )
+    reads = _record_reads(monkeypatch)
     _restore_checked(tmp_path, big, devices, mesh_shape, spec)
-    assert sum(read) == big.nbytes
+    assert sum(hi - lo for _, lo, hi in reads) == big.nbytes
+
+
+def _record_reads(monkeypatch):
+    """Records each read of stored bytes from here on: ("preadv", start, stop) with the
+    addresses of every buffer a preadv fills, ("mapped", 0, n) for every block of n
+    bytes the reader maps from a data file."""
+    reads = []
+    real_preadv, real_fill = os.preadv, reader._fill_mapped
+
+    def preadv(fd, bufs, off):
+        reads.extend(("preadv", lo, hi) for lo, hi in _addresses(bufs))
+        return real_preadv(fd, bufs, off)
+
+    def fill_mapped(m, at, lo, start, stop, shard, chunk, *rest):
+        hi = min(-(-stop // chunk) * chunk, shard.length)  # the block, in whole chunks
+        reads.append(("mapped", lo, hi))
+        return real_fill(m, at, lo, start, stop, shard, chunk, *rest)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(reader, "_fill_mapped", fill_mapped)
+    return reads
 
 
 def _save_rows_over_8(tmp_path, big, devices):
@@ -407,25 +425,22 @@ def _addresses(buffers):
     ("mesh_shape", "spec"),
     [((8,), P("x")), ((4, 2), P("a", "b")), ((2, 4), P(None, ("a", "b")))],
 )
-def test_a_restore_onto_another_sharding_reads_each_byte_once_straight_into_the_arrays(
+def test_a_restore_onto_another_sharding_reads_each_byte_once_with_no_scratch_copy(
     tmp_path, monkeypatch, devices, mesh_shape, spec
 ):
-    """Half rows (4, 2) and quarter rows of 256 KiB stored rows go by scatter reads: every
-    buffer a preadv fills is memory of the restored arrays' shards (on CPU jax adopts
-    the buffers), so no byte passes through a scratch copy, and each is read once."""
+    """Onto the saved sharding every buffer a preadv fills is memory of the restored
+    arrays' shards (on CPU jax adopts the buffers); half rows (4, 2) and quarter rows
+    of 256 KiB stored rows are copied from a mapping of the data file into the arrays.
+    Either way no byte passes through a scratch buffer, and each is read once."""
     big = values((64, 65536), seed=3)  # 16 MiB: stored rows of 256 KiB
     _save_rows_over_8(tmp_path, big, devices)
-    filled = []
-    real = os.preadv
-
-    def preadv(fd, bufs, off):
-        filled.extend(_addresses(bufs))
-        return real(fd, bufs, off)
-
-    monkeypatch.setattr(os, "preadv", preadv)
+    reads = _record_reads(monkeypatch)
+    monkeypatch.setattr(reader, "_scratch", lambda n: pytest.fail("a scratch buffer was used"))
     got = _restore_checked(tmp_path, big, devices, mesh_shape, spec)
     shards = _addresses(
         memoryview(np.asarray(s.data).reshape(-1).view(np.uint8)) for s in got.addressable_shards
     )
+    filled = [(lo, hi) for kind, lo, hi in reads if kind == "preadv"]
     assert all(any(a <= lo and hi <= b for a, b in shards) for lo, hi in filled)
-    assert sum(hi - lo for lo, hi in filled) == big.nbytes
+    assert sum(hi - lo for _, lo, hi in reads) == big.nbytes
+    assert bool(filled) == (mesh_shape == (8,))
