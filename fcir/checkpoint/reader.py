@@ -17,6 +17,7 @@ rest of the chunks it touches, so every byte handed back has been verified.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
@@ -454,12 +455,16 @@ def _merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 _POPULATE = 22 if sys.platform == "linux" else None  # MADV_POPULATE_READ
 
 
-def _advise(m: mmap.mmap, advice: int | None, start: int, length: int) -> None:
+def _advise(m: mmap.mmap, advice: int | None, start: int, length: int) -> OSError | None:
+    """madvise(2); the error, when the kernel could not do what it was asked for a
+    reason other than not knowing the advice (an older kernel: pages then fault in when
+    they are used)."""
     if advice is not None and hasattr(m, "madvise"):
         try:
             m.madvise(advice, start, length)
-        except OSError:  # e.g. an older kernel: the pages fault in when they are used
-            pass
+        except OSError as e:
+            return None if e.errno == errno.EINVAL else e
+    return None
 
 
 def _with_mapping(
@@ -480,8 +485,20 @@ def _with_mapping(
     hi = min(-(-stop // chunk) * chunk, shard.length)
     m = files.mapping(shard.file, array)
     at, end = shard.offset + lo, shard.offset + hi
+    if end > len(m):
+        raise CheckpointError(
+            f"array {array!r}: data file {files.name(shard.file)} is truncated: it has "
+            f"{len(m)} bytes, the layout says at least {end}"
+        )
     page = at - at % mmap.PAGESIZE
-    _advise(m, _POPULATE, page, end - page)
+    # Populating reports an I/O error, or a file cut short since it was mapped, as an
+    # error here; touching such pages later would kill the process with SIGBUS.
+    failed = _advise(m, _POPULATE, page, end - page)
+    if failed is not None:
+        raise CheckpointError(
+            f"array {array!r}: cannot read data file {files.name(shard.file)} bytes "
+            f"{at}..{end}: {failed}"
+        )
     try:
         _fill_mapped(m, at, lo, start, stop, shard, chunk, files.name(shard.file), array, fill)
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 import jax
 import numpy as np
 import pytest
@@ -215,3 +217,49 @@ def test_a_flipped_byte_is_caught_when_rows_are_split_onto_another_sharding(
     spec = jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=NamedSharding(mesh42, P("a", "b")))
     with pytest.raises(CheckpointError, match=rf"'w'.*{data.name}.*checksum mismatch"):
         checkpoint.restore(tmp_path / "c", {"w": spec})
+
+
+def _saved_rows(tmp_path, devices):
+    """A 4 MiB array saved over 8 devices, and the spec restoring it onto a (4, 2)
+    mesh: rows split between destinations, read through mappings of the data file."""
+    mesh8 = jax.make_mesh((8,), ("x",), devices=devices)
+    big = values((16, 65536), seed=5)
+    checkpoint.save(tmp_path / "c", {"w": jax.device_put(big, NamedSharding(mesh8, P("x")))})
+    lay = checkpoint.read_layout(tmp_path / "c")
+    data = tmp_path / "c" / lay.files[lay.items[0].arrays.arrays[0].shards[0].file].name
+    mesh42 = jax.make_mesh((4, 2), ("a", "b"), devices=devices)
+    spec = jax.ShapeDtypeStruct(big.shape, big.dtype, sharding=NamedSharding(mesh42, P("a", "b")))
+    return data, {"w": spec}
+
+
+def test_a_truncated_data_file_is_an_error_when_rows_are_split_onto_another_sharding(
+    tmp_path, devices
+):
+    """A mapping past the end of a file would end the process with SIGBUS when read."""
+    data, target = _saved_rows(tmp_path, devices)
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=rf"'w'.*{data.name} is truncated"):
+        checkpoint.restore(tmp_path / "c", target)
+
+
+def test_a_read_error_while_populating_a_mapping_is_a_checkpoint_error(
+    tmp_path, devices, monkeypatch
+):
+    """The kernel reports an I/O error (or a file cut short after it was mapped) when it
+    populates the pages; it must not be ignored, or reading them raises SIGBUS."""
+    from fcir.checkpoint import reader
+
+    data, target = _saved_rows(tmp_path, devices)
+    real = reader._advise
+
+    def failing(m, advice, start, length):
+        if advice == reader._POPULATE and advice is not None:
+            return OSError(errno.EIO, "Input/output error")
+        return real(m, advice, start, length)
+
+    monkeypatch.setattr(reader, "_advise", failing)
+    with pytest.raises(
+        CheckpointError, match=rf"'w': cannot read data file .*{data.name} bytes .*Input/output"
+    ):
+        checkpoint.restore(tmp_path / "c", target)
