@@ -1,17 +1,23 @@
-"""A gradient of a gradient through ``lax.scan`` keeps the running JAX's scan residuals,
-so it runs like ``jax.jit`` (ir.md guarantee 1) on JAX 0.10.2 and 0.12 alike.
+"""A gradient of a gradient through ``lax.scan`` prints one IR on JAX 0.10.2 and 0.12 and
+runs like ``jax.jit`` (ir.md guarantee 1) on both (fcir/jaxcompat/scan_outputs.py).
 
 The inner ``jax.grad`` leaves a forward scan whose stacked outputs are its residuals; the
 outer gradient linearizes that scan again and needs some of the same values as residuals
-of its own. JAX 0.12 returns each such value from the scan once (it forwards the
-duplicate to the stacked output); JAX 0.10.2 returns it twice. XLA prices the two forms
+of its own. JAX 0.10.2 returns each such value from the scan twice; JAX 0.12 returns it
+once (it forwards the duplicate to the stacked output). XLA prices the two forms
 differently (it fuses a residual's elementwise producer into the update of each stacked
-output that holds it), and one IR text lowers to one of them, so capture keeps the
-running JAX's form: here three residuals twice on 0.10.2, none on 0.12
-(fedavg_transformer_grad: 21 and 20; tests/golden/README.md).
+output that holds it). So capture keeps 0.10.2's form on every JAX (here three values
+stacked twice; fedavg_transformer_grad: 21), and the XLA backend binds such a scan as the
+running JAX does: merged on 0.12, as it is on 0.10.2 (tests/golden/README.md).
 """
 
 from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +27,7 @@ from fcir.interpreters import xla
 
 import fcir
 from fcir import captured
+from fcir.jaxcompat import scan_outputs
 
 JAX_0_10 = jax.__version_info__ < (0, 11)
 
@@ -97,23 +104,96 @@ def _merge_duplicates(module) -> int:
     return len(subs)
 
 
-def test_second_order_scan_gradient_keeps_the_running_jaxs_residuals():
+def _jaxpr_duplicates(closed) -> int:
+    """How many stacked outputs of the scans in ``closed`` (nested ones too) repeat an
+    earlier one of the same scan (what JAX 0.12's linearization merges)."""
+    return scan_outputs.stacked_copies(closed)
+
+
+def test_second_order_scan_gradient_captures_jax_0_10s_residuals_on_every_jax():
     module = fcir.capture(jax.grad(_outer), *_args())
-    dups = sum(len(_stacked_duplicates(s)) for s in _scans(module))
-    assert dups == (3 if JAX_0_10 else 0)
+    assert sum(len(_stacked_duplicates(s)) for s in _scans(module)) == 3
+
+
+# One process: JAX traces the gradient itself and fcir captures it, in either order; it
+# prints how many values each trace's scans stack twice. Capture's config state is part
+# of JAX's trace context, so neither trace may reuse the other's (fresh process: what
+# earlier tests traced cannot mask a leak).
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    import jax, fcir
+    from test_scan_residuals import _args, _outer, _jaxpr_duplicates, _scans, _stacked_duplicates
+
+    fn, args = jax.grad(_outer), _args()
+    jax_first = sys.argv[1] == "jax_first"
+
+    def by_jax():
+        jaxpr = jax.make_jaxpr(fn)(*args)
+        jax.jit(fn).lower(*args).compile()(*args)
+        return _jaxpr_duplicates(jaxpr)
+
+    if jax_first:
+        jax_dups = by_jax()
+    module = fcir.capture(fn, *args)
+    if not jax_first:
+        jax_dups = by_jax()
+    print(json.dumps({{
+        "capture": sum(len(_stacked_duplicates(s)) for s in _scans(module)),
+        "jax": jax_dups,
+        "jax_after": _jaxpr_duplicates(jax.make_jaxpr(fn)(*args)),
+    }}))
+    """
+).format(tests=str(pathlib.Path(__file__).resolve().parent))
+
+
+@pytest.mark.parametrize("order", ["jax_first", "capture_first"])
+def test_capture_keeps_copies_and_jax_keeps_its_own_form_whatever_traced_before(order):
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, order],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    jax_form = 3 if JAX_0_10 else 0
+    assert result == {"capture": 3, "jax": jax_form, "jax_after": jax_form}
+
+
+def _jit(fn, args):
+    ref = jax.jit(fn).lower(*args).compile()
+    return np.asarray(ref(*args)).tobytes(), _flops(ref)
 
 
 def test_second_order_scan_gradient_runs_like_jit():
     args = _args()
     fn = jax.grad(_outer)
-    ref = jax.jit(fn).lower(*args).compile()
-    assert _run(fcir.capture(fn, *args), args) == (np.asarray(ref(*args)).tobytes(), _flops(ref))
+    assert _run(fcir.capture(fn, *args), args) == _jit(fn, args)
 
 
-@pytest.mark.skipif(not JAX_0_10, reason="JAX 0.12 returns each residual once already")
-def test_merging_jax_0_10s_duplicate_residuals_keeps_the_bits_but_not_jits_flops():
-    # Why capture does not print 0.12's form on 0.10.2: the merged IR is another program
-    # for XLA (fewer flops), so xla.compile of it would not be jax.jit of the gradient.
+def test_second_order_scan_gradient_runs_like_jit_from_captures_own_jaxpr():
+    # Without forget: xla.compile may take capture's jaxpr instead of tracing the IR;
+    # on 0.12 that jaxpr has the copies, so it must trace the IR (and merge) instead.
+    args = _args()
+    fn = jax.grad(_outer)
+    exe = xla.compile(fcir.capture(fn, *args))
+    assert (np.asarray(exe(*args)).tobytes(), _flops(exe.compiled(*args))) == _jit(fn, args)
+
+
+def test_xla_binds_a_scan_stacking_one_value_twice_as_the_running_jax():
+    module = fcir.capture(jax.grad(_outer), *_args())
+    captured.forget(module)
+    jaxpr = jax.make_jaxpr(lambda *a: xla.XlaInterpreter().run(module, *a))(*_args())
+    assert _jaxpr_duplicates(jaxpr) == (3 if JAX_0_10 else 0)
+
+
+def test_merging_the_copies_in_the_ir_gives_the_flops_of_jit_only_on_jax_0_12():
+    # The merged IR is another program for XLA on 0.10.2 (fewer flops than jax.jit of
+    # the gradient); on 0.12 the backend merges the copies itself, so both texts run
+    # with jax.jit's flops. Why the shared text is 0.10.2's.
     args = _args()
     module = fcir.capture(jax.grad(_outer), *args)
     bits, flops = _run(module, args)
@@ -121,4 +201,33 @@ def test_merging_jax_0_10s_duplicate_residuals_keeps_the_bits_but_not_jits_flops
     fcir.check(module)
     merged_bits, merged_flops = _run(module, args)
     assert merged_bits == bits
-    assert merged_flops < flops
+    if JAX_0_10:
+        assert merged_flops < flops
+    else:
+        assert merged_flops == flops
+
+
+def _stacks_twice(c0, xs):
+    def body(c, x):
+        y = jnp.sin(x * c) + 1.0
+        return c + 1.0, (y, y)
+
+    return jax.lax.scan(body, c0, xs)
+
+
+def test_a_user_scan_stacking_one_value_twice_runs_merged_on_jax_0_12():
+    # The known cost of one text: the IR cannot tell a user's scan returning one value
+    # twice from a linearized one, and JAX 0.12's jax.jit keeps the user's copies. The
+    # backend merges both: same bits, fewer flops than jax.jit of such a program.
+    args = (np.float32(1.0), np.ones((5, 64), np.float32))
+    module = fcir.capture(_stacks_twice, *args)
+    captured.forget(module)
+    exe = xla.compile(module)
+    ref = jax.jit(_stacks_twice).lower(*args).compile()
+    got, want = exe(*args), ref(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    if JAX_0_10:
+        assert _flops(exe.compiled(*args)) == _flops(ref)
+    else:
+        assert _flops(exe.compiled(*args)) < _flops(ref)
