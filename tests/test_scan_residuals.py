@@ -115,35 +115,40 @@ def test_second_order_scan_gradient_captures_jax_0_10s_residuals_on_every_jax():
     assert sum(len(_stacked_duplicates(s)) for s in _scans(module)) == 3
 
 
-# One process: JAX traces the gradient itself and fcir captures it, in either order; it
-# prints how many values each trace's scans stack twice. Capture's config state is part
-# of JAX's trace context, so neither trace may reuse the other's (fresh process: what
-# earlier tests traced cannot mask a leak).
+# One process: JAX traces the gradient itself, and fcir captures it (capture mode) and
+# traces it with only scan_outputs.keeping_copies() (what a capture's retrace with JAX's
+# own derivative rules runs under), in either order; it prints how many values each
+# trace's scans stack twice. That config state is part of JAX's trace context, so no
+# trace may reuse another's (under jax.jit JAX caches the linearization of the jitted
+# function; a fresh process: what earlier tests traced cannot mask a leak).
 _SCRIPT = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, {tests!r})
     import jax, fcir
+    from fcir.jaxcompat import scan_outputs
     from test_scan_residuals import _args, _outer, _jaxpr_duplicates, _scans, _stacked_duplicates
 
-    fn, args = jax.grad(_outer), _args()
-    jax_first = sys.argv[1] == "jax_first"
+    fn, args = jax.grad(jax.jit(_outer)), _args()
 
     def by_jax():
         jaxpr = jax.make_jaxpr(fn)(*args)
         jax.jit(fn).lower(*args).compile()(*args)
         return _jaxpr_duplicates(jaxpr)
 
-    if jax_first:
+    def by_fcir():
+        module = fcir.capture(fn, *args)
+        with scan_outputs.keeping_copies():
+            kept = _jaxpr_duplicates(jax.make_jaxpr(fn)(*args))
+        return sum(len(_stacked_duplicates(s)) for s in _scans(module)), kept
+
+    if sys.argv[1] == "jax_first":
         jax_dups = by_jax()
-    module = fcir.capture(fn, *args)
-    if not jax_first:
+        capture, kept = by_fcir()
+    else:
+        capture, kept = by_fcir()
         jax_dups = by_jax()
-    print(json.dumps({{
-        "capture": sum(len(_stacked_duplicates(s)) for s in _scans(module)),
-        "jax": jax_dups,
-        "jax_after": _jaxpr_duplicates(jax.make_jaxpr(fn)(*args)),
-    }}))
+    print(json.dumps({{"capture": capture, "kept": kept, "jax": jax_dups}}))
     """
 ).format(tests=str(pathlib.Path(__file__).resolve().parent))
 
@@ -159,8 +164,7 @@ def test_capture_keeps_copies_and_jax_keeps_its_own_form_whatever_traced_before(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    jax_form = 3 if JAX_0_10 else 0
-    assert result == {"capture": 3, "jax": jax_form, "jax_after": jax_form}
+    assert result == {"capture": 3, "kept": 3, "jax": 3 if JAX_0_10 else 0}
 
 
 def _jit(fn, args):
