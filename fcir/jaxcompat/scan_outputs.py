@@ -2,7 +2,7 @@
 
 Linearizing a ``lax.scan`` (a gradient of a gradient through one), JAX can find that a
 residual of the scan is the very value one of its stacked outputs already holds. JAX
-0.10.2 returns it from the scan twice; JAX 0.11 on returns it once and hands the
+0.10.2 returns it from the scan twice; JAX 0.12 returns it once and hands the
 output to both uses (``_scan_linearize`` calls ``pe.dedup_jaxpr_outputs``). XLA prices
 the two forms differently (it fuses the value's elementwise producer into the update
 of each stacked output that holds it), so ``jax.jit`` of the same gradient costs other
@@ -10,11 +10,11 @@ flops on the two versions (fedavg_transformer_grad: 4,484,791 and 4,397,092).
 
 fcir's IR keeps 0.10.2's form on every JAX, and each backend lowers it as its JAX does:
 
-- Capture (:func:`keeping_copies`): while fcir traces a program on JAX 0.11 on,
+- Capture (:func:`keeping_copies`): while fcir traces a program on JAX 0.12,
   ``_scan_linearize`` keeps its copies, as on 0.10.2. :data:`KEEP_COPIES` is a config
   state in JAX's trace context, so JAX's trace and linearization caches keep those
   traces apart from the ones ``jax.jit`` makes outside capture (tests/test_scan_residuals.py).
-- XLA (:func:`bind_scan`): on JAX 0.11 on, a scan whose body returns one value as two
+- XLA (:func:`bind_scan`): on JAX 0.12, a scan whose body returns one value as two
   stacked outputs is bound with it once, the result standing for both (what
   ``_scan_linearize`` binds there); on 0.10.2 it is bound as it is, as 0.10.2 does.
   The rewrite is sound for any scan: both outputs stack the same per-iteration value.
@@ -30,8 +30,6 @@ from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.control_flow import loops
 
-from fcir.jaxcompat import JAX_VERSION
-
 __all__ = [
     "KEEP_COPIES",
     "MERGES",
@@ -44,10 +42,6 @@ __all__ = [
 
 scan_p = loops.scan_p
 
-#: Whether the running JAX returns a linearized scan's residual that is also a stacked
-#: output once (JAX 0.11 on), so the XLA backend binds such scans merged.
-MERGES = JAX_VERSION >= (0, 11) and hasattr(pe, "dedup_jaxpr_outputs")
-
 #: True while fcir captures (see :func:`keeping_copies`).
 KEEP_COPIES = config.bool_state(
     name="fcir_keep_scan_copies",
@@ -58,8 +52,17 @@ KEEP_COPIES = config.bool_state(
     include_in_trace_context=True,
 )
 
-_SCAN_LINEARIZE = getattr(ad.primitive_linearizations.get(loops.scan_p), "__code__", None)
+_SCAN_LINEARIZE = getattr(ad.primitive_linearizations.get(scan_p), "__code__", None)
 _JAX_DEDUP = getattr(pe, "dedup_jaxpr_outputs", None)
+
+#: Whether the running JAX's scan linearization returns a residual that is also a
+#: stacked output once (JAX 0.12; read from the rule itself, not the version number), so
+#: the XLA backend binds such scans merged.
+MERGES = (
+    _JAX_DEDUP is not None
+    and _SCAN_LINEARIZE is not None
+    and "dedup_jaxpr_outputs" in _SCAN_LINEARIZE.co_names
+)
 
 
 def _dedup_jaxpr_outputs(jaxpr, num_kept_prefix, fwdable_prefix=None):
@@ -70,7 +73,7 @@ def _dedup_jaxpr_outputs(jaxpr, num_kept_prefix, fwdable_prefix=None):
     return _JAX_DEDUP(jaxpr, num_kept_prefix, fwdable_prefix)
 
 
-_HOOKED = MERGES and _SCAN_LINEARIZE is not None
+_HOOKED = MERGES
 if _HOOKED:
     pe.dedup_jaxpr_outputs = _dedup_jaxpr_outputs
 
@@ -112,7 +115,7 @@ def _num_carry(params) -> int:
 
 def bind_scan(args, params) -> list:
     """``scan_p.bind(*args, **params)`` (the running JAX's params) as the running JAX
-    binds a scan: on JAX 0.11 on, stacked outputs returning one body variable once."""
+    binds a scan: on JAX 0.12, stacked outputs returning one body variable once."""
     if not MERGES:
         return loops.scan_p.bind(*args, **params)
     num_carry = _num_carry(params)
