@@ -28,7 +28,7 @@ from fcir.elementwise import LAYOUT, PER_MEMBER
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
 from fcir.fed import by_primitive
 from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
-from fcir.jaxcompat import core, derivatives, schema, source_info_util
+from fcir.jaxcompat import core, derivatives, scan_outputs, schema, source_info_util
 from fcir.types import (
     SERVER,
     PlacedType,
@@ -125,7 +125,8 @@ def _trace(fn, args, kwargs, name):
         )
     _check_arguments(args, kwargs)
     try:
-        closed, out_shape = derivatives.make_jaxpr(fn, *args, **kwargs)
+        with scan_outputs.keeping_copies():  # one IR text of a linearized scan
+            closed, out_shape = derivatives.make_jaxpr(fn, *args, **kwargs)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
         # Python control flow on a traced value: eager calls (and jax.grad outside jit)
         # run it, capture traces abstractly like jax.jit.

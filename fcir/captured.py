@@ -47,6 +47,8 @@ def remember(module: Module, closed: jc.ClosedJaxpr) -> None:
     """Records that ``module``'s ``main`` is ``closed`` (called by capture)."""
     if _constant_bytes(closed) > MAX_CONSTANT_BYTES:
         return
+    if jc.scan_outputs.has_stacked_copies(closed):  # the backend binds those scans merged
+        return
     _JAXPRS[module] = (closed, snapshot(module))
 
 

@@ -331,7 +331,11 @@ class Interpreter:
         if isinstance(bind_params, tuple):  # (subfuns, params) in some JAX versions
             subfuns, bind_params = bind_params
             return prim.bind(*subfuns, *args, **bind_params)
-        return prim.bind(*args, **bind_params)
+        return self.bind(prim, args, bind_params)
+
+    def bind(self, prim, args, params: dict[str, Any]):
+        """``prim.bind(*args, **params)``: where a backend binds a ``jax.*`` op its way."""
+        return prim.bind(*args, **params)
 
     def params(self, op: Op) -> dict[str, Any]:
         """JAX params of a ``jax.*`` op, with regions turned back into jaxprs."""

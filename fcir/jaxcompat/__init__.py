@@ -242,3 +242,4 @@ def export_serialization_problem() -> str | None:
 # Installs capture's version-neutral derivative rules (inert outside fcir.capture) and
 # defines fcir's derivative primitives, which the backends find by name.
 from fcir.jaxcompat import derivatives as derivatives  # noqa: E402
+from fcir.jaxcompat import scan_outputs as scan_outputs  # noqa: E402

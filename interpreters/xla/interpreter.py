@@ -98,6 +98,13 @@ class XlaInterpreter(Interpreter):
             )
         return super().region_jaxpr(region, specs)
 
+    def bind(self, prim, args, params):
+        # A scan stacking one value twice is bound as the running JAX binds it
+        # (fcir.jaxcompat.scan_outputs: merged on JAX 0.12), for jax.jit's flops.
+        if prim is jc.scan_outputs.scan_p:
+            return jc.scan_outputs.bind_scan(args, params)
+        return super().bind(prim, args, params)
+
     # -- regions of local ops under Explicit axes ---------------------------------------
 
     def local(self, op: Op, *args):
