@@ -12,7 +12,10 @@ XLA flops) as the *running* JAX's ``jax.jit``. So while fcir captures (and only 
 - ``tanh_tangent(g, ans, r)``: the rest of the rule, linear in ``g``; its transpose is
 - ``tanh_cotangent(ct, ans, r)``: ``jax.linear_transpose`` of it, linear in ``ct``.
 
-They print the same under every JAX. What they compute is the running JAX's own rule,
+They print the same under every JAX. Like JAX's own elementwise primitives they type
+their results with their operands' common sharding (under an Explicit-axes mesh a type
+carries it, and JAX's rules check it), and the splits they run are traced on that type
+(:func:`_key`; tests/test_xla_explicit_mesh.py). What they compute is the running JAX's own rule,
 split as JAX's partial evaluation splits it (:func:`_split`): their implementation, XLA
 lowering and batching run those very equations, so a compiled module runs the ops
 ``jax.jit`` of the same function runs, where it runs them, on the same values. (Under
