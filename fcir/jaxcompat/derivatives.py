@@ -12,7 +12,10 @@ XLA flops) as the *running* JAX's ``jax.jit``. So while fcir captures (and only 
 - ``tanh_tangent(g, ans, r)``: the rest of the rule, linear in ``g``; its transpose is
 - ``tanh_cotangent(ct, ans, r)``: ``jax.linear_transpose`` of it, linear in ``ct``.
 
-They print the same under every JAX. What they compute is the running JAX's own rule,
+They print the same under every JAX. Like JAX's own elementwise primitives they type
+their results with their operands' common sharding (under an Explicit-axes mesh a type
+carries it, and JAX's rules check it), and the splits they run are traced on that type
+(:func:`_key`; tests/test_xla_explicit_mesh.py). What they compute is the running JAX's own rule,
 split as JAX's partial evaluation splits it (:func:`_split`): their implementation, XLA
 lowering and batching run those very equations, so a compiled module runs the ops
 ``jax.jit`` of the same function runs, where it runs them, on the same values. (Under
@@ -117,14 +120,22 @@ _RULE = _jax_tanh_rule()
 _JAX_TANH_JVP = ad.primitive_jvps.get(_lax.tanh_p)
 
 
+def _key(aval):
+    """The type a split is traced on and cached by: shape, dtype, weak type and sharding
+    (under an Explicit-axes mesh JAX's own rules type their results by their operands'
+    sharding, and the equations replayed must have been traced on that sharding)."""
+    return core.ShapedArray(
+        tuple(aval.shape), aval.dtype, weak_type=bool(aval.weak_type), sharding=aval.sharding
+    )
+
+
 @functools.lru_cache(maxsize=256)
-def _split(shape, dtype, weak_type):
-    """JAX's rule on arrays of this type split as JAX's partial evaluation splits it
+def _split(aval):
+    """JAX's rule on arrays of type ``aval`` (a :func:`_key`) split as JAX's partial evaluation splits it
     with ``ans`` known and ``g`` unknown: ``(jaxpr, g, ans, known, unknown, r)``, where
     ``known`` are the equations computing the one residual ``r`` from ``ans`` (they run
     in the forward pass), ``unknown`` those computing the tangent from ``g``, ``ans`` and
     ``r``; None when the rule does not split that way (then capture keeps JAX's rule)."""
-    aval = core.ShapedArray(shape, dtype, weak_type=weak_type)
     closed = jax.make_jaxpr(lambda g, ans: _RULE(g, ans, ans, None))(aval, aval)
     jaxpr = closed.jaxpr
     g, ans = jaxpr.invars
@@ -156,7 +167,7 @@ def _run(eqns, env):
 
 
 def _parts(x):
-    return _split(tuple(x.shape), x.dtype, bool(getattr(core.typeof(x), "weak_type", False)))
+    return _split(_key(core.typeof(x)))
 
 
 def _residual(ans):
@@ -174,7 +185,7 @@ def _tangent(g, ans, r):
 
 
 def _cotangent(ct, ans, r):
-    aval = jax.ShapeDtypeStruct(ans.shape, ans.dtype)
+    aval = jax.ShapeDtypeStruct(ans.shape, ans.dtype, sharding=core.typeof(ans).sharding)
     (out,) = jax.linear_transpose(lambda g: _tangent(g, ans, r), aval)(ct)
     return out
 
@@ -186,7 +197,10 @@ def _elementwise_aval(*avals):
             "tanh_residual/tanh_tangent/tanh_cotangent take arrays of one type, got "
             + ", ".join(a.str_short() for a in avals)
         )
-    return core.ShapedArray(first.shape, first.dtype, weak_type=all(a.weak_type for a in avals))
+    # The operands' common sharding, as JAX's own elementwise primitives type it (under
+    # an Explicit-axes mesh a result without it would meet its uses unsharded).
+    sharding = _lax.broadcasting_sharding_rule("fcir derivative op", *avals)
+    return first.update(weak_type=all(a.weak_type for a in avals), sharding=sharding)
 
 
 def _define(name: str, expression, results=None):
@@ -316,13 +330,12 @@ def _jvp_run(jaxpr, primals, tangents):
 
 
 @functools.lru_cache(maxsize=256)
-def _jvp_split(name, shape, dtype, weak_type, mask):
+def _jvp_split(name, aval, mask):
     """The running JAX's JVP of derivative op ``name``'s expression, with tangents on
-    the operands in bitmask ``mask``, split into ``(jaxpr, primals, tangents, known,
+    the operands in bitmask ``mask`` (of type ``aval``, a :func:`_key`), split into ``(jaxpr, primals, tangents, known,
     unknown, out, residual, tout)``; None when it does not split into one residual
     with each tangent read once (or has a zero tangent)."""
     expression, arity = _EXPRESSIONS[name]
-    aval = core.ShapedArray(shape, dtype, weak_type=weak_type)
     nz = [bool(mask >> i & 1) for i in range(arity)]
 
     def fn(*args):
@@ -376,8 +389,7 @@ class _NoSplit(Exception):
 
 
 def _split_of(name, x, mask):
-    weak = bool(getattr(core.typeof(x), "weak_type", False))
-    return _jvp_split(name, tuple(x.shape), x.dtype, weak, mask)
+    return _jvp_split(name, _key(core.typeof(x)), mask)
 
 
 def _apply(fn, rest, tangents, *ts):
@@ -405,7 +417,7 @@ def _second_order(name):
         # them where JAX adds nothing. The op keeps that result on every JAX (the same
         # text); :func:`zero_results` names it, and the XLA backend drops it and the
         # adds of it before XLA sees them (fcir/interpreters/xla/zeros.py).
-        aval = jax.ShapeDtypeStruct(ct.shape, ct.dtype)
+        aval = jax.ShapeDtypeStruct(ct.shape, ct.dtype, sharding=core.typeof(ct).sharding)
         n = bin(tangents).count("1")
         linear = functools.partial(_apply, jvp_tangent, rest, tangents)
         return list(jax.linear_transpose(linear, *[aval] * n)(ct))
@@ -444,7 +456,7 @@ def zero_results(name: str, attrs: dict, dtype) -> frozenset[int]:
         return frozenset()
     if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
         return frozenset()
-    split = _jvp_split(base, (), dtype, False, mask)
+    split = _jvp_split(base, core.ShapedArray((), dtype), mask)
     if split is None:  # not an op capture writes (a hand-edited module): nothing known
         return frozenset()
     return frozenset(i for i, read in enumerate(split[-1]) if not read)
