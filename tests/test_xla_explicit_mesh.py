@@ -18,22 +18,20 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import pytest
 import test_xla_mesh as mesh_tests
 from corpus import case
+from eight_devices import inside, run_on_8_devices
 from fcir.interpreters import xla
 from jax.sharding import AxisType, PartitionSpec
 
 import fcir
 from fcir.ir import walk
 
-INSIDE = os.environ.get("FCIR_XLA_EXPLICIT_MESH_TESTS") == "1"
+INSIDE = inside("FCIR_XLA_EXPLICIT_MESH_TESTS")
 on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 HERE = pathlib.Path(__file__).resolve()
 AXIS_TYPES = {"explicit": (AxisType.Explicit,), "auto": (AxisType.Auto,), "default": None}
@@ -42,18 +40,7 @@ AXIS_TYPES = {"explicit": (AxisType.Explicit,), "auto": (AxisType.Auto,), "defau
 def test_on_8_simulated_devices():
     if INSIDE:
         pytest.skip("this is the 8-device process")
-    env = dict(os.environ, FCIR_XLA_EXPLICIT_MESH_TESTS="1")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider"]
-    result = subprocess.run(
-        cmd, env=env, cwd=HERE.parent.parent, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, (
-        f"8-device tests failed ({' '.join(cmd)}):\n{result.stdout[-6000:]}\n"
-        f"{result.stderr[-2000:]}"
-    )
+    run_on_8_devices(HERE, "FCIR_XLA_EXPLICIT_MESH_TESTS")
 
 
 def _corpus(name):

@@ -12,23 +12,21 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus import CASES, case
+from eight_devices import inside, run_on_8_devices
 from fcir.interpreters import xla
 from jax.sharding import AxisType, PartitionSpec
 
 import fcir
 from fcir.ir import walk
 
-INSIDE = os.environ.get("FCIR_XLA_MESH_TESTS") == "1"
+INSIDE = inside("FCIR_XLA_MESH_TESTS")
 on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 
 HERE = pathlib.Path(__file__).resolve()
@@ -41,24 +39,7 @@ NAMES = [c.name for c in CASES if c.name not in SKIP_CASES]
 def test_on_8_simulated_devices():
     if INSIDE:
         pytest.skip("this is the 8-device process")
-    env = dict(os.environ, FCIR_XLA_MESH_TESTS="1")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-p", "no:cacheprovider"]
-    result = subprocess.run(
-        cmd,
-        env=env,
-        cwd=HERE.parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, (
-        f"8-device tests failed ({' '.join(cmd)}):\n{result.stdout[-6000:]}\n"
-        f"{result.stderr[-2000:]}"
-    )
+    run_on_8_devices(HERE, "FCIR_XLA_MESH_TESTS")
 
 
 # --- helpers (used inside the 8-device process) ------------------------------------------

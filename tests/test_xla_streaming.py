@@ -18,16 +18,14 @@ chunk is partial) run in a subprocess as in test_xla_mesh.py.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus import CASES, case
+from eight_devices import inside, run_on_8_devices
 from fcir.interpreters import reference, xla
 from fcir.interpreters.xla import budget
 from fcir.interpreters.xla.interpreter import XlaInterpreter
@@ -36,7 +34,7 @@ from fcir.interpreters.xla.streaming import StreamingInterpreter, plan_region
 import fcir
 from fcir.errors import FcirError
 
-INSIDE = os.environ.get("FCIR_XLA_STREAMING_TESTS") == "1"
+INSIDE = inside("FCIR_XLA_STREAMING_TESTS")
 on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 in_main_process = pytest.mark.skipif(INSIDE, reason="runs in the main test process")
 HERE = pathlib.Path(__file__).resolve()
@@ -362,18 +360,9 @@ def test_cli_run_and_compile_take_a_budget(tmp_path, capsys):
 
 @in_main_process
 def test_on_8_simulated_devices():
-    env = dict(os.environ, FCIR_XLA_STREAMING_TESTS="1")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    cmd = [sys.executable, "-m", "pytest", str(HERE), "-q", "-rA", "-p", "no:cacheprovider"]
-    cmd += ["-k", "mesh"]
-    result = subprocess.run(
-        cmd, env=env, cwd=HERE.parent.parent, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, f"{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
+    out = run_on_8_devices(HERE, "FCIR_XLA_STREAMING_TESTS", "-rA", "-k", "mesh")
     # The mesh tests ran there (none skipped: the process really had 8 devices).
-    assert result.stdout.count("PASSED") == 4, result.stdout[-2000:]
+    assert out.count("PASSED") == 4, out[-2000:]
 
 
 @on_8_devices

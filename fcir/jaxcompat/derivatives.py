@@ -129,25 +129,34 @@ def _key(aval):
     )
 
 
-@functools.lru_cache(maxsize=256)
-def _split(aval):
-    """JAX's rule on arrays of type ``aval`` (a :func:`_key`) split as JAX's partial evaluation splits it
-    with ``ans`` known and ``g`` unknown: ``(jaxpr, g, ans, known, unknown, r)``, where
-    ``known`` are the equations computing the one residual ``r`` from ``ans`` (they run
-    in the forward pass), ``unknown`` those computing the tangent from ``g``, ``ans`` and
-    ``r``; None when the rule does not split that way (then capture keeps JAX's rule)."""
-    closed = jax.make_jaxpr(lambda g, ans: _RULE(g, ans, ans, None))(aval, aval)
-    jaxpr = closed.jaxpr
-    g, ans = jaxpr.invars
-    if closed.consts or jaxpr.constvars or len(jaxpr.outvars) != 1:
-        return None
-    tainted, known, unknown = {g}, [], []
+def _partition(jaxpr, unknowns: set) -> tuple[set, list, list]:
+    """``(tainted, known, unknown)``: the equations of ``jaxpr`` that read nothing
+    computed from ``unknowns`` (they run in the forward pass, as JAX's partial
+    evaluation runs them) and those that do, with every variable the latter make."""
+    tainted, known, unknown = set(unknowns), [], []
     for eqn in jaxpr.eqns:
         if any(isinstance(v, core.Var) and v in tainted for v in eqn.invars):
             tainted.update(eqn.outvars)
             unknown.append(eqn)
         else:
             known.append(eqn)
+    return tainted, known, unknown
+
+
+@functools.lru_cache(maxsize=256)
+def _split(aval):
+    """JAX's rule on arrays of type ``aval`` (a :func:`_key`) split as JAX's partial
+    evaluation splits it with ``ans`` known and ``g`` unknown: ``(jaxpr, g, ans, known,
+    unknown, r)``, where ``known`` are the equations computing the one residual ``r``
+    from ``ans`` (they run in the forward pass), ``unknown`` those computing the tangent
+    from ``g``, ``ans`` and ``r``; None when the rule does not split that way (then
+    capture keeps JAX's rule)."""
+    closed = jax.make_jaxpr(lambda g, ans: _RULE(g, ans, ans, None))(aval, aval)
+    jaxpr = closed.jaxpr
+    g, ans = jaxpr.invars
+    if closed.consts or jaxpr.constvars or len(jaxpr.outvars) != 1:
+        return None
+    tainted, known, unknown = _partition(jaxpr, {g})
     produced = {v for e in known for v in e.outvars}
     residuals = {v for e in unknown for v in e.invars if isinstance(v, core.Var) and v in produced}
     out = jaxpr.outvars[0]
@@ -332,9 +341,10 @@ def _jvp_run(jaxpr, primals, tangents):
 @functools.lru_cache(maxsize=256)
 def _jvp_split(name, aval, mask):
     """The running JAX's JVP of derivative op ``name``'s expression, with tangents on
-    the operands in bitmask ``mask`` (of type ``aval``, a :func:`_key`), split into ``(jaxpr, primals, tangents, known,
-    unknown, out, residual, tout)``; None when it does not split into one residual
-    with each tangent read once (or has a zero tangent)."""
+    the operands in bitmask ``mask`` (of type ``aval``, a :func:`_key`), split into
+    ``(jaxpr, primals, tangents, known, unknown, out, residual, tout)``; None when it
+    does not split into one residual with each tangent read once (or has a zero
+    tangent)."""
     expression, arity = _EXPRESSIONS[name]
     nz = [bool(mask >> i & 1) for i in range(arity)]
 
@@ -355,13 +365,7 @@ def _jvp_split(name, aval, mask):
     if closed.consts or jaxpr.constvars:
         return None
     primals, tangents = jaxpr.invars[:arity], jaxpr.invars[arity:]
-    tainted, known, unknown = set(tangents), [], []
-    for eqn in jaxpr.eqns:
-        if any(isinstance(v, core.Var) and v in tainted for v in eqn.invars):
-            tainted.update(eqn.outvars)
-            unknown.append(eqn)
-        else:
-            known.append(eqn)
+    tainted, known, unknown = _partition(jaxpr, set(tangents))
     out, tout = jaxpr.outvars
     reads = [v for e in unknown for v in e.invars if isinstance(v, core.Var)]
     produced = {v for e in known for v in e.outvars}
