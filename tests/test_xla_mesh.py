@@ -10,6 +10,7 @@ so the same HLO, the same bits and the same per-device flops.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import pathlib
@@ -95,6 +96,73 @@ def test_sharded_program_is_bitwise_jit_on_the_mesh(name):
         assert exe.as_text("stablehlo", *args) == lowered.as_text()
 
 
+def gradient(c):
+    def loss(*args):
+        return c.loss(c.fn(*args))
+
+    return jax.grad(loss, argnums=c.grad_argnums)
+
+
+GRAD_NAMES = [n for n in NAMES if case(n).grad_argnums and case(n).loss]
+OLD_JAX = jax.__version_info__ < (0, 11)
+# A gradient's IR cannot tell a fed.map result that is a linearization residual (the
+# forward map's extra results, fed to the backward map) from a primal one, so the XLA
+# backend constrains every operand and result of every map over `clients`; jax.jit
+# constrains only what fcir.map_fn and the constraints' transposes do, and leaves the
+# residuals to XLA's propagation. The same bits; on Auto axes XLA then places some
+# elementwise work differently. Measured per device, fcir vs jax.jit (Auto axes):
+GRAD_FLOPS_DIFFER = {
+    "fedavg_weighted": "6865 vs 6863 (JAX 0.10.2), 6971 vs 6969 (0.12)",
+    "minmax_agg": "1238 vs 1218 (JAX 0.10.2), 1248 vs 1223 (0.12)",
+    **(
+        {
+            "fedsgd_linreg": "1277 vs 1213 (JAX 0.10.2; 0.12: equal)",
+            "client_rng": "2179 vs 2143 (JAX 0.10.2; 0.12: equal)",
+            "robust_agg": "1276 vs 1264 (JAX 0.10.2; 0.12: equal)",
+        }
+        if OLD_JAX
+        else {}
+    ),
+}
+# 7 clients on 8 devices: with those extra constraints XLA partitions the backward
+# reductions differently; all three gradient leaves differ from jax.jit's by an ulp or
+# two (max |diff| 1.9e-6 on w), on both JAX versions. fcir's bits equal the one-device
+# jax.jit's on w and y; jax.jit's on the mesh equal neither.
+GRAD_BITS_DIFFER = {"minmax_agg": "7 clients on 8 devices: reductions partitioned differently"}
+
+
+def _grad_params(differ):
+    for name in GRAD_NAMES:
+        marks = [pytest.mark.xfail(strict=True, reason=differ[name])] if name in differ else []
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@functools.cache
+def gradient_both_ways(name):
+    """``(exe, jit, args)``: a corpus gradient captured and compiled on the Auto mesh,
+    and ``jax.jit`` of it on that mesh."""
+    c = case(name)
+    fn, args, mesh = gradient(c), c.make_args(), mesh_for(c)
+    exe = xla.compile(fcir.capture(fn, *args), mesh=mesh)
+    args = placed_args(exe, args)
+    _, compiled = jit_on_mesh(fn, mesh, args)
+    return exe, compiled, args
+
+
+@on_8_devices
+@pytest.mark.parametrize("name", list(_grad_params(GRAD_BITS_DIFFER)))
+def test_sharded_gradient_is_bitwise_jit_on_the_mesh(name):
+    exe, compiled, args = gradient_both_ways(name)
+    assert_bitwise(exe(*args), compiled(*args))
+
+
+@on_8_devices
+@pytest.mark.parametrize("name", list(_grad_params(GRAD_FLOPS_DIFFER)))
+def test_sharded_gradient_does_jits_per_device_flops(name):
+    exe, compiled, args = gradient_both_ways(name)
+    assert flops(exe.compiled(*args)) == flops(compiled)
+
+
 @on_8_devices
 @pytest.mark.parametrize("name", ["fedavg_mlp", "fedavg_weighted", "hierarchical_fedavg"])
 def test_unsharded_program_on_8_devices_is_bitwise_jit(name):
@@ -106,15 +174,19 @@ def test_unsharded_program_on_8_devices_is_bitwise_jit(name):
     assert flops(exe.compiled(*args)) == flops(compiled)
 
 
+def explicit_mesh_for(c) -> jax.sharding.Mesh:
+    # Explicit axes must divide what they shard: `clients` gets gcd(clients, 8) devices.
+    ((_, n),) = fcir.capture(c.fn, *c.make_args()).placements
+    k = math.gcd(n, 8)
+    return jax.make_mesh((k, 8 // k), ("clients", "rest"), axis_types=(EXPLICIT, EXPLICIT))
+
+
 @on_8_devices
 @pytest.mark.parametrize("name", ["fedavg_mlp", "fedsgd_linreg", "diloco", "bf16_client"])
 def test_explicit_axes_match_jit_on_the_mesh(name):
     c = case(name)
     args = c.make_args()
-    # Explicit axes must divide what they shard: `clients` gets gcd(clients, 8) devices.
-    ((_, n),) = fcir.capture(c.fn, *args).placements
-    k = math.gcd(n, 8)
-    mesh = jax.make_mesh((k, 8 // k), ("clients", "rest"), axis_types=(EXPLICIT, EXPLICIT))
+    mesh = explicit_mesh_for(c)
     exe = xla.compile(fcir.capture(c.fn, *args), mesh=mesh)
     args = placed_args(exe, args)
     out = exe(*args)
@@ -123,6 +195,37 @@ def test_explicit_axes_match_jit_on_the_mesh(name):
     assert flops(exe.compiled(*args)) == flops(compiled)
     # Explicit axes type the layout: placed results of the map stay on 'clients'.
     assert exe.in_specs[-1].sharding.spec == PartitionSpec("clients")
+
+
+# bf16_client's gradient on the (2, 4) Explicit mesh: the loss's nested jit holds the
+# map, whose batched convert_element_type is typed P('clients', None, None) on an empty
+# mesh while XLA lowers it: "Resource axis: clients ... is not found in mesh: ()".
+# jax.jit of the same gradient on that mesh runs.
+EXPLICIT_GRAD_FAILS = {"bf16_client"}
+
+
+@on_8_devices
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            n,
+            marks=[pytest.mark.xfail(raises=fcir.FcirError, strict=True)]
+            if n in EXPLICIT_GRAD_FAILS
+            else [],
+        )
+        for n in ["fedavg_mlp", "fedsgd_linreg", "diloco", "bf16_client"]
+    ],
+)
+def test_explicit_axes_gradient_matches_jit_on_the_mesh(name):
+    c = case(name)
+    fn, args, mesh = gradient(c), c.make_args(), explicit_mesh_for(c)
+    exe = xla.compile(fcir.capture(fn, *args), mesh=mesh)
+    args = placed_args(exe, args)
+    out = exe(*args)
+    _, compiled = jit_on_mesh(fn, mesh, args)
+    assert_bitwise(out, compiled(*args))
+    assert flops(exe.compiled(*args)) == flops(compiled)
 
 
 @fcir.program(placements={"clients": 8})
