@@ -220,7 +220,8 @@ EXPLICIT_GRAD_FAILS = {"bf16_client"}
             if n in EXPLICIT_GRAD_FAILS
             else [],
         )
-        for n in ["fedavg_mlp", "fedsgd_linreg", "diloco", "bf16_client"]
+        # Two, for the runtime (fedavg_mlp's and diloco's gradients match too, measured).
+        for n in ["fedsgd_linreg", "bf16_client"]
     ],
 )
 def test_explicit_axes_gradient_matches_jit_on_the_mesh(name):
