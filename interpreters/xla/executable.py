@@ -259,7 +259,9 @@ class Executable:
         HLO module handed to XLA, before its optimizations) or ``"optimized_hlo"`` (what
         XLA runs: after fusion and, on a mesh, SPMD partitioning)."""
         if dialect not in DIALECTS:
-            raise ValueError(f"as_text: dialect must be one of {DIALECTS}, got {dialect!r}")
+            raise InterpreterError(
+                f"as_text: dialect must be one of {', '.join(DIALECTS)}, got {dialect!r}"
+            )
         if dialect == "optimized_hlo":
             return self.compiled(*args, **kwargs).as_text()
         return self.lower(*args, **kwargs).as_text(dialect)
