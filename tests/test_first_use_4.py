@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
-from fcir.interpreters import xla
+from fcir.interpreters import reference, xla
 
 import fcir
 
@@ -20,3 +20,39 @@ def test_executable_as_text_of_an_unknown_dialect_is_an_fcir_error_naming_the_di
     exe = xla.compile(fcir.capture(_mean_update, jnp.zeros(2), jnp.ones((3, 2))))
     with pytest.raises(fcir.InterpreterError, match="stablehlo, hlo, optimized_hlo.*'mlir'"):
         exe.as_text("mlir")
+
+
+# --- a dict argument with other keys than at capture: leaves matched by sorted position ----
+
+
+@fcir.program(placements={"clients": 2})
+def _affine(p, x):
+    return fcir.reduce_sum(fcir.map_fn(lambda p, x: p["w"] * x + p["b"], (fcir.broadcast(p), x)))
+
+
+def _affine_module():
+    p = {"w": jnp.float32(2.0), "b": jnp.float32(10.0)}
+    return fcir.capture(_affine, p, jnp.ones(2))
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla"])
+def test_a_dict_argument_with_renamed_keys_is_refused_not_matched_by_sorted_position(backend):
+    module = _affine_module()
+    run = reference.run if backend == "reference" else (lambda m, *a: xla.compile(m)(*a))
+    # Renamed w -> kernel, b -> shift: sorted ("kernel", "shift") would run b=2, w=10
+    # (22 where the program computes 24; jax.jit of the program raises a KeyError).
+    renamed = {"kernel": jnp.float32(2.0), "shift": jnp.float32(10.0)}
+    with pytest.raises(fcir.InterpreterError, match=r"argument \[0\].*'kernel', 'shift'.*'b', 'w'"):
+        run(module, renamed, jnp.ones(2))
+    # The captured keys, in any order, and flat leaves still run.
+    assert float(run(module, {"w": 2.0, "b": 10.0}, jnp.ones(2))) == 24.0
+    assert float(run(module, jnp.float32(10.0), jnp.float32(2.0), jnp.ones(2))) == 24.0
+
+
+def test_a_renamed_nested_dict_key_is_refused_by_xla_lower_and_cost_too():
+    exe = xla.compile(_affine_module())
+    renamed = ({"kernel": jnp.float32(2.0), "shift": jnp.float32(10.0)}, jnp.ones(2))
+    for call in (exe.lower, exe.cost):
+        with pytest.raises(fcir.InterpreterError, match="captured with"):
+            call(*renamed)
+
