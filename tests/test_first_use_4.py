@@ -4,7 +4,11 @@ says what to do."""
 
 from __future__ import annotations
 
+import json
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from fcir.interpreters import reference, xla
 
@@ -56,3 +60,32 @@ def test_a_renamed_nested_dict_key_is_refused_by_xla_lower_and_cost_too():
         with pytest.raises(fcir.InterpreterError, match="captured with"):
             call(*renamed)
 
+
+# --- a number of rounds from NumPy (a config, np.arange) is a count like a Python int -----
+
+
+@fcir.program(placements={"clients": 4}, private=True)
+def _dp_round(w, key, x):
+    upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+    return w + fcir.dp_mean(upd, 1.0, 1.1, key)
+
+
+def _dp_module():
+    return fcir.capture(_dp_round, jnp.zeros(3), jax.random.key(0), jnp.ones((4, 3)))
+
+
+def test_epsilon_sampler_tv_and_budget_take_numpy_integer_rounds_as_ints():
+    module = _dp_module()
+    rounds = np.arange(1, 4)[-1]  # np.int64(3)
+    assert fcir.privacy.epsilon(module, rounds, 1e-5) == fcir.privacy.epsilon(module, 3, 1e-5)
+    assert fcir.privacy.sampler_tv(module, rounds) == fcir.privacy.sampler_tv(module, 3)
+    budget = fcir.privacy.Budget(module, 1e-5, 100.0)
+    assert budget.spend(rounds=rounds) == fcir.privacy.epsilon(module, 3, 1e-5)
+    state = json.loads(json.dumps(budget.state()))  # still JSON-able: a Python int
+    assert state["rounds"] == 3 and type(state["rounds"]) is int
+
+
+@pytest.mark.parametrize("rounds", [np.True_, True, 1.0, np.float32(2), -1, np.int32(-1)])
+def test_rounds_that_are_not_a_count_are_still_a_privacy_error(rounds):
+    with pytest.raises(fcir.PrivacyError, match="rounds must be an int >= 0"):
+        fcir.privacy.epsilon(_dp_module(), rounds, 1e-5)
