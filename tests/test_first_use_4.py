@@ -89,3 +89,21 @@ def test_epsilon_sampler_tv_and_budget_take_numpy_integer_rounds_as_ints():
 def test_rounds_that_are_not_a_count_are_still_a_privacy_error(rounds):
     with pytest.raises(fcir.PrivacyError, match="rounds must be an int >= 0"):
         fcir.privacy.epsilon(_dp_module(), rounds, 1e-5)
+
+
+# --- `fcir compile -o r.fcir` writes a directory: checking "r.fcir" points into it ------------
+
+
+def test_an_ir_path_that_is_a_directory_says_so_and_names_the_ir_files_in_it(tmp_path, capsys):
+    from fcir import cli
+
+    out = tmp_path / "round.fcir"  # what a user passes to -o, expecting one file
+    target = "examples/fedavg.py:fedavg_round"  # its EXAMPLE_ARGS give the types
+    assert cli.main(["compile", target, "--emit", "ir", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert out.is_dir()
+    for command in (["check", str(out)], ["show", str(out)], ["diff", str(out), str(out)]):
+        assert cli.main(command) != 0
+        err = capsys.readouterr().err
+        assert f"{out} is a directory, not an IR file" in err, err
+        assert f"did you mean {out}/fedavg_round.fcir" in err, err
