@@ -107,3 +107,27 @@ def test_an_ir_path_that_is_a_directory_says_so_and_names_the_ir_files_in_it(tmp
         err = capsys.readouterr().err
         assert f"{out} is a directory, not an IR file" in err, err
         assert f"did you mean {out}/fedavg_round.fcir" in err, err
+
+
+# --- `fcir export --target flower IN -o DIR` replaced whatever DIR was ----------------------
+
+
+def test_flower_export_refuses_to_replace_a_directory_or_file_it_did_not_write(tmp_path):
+    from fcir.interpreters import flower
+
+    module = fcir.capture(_mean_update, jnp.zeros(2), jnp.ones((3, 2)))
+    project = tmp_path / "project"  # e.g. `-o .` in the user's project
+    project.mkdir()
+    (project / "train.py").write_text("precious\n")
+    ir_file = tmp_path / "round.fcir"  # e.g. `-o round.fcir`, the input itself
+    ir_file.write_text(module.to_text())
+    for target in (project, ir_file):
+        with pytest.raises(fcir.ExportError, match="give -o a new or empty directory"):
+            flower.export(module, target)
+    assert (project / "train.py").read_text() == "precious\n"
+    assert fcir.parse(ir_file.read_text()).to_text() == module.to_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project", "round.fcir"]  # no leftovers
+    # A new directory, an empty one, and an app written before are (re)written.
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "app", tmp_path / "empty", tmp_path / "app"):
+        assert (flower.export(module, target) / "fcir_app" / "plan.json").is_file()
