@@ -131,3 +131,14 @@ def test_flower_export_refuses_to_replace_a_directory_or_file_it_did_not_write(t
     (tmp_path / "empty").mkdir()
     for target in (tmp_path / "app", tmp_path / "empty", tmp_path / "app"):
         assert (flower.export(module, target) / "fcir_app" / "plan.json").is_file()
+
+
+def test_a_production_bundle_written_over_a_file_is_an_fcir_error_and_keeps_the_file(tmp_path):
+    from fcir.interpreters import production
+
+    module = fcir.capture(_mean_update, jnp.zeros(2), jnp.ones((3, 2)))
+    ir_file = tmp_path / "round.fcir"
+    ir_file.write_text(module.to_text())
+    with pytest.raises(fcir.FcirError, match="is a file, not a directory"):
+        production.export(module).write(ir_file)
+    assert fcir.parse(ir_file.read_text()).to_text() == module.to_text()
