@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
+
+import numpy as np
 
 from fcir.errors import PrivacyError
 from fcir.ir import Module
@@ -32,10 +35,14 @@ def _fingerprint(module: Module) -> str:
     return hashlib.sha256(module.to_text().encode()).hexdigest()
 
 
-def _positive_int(what: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise PrivacyError(f"fcir.privacy.Budget: {what} must be an int >= 0, got {value!r}")
-    return value
+def rounds_arg(who: str, value) -> int:
+    """A number of rounds as an int: Python or NumPy integers >= 0 (``np.int64`` from a
+    config or ``np.arange`` is a count too); bools, floats and negatives are a
+    PrivacyError naming ``who``. The one check of ``epsilon``, ``sampler_tv`` and
+    ``Budget``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 0:
+        raise PrivacyError(f"{who}: rounds must be an int >= 0, got {value!r}")
+    return int(value)
 
 
 class Budget:
@@ -105,7 +112,7 @@ class Budget:
         """ε if ``rounds`` more rounds were spent (nothing is spent)."""
         from fcir.privacy import epsilon
 
-        rounds = _positive_int("rounds", rounds)
+        rounds = rounds_arg("fcir.privacy.Budget", rounds)
         return epsilon(
             self.module,
             self._rounds + rounds,
@@ -121,6 +128,7 @@ class Budget:
     def spend(self, rounds: int = 1) -> float:
         """Spends ``rounds`` rounds and returns ε after them; raises PrivacyError and
         spends nothing if that ε would pass ``max_epsilon``."""
+        rounds = rounds_arg("fcir.privacy.Budget", rounds)
         eps = self.epsilon_after(rounds)
         if eps > self.max_epsilon:
             raise PrivacyError(
@@ -165,7 +173,7 @@ class Budget:
                 state["sampling_rate"],
                 state["accountant"],
             )
-            rounds = _positive_int("rounds", state["rounds"])
+            rounds = rounds_arg("fcir.privacy.Budget", state["rounds"])
         except KeyError as e:
             raise PrivacyError(f"fcir.privacy.Budget.from_state: the state lacks {e}") from None
         if state.get("module_sha256") != _fingerprint(module):

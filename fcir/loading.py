@@ -30,6 +30,11 @@ def is_ir_file(target: str) -> bool:
 def load_ir(path: str) -> Module:
     """Reads a ``.fcir`` text or ``.pb`` binary IR file."""
     p = pathlib.Path(path)
+    if p.is_dir():
+        # `fcir compile ... -o r.fcir` writes a directory of that name: point into it.
+        inside = sorted(str(f) for f in p.iterdir() if f.is_file() and is_ir_file(f.name))
+        hint = f": did you mean {' or '.join(inside[:2])}?" if inside else ""
+        raise FcirError(f"{path} is a directory, not an IR file (a .fcir or .pb file){hint}")
     if not p.is_file():
         raise FcirError(f"no such IR file: {path}")
     if path.endswith(".pb"):
@@ -84,7 +89,7 @@ def load_function(target: str):
 SPEC_SYNTAX = (
     "one type per argument in the IR's syntax: an array f32[16,1] (key<fry>[] for a PRNG "
     "key), a tuple (f32[8,32,16], f32[8,32,1]), a list [f32[3], f32[3]], a dict "
-    "{\"w\": f32[64,10], \"b\": f32[10]}, none"
+    '{"w": f32[64,10], "b": f32[10]}, none'
 )
 
 
@@ -127,7 +132,6 @@ def _spec_node(parser):
     if parser.accept("["):
         return _items(parser, "]", lambda: _spec(parser))
     if parser.accept("{"):
-
         seen: set[str] = set()
 
         def entry():
@@ -231,8 +235,11 @@ def example_args(fn_name: str, module, fn=None) -> tuple:
     if not isinstance(table, dict) or fn_name not in table:
         where = getattr(module, "__file__", None) or getattr(module, "__name__", "the file")
         hint = _suggested_args(fn, module) if fn is not None else None
-        shown = (f"e.g. (from EXAMPLE_ARGS of a function with the same parameters) {hint}"
-                 if hint else "e.g. --args 'f32[16,1]' '(f32[8,32,16], f32[8,32,1])'")
+        shown = (
+            f"e.g. (from EXAMPLE_ARGS of a function with the same parameters) {hint}"
+            if hint
+            else "e.g. --args 'f32[16,1]' '(f32[8,32,16], f32[8,32,1])'"
+        )
         raise FcirError(
             f"no --args given and {where} defines no EXAMPLE_ARGS[{fn_name!r}]; pass --args "
             f"with {SPEC_SYNTAX}; {shown}"
@@ -257,16 +264,20 @@ def _check_arity(fn, name: str, args: tuple) -> None:
     if len(required) <= len(args) <= len(positional):
         return
     names = ", ".join(p.name for p in positional)
-    want = (str(len(required)) if len(required) == len(positional)
-            else f"{len(required)} to {len(positional)}")
+    want = (
+        str(len(required))
+        if len(required) == len(positional)
+        else f"{len(required)} to {len(positional)}"
+    )
     raise FcirError(
         f"{name}({names}) takes {want} argument(s) but --args gave {len(args)} type(s): "
         f"give {SPEC_SYNTAX}, in the order of the parameters"
     )
 
 
-def load_module(target: str, arg_specs: list[str] | None = None, *,
-                locations: bool = False) -> Module:
+def load_module(
+    target: str, arg_specs: list[str] | None = None, *, locations: bool = False
+) -> Module:
     """Any target -> a captured (or loaded) Module (``locations``: capture records each
     op's source line)."""
     if is_ir_file(target):
@@ -372,23 +383,32 @@ def load_inputs(path: str, module=None) -> list:
     named = sorted(k for k in arrays if not re.fullmatch(r"arr_(0|[1-9][0-9]*)", k))
     if named:
         shown = ", ".join(named[:8]) + (" ..." if len(named) > 8 else "")
-        raise FcirError(f"{path} holds arrays named {shown}: inputs are read by position, as "
-                        f"arr_0, arr_1, ...; {takes}")
+        raise FcirError(
+            f"{path} holds arrays named {shown}: inputs are read by position, as "
+            f"arr_0, arr_1, ...; {takes}"
+        )
     index = {int(k[4:]) for k in arrays}
     missing = [i for i in range(n) if i not in index]
     extra = sorted(i for i in index if i >= n)
     if missing:
-        raise FcirError(f"{path} has no {', '.join(expected[i] for i in missing[:8])}"
-                        f"{' ...' if len(missing) > 8 else ''}; {takes}")
+        raise FcirError(
+            f"{path} has no {', '.join(expected[i] for i in missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}; {takes}"
+        )
     if extra:
-        raise FcirError(f"{path} holds {', '.join(f'arr_{i}' for i in extra)} beyond the "
-                        f"program's arguments; {takes}")
+        raise FcirError(
+            f"{path} holds {', '.join(f'arr_{i}' for i in extra)} beyond the "
+            f"program's arguments; {takes}"
+        )
     leaves = []
     for i in range(n):
         x = arrays[f"arr_{i}"]
         y = as_input(x)
         if y.dtype != x.dtype:
-            print(f"note: {path}: arr_{i} is {x.dtype}, converted to {y.dtype} as jax.jit "
-                  "does (JAX's x64 mode is off)", file=sys.stderr)
+            print(
+                f"note: {path}: arr_{i} is {x.dtype}, converted to {y.dtype} as jax.jit "
+                "does (JAX's x64 mode is off)",
+                file=sys.stderr,
+            )
         leaves.append(y)
     return leaves

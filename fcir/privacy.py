@@ -418,8 +418,7 @@ def epsilon(
     import dp_accounting as dpa
 
     expect_module(module, "fcir.privacy.epsilon")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-        raise PrivacyError(f"fcir.privacy.epsilon: rounds must be an int >= 0, got {rounds!r}")
+    rounds = rounds_arg("fcir.privacy.epsilon", rounds)
     delta = _probability("fcir.privacy.epsilon", "delta", delta, "(0, 1)")
     sampling_rate = _probability("fcir.privacy.epsilon", "sampling_rate", sampling_rate, "(0, 1]")
     rels = releases(module)
@@ -459,8 +458,7 @@ def sampler_tv(module: Module, rounds: int) -> float:
     the exact mechanism the accountant bounds; 0 for a module without ``ddp_*`` ops. The run
     is ``(ε, δ + (1 + e**ε) tv)``-DP where ``epsilon`` gives ``(ε, δ)``."""
     expect_module(module, "fcir.privacy.sampler_tv")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-        raise PrivacyError(f"fcir.privacy.sampler_tv: rounds must be an int >= 0, got {rounds!r}")
+    rounds = rounds_arg("fcir.privacy.sampler_tv", rounds)
     return rounds * sum(r.sampler_tv for r in releases(module) if isinstance(r, DdpRelease))
 
 
@@ -534,4 +532,4 @@ def format_round_cost(cost: dict | None) -> list[str]:
     return lines
 
 
-from fcir.budget import Budget  # noqa: E402  (fcir.privacy.Budget)
+from fcir.budget import Budget, rounds_arg  # noqa: E402  (fcir.privacy.Budget)

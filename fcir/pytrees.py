@@ -80,6 +80,43 @@ def call_arguments(module, args: tuple, kwargs: dict, who: str) -> Any:
     return (args, kwargs)
 
 
+def check_dict_keys(module, called: tuple, who: str) -> None:
+    """Refuses a dict argument whose keys are not those capture recorded (``.args``);
+    ``called`` is what :func:`call_arguments` returns.
+
+    Leaves are matched to parameters by position, and a dict flattens in sorted key
+    order, so ``{"w": W, "z": Z}`` given for a capture of ``{"b": B, "w": W}`` would run
+    with ``b=W, w=Z``: a silently wrong answer (jax.jit raises a KeyError). Only dicts
+    met at the same path as a captured dict are compared; flat leaves and other
+    containers are matched by position as before."""
+    structure = module.main.arg_structure
+    if structure is None:
+        return
+
+    def walk(s, given, path: str) -> None:
+        if s.kind == "dict" and isinstance(given, dict):
+            keys = sorted(map(str, given))
+            if keys != sorted(s.names):
+                from fcir.errors import InterpreterError
+
+                missing = sorted(set(s.names) - set(keys))
+                extra = sorted(set(keys) - set(s.names))
+                raise InterpreterError(
+                    f"{who}: argument {path or '(all)'} of @{module.name} is a dict with keys "
+                    f"{keys}, but the program was captured with {sorted(s.names)} "
+                    f"(missing {missing}, unexpected {extra}); its values would be matched "
+                    "to the captured keys by sorted position: pass the keys capture saw"
+                )
+            for name, child in zip(s.names, s.children):
+                walk(child, given[next(k for k in given if str(k) == name)], f"{path}[{name!r}]")
+        elif s.kind in ("tuple", "list", "namedtuple") and isinstance(given, (tuple, list)):
+            if len(given) == len(s.children):
+                for i, (child, g) in enumerate(zip(s.children, given)):
+                    walk(child, g, f"{path}[{i}]")
+
+    walk(structure, called, "")
+
+
 def captured_keyword_names(module) -> tuple[str, ...]:
     """The keyword names ``module`` was captured with (none when captured positionally)."""
     captured = _captured_keywords(module.main.arg_structure)

@@ -283,6 +283,24 @@ def _jax_floor() -> str:
     return ".".join(jax.__version__.split(".")[:3])
 
 
+def _check_replaceable(out: pathlib.Path) -> None:
+    """An existing APPDIR is replaced whole, so it must be an app fcir wrote (its
+    ``fcir_app/plan.json``) or an empty directory: ``-o .``, ``-o ~/project`` or
+    ``-o round.fcir`` (the input file) would otherwise be deleted."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink():
+        if (out / APP_PACKAGE / "plan.json").is_file() or not any(out.iterdir()):
+            return
+        what = "a directory that is not a Flower app fcir wrote (no fcir_app/plan.json)"
+    else:
+        what = "a file, not a directory"
+    raise ExportError(
+        f"export --target flower: {out} is {what}; the app would replace it whole: "
+        "give -o a new or empty directory (or one an earlier export wrote)"
+    )
+
+
 def _pyproject(name: str, device_runtime: str = "jax") -> str:
     def value(v):
         return json.dumps(v) if isinstance(v, (str, bool)) else repr(v)  # TOML: true, "text"
@@ -398,6 +416,7 @@ def write_app(
             "constants out of the program into its arguments"
         )
     out = pathlib.Path(directory).resolve()
+    _check_replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

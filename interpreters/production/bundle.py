@@ -115,6 +115,11 @@ def _versions() -> dict:
 
 def write(plan, directory, *, device_runtime="jax", device_targets=(), inputs=None) -> pathlib.Path:
     out = pathlib.Path(directory)
+    if out.exists() and not out.is_dir():  # e.g. -o round.fcir, the input itself
+        raise BundleError(
+            f"{out} is a file, not a directory: a production bundle is a directory; "
+            "give -o a new directory"
+        )
     device = None
     has_client_work = bool(_interface(plan)["client_work"][1])
     if device_runtime == "iree" and has_client_work:  # first: if IREE is wrong, write nothing

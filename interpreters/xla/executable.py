@@ -118,6 +118,7 @@ class Executable:
         return tuple(specs)
 
     def _flat_args(self, args: Sequence, *, abstract_ok: bool) -> list:
+        pytrees.check_dict_keys(self.module, tuple(args), "xla executable")
         leaves = jax.tree_util.tree_leaves(args)
         if len(leaves) != len(self._params):
             raise InterpreterError(
@@ -259,7 +260,9 @@ class Executable:
         HLO module handed to XLA, before its optimizations) or ``"optimized_hlo"`` (what
         XLA runs: after fusion and, on a mesh, SPMD partitioning)."""
         if dialect not in DIALECTS:
-            raise ValueError(f"as_text: dialect must be one of {DIALECTS}, got {dialect!r}")
+            raise InterpreterError(
+                f"as_text: dialect must be one of {', '.join(DIALECTS)}, got {dialect!r}"
+            )
         if dialect == "optimized_hlo":
             return self.compiled(*args, **kwargs).as_text()
         return self.lower(*args, **kwargs).as_text(dialect)
@@ -327,6 +330,7 @@ class _Program:
         def program(*args):
             self.traces += 1
             module = ref()
+            pytrees.check_dict_keys(module, args, "xla executable")
             leaves = jax.tree_util.tree_leaves(args)
             if len(leaves) != len(params):
                 raise InterpreterError(
