@@ -234,10 +234,7 @@ def read_range(
         for c in range(first, last + 1):
             a, b = c * chunk_bytes - lo, min((c + 1) * chunk_bytes, shard.length) - lo
             if checksums.crc32(buf[a:b]) != shard.chunk_checksums[c]:
-                raise CheckpointError(
-                    f"{where()}: checksum mismatch in bytes {base + lo + a}..{base + lo + b} "
-                    "(the checkpoint is corrupt)"
-                )
+                raise _corrupt(where(), shard, c, chunk_bytes)
         if buf is not dest:
             dest[:] = buf[start - lo : stop - lo]
         return
@@ -258,10 +255,16 @@ def read_range(
             files.pread(shard.file, part, base + b, array)
             crc = checksums.crc32(part, crc)
         if crc != shard.chunk_checksums[c]:
-            raise CheckpointError(
-                f"{where()}: checksum mismatch in bytes {base + lo}..{base + hi} "
-                "(the checkpoint is corrupt)"
-            )
+            raise _corrupt(where(), shard, c, chunk_bytes)
+
+
+def _corrupt(where: str, shard: pb.ShardRecord, c: int, chunk_bytes: int) -> CheckpointError:
+    """The error for checksum chunk `c` of a stored shard whose bytes do not match."""
+    lo, hi = c * chunk_bytes, min((c + 1) * chunk_bytes, shard.length)
+    return CheckpointError(
+        f"{where}: checksum mismatch in bytes {shard.offset + lo}..{shard.offset + hi} "
+        "(the checkpoint is corrupt)"
+    )
 
 
 _thread_scratch = threading.local()
@@ -525,10 +528,7 @@ def _fill_mapped(
         while checked * chunk < end:
             a, b = checked * chunk, min((checked + 1) * chunk, shard.length)
             if checksums.crc32(data[a - lo : b - lo]) != shard.chunk_checksums[checked]:
-                raise CheckpointError(
-                    f"array {array!r}: data file {name}: checksum mismatch in bytes "
-                    f"{shard.offset + a}..{shard.offset + b} (the checkpoint is corrupt)"
-                )
+                raise _corrupt(f"array {array!r}: data file {name}", shard, checked, chunk)
             checked += 1
 
     try:
