@@ -52,7 +52,7 @@ class ReferenceInterpreter(Interpreter):
     @impl(F.Mean)
     def mean(self, op, x):
         dt = mean_result_dtype(x.dtype)
-        return (_member_total(x, dt) / x.shape[0]).astype(dt)
+        return (_member_total(x, dt) * _reciprocal(x.shape[0], dt)).astype(dt)
 
     @impl(F.Min)
     def min(self, op, x):
@@ -150,8 +150,14 @@ class ReferenceInterpreter(Interpreter):
 
         *xs, keys = args
         n = xs[0].shape[0]
-        p = ddp.params(ddp.member_dim(x.shape[1:] for x in xs), n, op.attrs["clip_norm"],
-                       op.attrs["noise_multiplier"], op.attrs["bits"], op.name)
+        p = ddp.params(
+            ddp.member_dim(x.shape[1:] for x in xs),
+            n,
+            op.attrs["clip_norm"],
+            op.attrs["noise_multiplier"],
+            op.attrs["bits"],
+            op.name,
+        )
         total = np.zeros(p.padded_dim, dtype=object)
         for i in range(n):
             share = np.asarray(ddp.encode([x[i] for x in xs], keys[i], p)).astype(object)
@@ -169,9 +175,9 @@ class ReferenceInterpreter(Interpreter):
         nc, nk = int(op.attrs["num_consts"]), int(op.attrs["num_carry"])
         length = int(op.attrs["length"])
         body = op.regions[op.attrs["jaxpr"].index]
-        consts, carry, xs = list(args[:nc]), list(args[nc:nc + nk]), args[nc + nk:]
+        consts, carry, xs = list(args[:nc]), list(args[nc : nc + nk]), args[nc + nk :]
         # A placed xs is stacked inside its members (fcir.control_flow.scan_axis).
-        axes = [scan_axis(v.type) for v in op.operands[nc + nk:]]
+        axes = [scan_axis(v.type) for v in op.operands[nc + nk :]]
         ys: list = [None] * length
         steps = range(length - 1, -1, -1) if op.attrs.get("reverse") else range(length)
         for t in steps:
@@ -194,9 +200,9 @@ class ReferenceInterpreter(Interpreter):
         cn, bn = int(op.attrs["cond_nconsts"]), int(op.attrs["body_nconsts"])
         cond = op.regions[op.attrs["cond_jaxpr"].index]
         body = op.regions[op.attrs["body_jaxpr"].index]
-        carry = list(args[cn + bn:])
+        carry = list(args[cn + bn :])
         while bool(self.run_region(cond, list(args[:cn]) + carry)[0]):
-            carry = list(self.run_region(body, list(args[cn:cn + bn]) + carry))
+            carry = list(self.run_region(body, list(args[cn : cn + bn]) + carry))
         return carry
 
     @impl("jax.cond")
@@ -238,6 +244,15 @@ def _member_total(x, dt):
     for m in members[1:]:
         total = total + m
     return total
+
+
+def _reciprocal(n: int, dt):
+    """``1 / n`` rounded once to ``dt``'s accumulation dtype: a mean is the member total
+    times it, as ``jnp.mean`` compiles (XLA turns the division by the constant ``n`` into
+    a multiplication by its reciprocal, 1 ulp from a division for some totals: the mean
+    of the ints [0, 0, 0, 0, 1, 1, 1] is 0.42857146, where 3 / 7 is 0.42857143)."""
+    acc = accumulation_dtype(dt).type
+    return acc(1) / acc(n)
 
 
 def run(module: Module, *args, intermediates: bool = False, **kwargs):

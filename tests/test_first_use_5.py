@@ -55,3 +55,40 @@ def test_an_impl_spelt_right_still_runs_in_place_of_the_inherited_one():
 
     assert float(Count().run(fcir.capture(echo, jnp.float32(3.0)), jnp.float32(3.0))) == 6.0
     assert seen == ["clients"]
+
+
+# --- the reference's mean: a division by n, where jnp.mean (and xla) multiply by 1/n -------
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.bool_, np.float32])
+def test_the_reference_mean_is_bitwise_jnp_mean_and_xla_for_int_and_scalar_members(dtype):
+    n = 7
+
+    @fcir.program(placements={"clients": n})
+    def mean_of(x):
+        return fcir.reduce_mean(x)
+
+    rng = np.random.default_rng(0)
+    # Scalars and vectors; totals below 2**24, so every summation order adds exactly.
+    jnp_mean = jax.jit(lambda x: jnp.mean(x, axis=0))
+    for shape in [(), (5,)]:
+        low = 0 if dtype in (np.uint8, np.bool_) else -100
+        xs = rng.integers(low, 100, (10, n, *shape)).astype(dtype)
+        module = fcir.capture(mean_of, xs[0])
+        exe = xla.compile(module)
+        for x in xs:
+            expected = np.asarray(jnp_mean(x))
+            np.testing.assert_array_equal(np.asarray(reference.run(module, x)), expected)
+            np.testing.assert_array_equal(np.asarray(exe(x)), expected)
+
+
+def test_the_int_mean_of_three_ones_among_seven_clients_is_what_jnp_mean_gives():
+    @fcir.program(placements={"clients": 7})
+    def share(x):
+        return fcir.reduce_mean(x)
+
+    x = np.array([0, 0, 0, 0, 1, 1, 1], np.int32)
+    # jnp.mean: 3 * f32(1/7) = 0.42857146; a division 3 / 7 gives 0.42857143, 1 ulp off.
+    assert float(jnp.mean(x)) == float(np.float32(3) * (np.float32(1) / np.float32(7)))
+    got = reference.run(fcir.capture(share, x), x)
+    assert got.dtype == jnp.float32 and float(got) == float(jnp.mean(x))
