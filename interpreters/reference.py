@@ -52,7 +52,8 @@ class ReferenceInterpreter(Interpreter):
     @impl(F.Mean)
     def mean(self, op, x):
         dt = mean_result_dtype(x.dtype)
-        return (_member_total(x, dt) * _reciprocal(x.shape[0], dt)).astype(dt)
+        total = _member_total(x, dt)
+        return (total * _reciprocal(x.shape[0], total.dtype)).astype(dt)
 
     @impl(F.Min)
     def min(self, op, x):
@@ -131,7 +132,7 @@ class ReferenceInterpreter(Interpreter):
         for i, (t, x) in enumerate(zip(totals, xs)):
             t = t.astype(x.dtype)
             noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
-            out.append(noisy / n if mean else noisy)
+            out.append(noisy * _reciprocal(n, noisy.dtype) if mean else noisy)
         return out
 
     @impl(F.DdpSum)
@@ -246,13 +247,14 @@ def _member_total(x, dt):
     return total
 
 
-def _reciprocal(n: int, dt):
-    """``1 / n`` rounded once to ``dt``'s accumulation dtype: a mean is the member total
-    times it, as ``jnp.mean`` compiles (XLA turns the division by the constant ``n`` into
-    a multiplication by its reciprocal, 1 ulp from a division for some totals: the mean
-    of the ints [0, 0, 0, 0, 1, 1, 1] is 0.42857146, where 3 / 7 is 0.42857143)."""
-    acc = accumulation_dtype(dt).type
-    return acc(1) / acc(n)
+def _reciprocal(n: int, dtype):
+    """``1 / n`` rounded once to ``dtype``, the dtype of a total being averaged: a mean
+    is the total times it, as ``jnp.mean`` and a jitted ``total / n`` compile (XLA turns
+    the division by the constant ``n`` into a multiplication by its reciprocal, 1 ulp
+    from a division for some totals: the mean of the ints [0, 0, 0, 0, 1, 1, 1] is
+    0.42857146, where 3 / 7 is 0.42857143)."""
+    one = np.asarray(1, dtype)
+    return one / np.asarray(n, dtype)
 
 
 def run(module: Module, *args, intermediates: bool = False, **kwargs):

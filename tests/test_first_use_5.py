@@ -92,3 +92,18 @@ def test_the_int_mean_of_three_ones_among_seven_clients_is_what_jnp_mean_gives()
     assert float(jnp.mean(x)) == float(np.float32(3) * (np.float32(1) / np.float32(7)))
     got = reference.run(fcir.capture(share, x), x)
     assert got.dtype == jnp.float32 and float(got) == float(jnp.mean(x))
+
+
+def test_the_reference_dp_mean_without_noise_is_bitwise_xla_for_scalar_members():
+    # dp_mean is dp_sum times 1/n: with noise 0 and no member clipped, what xla gives.
+    @fcir.program(placements={"clients": 7})
+    def dp_share(x, key):
+        return fcir.dp_mean(x, 1.0, 0.0, key)
+
+    rng = np.random.default_rng(0)
+    xs = rng.uniform(-0.3, 0.3, (10, 7)).astype(np.float32)
+    key = jax.random.key(1)
+    module = fcir.capture(dp_share, xs[0], key)
+    exe = xla.compile(module)
+    for x in xs:
+        np.testing.assert_array_equal(np.asarray(reference.run(module, x, key)), exe(x, key))
