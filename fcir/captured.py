@@ -69,11 +69,11 @@ def _constant_bytes(closed: jc.ClosedJaxpr) -> int:
 
 
 def mark_checked(module: Module) -> None:
-    """Records that ``module``, as :func:`remember` saw it, passed ``fcir.check``
-    (called by capture right after checking what it converted)."""
+    """Records that ``module``, as :func:`remember` saw it (or as it is now, when it
+    kept no jaxpr), passed ``fcir.check`` (called right after checking it: by capture,
+    and by the reference interpreter for a module from a file)."""
     entry = _JAXPRS.get(module)
-    if entry is not None:
-        _CHECKED[module] = entry[1]
+    _CHECKED[module] = entry[1] if entry is not None else snapshot(module)
 
 
 def checked(module: Module) -> bool:

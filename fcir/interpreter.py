@@ -28,10 +28,10 @@ from fcir import control_flow, pytrees
 from fcir import jaxcompat as jc
 from fcir import primitives as P
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
-from fcir.fed import FedOp
+from fcir.fed import FedOp, Unsupported
 from fcir.ir import Module, Op, Region, describe, walk
 from fcir.jaxcompat import core, schema
-from fcir.types import PlacedType, runtime_type
+from fcir.types import PlacedType, TensorType, runtime_type
 
 _log = logging.getLogger("fcir.interpreter")
 
@@ -116,7 +116,25 @@ def own_rules(cls) -> dict[str, object]:
     for attr, fn in vars(cls).items():
         for name in getattr(fn, "fcir_ops", ()):
             table[name] = attr
-    for op_cls, entry in vars(cls).get("unsupported", {}).items():
+    unsupported = vars(cls).get("unsupported", {})
+    if not isinstance(unsupported, dict):
+        raise FcirError(
+            f"{cls.__name__}.unsupported must be a dict fed op class -> "
+            f"fcir.fed.Unsupported(reason), got {type(unsupported).__name__}"
+        )
+    for op_cls, entry in unsupported.items():
+        if not (isinstance(op_cls, type) and issubclass(op_cls, FedOp) and "name" in vars(op_cls)):
+            raise FcirError(
+                f"{cls.__name__}.unsupported: key {op_cls!r} is not a fed op class; write "
+                "{fcir.fed.Median: fcir.fed.Unsupported(reason)} (fcir.fed.ops() lists them)"
+            )
+        if not isinstance(entry, Unsupported):
+            # A plain string would be taken for a method name and fail only when run.
+            raise FcirError(
+                f"{cls.__name__}.unsupported[fcir.fed.{op_cls.__name__}] is {entry!r}; "
+                f"write fcir.fed.Unsupported({entry!r}) so running {op_cls.name} is an "
+                "error giving that reason"
+            )
         table[op_cls.name] = entry
     return table
 
@@ -210,7 +228,7 @@ class Interpreter:
             if shape != expected.shape or dtype_name(dtype) != expected.dtype:
                 raise InterpreterError(
                     f"@{module.name} argument leaf {i} (%{i}: {v.type}) needs an array of "
-                    f"{expected}, got {dtype_name(dtype)}{list(shape)}"
+                    f"{expected}, got {TensorType(dtype_name(dtype), shape)}"
                 )
         self._record = {} if intermediates else None
         outs = self.run_region(func.body, leaves)

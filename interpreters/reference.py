@@ -10,7 +10,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fcir import captured
 from fcir import fed as F
+from fcir.check import check
 from fcir.control_flow import scan_axis
 from fcir.errors import InterpreterError
 from fcir.interpreter import Interpreter, impl, is_placed
@@ -31,6 +33,16 @@ def _members(x) -> list:
 
 class ReferenceInterpreter(Interpreter):
     """Eager, per-member semantics. Subclass it to override single ops."""
+
+    def run(self, module: Module, *args, intermediates: bool = False, **kwargs):
+        """``Interpreter.run``, on a module that passes ``fcir.check``: the oracle runs
+        only what the IR's rules allow, as ``xla.compile`` does (an IR file edited by
+        hand, or read from disk, fails naming the op instead of giving numbers whose
+        types disagree with the module's). Checked once per module while unchanged."""
+        if isinstance(module, Module) and not captured.checked(module):
+            check(module)
+            captured.mark_checked(module)
+        return super().run(module, *args, intermediates=intermediates, **kwargs)
 
     @impl(F.Broadcast)
     def broadcast(self, op, x):

@@ -107,3 +107,66 @@ def test_the_reference_dp_mean_without_noise_is_bitwise_xla_for_scalar_members()
     exe = xla.compile(module)
     for x in xs:
         np.testing.assert_array_equal(np.asarray(reference.run(module, x, key)), exe(x, key))
+
+
+# --- the reference ran IR that fcir check (and xla) refuse ---------------------------------
+
+
+@fcir.program(placements={"clients": 3})
+def _spread(w, x):
+    return fcir.reduce_mean(fcir.map_fn(lambda w, x: w * x, (fcir.broadcast(w), x)))
+
+
+def test_the_reference_refuses_an_ill_typed_ir_file_naming_the_op_as_xla_does():
+    w, x = jnp.ones(2), jnp.ones((3, 2))
+    text = fcir.capture(_spread, w, x).to_text()
+    # An edited file: the mean (and so the program) now claims to give f16, while the
+    # members are f32.
+    edited = text.replace("f32[2]@server = fed.mean", "f16[2]@server = fed.mean")
+    edited = edited.replace("-> (f32[2]@server)", "-> (f16[2]@server)")
+    assert edited != text
+    module = fcir.parse(edited)
+    with pytest.raises(fcir.FcirError, match=r"fed\.mean.*C3"):
+        xla.compile(module)
+    with pytest.raises(fcir.FcirError, match=r"fed\.mean.*C3"):
+        reference.run(module, w, x)
+    # The file as written runs, and a parsed module is checked once, not per call.
+    good = fcir.parse(text)
+    assert np.asarray(reference.run(good, w, x)).tolist() == [1.0, 1.0]
+    from fcir import captured
+
+    assert captured.checked(good)
+
+
+# --- an interpreter's unsupported table: a plain string was taken for a method name -------
+
+
+def test_an_unsupported_entry_that_is_not_an_unsupported_object_is_refused_at_the_class():
+    with pytest.raises(fcir.FcirError, match=r"fcir\.fed\.Unsupported\('use fed\.mean'\)"):
+
+        class NoMedian(ReferenceInterpreter):
+            unsupported = {fcir.fed.Median: "use fed.mean"}
+
+    with pytest.raises(fcir.FcirError, match="not a fed op class"):
+
+        class NoMedianByName(ReferenceInterpreter):
+            unsupported = {"fed.median": fcir.fed.Unsupported("use fed.mean")}
+
+    class Refuses(ReferenceInterpreter):
+        unsupported = {fcir.fed.Median: fcir.fed.Unsupported("use fed.mean")}
+
+    @fcir.program(placements={"clients": 3})
+    def middle(x):
+        return fcir.reduce_median(x)
+
+    module = fcir.capture(middle, jnp.arange(3.0))
+    with pytest.raises(fcir.UnsupportedError, match="fed.median: use fed.mean"):
+        Refuses().run(module, jnp.arange(3.0))
+
+
+def test_a_wrong_argument_shape_is_written_as_the_ir_writes_types_so_the_two_compare():
+    module = fcir.capture(_spread, jnp.ones(2), jnp.ones((3, 2)))
+    with pytest.raises(
+        fcir.InterpreterError, match=r"needs an array of f32\[3,2\], got f32\[3,4\]$"
+    ):
+        reference.run(module, jnp.ones(2), jnp.ones((3, 4)))

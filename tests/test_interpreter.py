@@ -101,7 +101,9 @@ def test_zero_total_weight_in_compiled_code_is_nan(module):
 
 
 def test_wrong_arguments_are_reported_with_types(module):
-    with pytest.raises(fcir.InterpreterError, match=r"argument leaf 1 .* needs an array of f32\[3,2,4\]"):
+    with pytest.raises(
+        fcir.InterpreterError, match=r"argument leaf 1 .* needs an array of f32\[3,2,4\]"
+    ):
         reference.run(module, ARGS[0], jnp.ones((2, 2, 4)), ARGS[2])
     with pytest.raises(fcir.InterpreterError, match="takes 3 array leaves"):
         reference.run(module, ARGS[0])
@@ -110,8 +112,12 @@ def test_wrong_arguments_are_reported_with_types(module):
 def test_op_without_implementation_names_itself(module):
     text = module.to_text().replace("fed.sum", "fed.frobnicate")
     broken = fcir.parse(text)
-    with pytest.raises(fcir.UnsupportedError, match="fed.frobnicate"):
+    # The reference checks the module first (as xla.compile does): the checker names it.
+    with pytest.raises(fcir.IRTypeError, match="unknown federated op fed.frobnicate"):
         reference.run(broken, *ARGS)
+    # An interpreter that runs it unchecked has no implementation of it, and says so.
+    with pytest.raises(fcir.UnsupportedError, match="no implementation of fed.frobnicate"):
+        fcir.Interpreter().run(broken, *ARGS)
 
 
 def test_reference_full_width_signed_secure_sum_wraps_like_jnp_sum():
