@@ -21,7 +21,6 @@ import contextlib
 import itertools
 import os
 import pathlib
-import queue
 import shutil
 import sys
 import threading
@@ -32,7 +31,17 @@ from typing import Any
 import jax
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import checksums, commit, keypaths, layout, orbax, snapshot, storage, writer
+from fcir.checkpoint import (
+    checksums,
+    commit,
+    keypaths,
+    layout,
+    orbax,
+    parallel,
+    snapshot,
+    storage,
+    writer,
+)
 from fcir.checkpoint.coordination import Coordinator
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
@@ -167,48 +176,32 @@ def save(
         return handle
 
 
-#: Phase 2 of asynchronous saves runs on one long-lived thread, fed through this queue
-#: (None until the first asynchronous save). Handing it a save costs the caller a
-#: queue put; starting a thread per save cost it a wait until the new thread had run
-#: (Thread.start waits for it, and the new thread then holds the GIL for up to the
-#: switch interval, 5 ms) and, after the process idled, many cold pages.
-_jobs: queue.SimpleQueue[Callable[[], None]] | None = None
+#: Whether threading's shutdown hook waits for the asynchronous save in flight.
+_exit_hook = False
 
 
 def _in_background(job: Callable[[], None], seq: int) -> None:
-    global _jobs
-    if _jobs is None:
+    """Runs phase 2 on a pooled thread: handing it over costs the caller a queue put,
+    where starting a thread per save made it wait until the new thread had run (up to
+    the 5 ms switch interval, as the new thread then held the GIL) on cold pages."""
+    global _exit_hook
+    if not _exit_hook:
         register = getattr(threading, "_register_atexit", None)
         if register is None:  # a Python without the hook: a non-daemon thread per save
             threading.Thread(target=job, name=f"fcir-ckpt-save-{seq}", daemon=False).start()
             return
-        jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        threading.Thread(target=_serve, args=(jobs,), name="fcir-ckpt-save", daemon=True).start()
-        # At exit, before non-daemon threads are joined (as concurrent.futures does):
-        # the interpreter waits for the save in flight as it would for a non-daemon
-        # thread, and the atexit report below then sees its outcome.
+        # At exit, before non-daemon threads are joined (concurrent.futures does the
+        # same): the interpreter waits for the save in flight as it would for a
+        # non-daemon thread, and the atexit report below then sees its outcome.
         register(_finish_in_flight)
-        _jobs = jobs
-    _jobs.put(job)
-
-
-def _serve(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
-    while True:
-        jobs.get()()  # phase2 catches everything; its handle reports it
+        _exit_hook = True
+    parallel.submit(job)
 
 
 def _finish_in_flight() -> None:
     prev = _in_flight
     if prev is not None:
         prev._done.wait()
-
-
-def _forget_worker() -> None:
-    global _jobs
-    _jobs = None  # a forked child has no worker thread; the next save starts one
-
-
-os.register_at_fork(after_in_child=_forget_worker)
 
 
 def _exists(final: storage.Location) -> bool:
