@@ -29,48 +29,59 @@ _jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _idle = 0  # pooled threads waiting for a job and not yet promised one
 
 
-def _worker() -> None:
+def _worker(first: Callable[[], None]) -> None:
     global _idle
+    job = first
     while True:
-        _jobs.get()()  # jobs handle their own errors
+        job()  # jobs handle their own errors
         with _lock:
             _idle += 1
+        job = _jobs.get()
 
 
-def submit(job: Callable[[], None]) -> None:
-    """Runs `job()` on a pooled thread (an idle one, else a new one). `job` must not
-    raise: it reports its own outcome."""
+def submit(job: Callable[[], None]) -> bool:
+    """Runs `job()` on a pooled thread (an idle one, else a new one); False where no
+    thread can be started (Python 3.12 refuses once the interpreter shuts down). `job`
+    must not raise: it reports its own outcome."""
     global _idle
     with _lock:
-        start = _idle == 0
-        if not start:
+        if _idle > 0:
             _idle -= 1
-        _jobs.put(job)
-    if start:
-        threading.Thread(target=_worker, name="fcir-ckpt-io", daemon=True).start()
+            _jobs.put(job)
+            return True
+    try:
+        threading.Thread(target=_worker, args=(job,), name="fcir-ckpt-io", daemon=True).start()
+    except RuntimeError:  # "can't create new thread at interpreter shutdown"
+        return False
+    return True
 
 
 class Job:
     """`fn()` running on a pooled thread; `join()` waits for it and re-raises its error."""
 
-    def __init__(self, fn: Callable[[], None]) -> None:
+    def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised by join()
-                self._error = e
-            finally:
-                self._done.set()
-
-        submit(run)
 
     def join(self) -> None:
         self._done.wait()
         if self._error is not None:
             raise self._error
+
+
+def start(fn: Callable[[], None]) -> Job | None:
+    """`fn()` on a pooled thread, or None where no thread can be started."""
+    job = Job()
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by join()
+            job._error = e
+        finally:
+            job._done.set()
+
+    return job if submit(run) else None
 
 
 def _after_fork_in_child() -> None:
@@ -112,7 +123,8 @@ def run_tasks(tasks: Sequence[Callable[[], None]], threads: int | None = None) -
                     errors.append(e)
                 return
 
-    helpers = [Job(drain) for _ in range(threads - 1)]
+    # Fewer helpers where threads cannot start (at exit): the caller does the rest.
+    helpers = [h for h in (start(drain) for _ in range(threads - 1)) if h is not None]
     try:
         drain()
     finally:

@@ -195,7 +195,8 @@ def _in_background(job: Callable[[], None], seq: int) -> None:
         # non-daemon thread, and the atexit report below then sees its outcome.
         register(_finish_in_flight)
         _exit_hook = True
-    parallel.submit(job)
+    if not parallel.submit(job):  # called at exit, when no thread can start
+        job()
 
 
 def _finish_in_flight() -> None:

@@ -81,7 +81,7 @@ class _Flusher:
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._thread = None
         if _start_writeback is not None:
-            self._thread = parallel.Job(self._run)
+            self._thread = parallel.start(self._run)  # None at exit: no hints then
 
     def written(self, offset: int, length: int) -> None:
         if self._thread is not None:
@@ -144,7 +144,13 @@ class Durable:
         with self._lock:
             self._queue.put((fd, path))
             if len(self._workers) < self._max:
-                self._workers.append(parallel.Job(self._run))
+                worker = parallel.start(self._run)
+                if worker is not None:
+                    self._workers.append(worker)
+            if self._workers:
+                return
+        self._queue.put(None)
+        self._run()  # no thread could start (at exit): fsync here
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
