@@ -202,10 +202,12 @@ def _entry(
         entry = ArrayEntry(
             path, "", leaf.shape, dtype, None, pb.LEAF_KIND_JAX_ARRAY, [], key_impl, leaf.sharding
         )
-        for shard in leaf.addressable_shards:
+        shards = leaf.addressable_shards
+        on_cpu = bool(shards) and shards[0].device.platform == "cpu"  # one platform per array
+        for shard in shards:
             if shard.replica_id != 0:
                 continue
-            if shard.device.platform == "cpu":
+            if on_cpu:
                 entry.shards.append(ShardData(None, np.asarray(shard.data), shard))
             else:
                 data = ShardData(None, np.empty(0, dtype), shard)
