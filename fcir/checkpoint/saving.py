@@ -31,7 +31,17 @@ from typing import Any
 import jax
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import checksums, commit, keypaths, layout, orbax, snapshot, storage, writer
+from fcir.checkpoint import (
+    checksums,
+    commit,
+    keypaths,
+    layout,
+    orbax,
+    parallel,
+    snapshot,
+    storage,
+    writer,
+)
 from fcir.checkpoint.coordination import Coordinator
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
@@ -128,6 +138,8 @@ def save(
     if format not in ("fcir", "orbax"):
         raise CheckpointError(f"format must be 'fcir' or 'orbax', got {format!r}")
     with _lock:
+        # The caller waits for what is here: checks that raise at the call, and the
+        # host copy (snapshot.take). Everything else runs in phase2 (see snapshot.py).
         started = time.perf_counter()
         _wait_for_previous()
         final = storage.locate(path)
@@ -140,27 +152,57 @@ def save(
         _in_flight = handle
         if progress is None and not blocking:
             progress = False  # a bar drawn from the background would garble training logs
-        bar = Progress(f"saving {final.name}", snap.nbytes, progress)
 
         def phase2() -> None:
+            bar = None
             try:
+                bar = Progress(f"saving {final.name}", snap.nbytes, progress)
                 _write_and_commit(final, snap, coord, seq, overwrite, bar, _after_commit, format)
             except BaseException as e:  # noqa: BLE001 - surfaced by handle.wait()
                 handle._finish(e)
             else:
                 handle._finish(None)
             finally:
-                bar.close()
+                if bar is not None:
+                    bar.close()
 
         if blocking:
             phase2()
             handle.blocking_seconds = time.perf_counter() - started
             handle.wait()
             return handle
-        thread = threading.Thread(target=phase2, name=f"fcir-ckpt-save-{seq}", daemon=False)
-        thread.start()
+        _in_background(phase2, seq)
         handle.blocking_seconds = time.perf_counter() - started
         return handle
+
+
+#: Whether threading's shutdown hook waits for the asynchronous save in flight.
+_exit_hook = False
+
+
+def _in_background(job: Callable[[], None], seq: int) -> None:
+    """Runs phase 2 on a pooled thread: handing it over costs the caller a queue put,
+    where starting a thread per save made it wait until the new thread had run (up to
+    the 5 ms switch interval, as the new thread then held the GIL) on cold pages."""
+    global _exit_hook
+    if not _exit_hook:
+        register = getattr(threading, "_register_atexit", None)
+        if register is None:  # a Python without the hook: a non-daemon thread per save
+            threading.Thread(target=job, name=f"fcir-ckpt-save-{seq}", daemon=False).start()
+            return
+        # At exit, before non-daemon threads are joined (concurrent.futures does the
+        # same): the interpreter waits for the save in flight as it would for a
+        # non-daemon thread, and the atexit report below then sees its outcome.
+        register(_finish_in_flight)
+        _exit_hook = True
+    if not parallel.submit(job):  # called at exit, when no thread can start
+        job()
+
+
+def _finish_in_flight() -> None:
+    prev = _in_flight
+    if prev is not None:
+        prev._done.wait()
 
 
 def _exists(final: storage.Location) -> bool:
@@ -199,10 +241,9 @@ class _LocalTarget:
         self.temp = self.final.parent / token
 
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
-        blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
         file_name = layout.data_file_name(me)
         written, size = writer.write_data_file(
-            self.temp / file_name, blocks, bar, durable=self.durable
+            self.temp / file_name, snap.blocks(), bar, durable=self.durable
         )
         return [(file_name, size)], written
 
@@ -254,13 +295,14 @@ class _OrbaxTarget(_LocalTarget):
 def _orbax_chunks(snap: snapshot.Snapshot) -> tuple[list[str], list[Any]]:
     """The zarr chunk file of each shard this process writes, and the shard's bytes."""
     several = len(snap.items) > 1
-    names, blocks = [], []
+    blocks = snap.blocks()  # made contiguous first
+    names = []
+    snap.describe()
     for it in snap.items:
         prefix = orbax.item_prefix(it.name, several)
         for a in it.arrays:
             for s in a.shards:
                 names.append(orbax.chunk_file(prefix, a.path, s.box))
-                blocks.append(s.data)
     return names, blocks
 
 
@@ -285,8 +327,8 @@ class _ObjectTarget:
         pass  # an object is durable once its PUT returns
 
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
-        blocks = [s.data for it in snap.items for a in it.arrays for s in a.shards]
-        return writer.write_objects(self.final, f"data-{self.nonce}-p{me:05d}", blocks, bar)
+        stem = f"data-{self.nonce}-p{me:05d}"
+        return writer.write_objects(self.final, stem, snap.blocks(), bar)
 
     def _part(self, q: int) -> str:
         return f"layout.part-{self.nonce}-p{q:05d}.pb"
@@ -464,8 +506,12 @@ def _write_part(
     count: int,
     bar: Progress,
 ) -> pb.CheckpointLayout:
-    """Writes this process's data; returns a layout holding only its files and shards."""
+    """Writes this process's data; returns a layout holding only its files and shards.
+
+    The shards' records are made after the data is written: the writes need only the
+    bytes, so they start as soon as phase 2 does."""
     files, written = target.write_data(snap, me, bar)
+    snap.describe()
     part = pb.CheckpointLayout(
         layout_version=layout.LAYOUT_VERSION,
         writer=f"fcir.checkpoint (jax {jax.__version__})",

@@ -6,6 +6,13 @@ every process) are written by process 0. On CPU devices device memory is host me
 `np.asarray` of a shard is a zero-copy view that keeps the buffer alive, and jax will
 not donate a buffer that has such a view, so no copy is needed. Elsewhere all
 device-to-host copies are started at once and then collected.
+
+`take` does only what must happen while the caller waits: it checks the tree (every
+error about what is saved is raised by `save` itself) and pins the bytes. What only
+the layout needs (sharding records, the shards' index boxes) is left to
+`Snapshot.describe`, which the background phase calls: on the VMs this project runs
+on, every page a call touches after a second of idle costs microseconds, so the
+blocking part of an asynchronous save is as short as the code it runs.
 """
 
 from __future__ import annotations
@@ -29,20 +36,22 @@ _PYTHON_SCALARS = (bool, int, float, complex)
 
 @dataclasses.dataclass
 class ShardData:
-    box: Box
-    data: np.ndarray  # C-contiguous
+    box: Box | None  # None until Snapshot.describe() (then from `source`'s index)
+    data: np.ndarray  # C-contiguous once Snapshot.blocks() has run
+    source: Any = None  # the jax Shard the data came from; None for host values
 
 
 @dataclasses.dataclass
 class ArrayEntry:
     path: keypaths.Path
-    name: str
+    name: str  # for people; "" until Snapshot.describe() for jax arrays
     shape: tuple[int, ...]
     dtype: np.dtype
-    sharding: pb.Sharding
+    sharding: pb.Sharding | None  # None until Snapshot.describe()
     kind: int  # pb.LeafKind
     shards: list[ShardData]  # the ones this process writes
     prng_key_impl: str = ""  # set for typed PRNG keys, stored as their key data
+    jax_sharding: Any = None  # the leaf's jax sharding (None: a host value)
 
 
 @dataclasses.dataclass
@@ -55,11 +64,39 @@ class ItemEntry:
 @dataclasses.dataclass
 class Snapshot:
     items: list[ItemEntry]
+    described: bool = False
 
     @property
     def nbytes(self) -> int:
         """Bytes this process will write."""
         return sum(s.data.nbytes for it in self.items for a in it.arrays for s in a.shards)
+
+    def blocks(self) -> list[np.ndarray]:
+        """The shards' bytes (C-contiguous) in the order the layout records them."""
+        out = []
+        for it in self.items:
+            for a in it.arrays:
+                for s in a.shards:
+                    s.data = np.ascontiguousarray(s.data)  # a no-op for device buffers
+                    out.append(s.data)
+        return out
+
+    def describe(self) -> Snapshot:
+        """Fills in what only the layout needs: sharding records and shard boxes."""
+        if self.described:
+            return self
+        for it in self.items:
+            for a in it.arrays:
+                a.name = a.name or keypaths.display(it.name, a.path)
+                a.sharding = shardings.describe(a.jax_sharding, len(a.shape))
+                for s in a.shards:
+                    if s.source is not None:
+                        s.box = shardings.box_of_index(s.source.index, a.shape)
+                        s.source = None
+                    elif s.box is None:
+                        s.box = (tuple(0 for _ in a.shape), a.shape)
+        self.described = True
+        return self
 
 
 def _json_text(value: Any) -> str | None:
@@ -79,20 +116,36 @@ def _json_text(value: Any) -> str | None:
     return json.dumps(value, allow_nan=False) if plain(value) else None
 
 
+#: dtypes already found savable, with their canonical numpy dtype (one dict lookup
+#: instead of a round trip through the layout's dtype names on every save).
+_SAVABLE: dict[Any, np.dtype] = {}
+
+
 def _check_dtype(dtype: np.dtype, name: str) -> np.dtype:
+    known = _SAVABLE.get(dtype)
+    if known is not None:
+        return known
     if dtype.kind in "OUSMm" or dtype.fields is not None:
         raise CheckpointError(f"array {name!r} has dtype {dtype}, which cannot be saved")
     try:
-        return layout.dtype_from_name(layout.dtype_name(dtype))
+        canonical = layout.dtype_from_name(layout.dtype_name(dtype))
     except CheckpointError:
         raise CheckpointError(f"array {name!r} has dtype {dtype}, which cannot be saved") from None
+    _SAVABLE[dtype] = canonical
+    return canonical
+
+
+#: jax dtypes that are plain (neither PRNG keys nor other extended dtypes), with the
+#: numpy dtype they are saved as.
+_PLAIN_JAX: dict[Any, np.dtype] = {}
 
 
 def take(tree: Mapping[str, Any], process_index: int, copy_host_values: bool) -> Snapshot:
-    """Copies (or pins) to host every shard this process writes.
+    """Checks `tree` and copies (or pins) to host every shard this process writes.
 
     `copy_host_values` copies numpy leaves, which the caller may mutate while an
-    asynchronous save is still writing them.
+    asynchronous save is still writing them. The result is not described yet: call
+    `describe()` before reading `sharding` or the shards' `box`.
     """
     if not isinstance(tree, Mapping):
         raise CheckpointError(
@@ -110,8 +163,7 @@ def take(tree: Mapping[str, Any], process_index: int, copy_host_values: bool) ->
             continue
         arrays = []
         for path, leaf in keypaths.flatten(value, item_name):
-            name = keypaths.display(item_name, path)
-            arrays.append(_entry(path, name, leaf, process_index, copy_host_values, pending))
+            arrays.append(_entry(path, item_name, leaf, process_index, copy_host_values, pending))
         items.append(ItemEntry(item_name, None, arrays))
     # Start every device-to-host copy before waiting for any of them.
     for _, shard_array in pending:
@@ -123,7 +175,7 @@ def take(tree: Mapping[str, Any], process_index: int, copy_host_values: bool) ->
 
 def _entry(
     path: keypaths.Path,
-    name: str,
+    item_name: str,
     leaf: Any,
     process_index: int,
     copy_host_values: bool,
@@ -131,38 +183,38 @@ def _entry(
 ) -> ArrayEntry:
     if isinstance(leaf, jax.Array):
         key_impl = ""
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            if leaf.is_deleted():
-                raise CheckpointError(f"array {name!r} has been deleted (was it donated?)")
-            key_impl = str(jax.random.key_impl(leaf))
-            leaf = jax.random.key_data(leaf)  # same sharding, plus the key's own dims
-        elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-            raise CheckpointError(f"array {name!r} has extended dtype {leaf.dtype}")
+        dtype = _PLAIN_JAX.get(leaf.dtype)
+        if dtype is None:
+            name = keypaths.display(item_name, path)
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                if leaf.is_deleted():
+                    raise CheckpointError(f"array {name!r} has been deleted (was it donated?)")
+                key_impl = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)  # same sharding, plus the key's own dims
+                dtype = _check_dtype(np.dtype(leaf.dtype), name)
+            elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+                raise CheckpointError(f"array {name!r} has extended dtype {leaf.dtype}")
+            else:
+                dtype = _PLAIN_JAX[leaf.dtype] = _check_dtype(np.dtype(leaf.dtype), name)
         if leaf.is_deleted():
+            name = keypaths.display(item_name, path)
             raise CheckpointError(f"array {name!r} has been deleted (was it donated?)")
-        dtype = _check_dtype(np.dtype(leaf.dtype), name)
-        shape = tuple(leaf.shape)
         entry = ArrayEntry(
-            path,
-            name,
-            shape,
-            dtype,
-            shardings.describe(leaf.sharding, len(shape)),
-            pb.LEAF_KIND_JAX_ARRAY,
-            [],
-            key_impl,
+            path, "", leaf.shape, dtype, None, pb.LEAF_KIND_JAX_ARRAY, [], key_impl, leaf.sharding
         )
-        for shard in leaf.addressable_shards:
+        shards = leaf.addressable_shards
+        on_cpu = bool(shards) and shards[0].device.platform == "cpu"  # one platform per array
+        for shard in shards:
             if shard.replica_id != 0:
                 continue
-            box = shardings.box_of_index(shard.index, shape)
-            if shard.device.platform == "cpu":
-                entry.shards.append(ShardData(box, np.ascontiguousarray(np.asarray(shard.data))))
+            if on_cpu:
+                entry.shards.append(ShardData(None, np.asarray(shard.data), shard))
             else:
-                data = ShardData(box, np.empty(0, dtype))
+                data = ShardData(None, np.empty(0, dtype), shard)
                 entry.shards.append(data)
                 pending.append((data, shard.data))
         return entry
+    name = keypaths.display(item_name, path)
     if isinstance(leaf, np.ndarray):
         kind = pb.LEAF_KIND_NUMPY_ARRAY
         host = np.array(leaf, copy=True) if copy_host_values else np.ascontiguousarray(leaf)
@@ -183,6 +235,5 @@ def _entry(
         host = host.astype(host.dtype.newbyteorder("<"))
     dtype = _check_dtype(host.dtype, name)
     shape = tuple(host.shape)
-    full = (tuple(0 for _ in shape), shape)
-    shards = [ShardData(full, np.ascontiguousarray(host))] if process_index == 0 else []
-    return ArrayEntry(path, name, shape, dtype, shardings.describe(None, len(shape)), kind, shards)
+    shards = [ShardData(None, np.ascontiguousarray(host))] if process_index == 0 else []
+    return ArrayEntry(path, name, shape, dtype, None, kind, shards)

@@ -73,16 +73,15 @@ _start_writeback = _writeback_starter()
 
 
 class _Flusher:
-    """A thread that starts writeback of file ranges as writers finish them (a hint only:
-    errors surface from the final fsync)."""
+    """A (pooled) thread that starts writeback of file ranges as writers finish them (a
+    hint only: errors surface from the final fsync)."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._thread = None
         if _start_writeback is not None:
-            self._thread = threading.Thread(target=self._run, name="fcir-ckpt-flush", daemon=True)
-            self._thread.start()
+            self._thread = parallel.start(self._run)  # None at exit: no hints then
 
     def written(self, offset: int, length: int) -> None:
         if self._thread is not None:
@@ -130,14 +129,14 @@ def _checksum_and_write(fd: int, data: memoryview, pos: int) -> list[int]:
 
 class Durable:
     """fsyncs of written files, started as soon as each file is written, on a few
-    threads of their own (so the writers go on with later files meanwhile). `wait()`
+    pooled threads of their own (so the writers go on with later files meanwhile). `wait()`
     returns once every fsync has returned and re-raises the first failure. Takes
     ownership of the file descriptors and closes them."""
 
     def __init__(self, threads: int = parallel.THREADS) -> None:
         self._queue: queue.SimpleQueue[tuple[int, pathlib.Path] | None] = queue.SimpleQueue()
         self._max = threads
-        self._workers: list[threading.Thread] = []
+        self._workers: list[parallel.Job] = []
         self._errors: list[CheckpointError] = []
         self._lock = threading.Lock()
 
@@ -145,9 +144,13 @@ class Durable:
         with self._lock:
             self._queue.put((fd, path))
             if len(self._workers) < self._max:
-                worker = threading.Thread(target=self._run, name="fcir-ckpt-fsync", daemon=True)
-                self._workers.append(worker)
-                worker.start()
+                worker = parallel.start(self._run)
+                if worker is not None:
+                    self._workers.append(worker)
+            if self._workers:
+                return
+        self._queue.put(None)
+        self._run()  # no thread could start (at exit): fsync here
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -33,7 +33,7 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     doc = json.loads(result.read_text())
     assert doc["cpu_count"] and doc["versions"]["jax"] and doc["versions"]["numpy"]
     assert doc["versions"]["jaxlib"] and doc["samples_s"]["fcir_save"]
-    assert len(doc["figures"]) == 11
+    assert len(doc["figures"]) == 12
     assert "peak extra host memory onto mesh (4,2) / restored" in done.stdout
     save = doc["figures"][0]
     assert save["per_repetition"] == [save["a"] / save["b"]]  # one repetition
@@ -41,10 +41,15 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     assert doc["samples_s"]["limit_restore"] and doc["samples_s"]["limit_restore_cold"]
     # Each fcir save is split into phases, and every timed call started after an
     # untimed os.sync() (a quiet disk), whose durations are kept.
-    phases = [doc["samples_s"][f"fcir_save_{k}"][0] for k in ("write", "fsync", "after_write")]
+    phases = [
+        doc["samples_s"][f"fcir_save_{k}"][0]
+        for k in ("write", "fsync", "after_write", "before_write")
+    ]
     assert all(p >= 0 for p in phases) and phases[0] <= doc["samples_s"]["fcir_save"][0]
     assert len(doc["presync_s"]) >= 10 and "untimed os.sync() before each timed call" in done.stdout
     assert "fcir save phases" in done.stdout
+    assert "async save right after a busy step: blocking / whole" in done.stdout
+    assert doc["samples_s"]["fcir_async_busy_blocking"] and doc["samples_s"]["fcir_async_total"]
 
 
 def test_checkpoint_benchmark_s3_mode_against_a_local_server(tmp_path):
