@@ -218,3 +218,24 @@ def test_a_budget_names_a_bad_delta_or_sampling_rate_in_a_privacy_error():
     state = fcir.privacy.Budget(m, 1e-5, 50.0).state()
     with pytest.raises(fcir.PrivacyError, match="delta must be a number"):
         fcir.privacy.Budget.from_state(m, {**state, "delta": "x"})
+
+
+def test_a_flower_server_app_refuses_a_poisson_sampled_ddp_round_before_round_one():
+    # With fraction < 1 a private app samples Poisson; for a ddp round its progress line
+    # would otherwise claim every client's noise share. It now fails at start, saying why.
+    pytest.importorskip("flwr", reason="the ServerApp needs flwr")
+    import types
+
+    from fcir.interpreters.flower.app import runtime, server_app
+
+    def ddp_round(w, keys, x):
+        return w + fcir.ddp_mean(updates(w, x), 1.0, 1.0, keys, bits=16)
+
+    m = fcir.capture(private(ddp_round, {"clients": N}), W, jax.random.split(KEY, N), X)
+    plan = {"privacy": {"ir": m.to_text(), "delta": 1e-5}}
+    cfg = types.SimpleNamespace(fraction=0.5, poisson=True, clients=0, max_epsilon=None)
+    with pytest.raises(runtime.AppError, match=r"^Poisson sampling q=0.5: .*sampled at rate 0.5"):
+        server_app.Accounting(plan, cfg)
+    every = types.SimpleNamespace(fraction=1.0, poisson=False, clients=0, max_epsilon=None)
+    line = server_app.Accounting(plan, every).line(2)
+    assert line.startswith(f"epsilon={fcir.privacy.epsilon(m, 2, 1e-5):.4g} after 2 round(s)")
