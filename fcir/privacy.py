@@ -42,7 +42,8 @@ The ops of one round compose (``releases``: an op inside a ``jax.scan`` counts
 loop cannot be counted and is an error; an op inside a ``fed.map`` releases to the
 placement above it, for disjoint groups of clients, so it counts once). Rounds compose
 ``rounds`` times, each with Poisson sampling of clients at ``sampling_rate`` when it is
-below 1. The figures come from Google's ``dp-accounting``: RDP (Rényi DP, the
+below 1 (refused for a round with a ``fed.ddp_*`` op: only the sampled clients would
+add their shares of its noise). The figures come from Google's ``dp-accounting``: RDP (Rényi DP, the
 default: fast, and it handles every event) or PLD (privacy loss distributions,
 ``accountant="pld"``: tighter, several seconds for hundreds of rounds).
 """
