@@ -56,7 +56,7 @@ class Budget:
         sampling_rate: float = 1.0,
         accountant: str = "rdp",
     ):
-        from fcir.privacy import epsilon
+        from fcir.privacy import _probability, epsilon
 
         if not isinstance(module, Module):
             raise PrivacyError(
@@ -72,9 +72,11 @@ class Budget:
                 f"fcir.privacy.Budget: max_epsilon must be a finite number > 0, got {max_epsilon!r}"
             )
         self.module = module
-        self.delta = float(delta)
+        self.delta = _probability("fcir.privacy.Budget", "delta", delta, "(0, 1)")
         self.max_epsilon = max_eps
-        self.sampling_rate = float(sampling_rate)
+        self.sampling_rate = _probability(
+            "fcir.privacy.Budget", "sampling_rate", sampling_rate, "(0, 1]"
+        )
         self.accountant = accountant
         self._rounds = 0
         self._epsilon = 0.0

@@ -8,18 +8,26 @@ regions' parameters, the regions' yielded values its results), so it sees throug
 ``fed.map`` and through server control flow (``jax.cond``, ``jax.scan``,
 ``jax.while``) alike, loops to a fixpoint. An operand that feeds no region parameter
 (a ``cond`` index) or a yielded value that is no result (a ``while`` predicate) is
-*control*: if it is derived from client data, every result is. Then:
+*control*: if it is derived from client data, every result is. In a hierarchy
+(``{"silos": S, "clients": n}``) the mark is the depth of the placement whose data a
+value derives from, and a region inside a ``fed.map`` over silos runs at the silos'
+depth: a silo's own value derived from its clients' data is a leak as a server value
+is (the silo is a party above its clients; a DP op of the server over silos would
+bound what one silo adds, not what one client adds), while a silo's own data
+(``{T}@silos``) is free at the silo. Then:
 
-* ``privacy/C1``: a fed op whose server result is derived from client data
-  (``fed.sum``, ``fed.mean``, ``fed.min``, ``fed.max``, ``fed.weighted_mean``,
-  ``fed.secure_sum``) releases client data without noise;
+* ``privacy/C1``: a fed op whose result (at the server, or at a silo) is derived from
+  data of the placement it aggregates (``fed.sum``, ``fed.mean``, ``fed.min``,
+  ``fed.max``, ``fed.weighted_mean``, ``fed.secure_sum``) releases it without noise;
 * ``privacy/C2``: ``main`` returns a client-placed value derived from client data
   (a per-client result returned as-is);
 * ``privacy/C3``: any other op whose server result is derived from client data (e.g.
   server control flow whose branch or trip count depends on client data);
 * ``privacy/C4``: a DP op whose noise is not provably distinct from that of every other
   release the accountant counts (the same key in every iteration of a scan, or for two
-  DP ops; a constant key): ``fcir.dp_keys`` follows each key to its origin.
+  DP ops; a constant key): ``fcir.dp_keys`` follows each key to its origin;
+* ``privacy/C6``: a DP op inside a ``jax.while``, whose releases the accountant cannot
+  count (``epsilon`` refuses such a module too).
 
 ``fed.dp_sum`` and ``fed.dp_mean`` are the only way through: their results are not
 derived from client data in this sense (the Gaussian mechanism makes them safe to
@@ -34,7 +42,8 @@ The ops of one round compose (``releases``: an op inside a ``jax.scan`` counts
 loop cannot be counted and is an error; an op inside a ``fed.map`` releases to the
 placement above it, for disjoint groups of clients, so it counts once). Rounds compose
 ``rounds`` times, each with Poisson sampling of clients at ``sampling_rate`` when it is
-below 1. The figures come from Google's ``dp-accounting``: RDP (Rényi DP, the
+below 1 (refused for a round with a ``fed.ddp_*`` op: only the sampled clients would
+add their shares of its noise). The figures come from Google's ``dp-accounting``: RDP (Rényi DP, the
 default: fast, and it handles every event) or PLD (privacy loss distributions,
 ``accountant="pld"``: tighter, several seconds for hundreds of rounds).
 """
@@ -74,6 +83,7 @@ CONSTRAINTS = {
     "release's, for central and distributed DP ops alike (fcir.dp_keys)",
     "privacy/C5": "a distributed DP op's keys are derived from client data, one key per "
     "client (fcir.dp_keys)",
+    "privacy/C6": "no DP op inside a jax.while loop (its releases could not be counted)",
 }
 
 # What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):
@@ -101,6 +111,12 @@ def _at_server(t) -> bool:
     return isinstance(t, PlacedType) and t.placement == SERVER
 
 
+def _local(t, level: int) -> bool:
+    """A value held by the party a region at ``level`` runs on: ``T@server`` at the
+    server, an unplaced ``T`` inside a ``fed.map``."""
+    return _at_server(t) if level == 0 else not isinstance(t, PlacedType)
+
+
 # --- the leak check -------------------------------------------------------------------------
 
 
@@ -113,18 +129,40 @@ class Leak:
 
 
 class _Taint:
+    """The leak check's dataflow pass. A value's taint is the depth of the deepest
+    placement whose data it is derived from (0: none; the first placement below the
+    server is 1): under ``{"silos": 2, "clients": 3}`` a client argument has taint 2, a
+    silo's own argument taint 1. A region runs at a level (0 at the server, inside a
+    ``fed.map`` the depth of its members' placement); a value local to that level whose
+    taint is deeper holds data of the parties below it without noise, a leak."""
+
     def __init__(self, module: Module):
         self.module = module
-        self.tainted: set[Value] = set()
-        self.found: dict[int, Leak] = {}  # id(op) -> first leak found at it
+        self.depth = {name: i + 1 for i, (name, _) in enumerate(module.placements)}
+        self.taint: dict[Value, int] = {}
+        self.found: dict = {}  # id(op) (and ("C6", id(op))) -> first leak found at it
         self.defined: dict[Value, tuple[tuple, Op]] = {}
+
+    @property
+    def tainted(self) -> set[Value]:
+        """The values derived from client data (for ``fcir.dp_keys``' ``privacy/C5``)."""
+        return set(self.taint)
+
+    def data_depth(self, t) -> int:
+        """The taint of an argument of type ``t``: the depth of its innermost placement."""
+        d = 0
+        while isinstance(t, PlacedType):
+            if t.placement != SERVER:
+                d = max(d, self.depth.get(t.placement, len(self.depth)))
+            t = t.member
+        return d
 
     def run(self) -> list[Leak]:
         body = self.module.main.body
-        self.region(body, [_at_clients(v.type) for v in body.params], (), server=True)
+        self.region(body, [self.data_depth(v.type) for v in body.params], (), 0)
         names = None
         for v in body.results:
-            if v in self.tainted and _at_clients(v.type):
+            if self.taint.get(v, 0) and _at_clients(v.type):
                 names = names or value_numbering(self.module.main)
                 path, op = self.defined.get(v, ((), None))
                 what = f"%{names[v]} ({v.type})"
@@ -140,40 +178,69 @@ class _Taint:
                 )
         return list(self.found.values())
 
-    def region(self, region: Region, taints: list[bool], path: tuple, server: bool):
+    def region(self, region: Region, taints: list[int], path: tuple, level: int) -> list[int]:
         for v, t in zip(region.params, taints):
             if t:
-                self.tainted.add(v)
+                self.taint[v] = max(self.taint.get(v, 0), t)
         for i, op in enumerate(region.ops):
             p = (*path, i)
             for v in op.results:
                 self.defined[v] = (p, op)
-            self.op(op, p, server)
-        return [v in self.tainted for v in region.results]
+            self.op(op, p, level)
+        return [self.taint.get(v, 0) for v in region.results]
 
-    def op(self, op: Op, path: tuple, server: bool) -> None:
-        ins = [v in self.tainted for v in op.operands]
+    def op(self, op: Op, path: tuple, level: int) -> None:
+        ins = [self.taint.get(v, 0) for v in op.operands]
+        if op.name == "jax.while" and any(_has_dp(r) for r in op.regions):
+            self.report_while(op, path)
         if op.name in DP_OPS and op.attrs["noise_multiplier"] > 0:
-            outs = [False] * len(op.results)
+            outs = [0] * len(op.results)
         elif op.name in DP_OPS:  # noise_multiplier=0: the clipped sum, un-noised
-            outs = [any(ins)] * len(op.results)
+            outs = [max(ins, default=0)] * len(op.results)
         elif op.name == "fed.map":
-            outs = self.region(op.regions[0], ins, (*path, 0), server=False)
+            outs = self.region(op.regions[0], ins, (*path, 0), self.members_level(op, level))
         elif op.regions:
-            outs = self.control_flow(op, ins, path, server)
+            outs = self.control_flow(op, ins, path, level)
         else:  # fed.broadcast, the plain aggregates, local ops: results follow operands
-            outs = [any(ins)] * len(op.results)
+            outs = [max(ins, default=0)] * len(op.results)
         for v, t in zip(op.results, outs):
-            if not t:
-                continue
-            if server and _at_server(v.type):
-                self.report(op, path)  # the first server value derived from client data
-            else:
-                self.tainted.add(v)
+            if t > level and _local(v.type, level):
+                # The first value of this level derived from the data of the parties
+                # below it: reported, and not followed further.
+                self.report(op, path, level)
+            elif t:
+                self.taint[v] = max(self.taint.get(v, 0), t)
 
-    def report(self, op: Op, path: tuple) -> None:
+    def members_level(self, op: Op, level: int) -> int:
+        """The level of a ``fed.map``'s region: the depth of its operands' placement."""
+        for v in op.operands:
+            t = v.type
+            if isinstance(t, PlacedType) and t.placement != SERVER:
+                return self.depth.get(t.placement, level + 1)
+        return level + 1
+
+    def report_while(self, op: Op, path: tuple) -> None:
+        self.found.setdefault(
+            ("C6", id(op)),
+            Leak(
+                "privacy/C6",
+                f"privacy/C6: a DP op inside {op.name} runs a number of times known only "
+                "at run time, so the accountant cannot count its releases: use "
+                "jax.lax.scan or jax.lax.fori_loop with Python int bounds (a static "
+                "length), or move the DP op out of the loop",
+                path,
+                op,
+            ),
+        )
+
+    def report(self, op: Op, path: tuple, level: int) -> None:
         if id(op) in self.found:
             return
+        if level == 0:
+            to = "the server"
+        else:
+            names = [name for name, d in self.depth.items() if d == level] or ["?"]
+            to = f"each member of {names[0]!r}"
         if op.name in DP_OPS:
             msg = (
                 f"privacy/C1: {op.name} has noise_multiplier=0, so it releases the clipped "
@@ -184,21 +251,28 @@ class _Taint:
             code = "privacy/C1"
         elif op.name in _AGGREGATES:
             msg = (
-                f"privacy/C1: {op.name} releases a value derived from client data to the "
-                "server without noise; in a private program aggregate client data with "
+                f"privacy/C1: {op.name} releases a value derived from client data to {to} "
+                "without noise; in a private program aggregate client data with "
                 "fcir.dp_sum / fcir.dp_mean"
             )
+            if level:  # inside a fed.map over silos: the member holds its clients' data
+                msg += (
+                    f" inside the map (a DP op above would bound what one member of "
+                    f"{names[0]!r} adds, not what one client adds)"
+                )
             code = "privacy/C1"
         else:
+            where = "a server value" if level == 0 else f"a value at {to}"
             msg = (
-                f"privacy/C3: {op.name} computes a server value that depends on client data "
+                f"privacy/C3: {op.name} computes {where} that depends on client data "
                 "(through its operands or its control flow); in a private program client "
-                "data reaches the server only through fcir.dp_sum / fcir.dp_mean"
+                f"data reaches {'the server' if level == 0 else 'a placement above the clients'}"
+                " only through fcir.dp_sum / fcir.dp_mean"
             )
             code = "privacy/C3"
         self.found[id(op)] = Leak(code, msg, path, op)
 
-    def control_flow(self, op: Op, ins: list[bool], path: tuple, server: bool) -> list[bool]:
+    def control_flow(self, op: Op, ins: list[int], path: tuple, level: int) -> list[int]:
         """Regions of a local op, wired as ``fcir.control_flow.bindings`` says: params
         from operands, yields to results; loops (a yield that feeds a parameter again)
         iterate to a fixpoint. A tainted operand that feeds no parameter (a branch
@@ -209,36 +283,36 @@ class _Taint:
             for k, j in enumerate(feeds):
                 if j is not None:
                     fed_by.setdefault(j, []).append((r, k))
-        control = any(t for j, t in enumerate(ins) if j not in fed_by)
-        carried: dict[tuple[int, int], bool] = {}
-        outs = [False] * len(op.results)
+        control = max((t for j, t in enumerate(ins) if j not in fed_by), default=0)
+        carried: dict[tuple[int, int], int] = {}
+        outs = [0] * len(op.results)
         while True:  # taints only grow, so this reaches its fixpoint
             before = (dict(carried), list(outs), control)
             for r, sub in enumerate(op.regions):
                 feeds, yields = wiring[r]
                 taints = [
-                    (ins[j] if j is not None else control) or carried.get((r, k), False)
+                    max(ins[j] if j is not None else control, carried.get((r, k), 0))
                     for k, j in enumerate(feeds)
                 ]
-                yielded = self.region(sub, taints, (*path, r), server)
+                yielded = self.region(sub, taints, (*path, r), level)
                 if yields is None:  # not a known control-flow op: yields line up with results
                     if len(yielded) == len(op.results):
-                        outs = [o or t for o, t in zip(outs, yielded)]
+                        outs = [max(o, t) for o, t in zip(outs, yielded)]
                     elif any(yielded):
-                        control = True
+                        control = max(control, *yielded)
                     continue
                 for j, (t, (kind, k)) in enumerate(zip(yielded, yields)):
                     if not t:
                         continue
                     if kind == "predicate":
-                        control = True
+                        control = max(control, t)
                         continue
-                    outs[j] = True
+                    outs[j] = max(outs[j], t)
                     if kind == "carry":  # next iteration: every param its operand feeds
                         for target in fed_by.get(feeds[k], ()):
-                            carried[target] = True
+                            carried[target] = max(carried.get(target, 0), t)
             if control:
-                outs = [True] * len(op.results)
+                outs = [max(o, control) for o in outs]
             if (carried, outs, control) == before:
                 break
         return outs
@@ -370,7 +444,8 @@ def _round_event(rels: list[Release], sampling_rate: float):
     if any(_z(r) == 0 for r in rels):
         return dpa.NonPrivateDpEvent()
     if any(isinstance(r, DdpRelease) for r in rels):
-        sampling_rate = 1.0  # fcir.ddp: no amplification by sampling is claimed
+        sampling_rate = 1.0  # fcir.ddp: no amplification by sampling is claimed (epsilon
+        # refuses a sampled round; round_cost states every client taking part)
     if sampling_rate >= 1.0:
         events = [
             dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(_z(r)), r.count)
@@ -433,6 +508,15 @@ def epsilon(
         )
     if rounds == 0:
         return 0.0
+    if sampling_rate < 1.0 and any(isinstance(r, DdpRelease) for r in rels):
+        raise PrivacyError(
+            f"fcir.privacy.epsilon: @{module.name} has a fed.ddp_* op, whose noise is "
+            "shared by all the clients of its placement (each adds 1/n of the variance); "
+            f"a round sampled at rate {sampling_rate:g} sums only the sampled clients' "
+            "shares, less noise than the op states, so no epsilon holds for it: run "
+            "every client each round (sampling_rate=1.0; on Flower, clients=n), or use "
+            "fcir.dp_sum / fcir.dp_mean, whose noise the server adds"
+        )
     if accountant == "pld" and any(isinstance(r, DdpRelease) for r in rels):
         raise PrivacyError(
             "fcir.privacy.epsilon: fed.ddp_* ops are accounted by their Rényi DP bound "

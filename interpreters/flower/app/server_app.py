@@ -205,6 +205,12 @@ class Accounting:
             self.how = "no amplification claimed: fixed-size sampling"
         else:
             self.how = "every client"
+        from fcir.errors import PrivacyError
+
+        try:  # refused at this sampling (fed.ddp_* under Poisson): say so before round 1
+            epsilon(self.module, 1, self.delta, sampling_rate=self.rate)
+        except PrivacyError as e:
+            raise AppError(f"{self.how}: {e}") from None
         if cfg.max_epsilon is not None:
             self.budget = Budget(self.module, self.delta, cfg.max_epsilon, sampling_rate=self.rate)
 
