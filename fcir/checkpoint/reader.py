@@ -2,12 +2,14 @@
 
 Reads go straight into the destination buffers when the needed part of a stored
 shard is one contiguous byte range that lands contiguously in a destination (the same
-sharding, or any resharding along the leading dimension). A split along another
+sharding, or any resharding along the leading dimension) and is the whole shard or at
+least a checksum chunk long (a shorter one would read its whole chunk again for the
+checksum, once for every destination that shares the chunk). A split along another
 dimension cuts a stored shard into runs (e.g. half rows) that land in several
-destinations: such a shard is read a block of whole rows at a time, and each block,
-once verified, is copied into every destination that needs part of it with one numpy
-copy per destination and checksum chunk, so the per-run work is numpy's, never a
-Python loop's. From local files the block is a read-only mapping of the data file
+destinations: such a shard, like one cut into short contiguous runs, is read a block
+of whole rows at a time, and each block, once verified, is copied into every
+destination that needs part of it with one numpy copy per destination and checksum
+chunk, so the per-run work is numpy's, never a Python loop's. From local files the block is a read-only mapping of the data file
 (whose pages are the page cache's: no byte is copied twice); from object stores it is
 read into a scratch buffer.
 
