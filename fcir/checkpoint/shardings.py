@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -118,7 +119,9 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def volume(box: Box) -> int:
-    return int(np.prod(box_shape(box), dtype=np.int64))
+    # math.prod, not np.prod: a restore calls this for every pair of stored shard and
+    # destination block, and np.prod costs ~5 us a call to math.prod's ~0.2.
+    return math.prod(b - a for a, b in zip(*box))
 
 
 def intersect(a: Box, b: Box) -> Box | None:
