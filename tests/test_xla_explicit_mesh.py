@@ -14,6 +14,10 @@ transposes, whose ``sharding`` param JAX copies from an aval: a NamedSharding ov
 empty mesh when captured without one. Compiled on Explicit axes they must run, and be
 bitwise ``jax.jit`` on that mesh with its flops, directly or inside a nested ``jax.jit``.
 
+Order statistics (``fed.median``, ``fed.trimmed_mean``) sort over the member axis, which
+Explicit axes type as sharded, and JAX refuses such a sort: they gather the members
+first (``fcir.sharding.gather_members``).
+
 JAX fixes the number of CPU devices when it starts, so ``test_on_8_simulated_devices``
 runs the other tests of this file in a fresh process with 8 simulated devices (as
 tests/test_xla_mesh.py does, whose helpers these tests use).
@@ -224,6 +228,45 @@ def test_gradient_through_member_casts_runs_on_a_one_device_explicit_mesh(nested
 )
 def test_member_casts_on_explicit_meshes_are_bitwise_jit_with_its_flops(nested, grad, k):
     fn, args, mesh = _cast_fn(nested, grad), _cast_args(), _explicit_mesh(k)
+    exe = xla.compile(fcir.capture(fn, *args), mesh=mesh)
+    args = mesh_tests.placed_args(exe, args)
+    _, compiled = mesh_tests.jit_on_mesh(fn, mesh, args)
+    mesh_tests.assert_bitwise(exe(*args), compiled(*args))
+    assert mesh_tests.flops(exe.compiled(*args)) == mesh_tests.flops(compiled)
+
+
+# --- order statistics over members, under Explicit axes ----------------------------------
+
+
+@fcir.program(placements={"clients": CAST_CLIENTS})
+def order_statistics(x):
+    return fcir.reduce_median(x), fcir.reduce_trimmed_mean(x, trim=2)
+
+
+@on_8_devices
+@pytest.mark.parametrize("k", [8, 2])
+def test_median_and_trimmed_mean_of_placed_arguments_run_on_explicit_meshes(k):
+    # Was: "Arguments to sort must be unsharded over the sorting dimension", from
+    # xla.compile (placed arguments arrive split over 'clients') and from jax.jit alike.
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(CAST_CLIENTS, 3, 4)), jnp.float32)
+    mesh = _explicit_mesh(k)
+    exe = xla.compile(fcir.capture(order_statistics, x), mesh=mesh)
+    (x,) = mesh_tests.placed_args(exe, (x,))
+    assert x.sharding.spec == PartitionSpec("clients")
+    _, compiled = mesh_tests.jit_on_mesh(order_statistics, mesh, (x,))
+    mesh_tests.assert_bitwise(exe(x), compiled(x))
+    assert mesh_tests.flops(exe.compiled(x)) == mesh_tests.flops(compiled)
+    expected = (np.median(np.asarray(x), axis=0), np.sort(np.asarray(x), axis=0)[2:-2].mean(0))
+    for got, want in zip(exe(x), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@on_8_devices
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
+def test_robust_agg_on_its_explicit_mesh_is_bitwise_jit_with_its_flops(grad):
+    c = case("robust_agg")  # 7 clients: the (1, 8) mesh of explicit_mesh_for
+    fn = mesh_tests.gradient(c) if grad else c.fn
+    args, mesh = c.make_args(), mesh_tests.explicit_mesh_for(c)
     exe = xla.compile(fcir.capture(fn, *args), mesh=mesh)
     args = mesh_tests.placed_args(exe, args)
     _, compiled = mesh_tests.jit_on_mesh(fn, mesh, args)
