@@ -220,11 +220,10 @@ def test_gradient_through_member_casts_runs_on_a_one_device_explicit_mesh(nested
 
 
 @on_8_devices
-@pytest.mark.parametrize("k", [8, 4, 2])
 @pytest.mark.parametrize(
-    ("nested", "grad"),
-    [(False, False), (False, True), (True, True)],
-    ids=["forward", "gradient", "nested_jit_gradient"],
+    ("nested", "grad", "k"),
+    [(False, False, 2), (False, True, 8), (False, True, 2), (True, True, 4)],
+    ids=["forward-2", "gradient-8", "gradient-2", "nested_jit_gradient-4"],
 )
 def test_member_casts_on_explicit_meshes_are_bitwise_jit_with_its_flops(nested, grad, k):
     fn, args, mesh = _cast_fn(nested, grad), _cast_args(), _explicit_mesh(k)
