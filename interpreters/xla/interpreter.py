@@ -108,9 +108,11 @@ class XlaInterpreter(Interpreter):
         # the result (and vmap, lowering fed.map, inserts the member axis into its spec,
         # which the empty mesh lacks): it stands for what tracing on the mesh in context
         # records, the same spec over that mesh, as jax.jit of the program there does.
+        # Layout ops (reshard, sharding_constraint) are kept as captured: their sharding
+        # is the op itself, and a capture under the mesh records them as jax.jit has them.
         params = super().params(op)
         mesh = jax.sharding.get_abstract_mesh() if self._typed else None
-        if mesh is None or mesh.empty:
+        if mesh is None or mesh.empty or op.name in _LAYOUT_OPS:
             return params
         return {k: _on_context_mesh(v, mesh) for k, v in params.items()}
 
@@ -147,6 +149,9 @@ class XlaInterpreter(Interpreter):
         closed = super().region_jaxpr(region, specs or None)
         self._equal_regions[key] = closed
         return closed
+
+
+_LAYOUT_OPS = frozenset({"jax.reshard", "jax.sharding_constraint"})
 
 
 def _on_context_mesh(value, mesh):
