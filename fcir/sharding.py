@@ -38,6 +38,7 @@ __all__ = [
     "AmbientMesh",
     "constrain_broadcast",
     "constrain_placed",
+    "gather_members",
     "member_sharding",
     "placement_axis_type",
     "resolve_mesh",
@@ -152,3 +153,19 @@ def member_sharding(x):
     if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
         return None
     return NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+
+
+def gather_members(x):
+    """``x`` with its member (leading) axis no longer split over Explicit mesh axes: an
+    order statistic over members sorts along that axis, and JAX refuses a sort over a
+    dimension whose type says it is sharded. Anything else is returned as it is."""
+    sharding = jax.typeof(x).sharding
+    spec = tuple(getattr(sharding, "spec", ()))
+    if not spec or spec[0] is None:
+        return x
+    mesh = sharding.mesh
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if not any(types.get(a) == AxisType.Explicit for a in axes):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(None, *spec[1:])))

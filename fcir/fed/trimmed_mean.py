@@ -50,7 +50,9 @@ def l_estimate(x, *, n: int, trim: int):
     """The trimmed mean over axis 0 (jnp ops: the primitive's impl and lowering)."""
     import jax.numpy as jnp
 
-    s = jnp.sort(x, axis=0)  # NaN sorts last: a NaN member makes the last row NaN
+    from fcir.sharding import gather_members
+
+    s = jnp.sort(gather_members(x), axis=0)  # NaN sorts last: a NaN member makes the last row NaN
     mean = jnp.mean(s[trim : n - trim].astype(_accumulator(x.dtype)), axis=0)
     return jnp.where(jnp.isnan(s[n - 1]), jnp.nan, mean).astype(x.dtype)
 
