@@ -327,15 +327,36 @@ def member_slices(xs, dims, b: int, placement: str, n: int) -> list:
     return got
 
 
-def define_dp(name: str, impl, abstract_eval):
+def define_dp(name: str, impl, abstract_eval, *, compiled: bool = False):
     """A multiple-results DP aggregate primitive for a fed op module (``fed.dp_*``,
     ``fed.ddp_*``): ``impl(*leaves, key(s), placement=..., n=..., **params)`` is its
     eager impl and its lowering, ``abstract_eval(*avals, **params)`` raises the op's
-    constraint errors and gives the results' avals; batching unrolls the batch axis."""
+    constraint errors and gives the results' avals; batching unrolls the batch axis.
+    ``compiled``: evaluate eagerly through ``jax.jit`` of ``impl`` (``_compiled_per_params``),
+    for an impl whose bits cannot depend on it (``fed.ddp_*``: float32 with fixed-order
+    sums, then integers; no bf16 intermediate a compiled program could keep wider)."""
     prim = core.Primitive(name)
     prim.multiple_results = True
-    prim.def_impl(impl)
+    prim.def_impl(_compiled_per_params(impl) if compiled else impl)
     prim.def_abstract_eval(abstract_eval)
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
     batching.primitive_batchers[prim] = _dp_batch(prim)
     return prim
+
+
+def _compiled_per_params(impl):
+    """``impl`` run eagerly as one compiled function per set of op parameters (and, by
+    ``jax.jit``, per operand types): the same function the lowering traces, so the
+    same bits. Op by op, a DP aggregate dispatches hundreds of small kernels (each
+    while loop of the discrete Gaussian sampler compiles afresh), which made one
+    reference run of a small ``fed.ddp_sum`` round take seconds."""
+    import functools
+
+    @functools.cache
+    def compiled(params: tuple):
+        return jax.jit(functools.partial(impl, **dict(params)))
+
+    def eager(*args, **params):
+        return compiled(tuple(sorted(params.items())))(*args)
+
+    return eager

@@ -7,6 +7,9 @@ member in a Python loop, reductions add members one at a time in member order, a
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,6 +28,16 @@ from fcir.primitives import (
     sum_result_dtype,
 )
 from fcir.types import runtime_type
+
+
+@functools.cache
+def _compiled_encode():
+    """``fcir.ddp.encode`` compiled once per shapes and parameters: run op by op, each
+    client's encoding dispatched its sampler's while loops afresh (over a hundred XLA
+    compiles, seconds per client)."""
+    from fcir import ddp
+
+    return jax.jit(ddp.encode, static_argnums=2)
 
 
 def _members(x) -> list:
@@ -172,8 +185,9 @@ class ReferenceInterpreter(Interpreter):
             op.name,
         )
         total = np.zeros(p.padded_dim, dtype=object)
+        encode = _compiled_encode()
         for i in range(n):
-            share = np.asarray(ddp.encode([x[i] for x in xs], keys[i], p)).astype(object)
+            share = np.asarray(encode([x[i] for x in xs], keys[i], p)).astype(object)
             total = (total + share) % p.modulus
         like = [x[0] for x in xs]
         return ddp.decode(jnp.asarray(total.astype(np.uint32)), p, like, mean)
