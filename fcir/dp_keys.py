@@ -54,7 +54,7 @@ from fcir.fed import of_kind
 from fcir.ir import Module, Op, Region, Value
 from fcir.types import PlacedType
 
-__all__ = ["KeyProblem", "problems"]
+__all__ = ["KeyProblem", "key_arguments", "problems"]
 
 _CALL_OPS = frozenset(f"jax.{n}" for n in cf.CALLS)
 _PASS = frozenset(
@@ -621,3 +621,34 @@ def problems(module: Module, client_derived: set[Value] | None = None) -> list[K
                 continue
             break
     return list(found.values())
+
+
+def key_arguments(module: Module) -> list[tuple[Op, frozenset[int]]]:
+    """Each DP release (``fed.dp_*`` and ``fed.ddp_*``, in program order) with the
+    arguments of ``main`` (indices) its key may depend on.
+
+    A conservative dataflow: an op's results depend on all its operands (regions are
+    closed, values enter by operands), and a release nested in a region takes what the
+    enclosing top-level op's operands depend on. It over-approximates, so a key that
+    depends on none of the arguments that change from one run to the next (a Flower
+    app's state-fed server inputs) is the same every run."""
+    body = module.main.body
+    deps: dict[Value, frozenset[int]] = {v: frozenset({i}) for i, v in enumerate(body.params)}
+    found = []
+
+    def nested(region: Region, ins: frozenset[int]) -> None:
+        for op in region.ops:
+            if op.name in _CENTRAL_DP or op.name in _DDP:
+                found.append((op, ins))
+            for sub in op.regions:
+                nested(sub, ins)
+
+    for op in body.ops:
+        ins = frozenset().union(*(deps.get(v, frozenset()) for v in op.operands))
+        if op.name in _CENTRAL_DP or op.name in _DDP:
+            found.append((op, deps.get(op.operands[-1], frozenset())))
+        for sub in op.regions:
+            nested(sub, ins)
+        for v in op.results:
+            deps[v] = ins
+    return found

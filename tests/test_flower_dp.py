@@ -12,7 +12,7 @@ import pytest
 from corpus.compare import assert_trees_match
 from fcir.interpreters import flower, production, reference
 from flowerlib import files, inprocess, rounds
-from flowerlib.programs import CLIP, Z, private_fedavg
+from flowerlib.programs import CLIP, Z, private_fedavg, private_fedavg_rounds
 
 import fcir
 
@@ -20,6 +20,7 @@ pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fci
 
 N = rounds.NODES
 KEY = jax.random.key_data(jax.random.key(3))  # production wire types carry raw key bits
+R0 = jnp.int32(0)  # private_fedavg_rounds' round counter, folded into KEY each round
 
 
 def _data():
@@ -159,8 +160,10 @@ def test_progress_lines_state_cumulative_epsilon_for_the_sampling_used(tmp_path,
     import re
 
     w, b, x, y = _data()
-    module = fcir.capture(private_fedavg(fcir.dp_mean), w, b, KEY, x, y)
-    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(b), KEY])
+    module = fcir.capture(private_fedavg_rounds(fcir.dp_mean), w, b, R0, KEY, x, y)
+    app = flower.export(
+        module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(b), np.asarray(R0), KEY]
+    )
     nodes = {}
     for i in range(16):  # P(a round samples no node) = 2**-16
         np.savez(tmp_path / f"m{i}.npz", np.asarray(x[i % N]), np.asarray(y[i % N]))
@@ -188,10 +191,13 @@ def test_progress_lines_state_cumulative_epsilon_for_the_sampling_used(tmp_path,
 
 
 def _budget_app(tmp_path):
-    """The private FedAvg round exported with its server inputs, its nodes, its module."""
+    """The private FedAvg round that folds its state-fed round number into its key,
+    exported with its server inputs, its nodes, its module."""
     w, b, x, y = _data()
-    module = fcir.capture(private_fedavg(fcir.dp_mean), w, b, KEY, x, y)
-    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(b), KEY])
+    module = fcir.capture(private_fedavg_rounds(fcir.dp_mean), w, b, R0, KEY, x, y)
+    app = flower.export(
+        module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(b), np.asarray(R0), KEY]
+    )
     return app, _nodes(tmp_path, x, y), module
 
 

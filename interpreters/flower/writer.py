@@ -250,6 +250,8 @@ def _privacy(module) -> dict | None:
     """plan.json's ``privacy``: the production manifest's entry for the round as written
     (every phase's DP ops compose into one round's epsilon), and what a dp_mean divides
     by when clients drop out (docs/flower.md, Participation)."""
+    from fcir.dp_keys import key_arguments
+
     from ..production import dp
     from ..production.ddp import mechanism
 
@@ -270,6 +272,17 @@ def _privacy(module) -> dict | None:
         "participation": f"dp_mean divides the noised sum by the declared cardinality "
         f"({n}) however many sampled clients reply; epsilon_per_round assumes every client "
         "takes part and claims no amplification by sampling",
+        # Per release, the arguments (server input leaves) its key may depend on: with
+        # rounds > 1 the ServerApp refuses a key that no state-fed input changes.
+        "keys": [
+            {
+                "op": op.name,
+                "clip_norm": op.attrs["clip_norm"],
+                "noise_multiplier": op.attrs["noise_multiplier"],
+                "arguments": sorted(deps),
+            }
+            for op, deps in key_arguments(module)
+        ],
         # The round itself, for the ServerApp's cumulative epsilon under the sampling it
         # uses (fcir.privacy.epsilon on the server, which has fcir; never read on a node).
         "ir": module.to_text(full_constants=True),

@@ -31,16 +31,33 @@ def private_fedavg(dp):
 
     @fcir.program(placements={"clients": NODES}, private=True)
     def round_(w, b, key, x, y):
-        def local(w, b, x, y):
-            def loss(p):
-                return jnp.mean(jnp.square(x @ p[0] + p[1] - y))
+        return _fedavg_step(dp, w, b, key, x, y)
 
-            gw, gb = jax.grad(loss)((w, b))
-            return {"b": -0.5 * gb, "w": -0.5 * gw}
+    return round_
 
-        upd = fcir.map_fn(local, (fcir.broadcast(w), fcir.broadcast(b), x, y))
-        d = dp(upd, CLIP, Z, key)
-        return w + d["w"], b + d["b"]
+
+def _fedavg_step(dp, w, b, key, x, y):
+    def local(w, b, x, y):
+        def loss(p):
+            return jnp.mean(jnp.square(x @ p[0] + p[1] - y))
+
+        gw, gb = jax.grad(loss)((w, b))
+        return {"b": -0.5 * gb, "w": -0.5 * gw}
+
+    upd = fcir.map_fn(local, (fcir.broadcast(w), fcir.broadcast(b), x, y))
+    d = dp(upd, CLIP, Z, key)
+    return w + d["w"], b + d["b"]
+
+
+def private_fedavg_rounds(dp):
+    """``private_fedavg`` that counts its rounds ``(w, b, r, key, x, y) -> (w', b', r + 1)``:
+    the round number is state (fed back by the pytree paths) and folded into the key,
+    so each round of a Flower run draws fresh noise."""
+
+    @fcir.program(placements={"clients": NODES}, private=True)
+    def round_(w, b, r, key, x, y):
+        w, b = _fedavg_step(dp, w, b, jax.random.fold_in(key, r), x, y)
+        return w, b, r + 1
 
     return round_
 

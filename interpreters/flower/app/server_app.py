@@ -101,6 +101,8 @@ class Config:
                 f"{plan['loop']['kind']} of rounds, which a budget cannot cut short: export "
                 "the round and run it with rounds=N max-epsilon=E"
             )
+        if self.private and self.rounds > 1:
+            fixed_keys(plan, self.state)
         self.poisson = self.private and self.clients == 0 and self.fraction < 1
         self.sampled: dict[int, list[int]] = {}
         metrics = get("metrics", str)
@@ -114,6 +116,28 @@ class Config:
             ]
         if self.rounds < 1 or not 0 < self.fraction <= 1 or self.timeout <= 0:
             raise AppError("run config: rounds >= 1, 0 < fraction <= 1 and timeout > 0")
+
+
+def fixed_keys(plan: dict, state: dict[int, int]) -> None:
+    """Refuses, before round 1, a private app run for several rounds whose DP release
+    draws its noise from a key that depends on no state-fed server input (plan.json's
+    privacy ``keys``, from fcir.dp_keys.key_arguments at export): every other server
+    input, and every client input, is the same in every round, so the key and the noise
+    are too, and the difference of two rounds' releases is noise-free, while the
+    accountant composes the rounds as independent releases."""
+    fed = {plan["server_inputs"][i]["leaf"] for i in state}
+    for k in plan["privacy"].get("keys", ()):
+        if fed.isdisjoint(k["arguments"]):
+            raise AppError(
+                f"@{plan['round']}'s {k['op']} (clip_norm={k['clip_norm']:g}, "
+                f"noise_multiplier={k['noise_multiplier']:g}) draws its noise from a key that "
+                "depends on no state-fed server input, so its key is the same every round: "
+                "the rounds would release the same noise, which their epsilon does not "
+                "allow. Make the round number state and fold it into the key "
+                "((model, r, key, data) -> (model, r + 1) with jax.random.fold_in(key, r), "
+                "as examples/dp_flower_training.py does), or run rounds=1 per run with a "
+                "fresh key"
+            )
 
 
 def _max_epsilon(value) -> float | None:
