@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fcir.interpreters import flower, reference
+from fcir.interpreters.flower.cli import run_hint
 from flowerlib import files, inprocess, rounds
 from flowerlib.programs import CLIP, Z, private_fedavg
 
@@ -68,6 +69,8 @@ def test_a_key_no_state_feeds_is_refused_before_round_1_naming_the_release(tmp_p
     assert "its key is the same every round" in str(e.value)
     assert "jax.random.fold_in(key, r)" in str(e.value) and "rounds=1" in str(e.value)
     assert counting.SENT == []  # before round 1: nothing reached a client
+    # fcir export's "run it:" hint suggests one round, not the refused rounds=3.
+    assert "--run-config 'rounds=1 " in run_hint(app)
     # state="none" repeats the round on purpose: the same noise again, refused too.
     with pytest.raises(Exception, match="same every round"):
         inprocess.run(app, nodes, {"rounds": 2, "state": "none"})
@@ -93,6 +96,7 @@ def test_a_round_folding_its_state_fed_counter_draws_fresh_noise_each_round(tmp_
     module = fcir.capture(drift, w, r, KEY, x)
     app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(r), KEY])
     assert rounds.plan_of(app)["privacy"]["keys"][0]["arguments"] == [1, 2]
+    assert '--run-config \'rounds=3 state="0=0,1=1" ' in run_hint(app)
     nodes = files.write_nodes(tmp_path, [[x[i]] for i in range(N)], 10)
     ws = [np.asarray(w)]
     for k in (1, 2, 3):  # deterministic runs: w after k rounds

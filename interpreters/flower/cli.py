@@ -25,7 +25,8 @@ def cmd_export_flower(module, a) -> int:
 
 def run_hint(appdir) -> str:
     """The ``flwr run`` line for ``appdir``: several rounds with the state mapping its
-    pytree paths give, or one round when there is none."""
+    pytree paths give, or one round when there is none (or when a DP key would be the
+    same every round under it, which the ServerApp refuses)."""
     import json
     import pathlib
 
@@ -36,7 +37,7 @@ def run_hint(appdir) -> str:
     mapping = training.infer(plan)
     if "loop" in plan:  # the program's own loop runs the rounds
         config = 'output="/abs/out.npz"'
-    elif mapping:
+    elif mapping and training.fixed_key(plan, mapping) is None:
         config = f'rounds=3 state=\"{training.text(mapping)}\" output=\"/abs/out.npz\"'
     else:
         config = 'rounds=1 output=\"/abs/out.npz\"'

@@ -125,19 +125,18 @@ def fixed_keys(plan: dict, state: dict[int, int]) -> None:
     input, and every client input, is the same in every round, so the key and the noise
     are too, and the difference of two rounds' releases is noise-free, while the
     accountant composes the rounds as independent releases."""
-    fed = {plan["server_inputs"][i]["leaf"] for i in state}
-    for k in plan["privacy"].get("keys", ()):
-        if fed.isdisjoint(k["arguments"]):
-            raise AppError(
-                f"@{plan['round']}'s {k['op']} (clip_norm={k['clip_norm']:g}, "
-                f"noise_multiplier={k['noise_multiplier']:g}) draws its noise from a key that "
-                "depends on no state-fed server input, so its key is the same every round: "
-                "the rounds would release the same noise, which their epsilon does not "
-                "allow. Make the round number state and fold it into the key "
-                "((model, r, key, data) -> (model, r + 1) with jax.random.fold_in(key, r), "
-                "as examples/dp_flower_training.py does), or run rounds=1 per run with a "
-                "fresh key"
-            )
+    k = training.fixed_key(plan, state)
+    if k is not None:
+        raise AppError(
+            f"@{plan['round']}'s {k['op']} (clip_norm={k['clip_norm']:g}, "
+            f"noise_multiplier={k['noise_multiplier']:g}) draws its noise from a key that "
+            "depends on no state-fed server input, so its key is the same every round: "
+            "the rounds would release the same noise, which their epsilon does not "
+            "allow. Make the round number state and fold it into the key "
+            "((model, r, key, data) -> (model, r + 1) with jax.random.fold_in(key, r), "
+            "as examples/dp_flower_training.py does), or run rounds=1 per run with a "
+            "fresh key"
+        )
 
 
 def _max_epsilon(value) -> float | None:

@@ -55,6 +55,17 @@ def candidates(plan: dict) -> list[tuple[int, int]]:
     ]
 
 
+def fixed_key(plan: dict, mapping: dict[int, int]) -> dict | None:
+    """The first DP release of a private plan (its privacy ``keys`` entry) whose key
+    depends on no server input that ``mapping`` feeds, or None: such a key, and the
+    noise it draws, is the same in every round of a run."""
+    fed = {plan["server_inputs"][i]["leaf"] for i in mapping}
+    for k in (plan.get("privacy") or {}).get("keys", ()):
+        if fed.isdisjoint(k["arguments"]):
+            return k
+    return None
+
+
 def describe(plan: dict, mapping: dict[int, int]) -> str:
     """``0=0 ([0]['w']), 1=1 (...)``."""
     return ", ".join(
