@@ -508,5 +508,9 @@ def test_unknown_primitive_in_a_loaded_module_is_named():
         "}\n"
     )
     m = fcir.parse(text)
-    with pytest.raises(UnsupportedError, match="jax.no_such_primitive"):
+    # The reference checks the module first (as xla.compile does): the checker names it.
+    with pytest.raises(fcir.IRTypeError, match="jax.no_such_primitive names no JAX primitive"):
         reference.run(m, np.ones(3, np.float32))
+    # An interpreter that runs it unchecked has no implementation of it, and says so.
+    with pytest.raises(UnsupportedError, match="jax.no_such_primitive"):
+        fcir.Interpreter().run(m, np.ones(3, np.float32))

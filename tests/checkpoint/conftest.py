@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pathlib
 import sys
+import threading
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -32,3 +33,19 @@ def devices() -> list[jax.Device]:
             f"or export XLA_FLAGS={_FLAG}"
         )
     return devs[:8]
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds every background write until the test opens the gate (opened at teardown)."""
+    opened = threading.Event()
+    real = os.pwrite
+
+    def pwrite(fd, data, offset):
+        if threading.current_thread() is not threading.main_thread():
+            assert opened.wait(30)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    yield opened
+    opened.set()

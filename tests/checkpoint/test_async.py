@@ -18,21 +18,6 @@ from fcir.checkpoint import saving
 from fcir.errors import CheckpointError
 
 
-@pytest.fixture
-def gate(monkeypatch):
-    """Holds every background write until the test opens the gate."""
-    opened = threading.Event()
-    real = os.pwrite
-
-    def pwrite(fd, data, offset):
-        if threading.current_thread() is not threading.main_thread():
-            assert opened.wait(30)
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", pwrite)
-    return opened
-
-
 def test_async_save_returns_before_commit_and_wait_commits(tmp_path, gate, devices):
     x = values((64, 64), seed=1)
     mesh = jax.make_mesh((8,), ("x",), devices=devices)

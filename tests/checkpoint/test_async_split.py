@@ -6,7 +6,6 @@ saved is still raised by `save` itself, and what runs later surfaces through `wa
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,22 +21,6 @@ from jax.sharding import PartitionSpec as P
 from fcir import checkpoint
 from fcir.checkpoint import commit, parallel, snapshot
 from fcir.errors import CheckpointError
-
-
-@pytest.fixture
-def gate(monkeypatch):
-    """Holds every background write until the test opens the gate."""
-    opened = threading.Event()
-    real = os.pwrite
-
-    def pwrite(fd, data, offset):
-        if threading.current_thread() is not threading.main_thread():
-            assert opened.wait(30)
-        return real(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", pwrite)
-    yield opened
-    opened.set()
 
 
 def _sharded(devices, seed=0):
