@@ -18,7 +18,7 @@ raw sample, the versions and the core count to bench/results/checkpoint-*.json.
 
 Restores onto the saved sharding are also compared with the restore *limit*: the same
 stored bytes read with plain `os.pread`, 1 MiB at a time on as many threads as fcir
-uses, into one 64-byte aligned numpy buffer per device block, then `jax.device_put`
+uses, into one buffer per device block allocated as fcir's reader allocates its destinations (`reader.aligned_empty`: 2 MiB aligned from 2 MiB up), then `jax.device_put`
 onto the devices of the same sharding; no checksums, no planning. Each restore runs warm (right after the saves,
 from the page cache; `--restore-repeats` times per repetition, interleaved, median kept) and cold: before a cold one the checkpoint's files are dropped
 from the page cache with posix_fadvise(POSIX_FADV_DONTNEED) per file (clean pages: the
@@ -65,6 +65,7 @@ if str(REPO) not in sys.path:
 from fcir import checkpoint
 from fcir.checkpoint import parallel
 from fcir.checkpoint.layout import read_layout
+from fcir.checkpoint.reader import aligned_empty
 
 RESULTS = REPO / "bench" / "results"
 N_BIG = 4  # large float32 leaves, sharded over all devices
@@ -292,13 +293,6 @@ def orbax_restore(ckptr: Any, path: pathlib.Path, target: dict[str, Any]) -> flo
     return t
 
 
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """Uninitialized bytes at a 64-byte aligned address (jax adopts them without a copy)."""
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = (-raw.ctypes.data) % 64
-    return raw[start : start + nbytes]
-
-
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.preadv(fd, [view], offset)
@@ -341,7 +335,7 @@ def limit_restore(path: pathlib.Path, target: dict[str, Any]) -> dict[str, Any]:
                 hosts, devices = [], []
                 for box, devs in blocks.items():
                     shard = stored[box]  # KeyError: not the saved sharding
-                    buf = aligned_empty(shard.length)
+                    buf = aligned_empty((shard.length,), np.dtype(np.uint8))
                     for o in range(0, shard.length, LIMIT_READ_BYTES):
                         view = memoryview(buf)[o : o + LIMIT_READ_BYTES]
                         reads.append((fds[shard.file], view, shard.offset + o))
