@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import keypaths, shardings
+from fcir.checkpoint import keypaths, shardings, targets
 from fcir.checkpoint.layout import LAYOUT_FILE, dtype_from_name
 from fcir.checkpoint.storage import ObjectStore
 from fcir.errors import CheckpointError
@@ -107,13 +107,48 @@ def items(directory: Where) -> dict[str, Where]:
 # -- reading ---------------------------------------------------------------------------
 
 
+#: Orbax's value types of leaves without data (None, empty containers), as it restores them.
+_EMPTY_VALUES: dict[str, Callable[[], Any]] = {
+    "None": lambda: None,
+    "Dict": dict,
+    "List": list,
+    "Tuple": tuple,
+    "NamedTuple": dict,  # objects come back as dicts of their fields
+}
+#: Where Orbax records, per process, what it stored about each array (PRNG key impls).
+_ARRAY_METADATAS = "array_metadatas"
+
+
 class _Leaf:
-    def __init__(self, keys: tuple[str, ...], kinds: tuple[int, ...], value_type: str) -> None:
-        self.keys, self.kinds, self.value_type = keys, kinds, value_type
+    def __init__(
+        self, keys: tuple[str, ...], kinds: tuple[int, ...], value: Mapping[str, Any]
+    ) -> None:
+        self.keys, self.kinds = keys, kinds
+        self.value_type = str(value["value_type"])
+        # None leaves and empty subtrees are in the tree metadata but have no array.
+        self.has_data = not value.get("skip_deserialize") and self.value_type not in _EMPTY_VALUES
+        self.key_impl = ""  # set for typed PRNG keys, stored as their key data
 
     @property
     def param(self) -> str:
         return ".".join(self.keys)
+
+
+def _key_impls(item_dir: Where) -> dict[str, str]:
+    """Param name -> PRNG implementation, for the typed keys Orbax saved as key data."""
+    if isinstance(item_dir, ObjectStore):
+        names = [k for k in item_dir.list(f"{_ARRAY_METADATAS}/") if k.count("/") == 1]
+    else:
+        folder = item_dir / _ARRAY_METADATAS
+        names = [f"{_ARRAY_METADATAS}/{f.name}" for f in sorted(folder.glob("process_*"))]
+    impls: dict[str, str] = {}
+    for name in names:
+        for entry in json.loads(_text(item_dir, name)).get("array_metadatas", []):
+            meta = entry.get("array_metadata") or {}
+            impl = (meta.get("ext_metadata") or {}).get("random_key_impl")
+            if impl:
+                impls[str(meta["param_name"])] = str(impl)
+    return impls
 
 
 def _tree_metadata(item_dir: Where) -> tuple[list[_Leaf], dict[str, Any]]:
@@ -128,9 +163,12 @@ def _tree_metadata(item_dir: Where) -> tuple[list[_Leaf], dict[str, Any]]:
             else:
                 keys = tuple(str(k) for k in ast.literal_eval(text))
                 kinds = (_DICT,) * len(keys)
-            leaves.append(_Leaf(keys, kinds, entry["value_metadata"]["value_type"]))
-    except (OSError, ValueError, KeyError, TypeError, SyntaxError) as e:
+            leaves.append(_Leaf(keys, kinds, entry["value_metadata"]))
+        impls = _key_impls(item_dir)
+    except (OSError, ValueError, KeyError, TypeError, SyntaxError, AttributeError) as e:
         raise CheckpointError(f"{item_dir}: Orbax {METADATA} is unreadable ({e})") from e
+    for leaf in leaves:
+        leaf.key_impl = impls.get(leaf.param, "")
     return leaves, doc
 
 
@@ -160,12 +198,7 @@ def _read(store: Any, box: shardings.Box, name: str) -> np.ndarray:
 
 
 def restore(
-    directory: Where,
-    target: Mapping[str, Any] | None,
-    names: Iterable[str] | None,
-    cast: bool,
-    check_shape: Callable[[str, tuple[int, ...], tuple[int, ...]], None],
-    check_dtype: Callable[[str, np.dtype, np.dtype, bool], None],
+    directory: Where, target: Mapping[str, Any] | None, names: Iterable[str] | None, cast: bool
 ) -> dict[str, Any]:
     """Restores the items of an Orbax checkpoint; see `fcir.checkpoint.restore`."""
     found = items(directory)
@@ -187,28 +220,27 @@ def restore(
                 raise CheckpointError(f"{item_dir}: Orbax JSON item is unreadable ({e})") from e
             continue
         sub = target.get(name) if target is not None else None
-        out[name] = _restore_item(item_dir, name, sub, cast, check_shape, check_dtype)
+        out[name] = _restore_item(item_dir, name, sub, cast)
     return out
 
 
-def _restore_item(
-    item_dir: Where,
-    item: str,
-    sub: Any,
-    cast: bool,
-    check_shape: Callable[..., None],
-    check_dtype: Callable[..., None],
-) -> Any:
+def _host_value(item_dir: Where, doc: dict[str, Any], leaf: _Leaf, name: str) -> Any:
+    """A leaf as Orbax gives it without a target: numpy, a scalar, keys, or empty."""
+    if not leaf.has_data:
+        return _EMPTY_VALUES.get(leaf.value_type, lambda: None)()
+    store = _open_array(item_dir, doc, leaf, name)
+    value = _read(store, ((0,) * store.ndim, tuple(store.shape)), name)
+    if leaf.key_impl:  # numpy cannot hold typed keys
+        targets.key_layout(name, leaf.key_impl, value.shape)
+        return jax.random.wrap_key_data(value, impl=leaf.key_impl)
+    return value.item() if leaf.value_type == "scalar" else value
+
+
+def _restore_item(item_dir: Where, item: str, sub: Any, cast: bool) -> Any:
     leaves, doc = _tree_metadata(item_dir)
-    by_keys = {leaf.keys: leaf for leaf in leaves}
     if sub is None:
         pairs = []
         for leaf in leaves:
-            name = keypaths.display(item, leaf.keys)
-            store = _open_array(item_dir, doc, leaf, name)
-            value = _read(store, ((0,) * store.ndim, tuple(store.shape)), name)
-            if leaf.value_type == "scalar":
-                value = value.item()
             path = tuple(
                 (
                     int(k) if kind == _SEQUENCE else k,
@@ -216,8 +248,10 @@ def _restore_item(
                 )
                 for k, kind in zip(leaf.keys, leaf.kinds)
             )
-            pairs.append((path, value))
+            name = keypaths.display(item, leaf.keys)
+            pairs.append((path, _host_value(item_dir, doc, leaf, name)))
         return keypaths.unflatten(pairs)
+    by_keys = {leaf.keys: leaf for leaf in leaves if leaf.has_data}
     flat, treedef = jax.tree_util.tree_flatten_with_path(sub)
     values = []
     for jax_path, target_leaf in flat:
@@ -230,32 +264,39 @@ def _restore_item(
                 f"array {name!r} of the target is not in the checkpoint (it has: {known})"
             )
         store = _open_array(item_dir, doc, leaf, name)
-        saved_shape, saved_dtype = tuple(store.shape), np.dtype(store.dtype.numpy_dtype)
-        full = ((0,) * len(saved_shape), saved_shape)
-        if isinstance(target_leaf, jax.sharding.Sharding):
-            values.append(_device_array(store, name, saved_shape, saved_dtype, target_leaf))
-        elif isinstance(target_leaf, (jax.ShapeDtypeStruct, jax.Array)):
-            shape, dtype = tuple(target_leaf.shape), np.dtype(target_leaf.dtype)
-            check_shape(name, shape, saved_shape)
-            check_dtype(name, dtype, saved_dtype, cast)
-            sharding = getattr(target_leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
-                jax.local_devices()[0]
-            )
-            values.append(_device_array(store, name, shape, dtype, sharding))
-        elif isinstance(target_leaf, (np.ndarray, np.generic)):
-            check_shape(name, tuple(np.shape(target_leaf)), saved_shape)
-            check_dtype(name, target_leaf.dtype, saved_dtype, cast)
-            got = _read(store, full, name).astype(target_leaf.dtype, copy=False)
-            values.append(got[()] if isinstance(target_leaf, np.generic) else got)
-        elif isinstance(target_leaf, (bool, int, float, complex)):
-            check_shape(name, (), saved_shape)
-            values.append(type(target_leaf)(_read(store, full, name).item()))
-        else:
-            raise CheckpointError(
-                f"array {name!r}: cannot restore into a target leaf of type "
-                f"{type(target_leaf).__name__}"
-            )
+        values.append(_target_value(store, leaf, name, target_leaf, cast))
     return jax.tree_util.tree_unflatten(treedef, values)
+
+
+def _target_value(store: Any, leaf: _Leaf, name: str, target_leaf: Any, cast: bool) -> Any:
+    saved_shape, saved_dtype = tuple(store.shape), np.dtype(store.dtype.numpy_dtype)
+    full = ((0,) * len(saved_shape), saved_shape)
+    if leaf.key_impl:
+        sharding = targets.key_data_sharding(name, target_leaf, leaf.key_impl, saved_shape)
+        data = _device_array(store, name, saved_shape, saved_dtype, sharding)
+        return jax.random.wrap_key_data(data, impl=leaf.key_impl)
+    if isinstance(target_leaf, jax.sharding.Sharding):
+        return _device_array(store, name, saved_shape, saved_dtype, target_leaf)
+    if isinstance(target_leaf, (jax.ShapeDtypeStruct, jax.Array)):
+        shape = tuple(target_leaf.shape)
+        targets.check_shape(name, shape, saved_shape)
+        dtype = targets.check_dtype(name, target_leaf.dtype, saved_dtype, cast)
+        sharding = getattr(target_leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+            jax.local_devices()[0]
+        )
+        return _device_array(store, name, shape, dtype, sharding)
+    if isinstance(target_leaf, (np.ndarray, np.generic)):
+        targets.check_shape(name, tuple(np.shape(target_leaf)), saved_shape)
+        targets.check_dtype(name, target_leaf.dtype, saved_dtype, cast)
+        got = _read(store, full, name).astype(target_leaf.dtype, copy=False)
+        return got[()] if isinstance(target_leaf, np.generic) else got
+    if isinstance(target_leaf, (bool, int, float, complex)):
+        targets.check_shape(name, (), saved_shape)
+        targets.check_scalar_kind(name, target_leaf, saved_dtype, cast)
+        return type(target_leaf)(_read(store, full, name).item())
+    raise CheckpointError(
+        f"array {name!r}: cannot restore into a target leaf of type {type(target_leaf).__name__}"
+    )
 
 
 def _device_array(
@@ -296,11 +337,15 @@ def describe(
         )
         rows = []
         for leaf in leaves:
+            if not leaf.has_data:
+                continue
             label = keypaths.display(name, leaf.keys)
             store = _open_array(item_dir, doc, leaf, label)
-            rows.append(
-                (label, np.dtype(store.dtype.numpy_dtype).name, tuple(store.shape), storage)
-            )
+            dtype, shape = np.dtype(store.dtype.numpy_dtype).name, tuple(store.shape)
+            if leaf.key_impl:  # the keys, as they restore, rather than their key data
+                shape, key_dtype = targets.key_layout(label, leaf.key_impl, shape)
+                dtype = str(key_dtype)
+            rows.append((label, dtype, shape, storage))
         out.append((name, rows))
     return out
 
@@ -312,7 +357,7 @@ def read_all(directory: Where) -> int:
         if not _has(item_dir, METADATA):
             continue
         leaves, doc = _tree_metadata(item_dir)
-        for leaf in leaves:
+        for leaf in (leaf for leaf in leaves if leaf.has_data):
             label = keypaths.display(name, leaf.keys)
             store = _open_array(item_dir, doc, leaf, label)
             total += _read(store, ((0,) * store.ndim, tuple(store.shape)), label).nbytes

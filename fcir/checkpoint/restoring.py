@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import keypaths, orbax, parallel, reader, shardings, storage
+from fcir.checkpoint import keypaths, orbax, parallel, reader, shardings, storage, targets
 from fcir.checkpoint.layout import dtype_from_name, read_layout
 from fcir.checkpoint.progress import Progress
 from fcir.errors import CheckpointError
@@ -65,22 +65,20 @@ def restore(
     float into int truncates). Python scalar targets need a saved value of their kind
     (bool, integer, floating, complex).
     """
-    directory = storage.locate(path)
-    if orbax.is_orbax(directory):
-        if target is not None and not isinstance(target, Mapping):
-            raise CheckpointError(
-                f"target must be a dict of item name to pytree, got {type(target).__name__}"
-            )
-        return orbax.restore(directory, target, items, cast, _check_shape, _check_dtype)
-    layout = read_layout(directory)
-    by_name = {item.name: item for item in layout.items}
+    # The arguments are checked before the format is known, so both formats refuse the
+    # same mistakes (a string iterated as item names would ask for items "d", "e", ...).
     if target is not None and not isinstance(target, Mapping):
         raise CheckpointError(
             f"target must be a dict of item name to pytree, got {type(target).__name__}"
         )
+    if isinstance(items, str):
+        raise CheckpointError(f"items must be a list of item names, got the string {items!r}")
+    directory = storage.locate(path)
+    if orbax.is_orbax(directory):
+        return orbax.restore(directory, target, items, cast)
+    layout = read_layout(directory)
+    by_name = {item.name: item for item in layout.items}
     if items is not None:
-        if isinstance(items, str):
-            raise CheckpointError(f"items must be a list of item names, got the string {items!r}")
         names = list(items)
     elif target is not None:
         names = list(target)
@@ -177,9 +175,9 @@ def _plan_leaf(
     if isinstance(leaf, jax.sharding.Sharding):
         return _plan_device_leaf(plan, record, name, saved_shape, saved_dtype, leaf)
     if isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
-        shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
-        _check_shape(name, shape, saved_shape)
-        _check_dtype(name, dtype, saved_dtype, cast)
+        shape = tuple(leaf.shape)
+        targets.check_shape(name, shape, saved_shape)
+        dtype = targets.check_dtype(name, leaf.dtype, saved_dtype, cast)
         sharding = getattr(leaf, "sharding", None)
         if sharding is None:
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -189,16 +187,16 @@ def _plan_leaf(
             )
         return _plan_device_leaf(plan, record, name, shape, dtype, sharding)
     if isinstance(leaf, (np.ndarray, np.generic)):
-        _check_shape(name, tuple(np.shape(leaf)), saved_shape)
-        _check_dtype(name, leaf.dtype, saved_dtype, cast)
+        targets.check_shape(name, tuple(np.shape(leaf)), saved_shape)
+        targets.check_dtype(name, leaf.dtype, saved_dtype, cast)
         out = np.empty(saved_shape, saved_dtype)
         plan.read(record, name, [(full, out)])
         if isinstance(leaf, np.generic):
             return lambda: out.astype(leaf.dtype)[()]
         return lambda: out.astype(leaf.dtype, copy=False)
     if isinstance(leaf, _SCALARS):
-        _check_shape(name, (), saved_shape)
-        _check_scalar_kind(name, leaf, saved_dtype, cast)
+        targets.check_shape(name, (), saved_shape)
+        targets.check_scalar_kind(name, leaf, saved_dtype, cast)
         out = np.empty(saved_shape, saved_dtype)
         plan.read(record, name, [(full, out)])
         return lambda: type(leaf)(out.item())
@@ -209,92 +207,13 @@ def _plan_leaf(
     )
 
 
-def _key_impl(record: pb.ArrayRecord, name: str) -> tuple[str, tuple[int, ...], Any]:
-    """The saved keys' implementation name, key-array shape, and key dtype."""
-    impl = record.prng_key_impl
-    try:
-        dtype = jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-        key_shape = tuple(
-            jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape
-        )
-    except (ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(
-            f"array {name!r}: PRNG implementation {impl!r} is unknown to this jax"
-        ) from e
-    shape = tuple(record.shape)
-    if shape[len(shape) - len(key_shape) :] != key_shape:
-        raise CheckpointError(f"array {name!r}: key data of shape {shape} do not fit {impl!r}")
-    return impl, shape[: len(shape) - len(key_shape)], dtype
-
-
 def _plan_key_leaf(plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any) -> Callable[[], Any]:
     """Typed PRNG keys: their key data restored as uint32, then wrapped back into keys."""
-    impl, keys_shape, key_dtype = _key_impl(record, name)
-    data_shape = tuple(record.shape)
-    trailing = len(data_shape) - len(keys_shape)
-    if isinstance(leaf, jax.sharding.Sharding):
-        sharding = leaf
-    elif isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):
-        _check_shape(name, tuple(leaf.shape), keys_shape)
-        if leaf.dtype != key_dtype:
-            raise CheckpointError(
-                f"array {name!r}: target dtype {leaf.dtype} but the checkpoint holds PRNG keys "
-                f"{key_dtype} ({impl})"
-            )
-        sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
-            jax.local_devices()[0]
-        )
-    else:
-        raise CheckpointError(
-            f"array {name!r} holds PRNG keys ({impl}); restore them into a "
-            "jax.ShapeDtypeStruct of their key dtype, a key jax.Array or a Sharding"
-        )
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = (*sharding.spec, *([None] * (len(keys_shape) - len(sharding.spec))))
-        data_sharding: jax.sharding.Sharding = jax.sharding.NamedSharding(
-            sharding.mesh, jax.sharding.PartitionSpec(*spec, *([None] * trailing))
-        )
-    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        data_sharding = sharding
-    else:
-        raise CheckpointError(
-            f"array {name!r}: PRNG keys restore onto a NamedSharding or a single device, "
-            f"not {type(sharding).__name__}"
-        )
+    impl, data_shape = record.prng_key_impl, tuple(record.shape)
+    data_sharding = targets.key_data_sharding(name, leaf, impl, data_shape)
     dtype = dtype_from_name(record.dtype)
     build = _plan_device_leaf(plan, record, name, data_shape, dtype, data_sharding)
     return lambda: jax.random.wrap_key_data(build(), impl=impl)
-
-
-def _check_shape(name: str, shape: tuple[int, ...], saved: tuple[int, ...]) -> None:
-    if shape != saved:
-        raise CheckpointError(
-            f"array {name!r}: target shape {shape} but the checkpoint has {saved}"
-        )
-
-
-def _check_dtype(name: str, dtype: np.dtype, saved: np.dtype, cast: bool) -> None:
-    # A silent conversion would hide a mismatched target (a bfloat16 model restored from
-    # float32 loses precision, float into int truncates), so it has to be asked for.
-    if not cast and np.dtype(dtype) != saved:
-        raise CheckpointError(
-            f"array {name!r}: target dtype {np.dtype(dtype).name} but the checkpoint has "
-            f"{saved.name}; pass cast=True to restore to convert it"
-        )
-
-
-# A Python scalar target holds any saved value of its kind: an int any integer width, a
-# float float32 or float64 exactly. A bool is an int, so it is looked up first.
-_SCALAR_KINDS = ((bool, "b"), (int, "iu"), (float, "f"), (complex, "c"))
-
-
-def _check_scalar_kind(name: str, leaf: Any, saved: np.dtype, cast: bool) -> None:
-    kinds = next(k for t, k in _SCALAR_KINDS if isinstance(leaf, t))
-    if not cast and saved.kind not in kinds:
-        raise CheckpointError(
-            f"array {name!r}: target is a Python {type(leaf).__name__} but the checkpoint "
-            f"has {saved.name}; pass cast=True to restore to convert it"
-        )
 
 
 def _plan_device_leaf(
