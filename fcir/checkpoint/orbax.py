@@ -18,6 +18,7 @@ StandardCheckpointer reads the same files as its own.
 from __future__ import annotations
 
 import ast
+import base64
 import json
 import pathlib
 import time
@@ -117,6 +118,8 @@ _EMPTY_VALUES: dict[str, Callable[[], Any]] = {
 }
 #: Where Orbax records, per process, what it stored about each array (PRNG key impls).
 _ARRAY_METADATAS = "array_metadatas"
+#: Orbax's record of each array's sharding (base64 param name -> JSON text).
+_SHARDING_FILE = "_sharding"
 
 
 class _Leaf:
@@ -401,8 +404,90 @@ def _zarr_dtype(dtype: np.dtype) -> str:
     return np.dtype(dtype).newbyteorder("<").str if dtype.itemsize > 1 else np.dtype(dtype).str
 
 
-def metadata_files(layout: pb.CheckpointLayout) -> dict[str, bytes]:
-    """Orbax's metadata for the merged layout: relative path -> content."""
+#: An Orbax tree-metadata key: (key, Orbax key_type) per step.
+OrbaxKeys = tuple[tuple[str, int], ...]
+
+
+def _empty_type(node: Any) -> str | None:
+    """Orbax's value type for a node without leaves, or None for any other node."""
+    if node is None:
+        return "None"
+    if isinstance(node, tuple) and not node:
+        # Orbax records an empty namedtuple (optax's EmptyState) as None.
+        return "None" if hasattr(node, "_fields") else "Tuple"
+    if isinstance(node, list) and not node:
+        return "List"
+    if isinstance(node, dict) and not node:
+        return "Dict"
+    return None
+
+
+def empty_nodes(tree: Mapping[str, Any]) -> dict[str, list[tuple[OrbaxKeys, str]]]:
+    """Each item's None leaves and empty containers, which hold no array.
+
+    fcir's layout has no record for them, but Orbax's tree metadata lists them, and
+    Orbax's restore into an abstract state (an optax state always holds EmptyState())
+    checks that the two trees have the same structure.
+    """
+    out: dict[str, list[tuple[OrbaxKeys, str]]] = {}
+    for name, sub in tree.items():
+        flat, _ = jax.tree_util.tree_flatten_with_path(
+            sub, is_leaf=lambda x: _empty_type(x) is not None
+        )
+        found = []
+        for jax_path, node in flat:
+            kind = _empty_type(node)
+            if kind is None or not jax_path:
+                continue
+            keys = tuple(
+                (str(k), _SEQUENCE if isinstance(e, jax.tree_util.SequenceKey) else _DICT)
+                for k, e in zip(keypaths.jax_match_key(jax_path), jax_path)
+            )
+            found.append((keys, kind))
+        out[name] = found
+    return out
+
+
+def _sharding_text(sharding: pb.Sharding) -> str | None:
+    """Orbax's record of an array's sharding, which its restore without a target uses.
+
+    A single device becomes a one-device mesh: Orbax finds single devices by their
+    names (`str(device)`, which differs between platforms), but meshes by device id.
+    """
+    which = sharding.WhichOneof("kind")
+    if which == "single_device":
+        shape, names, ids = [1], ["_"], [sharding.single_device.device_id]
+        spec: list[Any] = []
+    elif which == "named" and sharding.named.device_ids:
+        named = sharding.named
+        shape = [a.size for a in named.mesh_axes]
+        names = [a.name for a in named.mesh_axes]
+        ids = list(named.device_ids)
+        spec = [
+            None if not d.axes else d.axes[0] if len(d.axes) == 1 else list(d.axes)
+            for d in named.spec
+        ]
+    else:
+        return None  # host values need none; other shardings have no Orbax record
+    mesh = np.array([{"id": int(i)} for i in ids], dtype=object).reshape(shape).tolist()
+    return json.dumps(
+        {
+            "sharding_type": "NamedSharding",
+            "shape": shape,
+            "axis_names": names,
+            "partition_spec": spec,
+            "device_mesh": {"mesh": mesh},
+        }
+    )
+
+
+def metadata_files(
+    layout: pb.CheckpointLayout, empties: Mapping[str, list[tuple[OrbaxKeys, str]]] | None = None
+) -> dict[str, bytes]:
+    """Orbax's metadata for the merged layout: relative path -> content.
+
+    `empties` (from `empty_nodes`) adds the tree's None leaves and empty containers.
+    """
     several = len(layout.items) > 1
     files: dict[str, bytes] = {}
     handlers: dict[str, str] = {}
@@ -420,6 +505,8 @@ def metadata_files(layout: pb.CheckpointLayout) -> dict[str, bytes]:
             continue
         handlers[item.name] = _STANDARD
         tree: dict[str, Any] = {}
+        array_metadatas = []
+        shardings_doc: dict[str, str] = {}
         for record in item.arrays.arrays:
             path = keypaths.from_proto(record.path)
             name = keypaths.display(item.name, path)
@@ -465,10 +552,37 @@ def metadata_files(layout: pb.CheckpointLayout) -> dict[str, bytes]:
             }
             if record.kind == pb.LEAF_KIND_JAX_ARRAY:
                 value["write_shape"] = list(chunk)
+                # Orbax wraps key data back into typed keys only where this says so.
+                impl = {"random_key_impl": record.prng_key_impl} if record.prng_key_impl else None
+                array_metadatas.append(
+                    {
+                        "array_metadata": {
+                            "param_name": param_name(path),
+                            "write_shape": list(chunk),
+                            "chunk_shape": list(chunk),
+                            "ext_metadata": impl,
+                        }
+                    }
+                )
             tree[str(tuple(str(k) for k, _ in path))] = {
                 "key_metadata": keys,
                 "value_metadata": value,
             }
+            sharding = _sharding_text(record.sharding)
+            if record.kind == pb.LEAF_KIND_JAX_ARRAY and sharding is not None:
+                param = param_name(path).encode()
+                shardings_doc[base64.urlsafe_b64encode(param).decode()] = sharding
+        for orbax_keys, kind in (empties or {}).get(item.name, []):
+            tree[str(tuple(k for k, _ in orbax_keys))] = {
+                "key_metadata": [{"key": k, "key_type": t} for k, t in orbax_keys],
+                "value_metadata": {"value_type": kind, "skip_deserialize": True},
+            }
+        if array_metadatas:
+            files[f"{prefix}{_ARRAY_METADATAS}/process_0"] = json.dumps(
+                {"array_metadatas": array_metadatas}
+            ).encode()
+        if shardings_doc:
+            files[f"{prefix}{_SHARDING_FILE}"] = json.dumps(shardings_doc).encode()
         files[f"{prefix}{METADATA}"] = json.dumps(
             {
                 "tree_metadata": tree,

@@ -148,6 +148,7 @@ def save(
         coord = Coordinator()
         seq = next(_sequence)
         snap = snapshot.take(tree, coord.process_index, copy_host_values=not blocking)
+        empties = orbax.empty_nodes(tree) if format == "orbax" else {}
         handle = SaveHandle(final)
         _in_flight = handle
         if progress is None and not blocking:
@@ -157,7 +158,9 @@ def save(
             bar = None
             try:
                 bar = Progress(f"saving {final.name}", snap.nbytes, progress)
-                _write_and_commit(final, snap, coord, seq, overwrite, bar, _after_commit, format)
+                _write_and_commit(
+                    final, snap, coord, seq, overwrite, bar, _after_commit, format, empties
+                )
             except BaseException as e:  # noqa: BLE001 - surfaced by handle.wait()
                 handle._finish(e)
             else:
@@ -276,13 +279,21 @@ class _OrbaxTarget(_LocalTarget):
     (which fcir's layout names as its data files), Orbax's metadata written by process
     0 before the layout; committed by the same rename."""
 
+    def __init__(
+        self, final: pathlib.Path, overwrite: bool, empties: Mapping[str, Any] | None
+    ) -> None:
+        super().__init__(final, overwrite)
+        self.empties = empties  # None leaves and empty subtrees, for Orbax's tree metadata
+
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
         names, blocks = _orbax_chunks(snap)
         written = writer.write_files(self.temp, names, blocks, bar)
         return [(n, b.nbytes) for n, b in zip(names, blocks)], written
 
     def before_layout(self, data: bytes) -> None:
-        for name, content in orbax.metadata_files(layout.decode(data, str(self.final))).items():
+        for name, content in orbax.metadata_files(
+            layout.decode(data, str(self.final)), self.empties
+        ).items():
             path = self.temp / name
             path.parent.mkdir(parents=True, exist_ok=True)
             layout.write_file(path, content)
@@ -379,6 +390,12 @@ class _OrbaxObjectTarget(_ObjectTarget):
        object stores, written last as Orbax writes it).
     """
 
+    def __init__(
+        self, final: storage.ObjectStore, overwrite: bool, empties: Mapping[str, Any] | None
+    ) -> None:
+        super().__init__(final, overwrite)
+        self.empties = empties  # None leaves and empty subtrees, for Orbax's tree metadata
+
     def start(self) -> str:
         nonce = super().start()
         old = self.final.read(layout.LAYOUT_FILE)
@@ -405,7 +422,7 @@ class _OrbaxObjectTarget(_ObjectTarget):
     def commit(self, data: bytes, count: int) -> None:
         if self.final.exists(layout.LAYOUT_FILE) or self.final.exists(orbax.COMMIT_SUCCESS):
             raise CheckpointError(f"{self.final} already exists; pass overwrite=True to replace it")
-        meta = orbax.metadata_files(layout.decode(data, str(self.final)))
+        meta = orbax.metadata_files(layout.decode(data, str(self.final)), self.empties)
         self.final.write(layout.LAYOUT_FILE, data)  # fcir's commit
         self._delete(lambda name: self.nonce in name)  # the part layouts
         self.final.write_many(sorted(meta.items()))
@@ -421,14 +438,18 @@ def _write_and_commit(
     bar: Progress,
     after_commit: Callable[[], None] | None,
     fmt: str = "fcir",
+    empties: Mapping[str, Any] | None = None,
 ) -> None:
     me, count = coord.process_index, coord.process_count
     key = f"fcir/checkpoint/{seq}"
     target: _LocalTarget | _ObjectTarget
     if isinstance(final, storage.ObjectStore):
-        target = (_OrbaxObjectTarget if fmt == "orbax" else _ObjectTarget)(final, overwrite)
+        if fmt == "orbax":
+            target = _OrbaxObjectTarget(final, overwrite, empties)
+        else:
+            target = _ObjectTarget(final, overwrite)
     elif fmt == "orbax":
-        target = _OrbaxTarget(final, overwrite)
+        target = _OrbaxTarget(final, overwrite, empties)
     else:
         target = _LocalTarget(final, overwrite)
     if me == 0:

@@ -157,3 +157,61 @@ def test_items_given_as_a_string_is_an_error_for_orbax_checkpoints_too(tmp_path)
     SAVERS["pytree-directories"](tmp_path / "ox", {"w": np.arange(3.0)})
     with pytest.raises(CheckpointError, match="items must be a list of item names"):
         checkpoint.restore(tmp_path / "ox", items="default")
+
+
+# -- the reverse: what fcir saves with format="orbax", restored by Orbax ---------------
+
+
+def _abstract(tree):
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
+def test_orbax_restores_an_fcir_saved_train_state_into_its_abstract_state(tmp_path, devices):
+    """Orbax checks the target's structure against its tree metadata, which must list
+    the None leaves and empty subtrees (optax's EmptyState) that hold no array, and
+    wraps key data back into typed keys only where its array metadata names the impl."""
+    state = _train_state(devices)
+    checkpoint.save(tmp_path / "f", {"default": state}, format="orbax")
+    got = ocp.StandardCheckpointer().restore(tmp_path / "f", _abstract(state))
+    assert jax.tree.structure(got) == jax.tree.structure(state)
+    _same_leaves(got, state)
+    assert got["key"].dtype == state["key"].dtype
+    kernel = state["params"]["dense"]["kernel"]
+    assert got["params"]["dense"]["kernel"].sharding == kernel.sharding
+
+
+def test_orbax_restores_an_fcir_saved_train_state_without_arguments_onto_its_shardings(
+    tmp_path, devices
+):
+    """Without a target Orbax takes each array's sharding from its `_sharding` file."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), devices=devices)
+    tree = {
+        "w": jax.device_put(values((8, 4), seed=4), NamedSharding(mesh, P(("a", "b")))),
+        "v": jax.device_put(values((8,), seed=5), NamedSharding(mesh, P("b"))),
+        "on3": jax.device_put(values((3,), seed=6), devices[3]),
+        "key": jax.random.key(2),
+        "host": values((4,), "int32", seed=7),
+    }
+    checkpoint.save(tmp_path / "f", {"default": tree}, format="orbax")
+    with pytest.warns(UserWarning, match="sharding file"):  # Orbax's own notice
+        got = ocp.PyTreeCheckpointer().restore(tmp_path / "f")
+    _same_leaves(got, tree)
+    for name in ("w", "v", "on3"):
+        assert got[name].sharding.is_equivalent_to(tree[name].sharding, tree[name].ndim), name
+    assert got["key"].dtype == tree["key"].dtype
+
+
+def test_an_orbax_manager_restores_an_fcir_saved_step_of_a_train_state(tmp_path, devices):
+    state = _train_state(devices)
+    checkpoint.save(tmp_path / "run" / "4", {"state": state, "meta": {"epoch": 3}}, format="orbax")
+    mgr = ocp.CheckpointManager(tmp_path / "run")
+    got = mgr.restore(
+        4,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(state)), meta=ocp.args.JsonRestore()
+        ),
+    )
+    mgr.close()
+    assert got["meta"] == {"epoch": 3}
+    assert jax.tree.structure(got["state"]) == jax.tree.structure(state)
+    _same_leaves(got["state"], state)
