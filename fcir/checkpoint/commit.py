@@ -10,6 +10,7 @@ kinds of name are never taken for a checkpoint and are removed by the next save.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import pathlib
 import secrets
@@ -31,17 +32,52 @@ def nonce() -> str:
     return f"{time.time_ns() // 1_000_000:x}-{secrets.token_hex(4)}"
 
 
+#: Temporary directory -> the descriptor holding its lock, while its save runs.
+_locks: dict[pathlib.Path, int] = {}
+
+
 def temp_dir(final: pathlib.Path) -> pathlib.Path:
-    """Creates and returns a fresh temporary directory next to `final`."""
+    """Creates and returns a fresh temporary directory next to `final`, locked.
+
+    The lock (flock on the directory) says the save is alive: `remove_leftovers` of
+    another manager or process leaves a locked directory alone, and the kernel drops
+    the lock of a process that dies, so a crashed save's directory is removable.
+    """
     path = final.with_name(final.name + TEMP_MARK + nonce())
     path.mkdir()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: nobody else holds it
+    _locks[path] = fd
     return path
+
+
+def release(temp: pathlib.Path | None) -> None:
+    """Drops the lock of `temp` (once its save committed or gave up)."""
+    fd = _locks.pop(temp, None) if temp is not None else None
+    if fd is not None:
+        os.close(fd)
+
+
+def _in_flight(path: str) -> bool:
+    """Whether a live save holds the lock of the temporary directory `path`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the lock just taken
+    return False
 
 
 def remove_leftovers(parent: pathlib.Path) -> list[str]:
     """Deletes the temporary and to-be-deleted directories crashed saves left in `parent`.
 
-    Only call this while no save into `parent` is in flight.
+    A temporary directory whose save is still running (another manager's, another
+    process's) is locked and left alone.
     """
     removed = []
     try:
@@ -49,6 +85,8 @@ def remove_leftovers(parent: pathlib.Path) -> list[str]:
     except FileNotFoundError:
         return removed
     for entry in entries:
+        if TEMP_MARK in entry.name and _in_flight(entry.path):
+            continue
         if is_leftover(entry.name):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)

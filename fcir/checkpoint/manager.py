@@ -52,13 +52,20 @@ def _remove_uncommitted(directory: storage.ObjectStore) -> None:
 
     Only steps holding nothing but fcir's own objects (data and part layouts): anything
     else under a step number (an Orbax step being written, a user's file) is left alone.
+    And only steps older than the newest committed one: an object store cannot tell a
+    crashed save from one that another manager (an evaluator's, a second job's) is
+    still writing, and such a save is of a step newer than every committed one;
+    deleting its objects under it would let it commit a layout naming deleted data.
     """
+    newest = max(_committed_steps(directory), default=-1)
     by_step: dict[str, list[str]] = {}
     for k in directory.list():
         step, _, rest = k.partition("/")
         if rest and _is_step(step):
             by_step.setdefault(step, []).append(rest)
     for step, rests in sorted(by_step.items()):
+        if int(step) >= newest:
+            continue
         ours = all(
             "/" not in r
             and (r.startswith("data-") and r.endswith(".bin") or r.startswith("layout.part-"))

@@ -263,12 +263,14 @@ class _LocalTarget:
         for q in range(1, count):
             os.unlink(self.temp / layout.part_file_name(q))
         commit.publish(self.temp, self.final, self.overwrite)
+        commit.release(self.temp)
 
     def abort(self) -> None:
         with contextlib.suppress(CheckpointError):
             self.wait_durable()  # the fsync's error, if any, is not the one to tell
         if self.temp is not None:
             shutil.rmtree(self.temp, ignore_errors=True)
+            commit.release(self.temp)
 
     def before_layout(self, data: bytes) -> None:
         pass
