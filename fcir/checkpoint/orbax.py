@@ -105,6 +105,26 @@ def items(directory: Where) -> dict[str, Where]:
     return out
 
 
+def check_committed(directory: Where) -> None:
+    """Refuses an Orbax checkpoint in an object store that Orbax has not finished.
+
+    Where nothing can be renamed Orbax writes straight into the final prefix and
+    `commit_success.txt` last (in the step, for a manager's item folders); before it,
+    the objects are a save in progress or a dead one's, and reading them would give a
+    mix of old and new or missing arrays.
+    """
+    if not isinstance(directory, ObjectStore) or directory.exists(COMMIT_SUCCESS):
+        return
+    step, _, _ = directory.prefix.rpartition("/")
+    if step and ObjectStore(directory.scheme, directory.bucket, step).exists(COMMIT_SUCCESS):
+        return
+    raise CheckpointError(
+        f"{directory} is not a committed Orbax checkpoint: it has no {COMMIT_SUCCESS}, "
+        "which Orbax writes last in an object store (the save is still running, or it "
+        "was interrupted)"
+    )
+
+
 # -- reading ---------------------------------------------------------------------------
 
 
@@ -204,6 +224,7 @@ def restore(
     directory: Where, target: Mapping[str, Any] | None, names: Iterable[str] | None, cast: bool
 ) -> dict[str, Any]:
     """Restores the items of an Orbax checkpoint; see `fcir.checkpoint.restore`."""
+    check_committed(directory)
     found = items(directory)
     if names is None:
         names = list(target) if target is not None else list(found)
@@ -329,6 +350,7 @@ def describe(
     directory: Where,
 ) -> list[tuple[str, list[tuple[str, str, tuple[int, ...], str]]]]:
     """For `fcir ckpt inspect`: each item's arrays as (path, dtype, shape, storage)."""
+    check_committed(directory)
     out = []
     for name, item_dir in items(directory).items():
         if not _has(item_dir, METADATA):

@@ -111,7 +111,7 @@ class ObjectStore:
         except CheckpointError:
             raise
         except Exception as e:  # ValueError/OSError with tensorstore's status text
-            raise CheckpointError(f"{what} {self.url}: {e}") from e
+            raise CheckpointError(f"{what} {self.url}: {_cause(self.scheme, str(e))}{e}") from e
 
     def read(self, key: str, start: int | None = None, stop: int | None = None) -> bytes | None:
         """The object's bytes [start, stop), or None when it does not exist."""
@@ -287,3 +287,25 @@ def _vendor_is(name: str) -> bool:
         except OSError:
             pass
     return False
+
+
+def _cause(scheme: str, status: str) -> str:
+    """What a tensorstore status means for the user, where its text does not say.
+
+    A refused signature comes back as "PERMISSION_DENIED: Unknown [http_response_code=
+    '403']" for reads, which reads like a bucket policy problem even when the key is
+    simply wrong.
+    """
+    if status.startswith("PERMISSION_DENIED"):
+        where = (
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE"
+            if scheme == "s3"
+            else "GOOGLE_APPLICATION_CREDENTIALS, gcloud's login"
+        )
+        return (
+            "access denied: the server refused the credentials or they lack permission "
+            f"for this bucket (check {where}); "
+        )
+    if "Could not connect" in status or "Could not resolve" in status:
+        return "the endpoint cannot be reached; "
+    return ""

@@ -21,13 +21,15 @@ CREDENTIALS = {
 
 
 @contextlib.contextmanager
-def moto_server() -> Iterator[str]:
-    """Runs `moto_server` on 127.0.0.1; yields its endpoint URL; stops it afterwards."""
+def moto_server(**env: str) -> Iterator[str]:
+    """Runs `moto_server` on 127.0.0.1 (with `env` added to its environment); yields its
+    endpoint URL; stops it afterwards."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **env},
     )
     try:
         deadline = time.monotonic() + 60
