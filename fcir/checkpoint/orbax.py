@@ -296,7 +296,9 @@ def _target_value(store: Any, leaf: _Leaf, name: str, target_leaf: Any, cast: bo
     saved_shape, saved_dtype = tuple(store.shape), np.dtype(store.dtype.numpy_dtype)
     full = ((0,) * len(saved_shape), saved_shape)
     if leaf.key_impl:
-        sharding = targets.key_data_sharding(name, target_leaf, leaf.key_impl, saved_shape)
+        sharding = targets.key_data_sharding(
+            name, target_leaf, leaf.key_impl, saved_shape, saved_dtype
+        )
         data = _device_array(store, name, saved_shape, saved_dtype, sharding)
         return jax.random.wrap_key_data(data, impl=leaf.key_impl)
     if isinstance(target_leaf, jax.sharding.Sharding):

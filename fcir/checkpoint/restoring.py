@@ -210,8 +210,8 @@ def _plan_leaf(
 def _plan_key_leaf(plan: _Plan, record: pb.ArrayRecord, name: str, leaf: Any) -> Callable[[], Any]:
     """Typed PRNG keys: their key data restored as uint32, then wrapped back into keys."""
     impl, data_shape = record.prng_key_impl, tuple(record.shape)
-    data_sharding = targets.key_data_sharding(name, leaf, impl, data_shape)
     dtype = dtype_from_name(record.dtype)
+    data_sharding = targets.key_data_sharding(name, leaf, impl, data_shape, dtype)
     build = _plan_device_leaf(plan, record, name, data_shape, dtype, data_sharding)
     return lambda: jax.random.wrap_key_data(build(), impl=impl)
 

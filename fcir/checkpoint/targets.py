@@ -82,15 +82,26 @@ def key_layout(name: str, impl: str, data_shape: tuple[int, ...]) -> tuple[tuple
 
 
 def key_data_sharding(
-    name: str, leaf: Any, impl: str, data_shape: tuple[int, ...]
+    name: str, leaf: Any, impl: str, data_shape: tuple[int, ...], data_dtype: np.dtype
 ) -> jax.sharding.Sharding:
     """Where the key data go so that wrapping them gives keys in the target's sharding.
 
     The key data have the keys' dimensions plus the implementation's trailing ones,
-    which every device holds whole.
+    which every device holds whole. A target of the key data's own shape and dtype
+    (what `orbax.checkpoint.utils.to_shape_dtype_struct` makes of typed keys) is
+    placed as it says, and the keys come back typed, as Orbax restores them.
     """
     keys_shape, key_dtype = key_layout(name, impl, data_shape)
     trailing = len(data_shape) - len(keys_shape)
+    if (
+        isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array))
+        and not is_key_dtype(leaf.dtype)
+        and tuple(leaf.shape) == data_shape
+        and np.dtype(leaf.dtype) == data_dtype
+    ):
+        return getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+            jax.local_devices()[0]
+        )
     if isinstance(leaf, jax.sharding.Sharding):
         sharding = leaf
     elif isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)):

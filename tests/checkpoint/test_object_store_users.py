@@ -94,3 +94,29 @@ def test_an_unreachable_endpoint_is_an_error_that_says_so(monkeypatch):
     with pytest.raises(CheckpointError, match="s3://bucket/ckpt: the endpoint cannot be reached"):
         checkpoint.restore("s3://bucket/ckpt")
     assert time.monotonic() - started < 60  # tensorstore's retries are capped
+
+
+def test_an_orbax_train_state_in_s3_restores_with_its_typed_keys_and_empty_subtrees(
+    s3_endpoint, tmp_path
+):
+    """Orbax's array metadata (which names typed keys' impl) is listed and read from
+    the object store as from a directory."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    import jax
+    import optax
+    from s3_testing import BUCKET
+
+    params = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+    state = {"opt": optax.adam(0.1).init(params), "key": jax.random.key(5), "none": None}
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)).save(
+        tmp_path / "ox", args=ocp.args.PyTreeSave(state)
+    )
+    url = f"s3://{BUCKET}/state{next(_names)}"
+    _upload(s3_endpoint, tmp_path / "ox", url.split("/", 3)[3])
+    host = checkpoint.restore(url)["default"]
+    assert host["none"] is None and host["opt"][1] is None
+    assert host["key"].dtype == state["key"].dtype
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    out = checkpoint.restore(url, {"default": abstract})["default"]
+    assert jax.tree.structure(out) == jax.tree.structure(state)
+    assert (jax.random.key_data(out["key"]) == jax.random.key_data(state["key"])).all()
