@@ -2,7 +2,8 @@
 
 One file per process: shards are packed at aligned offsets and written by a few threads
 in pieces of PIECE_BYTES. Where the file system takes direct I/O (`O_DIRECT`: ext4,
-xfs, btrfs; not tmpfs), the whole checksum chunks of large shards bypass the page cache:
+xfs, btrfs; not tmpfs), the whole checksum chunks of large shards (and of Orbax-format
+chunk files of 1 MiB or more, which write_files writes) bypass the page cache:
 each chunk is copied into a reused, aligned per-thread buffer, checksummed there while
 it is in cache, and DIRECT_BYTES at a time are written from that buffer straight to the
 device. Everything else (small shards, the last part of a shard short of a chunk, every
@@ -194,12 +195,38 @@ def _checksum_and_write_direct(fd: int, data: memoryview, pos: int) -> list[int]
     return crcs
 
 
-def _direct_part(direct: int | None, pos: int, length: int) -> int:
-    """How many leading bytes of a piece of `length` bytes at file offset `pos` go by
-    direct I/O: its whole checksum chunks when the piece starts aligned."""
-    if direct is None or pos % _DIRECT_ALIGN or length < checksums.CHUNK_BYTES:
-        return 0
-    return length // checksums.CHUNK_BYTES * checksums.CHUNK_BYTES
+class _Direct:
+    """Direct writes into one new file, where its file system takes them: a second
+    descriptor opened with O_DIRECT, dropped (for the rest of the file) at the first
+    write it refuses with EINVAL."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self._fd = _open_direct(path)
+        self._use = self._fd
+
+    def write(self, fd: int, data: memoryview, pos: int) -> tuple[list[int], int]:
+        """Writes `data` at file offset `pos`: its whole checksum chunks directly when
+        `pos` is aligned, the rest through `fd` (the page cache). Returns the chunks'
+        CRCs and how many leading bytes went directly."""
+        use = self._use
+        k = len(data) // checksums.CHUNK_BYTES * checksums.CHUNK_BYTES
+        crcs: list[int] = []
+        if use is not None and k and pos % _DIRECT_ALIGN == 0:
+            try:
+                crcs = _checksum_and_write_direct(use, data[:k], pos)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self._use, crcs = None, []  # refused after all: the page cache from here
+        k = len(crcs) * checksums.CHUNK_BYTES
+        if k < len(data):
+            crcs += _checksum_and_write(fd, data[k:], pos + k)
+        return crcs, k
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = self._use = None
 
 
 class Durable:
@@ -274,27 +301,18 @@ def write_data_file(
     try:
         flusher = _Flusher(fd)
         views = [memoryview(b.reshape(-1).view(np.uint8)) for b in blocks]
-        direct_fd = _open_direct(path) if any(n >= _LARGE for n in lengths) else None
-        direct = direct_fd  # None once a direct write is refused: the rest is buffered
+        direct = _Direct(path) if any(n >= _LARGE for n in lengths) else None
 
         def piece(i: int, start: int) -> Callable[[], None]:
             def run() -> None:
-                nonlocal direct
                 data = views[i][start : start + PIECE_BYTES]
                 pos = offsets[i] + start
                 first = start // checksums.CHUNK_BYTES
-                use = direct
-                k = _direct_part(use, pos, len(data))
-                got: list[int] = []
-                if use is not None and k:
-                    try:
-                        got = _checksum_and_write_direct(use, data[:k], pos)
-                    except OSError as e:
-                        if e.errno != errno.EINVAL:
-                            raise
-                        direct, k = None, 0  # direct I/O refused after all: page cache
+                if direct is None:
+                    got, k = _checksum_and_write(fd, data, pos), 0
+                else:
+                    got, k = direct.write(fd, data, pos)
                 if k < len(data):
-                    got += _checksum_and_write(fd, data[k:], pos + k)
                     flusher.written(pos + k, len(data) - k)
                 crcs[i][first : first + len(got)] = got
                 if progress is not None:
@@ -307,8 +325,8 @@ def write_data_file(
             parallel.run_tasks(tasks, threads)
         finally:
             flusher.close()
-            if direct_fd is not None:
-                os.close(direct_fd)
+            if direct is not None:
+                direct.close()
         if os.fstat(fd).st_size < size:  # trailing alignment of an empty last block
             os.ftruncate(fd, size)
         if durable is None:
@@ -432,15 +450,22 @@ def write_files(
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except OSError as e:
                 raise _os_error("cannot create", path, e) from e
+            direct = _Direct(path) if len(view) >= _LARGE else None
             try:
-                crcs = _checksum_and_write(fd, view, 0)
-                if _start_writeback is not None:
-                    _start_writeback(fd, 0, 0)  # the disk starts on it; the fsync waits
+                if direct is None:
+                    crcs, done = _checksum_and_write(fd, view, 0), 0
+                else:
+                    crcs, done = direct.write(fd, view, 0)
+                if _start_writeback is not None and done < len(view):
+                    _start_writeback(fd, done, 0)  # the disk starts on it; the fsync waits
             except BaseException as e:
                 os.close(fd)
                 if isinstance(e, OSError):
                     raise _os_error("writing", path, e) from e
                 raise
+            finally:
+                if direct is not None:
+                    direct.close()
             durable.add(fd, path)  # fsynced while this thread writes the next file
             written[k] = Written(0, len(view), crcs, k)
             if progress is not None:

@@ -46,10 +46,11 @@ def _tree() -> dict:
 
 
 def _data_files(directory) -> dict[str, bytes]:
+    """Every file's bytes but the layout's and Orbax's metadata (they carry the time)."""
     return {
-        p.name: p.read_bytes()
+        str(p.relative_to(directory)): p.read_bytes()
         for p in directory.rglob("*")
-        if p.is_file() and p.name.startswith("data")
+        if p.is_file() and p.name not in ("layout.pb", "_CHECKPOINT_METADATA")
     }
 
 
@@ -79,12 +80,14 @@ def test_whole_chunks_of_large_shards_are_written_with_direct_io(tmp_path, pwrit
     assert all(same_bits(np.asarray(got[k]), v) for k, v in tree.items())
 
 
-def test_without_direct_io_the_data_file_is_the_same_bytes(tmp_path, monkeypatch, pwrites):
-    tree = _tree()
-    checkpoint.save(tmp_path / "direct", tree)
+@pytest.mark.parametrize("fmt", ["fcir", "orbax"])
+def test_without_direct_io_the_files_are_the_same_bytes(tmp_path, monkeypatch, pwrites, fmt):
+    tree = {"default": _tree()} if fmt == "orbax" else _tree()
+    checkpoint.save(tmp_path / "direct", tree, format=fmt)
+    assert any(d for d, _, _ in pwrites) or not _direct_supported(tmp_path)
     monkeypatch.setattr(writer, "_open_direct", lambda path: None)
     pwrites.clear()
-    checkpoint.save(tmp_path / "cached", tree)
+    checkpoint.save(tmp_path / "cached", tree, format=fmt)
     assert not any(d for d, _, _ in pwrites)
     assert _data_files(tmp_path / "direct") == _data_files(tmp_path / "cached")
     a, b = checkpoint.read_layout(tmp_path / "direct"), checkpoint.read_layout(tmp_path / "cached")
