@@ -33,7 +33,10 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     doc = json.loads(result.read_text())
     assert doc["cpu_count"] and doc["versions"]["jax"] and doc["versions"]["numpy"]
     assert doc["versions"]["jaxlib"] and doc["samples_s"]["fcir_save"]
-    assert len(doc["figures"]) == 12
+    assert len(doc["figures"]) == 13
+    assert "save until committed: fcir / dd oflag=direct" in done.stdout
+    assert doc["samples_s"]["dd_direct"]
+    assert all(share >= 0.99 for share in doc["cached_before_warm"])
     assert "peak extra host memory onto mesh (4,2) / restored" in done.stdout
     save = doc["figures"][0]
     assert save["per_repetition"] == [save["a"] / save["b"]]  # one repetition
