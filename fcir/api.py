@@ -469,7 +469,7 @@ def dp_sum(x, clip_norm, noise_multiplier, key):
     error of the clip, so the clipped norm is at most ``clip_norm``: docs/privacy.md),
     the clipped members are summed,
     and where the result lives leaf ``i`` gets
-    ``noise_multiplier * clip_norm * jax.random.normal(jax.random.fold_in(key, i), ...)``.
+    ``noise_multiplier * clip_norm * fcir.dp_noise.standard_normal(fold_in(key, i), ...)``.
     ``key`` is a PRNG key at the server (the current placement). ``clip_norm`` and
     ``noise_multiplier`` are Python numbers: they are attributes of the op, read by
     ``fcir.privacy.epsilon``. Gradients treat the noise as a constant.

@@ -75,6 +75,18 @@ _PASS = frozenset(
 _CENTRAL_DP = of_kind("dp")
 _DDP = of_kind("ddp")
 _BIG = 1 << 40  # the trip count of a while loop: unknown, so unbounded
+# The ops ``_local`` follows a key through (a key in, a key out); any other op that
+# reads a key uses it (privacy/C7).
+_DERIVE = _PASS | {
+    "jax.random_seed",
+    "jax.random_fold_in",
+    "jax.random_split",
+    "jax.slice",
+    "jax.dynamic_slice",
+    "jax.squeeze",
+    "jax.reshape",
+}
+_KEYS = ("key", "keys", "one")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,12 +228,23 @@ class _Keys:
         self.module = module
         self.env: dict[Value, tuple] = {}
         self.releases: list[_Release] = []
+        # A loop's carried key after its last iteration: ("fin", s, steps) ends its
+        # path. Kept apart from env, for main's results only (privacy/C7): a release
+        # after the loop still finds no key it can follow, as before.
+        self.final: dict[Value, tuple] = {}
+        self.results: list = []
+        # Every other op that reads a key fcir follows (random_bits, arithmetic on key
+        # data, ...): (op, path, term), for privacy/C7.
+        self.uses: list[tuple[Op, tuple, tuple]] = []
 
     def run(self) -> list[_Release]:
         body = self.module.main.body
         for k, v in enumerate(body.params):
             self.env[v] = ("key", ("arg", k), ())
-        self.region(body, (), (), True)
+        got = self.region(body, (), (), True)
+        self.results = [
+            a if a is not None else self.final.get(v) for a, v in zip(got, body.results)
+        ]
         return self.releases
 
     def get(self, v):
@@ -269,6 +292,8 @@ class _Keys:
                 first = _local(op, ins)
             except (KeyError, TypeError, ValueError, IndexError, AttributeError):
                 first = None  # attributes it cannot read: nothing known of the result
+            if name not in _DERIVE:
+                self.uses.extend((op, path, a) for a in ins if a is not None and a[0] in _KEYS)
             outs = [first] + [None] * (len(op.results) - 1)
         self.set(op.results, outs)
 
@@ -343,7 +368,11 @@ class _Keys:
         resolved = {}
         for k, j in carried.items():
             init, y = ins[bind.params[k][0]], yielded[j]
-            resolved[k] = _resolve_carry(init, y, s, k, length)
+            resolved[k] = got = _resolve_carry(init, y, s, k, length)
+            if got is not None and got[0] == "key" and j < len(op.results):
+                last = got[2][-1] if len(got[2]) > len(init[2]) else None
+                fin = got if last is None else ("key", got[1], (*init[2], ("fin", *last[1:])))
+                self.final[op.results[j]] = fin
         self.set(sub.params, params(resolved))
         frame = (*frames, ("loop", s))
         self.region(sub, (*path, bind.region), frame, record)
@@ -537,7 +566,8 @@ def problems(module: Module, client_derived: set[Value] | None = None) -> list[K
     """Every DP release whose noise is not provably distinct from every other's
     (``privacy/C4``), and, given ``client_derived`` (the values derived from client
     data), every distributed release whose keys are not (``privacy/C5``)."""
-    rels = _Keys(module).run()
+    keys = _Keys(module)
+    rels = keys.run()
     found: dict[int, KeyProblem] = {}
 
     def report(rel: _Release, message: str, full: str | None = None) -> None:
@@ -620,7 +650,149 @@ def problems(module: Module, client_derived: set[Value] | None = None) -> list[K
             else:
                 continue
             break
-    return list(found.values())
+    return list(found.values()) + _returned(module, keys, rels)
+
+
+_MSG_RETURNED = (
+    "privacy/C7: main returns (result {j}) {what} the key of the {op} at op {where}, "
+    "so a caller that feeds it back as the next round's key repeats that release's "
+    "noise, and whoever reads the results can recompute it: return only a key split "
+    "off before the release, e.g. key, sub = jax.random.split(key), the DP op on sub, "
+    "return key"
+)
+
+
+def _is_keyish(t) -> bool:
+    """A PRNG key type (any shape), or raw uint32 key words (last axis 2)."""
+    while isinstance(t, PlacedType):
+        t = t.member
+    dtype, shape = getattr(t, "dtype", ""), tuple(getattr(t, "shape", ()) or ())
+    return str(dtype).startswith("key<") or (dtype == "u32" and shape[-1:] == (2,))
+
+
+def _path_of(a):
+    """A returned key's (root, path): a split array is its parent's path and one more
+    step with an integer of the array's range."""
+    if a is None:
+        return None
+    if a[0] == "key":
+        return a[1], a[2]
+    if a[0] == "keys":
+        return a[1], (*a[2], ("d", ("vec", range(a[3]))))
+    if a[0] == "one" and a[1][0] == "keys":
+        return a[1][1], (*a[1][2], ("d", a[2]))
+    return None
+
+
+def _arg_root(root):
+    """The argument a per-member key comes from (a fed.map's member of an operand)."""
+    while root[0] == "member":
+        root = root[2]
+    return root
+
+
+def _diverge(p: tuple, q: tuple) -> bool:
+    """True if two derivation paths from one root provably part: at some step both
+    fold in integers that differ (whatever iterations), so neither key is the other
+    nor derived from it. A release's loop-advanced key (``adv``) against a loop's final
+    carry (``fin``, one or more advances later) parts if what the release derives
+    after its advances parts from one advance."""
+    none = frozenset()
+    for i, (a, b) in enumerate(zip(p, q)):
+        if a[0] == "d" and b[0] == "d":
+            if _int_cmp(a[1], b[1], none, none) == "ne":
+                return True
+            continue
+        if {a[0], b[0]} == {"adv", "fin"} and a[1:] == b[1:]:
+            rest = q[i + 1 :] if b[0] == "adv" else p[i + 1 :]
+            return _diverge(a[2], rest)
+        return False
+    return False
+
+
+def _returned(module: Module, keys: _Keys, rels: list[_Release]) -> list[KeyProblem]:
+    """``privacy/C7``: every result of main that is, derives from or derives to the key
+    of a DP release (or a key fcir cannot follow that depends on a release's key
+    argument). The noise of a release with key ``k`` is drawn from keys derived from
+    ``k``: returning ``k`` or one of those publishes the noise, and returning an
+    ancestor (the key argument itself, unchanged) lets the caller feed it back and draw
+    the same noise next round. A returned key that parts from every release key at
+    some step (``split(key)[0]`` when the release used ``split(key)[1]``) is safe."""
+    body = module.main.body
+    deps = _dependencies(module)
+    found = []
+    for j, (v, a) in enumerate(zip(body.results, keys.results)):
+        if not _is_keyish(v.type):
+            continue
+        term = _path_of(a)
+        for rel in rels:
+            if rel.key is None or rel.key[1][0] != "arg":
+                continue  # reported already (privacy/C4 / C5)
+            root = rel.key[1]
+            where = "/".join(map(str, rel.path))
+            if term is None:
+                if root[1] in deps.get(v, frozenset()):
+                    what = "a key fcir cannot follow, derived from"
+                    found.append((j, what, rel, where))
+                    break
+                continue
+            if term[0] == root and not _diverge(term[1], rel.key[2]):
+                found.append((j, "a key not provably apart from", rel, where))
+                break
+    out = [
+        KeyProblem(
+            _MSG_RETURNED.format(j=j, what=what, op=rel.op.name, where=where),
+            rel.path,
+            rel.op,
+            "privacy/C7",
+        )
+        for j, what, rel, where in found
+    ]
+    for use, path, a in keys.uses:
+        term = _path_of(a)
+        if term is None:
+            continue
+        for rel in rels:
+            if rel.key is None or rel.key[1][0] != "arg":
+                continue
+            if _arg_root(term[0]) == rel.key[1] and not _diverge(term[1], rel.key[2]):
+                out.append(
+                    KeyProblem(
+                        _MSG_USED.format(
+                            use=use.name,
+                            at="/".join(map(str, path)),
+                            op=rel.op.name,
+                            where="/".join(map(str, rel.path)),
+                        ),
+                        path,
+                        use,
+                        "privacy/C7",
+                    )
+                )
+                break
+    return out
+
+
+_MSG_USED = (
+    "privacy/C7: {use} (op {at}) reads a key not provably apart from the key of the "
+    "{op} at op {where}: the noise is drawn from that key, so whatever {use} computes "
+    "can repeat or cancel it (e.g. the release minus the same draw is the exact sum); "
+    "split the key first and give the DP op a key nothing else reads, e.g. k_dp, k_other "
+    "= jax.random.split(key)"
+)
+
+
+def _dependencies(module: Module) -> dict[Value, frozenset[int]]:
+    """The arguments of ``main`` (indices) each of its top-level values may depend on:
+    an op's results on all its operands (regions are closed, values enter by
+    operands). An over-approximation."""
+    body = module.main.body
+    deps: dict[Value, frozenset[int]] = {v: frozenset({i}) for i, v in enumerate(body.params)}
+    for op in body.ops:
+        ins = frozenset().union(*(deps.get(v, frozenset()) for v in op.operands))
+        for v in op.results:
+            deps[v] = ins
+    return deps
 
 
 def key_arguments(module: Module) -> list[tuple[Op, frozenset[int]]]:
@@ -633,7 +805,7 @@ def key_arguments(module: Module) -> list[tuple[Op, frozenset[int]]]:
     depends on none of the arguments that change from one run to the next (a Flower
     app's state-fed server inputs) is the same every run."""
     body = module.main.body
-    deps: dict[Value, frozenset[int]] = {v: frozenset({i}) for i, v in enumerate(body.params)}
+    deps = _dependencies(module)
     found = []
 
     def nested(region: Region, ins: frozenset[int]) -> None:
@@ -649,6 +821,4 @@ def key_arguments(module: Module) -> list[tuple[Op, frozenset[int]]]:
             found.append((op, deps.get(op.operands[-1], frozenset())))
         for sub in op.regions:
             nested(sub, ins)
-        for v in op.results:
-            deps[v] = ins
     return found

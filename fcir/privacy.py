@@ -27,7 +27,10 @@ bound what one silo adds, not what one client adds), while a silo's own data
   release the accountant counts (the same key in every iteration of a scan, or for two
   DP ops; a constant key): ``fcir.dp_keys`` follows each key to its origin;
 * ``privacy/C6``: a DP op inside a ``jax.while``, whose releases the accountant cannot
-  count (``epsilon`` refuses such a module too).
+  count (``epsilon`` refuses such a module too);
+* ``privacy/C7``: ``main`` returns a key that is, or is derived from, or derives to the
+  key of a DP release (the key argument returned unchanged, the key itself):
+  ``fcir.dp_keys`` again (``epsilon`` refuses such a module too).
 
 ``fed.dp_sum`` and ``fed.dp_mean`` are the only way through: their results are not
 derived from client data in this sense (the Gaussian mechanism makes them safe to
@@ -84,6 +87,8 @@ CONSTRAINTS = {
     "privacy/C5": "a distributed DP op's keys are derived from client data, one key per "
     "client (fcir.dp_keys)",
     "privacy/C6": "no DP op inside a jax.while loop (its releases could not be counted)",
+    "privacy/C7": "main returns no key a DP release draws from, derives its noise from or "
+    "is derived from (fcir.dp_keys)",
 }
 
 # What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):

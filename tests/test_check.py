@@ -595,6 +595,7 @@ def dp_cases(op: str) -> list:
         Case(op, "C5", text, set_attr(op, "noise_multiplier", -1.0), "negative noise"),
         Case(op, "C5", text, set_attr(op, "clip_norm", 1), "int clip norm"),
         Case(op, "C6", text, retype_result(op, server(t("f32", 3))), "result shape"),
+        Case(op, "C7", text, set_attr(op, "clip_norm", 2e38), "clipped sum overflows f32"),
     ]
 
 

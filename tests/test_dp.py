@@ -3,7 +3,7 @@
 Semantics are pinned against a plain-JAX oracle written from the definition: clip each
 member's pytree to global L2 norm ``clip`` (less ``clip_margin``, the float error of
 the clip, with the squared norm added in ``pairwise_sum``'s order), add the members in
-member order, add ``z * clip * normal(fold_in(key, i))`` to leaf ``i`` (and divide by
+member order, add ``z * clip * standard_normal(fold_in(key, i))`` (``fcir.dp_noise``) to leaf ``i`` (and divide by
 n for the mean).
 """
 
@@ -19,6 +19,7 @@ import pytest
 from fcir.interpreters import reference, xla
 
 import fcir
+from fcir.dp_noise import standard_normal
 from fcir.primitives import clip_margin, pairwise_sum
 
 N = 4
@@ -41,7 +42,8 @@ def oracle(xs: dict, key, clip: float, z: float, mean: bool, zero=(0,)) -> dict:
         totals = clipped if totals is None else [t + c for t, c in zip(totals, clipped)]
     out = {}
     for i, (k, t) in enumerate(zip(names, totals)):
-        noisy = t + z * clip * jax.random.normal(jax.random.fold_in(key, i), t.shape, t.dtype)
+        normal = standard_normal(jax.random.fold_in(key, i), t.shape, t.dtype)
+        noisy = t + z * clip * normal
         out[k] = noisy / n if mean else noisy
     return out
 

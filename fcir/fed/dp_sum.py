@@ -54,7 +54,30 @@ def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean):
         raise op.error(
             "C3", f"got {key.str_short()}; pass jax.random.key(...) or a raw uint32[2] key"
         )
-    return float_members(op, xs, placement, n)
+    out = float_members(op, xs, placement, n)
+    for i, x in enumerate(xs):
+        bound = sum_bound(n, clip_norm, x.dtype)
+        if bound is not None:
+            raise op.error("C7", f"operand {i}: {bound}")
+    return out
+
+
+def sum_bound(n, clip_norm: float, dtype) -> str | None:
+    """Why ``n`` members clipped to ``clip_norm`` may sum past ``dtype``'s largest
+    finite value (None if they cannot). Each entry of a clipped member is at most
+    ``clip_norm``; ``(1 + n u)`` bounds the float error of adding ``n`` of them. An
+    overflow before the noise is added is a release the noise does not cover: the sum
+    of one cohort is inf, its neighbour's finite (float16: 4 clients of 17000 each
+    clipped to 30000 gave inf in every run, 3 of them in 31%)."""
+    finfo = jnp.finfo(dtype)
+    u = float(finfo.eps) / 2
+    if n * clip_norm * (1 + n * u) < float(finfo.max):
+        return None
+    return (
+        f"{n} members clipped to {clip_norm} may sum to {n * clip_norm:.4g}, past "
+        f"{np.dtype(dtype).name}'s largest value {float(finfo.max):.4g}, before the noise "
+        "is added: lower clip_norm or sum in a wider dtype (x.astype(jnp.float32))"
+    )
 
 
 def check_leaves_then_key(cls, op) -> None:
@@ -154,6 +177,8 @@ class DpSum(FedOp):
         "C5": "attribute 'clip_norm' must be a finite float > 0 and 'noise_multiplier' a "
         "finite float >= 0",
         "C6": "result i must be operand i's member type, local to the current placement",
+        "C7": "n * clip_norm must stay below each operand dtype's largest finite value "
+        "(the clipped sum may not overflow before the noise is added)",
     }
     placement_constraints = frozenset({"C2", "C3"})
 
@@ -185,6 +210,11 @@ class DpSum(FedOp):
                 cls.fail("C4", f"operand {i} has member type {t.member}")
             if r.type != ctx.local(t.member):
                 cls.fail("C6", f"result {i} is {r.type}, expected {ctx.local(t.member)}")
+            n = ctx.cardinality.get(t.placement)
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+                bound = sum_bound(n, op.attrs["clip_norm"], t.member.np_dtype)
+                if bound is not None:
+                    cls.fail("C7", f"operand {i}: {bound}")
 
 
 dp_sum_p = define_dp_op(DpSum, mean=False)
