@@ -100,10 +100,13 @@ def parse_arg_specs(specs: list[str]) -> tuple:
 
     out = []
     for spec in specs:
-        parser = _Parser(spec)
-        out.append(_spec(parser))
-        if parser.tok[0] != "eof":
-            raise parser.error("unexpected text after the type")
+        try:
+            parser = _Parser(spec)
+            out.append(_spec(parser))
+            if parser.tok[0] != "eof":
+                raise parser.error("unexpected text after the type")
+        except ParseError as e:  # which of several specs, not just "line 1, column 9"
+            raise ParseError(f"--args {spec!r}: {e}") from None
     return tuple(out)
 
 
