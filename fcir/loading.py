@@ -38,7 +38,11 @@ def load_ir(path: str) -> Module:
     if not p.is_file():
         raise FcirError(f"no such IR file: {path}")
     if path.endswith(".pb"):
-        return Module.deserialize(p.read_bytes())
+        data = p.read_bytes()
+        if data.lstrip().startswith(b"fcir.module"):  # the mirror of the check below
+            raise ParseError(f"{path} is IR text, not a serialized module (text IR files end "
+                             "in .fcir): rename it")
+        return Module.deserialize(data)
     from fcir.text import parse
 
     try:

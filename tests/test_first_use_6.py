@@ -239,3 +239,18 @@ def test_every_option_of_every_command_has_help():
 
     walk(cli.build_parser(), "fcir")
     assert not missing
+
+
+def test_ir_text_in_a_pb_file_says_it_is_text_and_to_rename_it(tmp_path, capsys):
+    """Before: 'not a serialized fcir.v1.Module: Error parsing message', no word of why."""
+    module = fcir.capture(
+        _load(
+            _program(tmp_path, _NUMPY_AT_THE_SERVER.replace("w = np.tanh(w)", "w = jnp.tanh(w)")),
+            "rnd",
+        ),
+        *_ARGS,
+    )
+    (tmp_path / "r.pb").write_text(module.to_text())
+    assert cli.main(["check", str(tmp_path / "r.pb")]) == 1
+    err = capsys.readouterr().err
+    assert "is IR text, not a serialized module (text IR files end in .fcir)" in err
