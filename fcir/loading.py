@@ -83,11 +83,22 @@ def load_function(target: str):
         try:
             module = importlib.import_module(where)
         except ImportError as e:
-            raise FcirError(f"cannot import {where!r}: {e}") from None
+            raise FcirError(f"cannot import {where!r}: {e}{_file_hint(where, name)}") from None
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         raise FcirError(f"{where} has no function {name!r}")
     return fn, module
+
+
+def _file_hint(where: str, name: str) -> str:
+    """``; did you mean examples/fedavg.py:fedavg_round?`` when ``where`` names a Python
+    file without its ``.py`` (``examples/fedavg``) or as a module path that is not
+    importable from here (``examples.fedavg``: the current directory is not on the
+    ``fcir`` command's import path); empty otherwise."""
+    for guess in (where + ".py", where.replace(".", "/") + ".py"):
+        if pathlib.Path(guess).is_file():
+            return f"; did you mean {guess}:{name}?"
+    return ""
 
 
 SPEC_SYNTAX = (

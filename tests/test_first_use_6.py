@@ -254,3 +254,16 @@ def test_ir_text_in_a_pb_file_says_it_is_text_and_to_rename_it(tmp_path, capsys)
     assert cli.main(["check", str(tmp_path / "r.pb")]) == 1
     err = capsys.readouterr().err
     assert "is IR text, not a serialized module (text IR files end in .fcir)" in err
+
+
+@pytest.mark.parametrize("target", ["sub/rnd:rnd", "sub.rnd:rnd"])
+def test_a_target_naming_a_file_without_py_says_the_target_to_write(
+    tmp_path, monkeypatch, capsys, target
+):
+    """Before: 'cannot import ...: No module named ...' and nothing more (the current
+    directory is not on the fcir command's import path, so sub.rnd is not importable)."""
+    (tmp_path / "sub").mkdir()
+    _program(tmp_path / "sub", _PY_IF_IN_A_CLIENT, "rnd.py")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["check", target]) == 1
+    assert "did you mean sub/rnd.py:rnd?" in capsys.readouterr().err
