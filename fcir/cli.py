@@ -373,6 +373,11 @@ def _register_plugins(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Errors name the command as typed, `fcir ckpt inspect`, as its usage errors do.
+    args.command = " ".join(
+        filter(None, (args.command, getattr(args, "ckpt_command", None),
+                      getattr(args, "flower_command", None)))
+    )
     try:
         return int(args.func(args) or 0)
     except _Usage as e:

@@ -267,3 +267,16 @@ def test_a_target_naming_a_file_without_py_says_the_target_to_write(
     monkeypatch.chdir(tmp_path)
     assert cli.main(["check", target]) == 1
     assert "did you mean sub/rnd.py:rnd?" in capsys.readouterr().err
+
+
+def test_an_error_of_a_nested_command_names_the_command_as_typed(monkeypatch, capsys):
+    """Before: an error reaching the command line's handler said 'fcir ckpt: error:' where
+    the command's own errors and its usage say 'fcir ckpt inspect'."""
+    from fcir.checkpoint import inspect as ckpt_inspect
+
+    def fails(args):
+        raise fcir.CheckpointError("s3://b/ck: the server did not answer")
+
+    monkeypatch.setattr(ckpt_inspect, "run", fails)
+    assert cli.main(["ckpt", "inspect", "s3://b/ck"]) == 1
+    assert capsys.readouterr().err.startswith("fcir ckpt inspect: error: s3://b/ck")
