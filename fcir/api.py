@@ -233,19 +233,31 @@ def _flatten(x):
     return jax.tree_util.tree_flatten(x)
 
 
-def _check_placed(leaves, placement: str, n: int, what: str) -> None:
-    for leaf in leaves:
-        shape = np.shape(leaf)
-        if len(shape) == 0 or shape[0] != n:
-            hint = (
-                f"; did you mean fcir.broadcast(...) of it? A server value (a model) reaches "
-                f"the members only through fcir.broadcast: "
-                f"{what}(fn, (fcir.broadcast(w), x))" if what == "fcir.map_fn" else ""
-            )
-            raise PlacementError(
-                f"{what}: a leaf of shape {tuple(shape)} is not placed at '{placement}': its "
-                f"leading axis must be the cardinality of '{placement}' ({n}){hint}"
-            )
+def _check_placed(tree, placement: str, n: int, what: str) -> None:
+    """Every leaf of ``tree`` is placed at ``placement``: its leading axis holds the
+    ``n`` members. A leaf with another leading axis is either a server value (which
+    only fcir.broadcast places) or data of another number of members than the program
+    declares; the error names the leaf and says both."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = tuple(np.shape(leaf))
+        if shape and shape[0] == n:
+            continue
+        where = f"leaf {jax.tree_util.keystr(path)}" if path else "a leaf"
+        cohort = (
+            f"; if it holds one entry per member, that is {shape[0]} members: declare "
+            f"'{placement}': {shape[0]} in @fcir.program(placements=...) or pass {n} "
+            "members' data"
+            if shape and what == "fcir.map_fn" else ""
+        )
+        hint = (
+            f"; if it is a server value (a model), did you mean fcir.broadcast(...) of it? "
+            f"A server value reaches the members only through fcir.broadcast: "
+            f"{what}(fn, (fcir.broadcast(w), x))" if what == "fcir.map_fn" else ""
+        )
+        raise PlacementError(
+            f"{what}: {where} of shape {shape} is not placed at '{placement}': its leading "
+            f"axis must be the cardinality of '{placement}' ({n}){cohort}{hint}"
+        )
 
 
 def broadcast(x, *, to: str | None = None, mesh=None):
@@ -285,8 +297,8 @@ def map_fn(fn: Callable, arg, *, mesh=None):
         )
     name, n = frame.child("fcir.map_fn")
     mesh = frame.mesh if mesh is None else mesh
+    _check_placed(arg, name, n, "fcir.map_fn")
     leaves, in_tree = _flatten(arg)
-    _check_placed(leaves, name, n, "fcir.map_fn")
     leaves = [sharding.constrain_placed(jax.numpy.asarray(x), name, mesh) for x in leaves]
     member_specs = [
         jax.ShapeDtypeStruct(
@@ -318,6 +330,12 @@ def map_fn(fn: Callable, arg, *, mesh=None):
             closed = jax.make_jaxpr(flat_body)(*member_specs)
         except NameError as e:
             _reject_placement_collective(e, frame.placements)
+            raise
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
+            # capture's message for it says what to write in a member's code; the
+            # innermost map_fn is the one whose body asked.
+            if getattr(e, "fcir_member_of", None) is None:
+                e.fcir_member_of = name
             raise
     body, consts = _lift_traced_consts(closed)
     bcast = [
@@ -365,8 +383,8 @@ def _lift_traced_consts(closed: jc.ClosedJaxpr) -> tuple[jc.ClosedJaxpr, list]:
 def _reduce(prim, what: str, x, **params):
     frame = _current(what)
     name, n = frame.child(what)
+    _check_placed(x, name, n, what)
     leaves, tree = _flatten(x)
-    _check_placed(leaves, name, n, what)
     out = [prim.bind(leaf, placement=name, n=n, **params) for leaf in leaves]
     return jax.tree_util.tree_unflatten(tree, out)
 

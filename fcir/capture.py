@@ -128,20 +128,50 @@ def _trace(fn, args, kwargs, name):
         with scan_outputs.keeping_copies():  # one IR text of a linearized scan
             closed, out_shape = derivatives.make_jaxpr(fn, *args, **kwargs)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
-        # Python control flow on a traced value: eager calls (and jax.grad outside jit)
-        # run it, capture traces abstractly like jax.jit.
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UnsupportedError(
-            f"capture: the program needs the value of a traced array in Python ({first}), "
-            "e.g. `if fcir.reduce_mean(loss) > t:` choosing whether a second exchange runs. "
-            "Capture traces the program like jax.jit, without values: branch with "
-            "jax.lax.cond(pred, second_exchange, lambda w: w, w) (its predicate an "
-            "aggregate at the server), loop with jax.lax.scan / fori_loop / while_loop; "
-            "fcir captures those and their gradients (docs/control_flow.md)"
-        ) from e
+        raise _needs_a_value(e) from e
     _, in_tree = jax.tree_util.tree_flatten((args, kwargs) if kwargs else args)
     _, out_tree = jax.tree_util.tree_flatten(out_shape)
     return fn, closed, in_tree, out_tree, name
+
+
+def _needs_a_value(e: Exception) -> UnsupportedError:
+    """What to write instead of the Python (or numpy) code that asked a traced array for
+    its value, naming the user's line: eager calls (and jax.grad outside jit) run such
+    code, capture traces abstractly like jax.jit. ``fcir.map_fn`` marks an error of its
+    body with the member placement (``fcir_member_of``): there the fix is a per-member
+    select, not a server branch."""
+    from fcir.errors import user_location
+
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    at = user_location(e)
+    at = f" (at {at})" if at else ""
+    member = getattr(e, "fcir_member_of", None)
+    if isinstance(e, jax.errors.TracerArrayConversionError):
+        error = UnsupportedError(
+            f"capture: a numpy function was given a traced array{at} ({first}). A program "
+            "is traced like jax.jit, without values, and numpy computes on values: use "
+            "jax.numpy (import jax.numpy as jnp; jnp.tanh(x) for np.tanh(x)), which "
+            "captures; numpy is for constants made from Python values"
+        )
+    elif member is not None:
+        error = UnsupportedError(
+            f"capture: a map_fn body (one member of '{member}') needs the value of a "
+            f"traced array in Python{at} ({first}), e.g. `if jnp.sum(x) > 0:`. Capture "
+            "traces the body once, with one member's shapes and no values: pick values with "
+            "jnp.where(pred, a, b), branch with jax.lax.cond(pred, f, g, *operands), loop "
+            "with jax.lax.scan / fori_loop / while_loop (docs/control_flow.md)"
+        )
+    else:
+        error = UnsupportedError(
+            f"capture: the program needs the value of a traced array in Python{at} "
+            f"({first}), e.g. `if fcir.reduce_mean(loss) > t:` choosing whether a second "
+            "exchange runs. Capture traces the program like jax.jit, without values: "
+            "branch with jax.lax.cond(pred, second_exchange, lambda w: w, w) (its "
+            "predicate an aggregate at the server), loop with jax.lax.scan / fori_loop / "
+            "while_loop; fcir captures those and their gradients (docs/control_flow.md)"
+        )
+    error.fcir_located = bool(at)
+    return error
 
 
 def _convert(traced, locations: bool) -> Module:

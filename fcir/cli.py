@@ -297,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("show", help="print IR as text, or draw it (dot/svg)",
                        description="Print the canonical text of an IR file or Python target.")
     _add_target(p, "FILE")
-    p.add_argument("--format", choices=("text", "dot", "svg"), default="text")
+    p.add_argument("--format", choices=("text", "dot", "svg"), default="text",
+                   help="text: the canonical IR with the privacy cost as comments "
+                   "(default); dot: the dataflow graph for graphviz; svg: that graph drawn "
+                   "(needs graphviz's dot)")
     p.add_argument("--full-constants", action="store_true",
                    help="print every constant in full instead of type + sha256")
     p.add_argument("-o", "--output", metavar="FILE",
@@ -315,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="diff two IR files: exit 0 same, 1 different, 2 error",
                        description="Unified diff of the canonical text of two IR files "
                        "(text or binary). Exit 0 same, 1 different, 2 error.")
-    p.add_argument("A")
-    p.add_argument("B")
+    p.add_argument("A", help="an IR file (.fcir text or .pb binary)")
+    p.add_argument("B", help="the IR file to compare it with")
     p.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
     p.set_defaults(func=cmd_diff)
 
@@ -324,9 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run FILE with inputs from an .npz of flattened argument "
                        "leaves (arr_0, arr_1, ... as np.savez(*leaves) writes them).")
     _add_target(p, "FILE")
-    p.add_argument("--backend", choices=("reference", "xla"), default="reference")
-    p.add_argument("--inputs", required=True, metavar="IN.npz")
-    p.add_argument("-o", "--output", metavar="OUT.npz")
+    p.add_argument("--backend", choices=("reference", "xla"), default="reference",
+                   help="'reference': the eager oracle, one Python step per member "
+                   "(default); 'xla': compiled by XLA")
+    p.add_argument("--inputs", required=True, metavar="IN.npz",
+                   help="the argument leaves, written by "
+                   "np.savez('IN.npz', *jax.tree_util.tree_leaves(args)); an error lists "
+                   "the leaves FILE takes")
+    p.add_argument("-o", "--output", metavar="OUT.npz",
+                   help="write the output leaves (arr_0, arr_1, ...) to OUT.npz (else print "
+                   "a preview of each)")
     _add_clients_per_step(p)
     p.set_defaults(func=cmd_run)
 
@@ -363,6 +373,11 @@ def _register_plugins(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Errors name the command as typed, `fcir ckpt inspect`, as its usage errors do.
+    args.command = " ".join(
+        filter(None, (args.command, getattr(args, "ckpt_command", None),
+                      getattr(args, "flower_command", None)))
+    )
     try:
         return int(args.func(args) or 0)
     except _Usage as e:
@@ -372,16 +387,28 @@ def main(argv: list[str] | None = None) -> int:
     except FcirError as e:
         if args.debug:
             raise
-        print(f"fcir {args.command}: error: {e}", file=sys.stderr)
+        print(f"fcir {args.command}: error: {e}{_at(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # user code failed while being traced or run: no traceback
         if args.debug:
             raise
-        print(f"fcir {args.command}: error: {type(e).__name__}: {e}\n(run with --debug for "
-              "the traceback)", file=sys.stderr)
+        print(f"fcir {args.command}: error: {type(e).__name__}: {e}{_at(e)}\n(run with "
+              "--debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def _at(error: BaseException) -> str:
+    """`` (at file.py:12)``, the user's line an error was raised at while their program
+    was traced or their file ran, which the traceback this command hides would show;
+    empty when the message names it already or no frame is the user's."""
+    from fcir.errors import user_location
+
+    if getattr(error, "fcir_located", False):
+        return ""
+    at = user_location(error)
+    return f" (at {at})" if at and f"(at {at})" not in str(error) else ""
 
 
 if __name__ == "__main__":

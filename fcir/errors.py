@@ -46,3 +46,42 @@ class CheckpointError(FcirError):
 
 class InterpreterError(FcirError):
     """Running a module failed at an op (bad arguments, or an op's runtime condition)."""
+
+
+# Packages whose frames are never the user's line: fcir (its backends import as
+# fcir.interpreters), JAX, and numpy (np.mean(x) of a traced x fails in numpy's code).
+_NOT_USER = ("fcir", "jax", "jaxlib", "numpy")
+
+
+def user_location(error: BaseException) -> str | None:
+    """``file.py:12`` of the innermost frame of the user's code in the traceback of
+    ``error`` or of the errors it was raised from; None when no frame is the user's.
+
+    Errors raised while a program is traced (fcir's frontend checks, JAX's, the user's
+    own TypeError) carry the user's line only in their traceback, which the command
+    line does not print; it names the line with this instead."""
+    import os
+    import sysconfig
+    import traceback
+
+    from fcir.jaxcompat import source_info_util
+
+    libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    found = None
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:  # outermost first: the last found is deepest
+        seen.add(id(e))
+        for frame, line in traceback.walk_tb(e.__traceback__):
+            name = frame.f_code.co_filename
+            package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+            if (
+                name.startswith("<")
+                or package in _NOT_USER
+                or any(name.startswith(lib + os.sep) for lib in libraries)
+                or not source_info_util.is_user_filename(name)
+            ):
+                continue
+            found = f"{os.path.basename(name)}:{line}"
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return found

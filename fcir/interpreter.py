@@ -212,7 +212,7 @@ class Interpreter:
         self.module = module
         func = module.main
         called = pytrees.call_arguments(module, args, kwargs, f"{type(self).__name__}.run")
-        pytrees.check_dict_keys(module, called, f"{type(self).__name__}.run")
+        pytrees.check_arguments(module, called, f"{type(self).__name__}.run")
         leaves = jax.tree_util.tree_leaves(called)
         params = func.body.params
         if len(leaves) != len(params):

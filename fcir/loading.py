@@ -38,7 +38,11 @@ def load_ir(path: str) -> Module:
     if not p.is_file():
         raise FcirError(f"no such IR file: {path}")
     if path.endswith(".pb"):
-        return Module.deserialize(p.read_bytes())
+        data = p.read_bytes()
+        if data.lstrip().startswith(b"fcir.module"):  # the mirror of the check below
+            raise ParseError(f"{path} is IR text, not a serialized module (text IR files end "
+                             "in .fcir): rename it")
+        return Module.deserialize(data)
     from fcir.text import parse
 
     try:
@@ -79,11 +83,22 @@ def load_function(target: str):
         try:
             module = importlib.import_module(where)
         except ImportError as e:
-            raise FcirError(f"cannot import {where!r}: {e}") from None
+            raise FcirError(f"cannot import {where!r}: {e}{_file_hint(where, name)}") from None
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         raise FcirError(f"{where} has no function {name!r}")
     return fn, module
+
+
+def _file_hint(where: str, name: str) -> str:
+    """``; did you mean examples/fedavg.py:fedavg_round?`` when ``where`` names a Python
+    file without its ``.py`` (``examples/fedavg``) or as a module path that is not
+    importable from here (``examples.fedavg``: the current directory is not on the
+    ``fcir`` command's import path); empty otherwise."""
+    for guess in (where + ".py", where.replace(".", "/") + ".py"):
+        if pathlib.Path(guess).is_file():
+            return f"; did you mean {guess}:{name}?"
+    return ""
 
 
 SPEC_SYNTAX = (
@@ -100,10 +115,13 @@ def parse_arg_specs(specs: list[str]) -> tuple:
 
     out = []
     for spec in specs:
-        parser = _Parser(spec)
-        out.append(_spec(parser))
-        if parser.tok[0] != "eof":
-            raise parser.error("unexpected text after the type")
+        try:
+            parser = _Parser(spec)
+            out.append(_spec(parser))
+            if parser.tok[0] != "eof":
+                raise parser.error("unexpected text after the type")
+        except ParseError as e:  # which of several specs, not just "line 1, column 9"
+            raise ParseError(f"--args {spec!r}: {e}") from None
     return tuple(out)
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from fcir.types import Structure
 
 _AMBIGUOUS = object()
@@ -80,29 +82,63 @@ def call_arguments(module, args: tuple, kwargs: dict, who: str) -> Any:
     return (args, kwargs)
 
 
-def check_dict_keys(module, called: tuple, who: str) -> None:
-    """Refuses a dict argument whose keys are not those capture recorded (``.args``);
-    ``called`` is what :func:`call_arguments` returns.
+def check_arguments(module, called: tuple, who: str) -> None:
+    """Refuses arguments that do not have the structure capture recorded (``.args``),
+    naming the argument; ``called`` is what :func:`call_arguments` returns.
 
-    Leaves are matched to parameters by position, and a dict flattens in sorted key
-    order, so ``{"w": W, "z": Z}`` given for a capture of ``{"b": B, "w": W}`` would run
-    with ``b=W, w=Z``: a silently wrong answer (jax.jit raises a KeyError). Only dicts
-    met at the same path as a captured dict are compared; flat leaves and other
-    containers are matched by position as before."""
+    * A dict whose keys are not those capture recorded. Leaves are matched to
+      parameters by position, and a dict flattens in sorted key order, so
+      ``{"w": W, "z": Z}`` given for a capture of ``{"b": B, "w": W}`` would run with
+      ``b=W, w=Z``: a silently wrong answer (jax.jit raises a KeyError).
+    * Something other than an array where capture saw one: a string or None (a JAX
+      TypeError, or one leaf too few), a list of numbers for an ``f32[3]`` when the
+      leaves do not add up (the same leaves in other containers are matched by
+      position).
+    * A tuple or list of another length than capture saw, when the leaves do not add up
+      either (one argument too few or too many).
+
+    Only containers met at the same path as a captured one are compared; otherwise
+    leaves are matched by position as before."""
     structure = module.main.arg_structure
     if structure is None:
         return
+    from fcir.errors import InterpreterError
+    from fcir.types import runtime_type
+
+    params = module.main.body.params
+    counted = len(jax.tree_util.tree_leaves(called)) == len(params)
+
+    def takes(s) -> str:
+        if s.kind == "leaf" and 0 <= s.leaf < len(params):
+            return str(runtime_type(params[s.leaf].type, module.cardinality))
+        return str(s)
 
     def walk(s, given, path: str) -> None:
+        where = f"argument {path}" if path else "the arguments"
+        if s.kind == "leaf":
+            if isinstance(given, (bool, int, float, complex)) or (
+                hasattr(given, "shape") and hasattr(given, "dtype")
+            ):
+                return
+            if isinstance(given, (tuple, list, dict)):
+                if counted:  # the same leaves in another pytree: matched by position
+                    return
+                what = f"a {type(given).__name__} of {len(given)} item(s)"
+            elif given is None:
+                what = "None"
+            else:
+                what = f"of type {type(given).__name__} ({given!r:.40})"
+            raise InterpreterError(
+                f"{who}: {where} of @{module.name} is {what}, where the program takes an "
+                f"array of {takes(s)}: pass a numpy or jax array"
+            )
         if s.kind == "dict" and isinstance(given, dict):
             keys = sorted(map(str, given))
             if keys != sorted(s.names):
-                from fcir.errors import InterpreterError
-
                 missing = sorted(set(s.names) - set(keys))
                 extra = sorted(set(keys) - set(s.names))
                 raise InterpreterError(
-                    f"{who}: argument {path or '(all)'} of @{module.name} is a dict with keys "
+                    f"{who}: {where} of @{module.name} is a dict with keys "
                     f"{keys}, but the program was captured with {sorted(s.names)} "
                     f"(missing {missing}, unexpected {extra}); its values would be matched "
                     "to the captured keys by sorted position: pass the keys capture saw"
@@ -113,6 +149,14 @@ def check_dict_keys(module, called: tuple, who: str) -> None:
             if len(given) == len(s.children):
                 for i, (child, g) in enumerate(zip(s.children, given)):
                     walk(child, g, f"{path}[{i}]")
+            elif not counted:
+                shown = ", ".join(takes(c) for c in s.children)
+                what = f"{len(s.children)} arguments" if not path else (
+                    f"{len(s.children)} items in argument {path}")
+                raise InterpreterError(
+                    f"{who}: @{module.name} takes {what} ({shown}), as it was captured; "
+                    f"got {len(given)}"
+                )
 
     walk(structure, called, "")
 

@@ -65,6 +65,23 @@ def _key_impls():
 
 
 @functools.cache
+def _ir_spelling(name: str) -> str:
+    """``; the IR writes it f32`` for numpy's name of a dtype (``float32``), which a
+    user writes where the IR's short name is wanted; empty for other names."""
+    try:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
+
+        dtype = np.dtype(name)
+    except TypeError:
+        return ""
+    if dtype.name != name:  # 'int', 'float', 'f4': platform or width is not said
+        return ""
+    try:
+        return f"; the IR writes it {dtype_name(dtype)}"
+    except Exception:  # noqa: BLE001  a hint only: a numpy dtype the IR has no name for
+        return ""
+
+
 def dtype_from_name(name: str):
     """Inverse of :func:`dtype_name`; raises ParseError for unknown names."""
     if name.startswith("key<") and name.endswith(">"):
@@ -84,7 +101,7 @@ def dtype_from_name(name: str):
                 long = lng + name[len(short) :]
                 break
         else:
-            raise ParseError(f"unknown dtype {name!r}")
+            raise ParseError(f"unknown dtype {name!r}{_ir_spelling(name)}")
     try:
         import ml_dtypes  # noqa: F401  (registers bf16, fp8, int4 with numpy)
 

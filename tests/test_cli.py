@@ -414,7 +414,7 @@ def test_bad_args_specs_are_usage_errors_not_tracebacks(tmp_path, capsys, spec):
     src = tmp_path / "hinted.py"
     src.write_text(HINTED)
     code, _, err = run_main(["compile", f"{src}:plain", "--emit", "ir", "--args", spec], capsys)
-    assert code == 1 and "fcir compile: error: line 1" in err
+    assert code == 1 and f"fcir compile: error: --args {spec!r}: line 1" in err
     assert_no_traceback(err)
 
 

@@ -105,7 +105,7 @@ def test_wrong_arguments_are_reported_with_types(module):
         fcir.InterpreterError, match=r"argument leaf 1 .* needs an array of f32\[3,2,4\]"
     ):
         reference.run(module, ARGS[0], jnp.ones((2, 2, 4)), ARGS[2])
-    with pytest.raises(fcir.InterpreterError, match="takes 3 array leaves"):
+    with pytest.raises(fcir.InterpreterError, match="takes 3 arguments"):
         reference.run(module, ARGS[0])
 
 

@@ -165,7 +165,7 @@ def test_calls_share_one_compilation():
 def test_wrong_arguments_name_the_leaf():
     _, args, exe = fedavg()
     params, x, y = args
-    with pytest.raises(InterpreterError, match="takes 6 array leaves, got 5"):
+    with pytest.raises(InterpreterError, match=r"takes 3 arguments .*; got 2"):
         exe(params, x)
     with pytest.raises(InterpreterError, match=r"leaf 4 .*needs an array of f32\[8,3,4,8\]"):
         exe(params, x[:, :2], y)

@@ -153,8 +153,10 @@ def register(subparsers) -> None:
         "per metric, into a PNG. Needs matplotlib.",
         epilog="Example: fcir flower plot metrics.json -o loss.png",
     )
-    plot.add_argument("metrics", metavar="METRICS.json")
-    plot.add_argument("-o", "--output", required=True, metavar="PNG")
+    plot.add_argument("metrics", metavar="METRICS.json",
+                      help="the metrics file a run wrote (run config metrics-file)")
+    plot.add_argument("-o", "--output", required=True, metavar="PNG",
+                      help="where to write the picture")
     plot.set_defaults(func=cmd_plot)
 
 

@@ -118,7 +118,7 @@ class Executable:
         return tuple(specs)
 
     def _flat_args(self, args: Sequence, *, abstract_ok: bool) -> list:
-        pytrees.check_dict_keys(self.module, tuple(args), "xla executable")
+        pytrees.check_arguments(self.module, tuple(args), "xla executable")
         leaves = jax.tree_util.tree_leaves(args)
         if len(leaves) != len(self._params):
             raise InterpreterError(
@@ -330,7 +330,7 @@ class _Program:
         def program(*args):
             self.traces += 1
             module = ref()
-            pytrees.check_dict_keys(module, args, "xla executable")
+            pytrees.check_arguments(module, args, "xla executable")
             leaves = jax.tree_util.tree_leaves(args)
             if len(leaves) != len(params):
                 raise InterpreterError(
