@@ -65,3 +65,54 @@ def test_base_interpreter_under_jit_on_an_explicit_mesh_is_bitwise_jit(nested):
         want = jax.jit(_loss_grad)(w, x)
         got = jax.jit(jax.jit(run) if nested else run)(w, x)
     _assert_bitwise(got, want)
+
+
+# --- streaming: a member op reading the results of two maps -------------------------------
+
+STREAMED = 7
+
+
+@fcir.program(placements={"clients": STREAMED})
+def _two_maps(x, t):
+    a = fcir.map_fn(jnp.sin, x)
+    b = fcir.map_fn(lambda x: jnp.cos(x) * 2.0, x)
+    return fcir.reduce_sum(a + b), fcir.reduce_weighted_mean(a, fcir.map_fn(jnp.exp, t))
+
+
+@fcir.program(placements={"clients": STREAMED})
+def _min_and_weighted_mean(w, x, t):
+    g = fcir.map_fn(lambda w, x: jnp.tanh(w * x), (fcir.broadcast(w), x))
+    return jnp.sum(fcir.reduce_min(g)) + jnp.sum(fcir.reduce_weighted_mean(g, t))
+
+
+def _streamed_args():
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(3,)).astype(np.float32)
+    x = rng.normal(size=(STREAMED, 3)).astype(np.float32)
+    t = rng.uniform(size=(STREAMED,)).astype(np.float32)
+    return w, x, t
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        # map(f, x) + map(g, x): the add was absorbed by both streams.
+        lambda w, x, t: _two_maps(x, t),
+        # The gradient's backward maps add the cotangents of both reductions.
+        jax.grad(_min_and_weighted_mean, argnums=(0, 1, 2)),
+    ],
+    ids=["two_maps_added", "gradient_of_min_and_weighted_mean"],
+)
+@pytest.mark.parametrize("k", [1, 3, STREAMED])
+def test_streaming_an_op_on_two_maps_results_matches_the_reference(program, k):
+    # Was: "XLA could not run the program: KeyError: Value({f32[3]}@clients)".
+    from fcir.interpreters import reference, xla
+
+    args = _streamed_args()
+    module = fcir.capture(program, *args)
+    want = reference.run(module, *args)
+    got = xla.compile(module, clients_per_step=k)(*args)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
