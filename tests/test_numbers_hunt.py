@@ -116,3 +116,36 @@ def test_streaming_an_op_on_two_maps_results_matches_the_reference(program, k):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
+
+# --- streaming: f16 / bf16 sums accumulate in f32, as the reference and jnp.sum ----------
+
+
+@fcir.program(placements={"clients": 5})
+def _low_precision_aggregates(x, t):
+    y = fcir.map_fn(lambda x: x * 1, x)
+    return fcir.reduce_sum(y), fcir.reduce_mean(y), fcir.reduce_weighted_mean(y, t)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "members", "weights"),
+    [
+        # Five 20000s: their f16 sum (100000) overflows f16, their mean does not.
+        (np.float16, [20000.0, 20000.0, 20000.0], [3, 3, 3, 3, 3]),
+        # A bf16 running sum drops 0.01 next to 256.
+        (jnp.bfloat16, [256.0, 1.0, 0.01], [1, 300, 1, 1, 1]),
+    ],
+    ids=["f16_overflow", "bf16_small_terms"],
+)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_streamed_low_precision_sums_are_the_reference_sums(dtype, members, weights, k):
+    # Was: a running accumulator in the result dtype, rounded every chunk: the f16 mean
+    # was inf, the bf16 weighted mean 3 ulps off (0.0101929 for 0.0100098).
+    from fcir.interpreters import reference, xla
+
+    x = (np.ones((5, 3)) * np.array(members)).astype(dtype)
+    t = np.asarray(weights).astype(dtype)
+    module = fcir.capture(_low_precision_aggregates, x, t)
+    want = reference.run(module, x, t)
+    _assert_bitwise(xla.compile(module, clients_per_step=k)(x, t), want)
+    _assert_bitwise(xla.compile(module)(x, t), want)
+
