@@ -221,7 +221,11 @@ def _placed_at(v: Value, placement: str) -> bool:
 
 def _plan_map(region, index, map_op, producer, users, results, cardinality) -> Stream:
     placement = map_op.operands[0].type.placement
-    position = {id(op): i for i, op in enumerate(region.ops)}
+    # The values computed from the results of the maps after this one.
+    later_maps: set[Value] = set()
+    for op in region.ops[index + 1 :]:
+        if op.name == "fed.map" or any(v in later_maps for v in op.operands):
+            later_maps.update(op.results)
     group: set[Value] = set(map_op.results)
     # Values computed from the stream's outputs: an op reading one cannot feed the
     # stream (that would be a cycle), so it is never absorbed.
@@ -239,12 +243,11 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         if _broadcast_source(v, placement, producer) is not None:
             return True
         if _placed_at(v, placement):
-            # Read a chunk at a time, like the map's operands, if defined before the map.
-            # One defined later (another map's result: ``map(f, x) + map(g, x)``) would
-            # make this stream wait for the later one, which absorbs the same op and,
-            # recomputing this stream's member ops, would then read its own output.
-            defining = producer.get(v)
-            return defining is None or position[id(defining)] < index
+            # Read a chunk at a time, like the map's operands, unless computed from a
+            # later map (``map(f, x) + map(g, x)``): this stream would wait for that
+            # map's, which absorbs the same op and, recomputing this stream's member
+            # ops, would then read its own output.
+            return v not in later_maps
         # A server scalar (a literal like the 2.0 of ``y * 2.0``) applies to each member.
         unplaced = not isinstance(v.type, PlacedType) or v.type.placement == "server"
         return unplaced and len(runtime_type(v.type, cardinality).shape) == 0
