@@ -423,6 +423,11 @@ class Interpreter:
             return closed.jaxpr
 
         params = {k: A.decode(v, region) for k, v in op.attrs.items()}
+        if "donated_invars" in params:
+            # A nested jax.jit's donation is ignored by the jax.jit around the program
+            # (nested calls lower without it). Bound eagerly, op by op (the reference),
+            # it would delete an array the rest of the program or the caller still reads.
+            params["donated_invars"] = (False,) * len(params["donated_invars"])
         # Layouts captured over the empty mesh, on the mesh this run is traced on.
         return sharding.on_context_mesh(
             op.name, schema.to_jax(op.name.removeprefix("jax."), params)

@@ -149,3 +149,31 @@ def test_streamed_low_precision_sums_are_the_reference_sums(dtype, members, weig
     _assert_bitwise(xla.compile(module, clients_per_step=k)(x, t), want)
     _assert_bitwise(xla.compile(module)(x, t), want)
 
+
+# --- a nested jax.jit that donates an argument ---------------------------------------------
+
+_donating_step = jax.jit(lambda w, g: w - 0.1 * g, donate_argnums=0)
+
+
+@fcir.program(placements={"clients": CLIENTS})
+def _donating_round(w, x):
+    g = fcir.reduce_mean(fcir.map_fn(lambda w, x: w * x, (fcir.broadcast(w), x)))
+    return _donating_step(w, g) + w  # w is read after the call that donates it
+
+
+@pytest.mark.parametrize("interpreter", ["reference", "base"])
+def test_eager_interpreters_ignore_a_nested_jits_donation_as_jit_does(interpreter):
+    # Was: "Array has been deleted" at the jax.add (the reference, run op by op, let the
+    # nested jit donate w), and the caller's w was deleted after a run.
+    from fcir.interpreters import reference
+
+    def args():
+        return jnp.arange(3.0), jnp.ones((CLIENTS, 3))
+
+    module = fcir.capture(_donating_round, *args())
+    assert any(True in op.attrs.get("donated_invars", ()) for op in module.main.body.ops)
+    run = reference.run if interpreter == "reference" else fcir.Interpreter().run
+    w, x = args()
+    got = run(module, w, x)
+    assert not w.is_deleted()
+    _assert_bitwise(got, jax.jit(_donating_round)(*args()))
