@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from fcir import attrs as A
-from fcir import control_flow, pytrees
+from fcir import control_flow, pytrees, sharding
 from fcir import jaxcompat as jc
 from fcir import primitives as P
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
@@ -423,7 +423,15 @@ class Interpreter:
             return closed.jaxpr
 
         params = {k: A.decode(v, region) for k, v in op.attrs.items()}
-        return schema.to_jax(op.name.removeprefix("jax."), params)
+        if "donated_invars" in params:
+            # A nested jax.jit's donation is ignored by the jax.jit around the program
+            # (nested calls lower without it). Bound eagerly, op by op (the reference),
+            # it would delete an array the rest of the program or the caller still reads.
+            params["donated_invars"] = (False,) * len(params["donated_invars"])
+        # Layouts captured over the empty mesh, on the mesh this run is traced on.
+        return sharding.on_context_mesh(
+            op.name, schema.to_jax(op.name.removeprefix("jax."), params)
+        )
 
     def region_jaxpr(self, region: Region, specs: list | None = None) -> jc.ClosedJaxpr:
         """Traces a region with this interpreter into a ClosedJaxpr (cached). ``specs``

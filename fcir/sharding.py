@@ -40,6 +40,7 @@ __all__ = [
     "constrain_placed",
     "gather_members",
     "member_sharding",
+    "on_context_mesh",
     "placement_axis_type",
     "resolve_mesh",
 ]
@@ -153,6 +154,43 @@ def member_sharding(x):
     if mesh.empty or AxisType.Explicit not in tuple(mesh.axis_types):
         return None
     return NamedSharding(mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+
+
+#: Ops whose sharding param is the op itself (a layout asked for), not a copied aval's.
+_LAYOUT_OPS = frozenset({"jax.reshard", "jax.sharding_constraint"})
+
+
+def on_context_mesh(op_name: str, params: dict) -> dict:
+    """The JAX params of op ``op_name`` as tracing on the mesh in context records them.
+
+    A module captured without a mesh records the layouts JAX derived from its avals
+    (e.g. convert_element_type's transpose: ``sharding=operand.aval.sharding``) as
+    NamedShardings over the empty mesh. Under a context mesh with ``Explicit`` axes
+    (``jax.set_mesh``, or ``xla.compile``'s mesh) such a param types the result, and
+    vmap, lowering ``fed.map``, inserts the member axis into its spec, which the empty
+    mesh lacks ("Resource axis: clients ... is not found in mesh: ()"): it stands for the
+    same spec over the context mesh, what ``jax.jit`` of the program there records.
+    Layout ops (reshard, sharding_constraint) are kept as captured: their sharding is
+    the op itself, and a capture under the mesh records them as ``jax.jit`` has them.
+    Without such a mesh, ``params`` is returned as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if (
+        mesh is None
+        or mesh.empty
+        or AxisType.Explicit not in tuple(mesh.axis_types)
+        or op_name in _LAYOUT_OPS
+    ):
+        return params
+    return {k: _put_on(v, mesh) for k, v in params.items()}
+
+
+def _put_on(value, mesh):
+    """``value`` (a param) with NamedShardings over the empty mesh put on ``mesh``."""
+    if isinstance(value, NamedSharding) and value.mesh.empty:
+        return NamedSharding(mesh, value.spec)
+    if isinstance(value, tuple) and any(isinstance(v, NamedSharding) for v in value):
+        return tuple(_put_on(v, mesh) for v in value)
+    return value
 
 
 def gather_members(x):

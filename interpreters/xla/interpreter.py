@@ -14,7 +14,9 @@ same mesh lower to the same HLO:
 - reductions are left as they are: the result's layout is XLA's to choose;
 - under Explicit axes, a param that is a NamedSharding over the empty mesh (what a
   capture without a mesh records where JAX copied an aval's sharding into a param) is
-  put on the mesh in context, the param tracing on that mesh records.
+  put on the mesh in context, the param tracing on that mesh records: the base class
+  does that (``fcir.sharding.on_context_mesh``), for any interpreter run under ``jax.jit``
+  on such a mesh.
 
 The rules themselves (``Auto`` axes get ``with_sharding_constraint``, ``Explicit``
 axes get ``reshard``, a mesh without the placement's axis gets no constraint and a
@@ -25,7 +27,7 @@ that decides a layout.
 from __future__ import annotations
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from fcir import fed as F
 from fcir import jaxcompat as jc
@@ -101,21 +103,6 @@ class XlaInterpreter(Interpreter):
             )
         return super().region_jaxpr(region, specs)
 
-    def params(self, op: Op) -> dict:
-        # A module captured without a mesh records the layouts JAX derived from its
-        # avals (e.g. convert_element_type's transpose: sharding=operand.aval.sharding)
-        # as NamedShardings over the empty mesh. Under Explicit axes such a param types
-        # the result (and vmap, lowering fed.map, inserts the member axis into its spec,
-        # which the empty mesh lacks): it stands for what tracing on the mesh in context
-        # records, the same spec over that mesh, as jax.jit of the program there does.
-        # Layout ops (reshard, sharding_constraint) are kept as captured: their sharding
-        # is the op itself, and a capture under the mesh records them as jax.jit has them.
-        params = super().params(op)
-        mesh = jax.sharding.get_abstract_mesh() if self._typed else None
-        if mesh is None or mesh.empty or op.name in _LAYOUT_OPS:
-            return params
-        return {k: _on_context_mesh(v, mesh) for k, v in params.items()}
-
     def bind(self, prim, args, params):
         # A scan stacking one value twice is bound as the running JAX binds it
         # (fcir.jaxcompat.scan_outputs: merged on JAX 0.12), for jax.jit's flops.
@@ -149,18 +136,6 @@ class XlaInterpreter(Interpreter):
         closed = super().region_jaxpr(region, specs or None)
         self._equal_regions[key] = closed
         return closed
-
-
-_LAYOUT_OPS = frozenset({"jax.reshard", "jax.sharding_constraint"})
-
-
-def _on_context_mesh(value, mesh):
-    """``value`` (a param) with NamedShardings over the empty mesh put on ``mesh``."""
-    if isinstance(value, NamedSharding) and value.mesh.empty:
-        return NamedSharding(mesh, value.spec)
-    if isinstance(value, tuple) and any(isinstance(v, NamedSharding) for v in value):
-        return tuple(_on_context_mesh(v, mesh) for v in value)
-    return value
 
 
 def _typed_region_specs(op: Op, avals: list, region: Region, shapes) -> list | None:

@@ -14,10 +14,11 @@ stream as a loop over chunks of ``k`` members:
   ``ddp_*``: ``streaming_ddp.py``);
 - each step slices ``k`` members out of the per-member operands, runs the map region
   ``jax.vmap``-ed over them (broadcast values go in unbatched, as the server's one copy)
-  and folds the results into running accumulators: sums (in the reduction's result
-  dtype; a weighted mean keeps the weighted sum and the weight sum; a secure sum wraps
-  in its integer dtype, which is exact modulo ``2**bitwidth``), minima and maxima;
-  means divide by the cohort size once, at the end;
+  and folds the results into running accumulators: sums (in the accumulation dtype of
+  the reduction's result dtype, f32 for f16/bf16 as in the reference and ``jnp.sum``,
+  rounded to the result dtype once at the end; a weighted mean keeps the weighted sum
+  and the weight sum; a secure sum wraps in its integer dtype, which is exact modulo
+  ``2**bitwidth``), minima and maxima; means divide by the cohort size once, at the end;
 - values needed per member afterwards (returned, or used by a later op) are written
   chunk by chunk into a preallocated array of the full shape, in member order; per-member
   values a later map reads (a captured gradient's backward map reads the forward map's
@@ -220,6 +221,11 @@ def _placed_at(v: Value, placement: str) -> bool:
 
 def _plan_map(region, index, map_op, producer, users, results, cardinality) -> Stream:
     placement = map_op.operands[0].type.placement
+    # The values computed from the results of the maps after this one.
+    later_maps: set[Value] = set()
+    for op in region.ops[index + 1 :]:
+        if op.name == "fed.map" or any(v in later_maps for v in op.operands):
+            later_maps.update(op.results)
     group: set[Value] = set(map_op.results)
     # Values computed from the stream's outputs: an op reading one cannot feed the
     # stream (that would be a cycle), so it is never absorbed.
@@ -237,7 +243,11 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         if _broadcast_source(v, placement, producer) is not None:
             return True
         if _placed_at(v, placement):
-            return True  # read a chunk at a time, like the map's operands
+            # Read a chunk at a time, like the map's operands, unless computed from a
+            # later map (``map(f, x) + map(g, x)``): this stream would wait for that
+            # map's, which absorbs the same op and, recomputing this stream's member
+            # ops, would then read its own output.
+            return v not in later_maps
         # A server scalar (a literal like the 2.0 of ``y * 2.0``) applies to each member.
         unplaced = not isinstance(v.type, PlacedType) or v.type.placement == "server"
         return unplaced and len(runtime_type(v.type, cardinality).shape) == 0
@@ -723,6 +733,14 @@ def _acc_parts(op: Op) -> tuple:
     return ("x",)
 
 
+def _declared_dtype(op: Op, i: int = 0) -> np.dtype:
+    """The dtype of result ``i`` of ``op``, as its IR type declares it."""
+    t = op.results[i].type
+    while isinstance(t, PlacedType):
+        t = t.member
+    return t.np_dtype
+
+
 def _result_dtype(op: Op, dtype) -> np.dtype:
     if op.name == "fed.sum":
         return P.sum_result_dtype(dtype)
@@ -751,20 +769,25 @@ def _weights(x, w):
 
 
 def _acc_init(op: Op, shapes, n: int) -> list:
+    # Sums accumulate in P.accumulation_dtype (f32 for f16/bf16), as the reference and
+    # jnp.sum do, and are rounded to the result dtype once, in _finish: a bf16 or f16
+    # running sum rounded every chunk drops small terms and overflows (the f16 mean of
+    # five 20000s was inf).
+    acc = P.accumulation_dtype
     if op.name in _ddp.DDP_OPS:
         return _ddp.acc_init(op, shapes, n)
     x = shapes[op.operands[0]]
     if op.name == "fed.weighted_mean":
-        dt = P.mean_result_dtype(x.dtype)
+        dt = acc(P.mean_result_dtype(x.dtype))
         w = shapes[op.operands[1]]
         w_shape = w.shape[1:] + (1,) * (len(x.shape) - len(w.shape))
         return [jnp.zeros(x.shape[1:], dt), jnp.zeros(w_shape, dt)]
     if op.name in DP_OPS:
-        return [jnp.zeros(shapes[v].shape[1:], shapes[v].dtype) for v in op.operands[:-1]]
+        return [jnp.zeros(shapes[v].shape[1:], acc(shapes[v].dtype)) for v in op.operands[:-1]]
     dt = _result_dtype(op, x.dtype)
     if op.name in ("fed.min", "fed.max"):
         return [jnp.full(x.shape[1:], _identity(op, dt), dt), jnp.zeros(x.shape[1:], jnp.int32)]
-    return [jnp.full(x.shape[1:], _identity(op, dt), dt)]
+    return [jnp.full(x.shape[1:], _identity(op, acc(dt)), acc(dt))]
 
 
 def _masked(y, valid, fill):
@@ -779,18 +802,26 @@ def _contribution(op: Op, vals: dict, valid) -> list:
     result, the noise and rounding being constants); for min and max, the chunk's
     member values themselves."""
     x = vals[op.operands[0]]
+    acc = P.accumulation_dtype
     if op.name == "fed.weighted_mean":
+        # Products in the result dtype, sums in its accumulation dtype (the reference's).
         xs, ws = _weights(x, vals[op.operands[1]])
-        return [jnp.sum(_masked(xs * ws, valid, 0), axis=0), jnp.sum(_masked(ws, valid, 0), axis=0)]
+        a = acc(xs.dtype)
+        return [
+            jnp.sum(_masked((xs * ws).astype(a), valid, 0), axis=0),
+            jnp.sum(_masked(ws.astype(a), valid, 0), axis=0),
+        ]
     if op.name in ("fed.min", "fed.max"):
         return [x]
     if op.name in DP_OPS or op.name in _ddp.DDP_OPS:
         leaves = [vals[v] for v in op.operands[:-1]]
         clip = op.attrs["clip_norm"]
         clipped = jax.vmap(lambda *m: P.clip_member(m, clip))(*leaves)
+        if op.name in DP_OPS:
+            clipped = [c.astype(acc(c.dtype)) for c in clipped]
         return [jnp.sum(_masked(c, valid, 0), axis=0) for c in clipped]
-    dt = _result_dtype(op, x.dtype)
-    return [jnp.sum(_masked(x.astype(dt), valid, 0), axis=0, dtype=dt)]
+    a = acc(_result_dtype(op, x.dtype))
+    return [jnp.sum(_masked(x.astype(a), valid, 0), axis=0, dtype=a)]
 
 
 def _acc_step(op: Op, acc: list, vals: dict, valid, n: int) -> list:
@@ -829,6 +860,7 @@ def _finish(op: Op, acc: list, n: int, server: dict) -> list:
         key, a = server[op.operands[-1]], op.attrs
         out = []
         for i, total in enumerate(acc):
+            total = total.astype(_declared_dtype(op, i))  # the noise is added in it
             total = total + P.dp_noise(
                 key, i, total.shape, total.dtype, a["clip_norm"], a["noise_multiplier"]
             )
@@ -838,16 +870,17 @@ def _finish(op: Op, acc: list, n: int, server: dict) -> list:
 
 
 def _finish_linear(op: Op, acc: list, n: int):
+    dt = _declared_dtype(op)
     if op.name == "fed.mean":
-        return acc[0] / jnp.asarray(n, acc[0].dtype)
+        return (acc[0] / jnp.asarray(n, acc[0].dtype)).astype(dt)
     if op.name == "fed.weighted_mean":
-        return acc[0] / acc[1]
+        return acc[0].astype(dt) / acc[1].astype(dt)
     if op.name == "fed.secure_sum":
         total, bits = acc[0], op.attrs["bitwidth"]
         if bits < np.dtype(total.dtype).itemsize * 8:
             total = jnp.bitwise_and(total, jnp.asarray((1 << bits) - 1, total.dtype))
         return total
-    return acc[0]
+    return acc[0].astype(dt)
 
 
 # --- the backward loop's cotangents -----------------------------------------------------
