@@ -26,7 +26,11 @@ INSIDE = inside("FCIR_SCRATCH_TESTS")
 
 def test_a_main_process_test_before_the_waiting_one():
     """Runs before test_on_8_simulated_devices: the child is already running."""
-    if INSIDE or os.environ.get("WAIT") != "1":
+    if INSIDE:
+        return
+    if os.environ.get("DESELECTED") == "1":
+        assert not EIGHT_DEVICES.started, "a child started for a deselected test"
+    if os.environ.get("WAIT") != "1":
         return
     deadline = time.monotonic() + 120
     while not MARK.exists():
@@ -84,6 +88,7 @@ def test_the_child_runs_in_the_background_and_its_failures_fail_its_test(tmp_pat
 
 def test_a_deselected_waiting_test_starts_no_child(tmp_path):
     tests = _suite(tmp_path)
-    run = _pytest(tests, "-k", "not on_8")
+    run = _pytest(tests, "-k", "not on_8", DESELECTED="1")
     assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed, 1 skipped, 1 deselected" in run.stdout, run.stdout
     assert not (tests / "child-started").exists()
