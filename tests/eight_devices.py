@@ -11,8 +11,8 @@ and its main-process test ``test_on_8_simulated_devices`` calls
 started by conftest.py as soon as collection ends (``start_in_background``): a child
 spends its minutes compiling, mostly on one core, while this process runs the rest of the
 suite on the other; its test then only collects the outcome. They run one at a time (each
-holds the compiled programs of 8 devices) and below this process's priority, so they take
-the CPU this process leaves idle, all of it once its test waits for it.
+holds the compiled programs of 8 devices), at this process's priority: below it, on a
+machine loaded by others, a child waited for by its test got next to no CPU.
 """
 
 from __future__ import annotations
@@ -110,9 +110,8 @@ _STOPPING = threading.Event()
 
 
 def start_in_background(children: list[Child]) -> None:
-    """Runs ``children`` one after another in a thread of lower priority (Linux's nice
-    value is per thread and a forked child inherits its thread's), so the test of each
-    only waits for what is left of it."""
+    """Runs ``children`` one after another in a thread, so the test of each only waits
+    for what is left of it."""
     children = [c for c in children if not c.inside and not c._queued and not c._done.is_set()]
     if not children:
         return
@@ -121,10 +120,6 @@ def start_in_background(children: list[Child]) -> None:
     _STARTED.extend(children)
 
     def run_all() -> None:
-        try:
-            os.nice(10)
-        except OSError:
-            pass
         for c in children:
             if _STOPPING.is_set():
                 c._error = "the session ended before it started"
