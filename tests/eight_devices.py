@@ -87,6 +87,7 @@ class Child:
     def result(self) -> str:
         """Waits for the child (starting it, if no one did); fails with the ends of its
         output unless every selected test passed. Returns its stdout."""
+        assert not self.inside, "the 8-device process waits for no child of its own"
         if not self._queued:
             start_in_background([self])
         # Counted from here: in the background a child may wait for CPU the main
@@ -132,7 +133,7 @@ def start_in_background(children: list[Child]) -> None:
 
 def stop_background() -> None:
     """Kills the background child still running and starts no more (the session is
-    ending: a failure with -x, Ctrl-C, or the tests waiting for them were deselected)."""
+    ending, before their tests if -x stopped it or Ctrl-C)."""
     _STOPPING.set()
     for c in _STARTED:
         c.stop()
