@@ -120,3 +120,29 @@ def pytest_sessionfinish(session, exitstatus):
     print(f"\nunused golden files (no test compares them): {names}\n"
           "remove them, or run: python -m pytest tests --update-goldens")
     session.exitstatus = 1
+
+
+def pytest_collection_finish(session):
+    """Starts the 8-device children of the selected files in the background (see
+    eight_devices.py): only those whose waiting test was selected, none for
+    ``--collect-only``, and none inside a child itself."""
+    if session.config.option.collectonly:
+        return
+    children = []
+    for item in session.items:
+        child = getattr(getattr(item, "module", None), "EIGHT_DEVICES", None)
+        selected = getattr(item, "originalname", None) == getattr(child, "test", None)
+        if child is not None and selected and child not in children:
+            children.append(child)
+    if children:
+        from eight_devices import start_in_background
+
+        start_in_background(children)
+
+
+def pytest_unconfigure(config):
+    """A session that ends before its 8-device children leaves none running."""
+    import sys
+
+    if "eight_devices" in sys.modules:
+        sys.modules["eight_devices"].stop_background()

@@ -4,6 +4,15 @@ JAX fixes the number of CPU devices when it starts, so a file whose tests need a
 8 has one test in this process that runs the file again in a child process started with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and an environment flag the file
 reads (``inside(flag)``) to tell which process it is in.
+
+The file declares its child at module level, ``EIGHT_DEVICES = Child(__file__, FLAG)``,
+and its main-process test ``test_on_8_simulated_devices`` calls
+``EIGHT_DEVICES.result()``. Declared at import, the children of the selected files are
+started by conftest.py as soon as collection ends (``start_in_background``): a child
+spends its minutes compiling, mostly on one core, while this process runs the rest of the
+suite on the other; its test then only collects the outcome. They run one at a time (each
+holds the compiled programs of 8 devices), at this process's priority: below it, on a
+machine loaded by others, a child waited for by its test got next to no CPU.
 """
 
 from __future__ import annotations
@@ -12,6 +21,9 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
+
+TIMEOUT = 900  # seconds a test waits for its child
 
 
 def inside(flag: str) -> bool:
@@ -19,28 +31,109 @@ def inside(flag: str) -> bool:
     return os.environ.get(flag) == "1"
 
 
-def run_on_8_devices(test_file: str | os.PathLike, flag: str, *pytest_args: str) -> str:
-    """Runs ``test_file`` with pytest in a child with 8 CPU devices and ``flag`` set;
-    fails (with the ends of its output) unless every selected test passed. Returns the
-    child's stdout."""
-    path = pathlib.Path(test_file).resolve()
-    env = dict(os.environ, **{flag: "1"})
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-    cmd = [sys.executable, "-m", "pytest", str(path), "-q", "-p", "no:cacheprovider"]
-    cmd += pytest_args
-    result = subprocess.run(
-        cmd,
-        env=env,
-        cwd=path.parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, (
-        f"8-device tests failed ({' '.join(cmd)}):\n{result.stdout[-6000:]}\n"
-        f"{result.stderr[-2000:]}"
-    )
-    return result.stdout
+class Child:
+    """The 8-device child of ``test_file``: pytest on that file with ``flag`` set and
+    ``pytest_args``; ``test`` is the name of the file's test that waits for it."""
+
+    def __init__(
+        self,
+        test_file: str | os.PathLike,
+        flag: str,
+        *pytest_args: str,
+        test: str = "test_on_8_simulated_devices",
+    ):
+        self.path = pathlib.Path(test_file).resolve()
+        self.flag = flag
+        self.test = test
+        self.cmd = [sys.executable, "-m", "pytest", str(self.path), "-q", "-p", "no:cacheprovider"]
+        self.cmd += pytest_args
+        self.inside = inside(flag)
+        self._queued = False
+        self._done = threading.Event()
+        self._proc: subprocess.Popen | None = None
+        self._outcome: tuple[int, str, str] | None = None  # returncode, stdout, stderr
+        self._error: str | None = None
+
+    def _run(self) -> None:
+        env = dict(os.environ, **{self.flag: "1"})
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        ).strip()
+        try:
+            self._proc = subprocess.Popen(
+                self.cmd, env=env, cwd=self.path.parent.parent, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            if _STOPPING.is_set():  # the session ended while this one started
+                self._proc.kill()
+            out, err = self._proc.communicate()  # result() bounds the wait
+            self._outcome = (self._proc.returncode, out, err)
+        except Exception as e:  # noqa: BLE001  (reported by result(), in the test)
+            self._error = f"{type(e).__name__}: {e}"
+        finally:
+            self._done.set()
+
+    @property
+    def started(self) -> bool:
+        """Whether the child was started (or queued to start in the background)."""
+        return self._queued or self._done.is_set() or self._proc is not None
+
+    def stop(self) -> None:
+        """Kills the child if it is still running."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+    def result(self) -> str:
+        """Waits for the child (starting it, if no one did); fails with the ends of its
+        output unless every selected test passed. Returns its stdout."""
+        assert not self.inside, "the 8-device process waits for no child of its own"
+        if not self._queued:
+            start_in_background([self])
+        # Counted from here: in the background a child may wait for CPU the main
+        # process is using, which says nothing about the child.
+        if not self._done.wait(TIMEOUT):
+            self._error = f"did not finish within {TIMEOUT} s of its test waiting for it"
+            self.stop()
+            self._done.wait()
+        cmd = " ".join(self.cmd)
+        assert self._error is None and self._outcome is not None, (
+            f"8-device tests ({cmd}): {self._error}\n"
+            + ("" if self._outcome is None else self._outcome[1][-6000:])
+        )
+        code, out, err = self._outcome
+        assert code == 0, f"8-device tests failed ({cmd}):\n{out[-6000:]}\n{err[-2000:]}"
+        return out
+
+
+_STARTED: list[Child] = []
+_STOPPING = threading.Event()
+
+
+def start_in_background(children: list[Child]) -> None:
+    """Runs ``children`` one after another in a thread, so the test of each only waits
+    for what is left of it."""
+    children = [c for c in children if not c.inside and not c._queued and not c._done.is_set()]
+    if not children:
+        return
+    for c in children:
+        c._queued = True
+    _STARTED.extend(children)
+
+    def run_all() -> None:
+        for c in children:
+            if _STOPPING.is_set():
+                c._error = "the session ended before it started"
+                c._done.set()
+            else:
+                c._run()
+
+    threading.Thread(target=run_all, name="eight-devices", daemon=True).start()
+
+
+def stop_background() -> None:
+    """Kills the background child still running and starts no more (the session is
+    ending, before their tests if -x stopped it or Ctrl-C)."""
+    _STOPPING.set()
+    for c in _STARTED:
+        c.stop()

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus import CASES, case
-from eight_devices import inside, run_on_8_devices
+from eight_devices import Child, inside
 from fcir.interpreters import xla
 from jax.sharding import AxisType, PartitionSpec
 
@@ -34,6 +34,7 @@ INSIDE = inside("FCIR_XLA_MESH_TESTS")
 on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 
 HERE = pathlib.Path(__file__).resolve()
+EIGHT_DEVICES = Child(HERE, "FCIR_XLA_MESH_TESTS")
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
 SKIP_CASES = {"fedavg_transformer"}  # minutes to compile
 WEAK_LITERALS = {"secure_histogram", "minmax_agg"}  # see test_xla.py
@@ -43,7 +44,7 @@ NAMES = [c.name for c in CASES if c.name not in SKIP_CASES]
 def test_on_8_simulated_devices():
     if INSIDE:
         pytest.skip("this is the 8-device process")
-    run_on_8_devices(HERE, "FCIR_XLA_MESH_TESTS")
+    EIGHT_DEVICES.result()
 
 
 # --- helpers (used inside the 8-device process) ------------------------------------------

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus import CASES, case
-from eight_devices import inside, run_on_8_devices
+from eight_devices import Child, inside
 from fcir.interpreters import reference, xla
 from fcir.interpreters.xla import budget
 from fcir.interpreters.xla.interpreter import XlaInterpreter
@@ -38,6 +38,7 @@ INSIDE = inside("FCIR_XLA_STREAMING_TESTS")
 on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 in_main_process = pytest.mark.skipif(INSIDE, reason="runs in the main test process")
 HERE = pathlib.Path(__file__).resolve()
+EIGHT_DEVICES = Child(HERE, "FCIR_XLA_STREAMING_TESTS", "-rA", "-k", "mesh")
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 SLOW = {"fedavg_transformer"}
@@ -360,7 +361,7 @@ def test_cli_run_and_compile_take_a_budget(tmp_path, capsys):
 
 @in_main_process
 def test_on_8_simulated_devices():
-    out = run_on_8_devices(HERE, "FCIR_XLA_STREAMING_TESTS", "-rA", "-k", "mesh")
+    out = EIGHT_DEVICES.result()
     # The mesh tests ran there (none skipped: the process really had 8 devices).
     assert out.count("PASSED") == 4, out[-2000:]
 

@@ -71,9 +71,23 @@ def output_order(module) -> list[int]:
 
 def bundle_outputs(r: Round, directory) -> list:
     """``production.run_bundle``'s outputs in the ``fcir run-plan -o`` leaf layout."""
+    return bundle_rounds(r, directory, 1)
+
+
+def bundle_rounds(r: Round, directory, rounds: int) -> list:
+    """The outputs of ``rounds`` rounds of ``production.run_bundle`` (each round's
+    outputs, in order, the next round's server leaves), in ``bundle_outputs``' layout.
+    One export and one Bundle: its parts compile once, not once per round."""
     production.export(r.module).write(directory)
-    flat = production.Bundle(directory).run_flat(r.leaves)
-    return [np.asarray(flat[i]) for i in output_order(r.module)]
+    bundle = production.Bundle(directory)
+    leaves = list(r.leaves)
+    server = [i for i, c in enumerate(r.is_client) if not c]
+    for _ in range(rounds):
+        flat = bundle.run_flat(leaves)
+        outs = [np.asarray(flat[i]) for i in output_order(r.module)]
+        for j, i in enumerate(server):
+            leaves[i] = outs[j]
+    return outs
 
 
 def module_reference_outputs(module: fcir.Module, args) -> list:
