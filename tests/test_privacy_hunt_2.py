@@ -233,3 +233,22 @@ def test_a_float16_dp_sum_that_can_overflow_before_the_noise_is_refused():
         fcir.capture(private(release), KEY, x)
     fcir.capture(private(release), KEY, x.astype(jnp.float32))  # f32 has the range
     fcir.capture(private(lambda k, x: fcir.dp_sum(x, 10000.0, 1.0, k)), KEY, x)  # 40000
+
+
+def test_a_dp_sum_without_noise_may_overflow_as_jnp_sum_does():
+    """noise_multiplier 0 claims no privacy (the plain clipped sum, e.g. to debug a
+    round with DP off), so its sum may overflow like jnp.sum's; one with noise may not."""
+
+    @fcir.program(placements={"clients": N})
+    def plain(x, key):
+        return fcir.dp_sum(x, 1e6, 0.0, key)
+
+    x = jnp.full((N, 1), 17000.0, jnp.float16)
+    got = reference.run(fcir.capture(plain, x, KEY), x, KEY)
+    assert np.isinf(np.asarray(got)).all() and np.isinf(np.asarray(jnp.sum(x, 0))).all()
+    with pytest.raises(fcir.IRTypeError, match="fed.dp_sum/C7"):
+        fcir.capture(
+            fcir.program(placements={"clients": N})(lambda x, key: fcir.dp_sum(x, 1e6, 0.5, key)),
+            x,
+            KEY,
+        )
