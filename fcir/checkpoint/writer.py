@@ -40,6 +40,7 @@ import numpy as np
 
 from fcir.checkpoint import checksums, parallel
 from fcir.checkpoint.progress import Progress
+from fcir.checkpoint.reader import aligned_empty
 from fcir.checkpoint.storage import ObjectStore
 from fcir.errors import CheckpointError
 
@@ -151,12 +152,12 @@ _thread_bounce = threading.local()
 
 
 def _bounce() -> np.ndarray:
-    """This thread's aligned buffer for direct writes (DIRECT_BYTES)."""
+    """This thread's aligned buffer for direct writes (DIRECT_BYTES; the reader's
+    aligned_empty puts a buffer this large on a 2 MiB boundary, a multiple of
+    _DIRECT_ALIGN)."""
     buf = getattr(_thread_bounce, "buf", None)
     if buf is None:
-        raw = np.empty(DIRECT_BYTES + _DIRECT_ALIGN, np.uint8)
-        start = (-raw.ctypes.data) % _DIRECT_ALIGN
-        buf = _thread_bounce.buf = raw[start : start + DIRECT_BYTES]
+        buf = _thread_bounce.buf = aligned_empty((DIRECT_BYTES,), np.dtype(np.uint8))
     return buf
 
 
@@ -198,10 +199,10 @@ def _checksum_and_write_direct(fd: int, data: memoryview, pos: int) -> list[int]
 class _Direct:
     """Direct writes into one new file, where its file system takes them: a second
     descriptor opened with O_DIRECT, dropped (for the rest of the file) at the first
-    write it refuses with EINVAL."""
+    write it refuses with EINVAL. Without one, every write goes through the page cache."""
 
-    def __init__(self, path: pathlib.Path) -> None:
-        self._fd = _open_direct(path)
+    def __init__(self, path: pathlib.Path, wanted: bool = True) -> None:
+        self._fd = _open_direct(path) if wanted else None  # not worth an fd when nothing is large
         self._use = self._fd
 
     def write(self, fd: int, data: memoryview, pos: int) -> tuple[list[int], int]:
@@ -219,7 +220,7 @@ class _Direct:
                     raise
                 self._use, crcs = None, []  # refused after all: the page cache from here
         k = len(crcs) * checksums.CHUNK_BYTES
-        if k < len(data):
+        if k < len(data) or not data:  # an empty block still has its one checksum
             crcs += _checksum_and_write(fd, data[k:], pos + k)
         return crcs, k
 
@@ -301,17 +302,14 @@ def write_data_file(
     try:
         flusher = _Flusher(fd)
         views = [memoryview(b.reshape(-1).view(np.uint8)) for b in blocks]
-        direct = _Direct(path) if any(n >= _LARGE for n in lengths) else None
+        direct = _Direct(path, any(n >= _LARGE for n in lengths))
 
         def piece(i: int, start: int) -> Callable[[], None]:
             def run() -> None:
                 data = views[i][start : start + PIECE_BYTES]
                 pos = offsets[i] + start
                 first = start // checksums.CHUNK_BYTES
-                if direct is None:
-                    got, k = _checksum_and_write(fd, data, pos), 0
-                else:
-                    got, k = direct.write(fd, data, pos)
+                got, k = direct.write(fd, data, pos)
                 if k < len(data):
                     flusher.written(pos + k, len(data) - k)
                 crcs[i][first : first + len(got)] = got
@@ -325,8 +323,7 @@ def write_data_file(
             parallel.run_tasks(tasks, threads)
         finally:
             flusher.close()
-            if direct is not None:
-                direct.close()
+            direct.close()
         if os.fstat(fd).st_size < size:  # trailing alignment of an empty last block
             os.ftruncate(fd, size)
         if durable is None:
@@ -450,12 +447,9 @@ def write_files(
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except OSError as e:
                 raise _os_error("cannot create", path, e) from e
-            direct = _Direct(path) if len(view) >= _LARGE else None
+            direct = _Direct(path, len(view) >= _LARGE)
             try:
-                if direct is None:
-                    crcs, done = _checksum_and_write(fd, view, 0), 0
-                else:
-                    crcs, done = direct.write(fd, view, 0)
+                crcs, done = direct.write(fd, view, 0)
                 if _start_writeback is not None and done < len(view):
                     _start_writeback(fd, done, 0)  # the disk starts on it; the fsync waits
             except BaseException as e:
@@ -464,8 +458,7 @@ def write_files(
                     raise _os_error("writing", path, e) from e
                 raise
             finally:
-                if direct is not None:
-                    direct.close()
+                direct.close()
             durable.add(fd, path)  # fsynced while this thread writes the next file
             written[k] = Written(0, len(view), crcs, k)
             if progress is not None:
