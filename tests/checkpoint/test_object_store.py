@@ -463,6 +463,24 @@ def test_a_one_item_orbax_manager_step_in_s3_is_in_its_item_prefix_and_overwritt
     assert {"0/_METADATA", "0/u/0"} <= keys
 
 
+def test_orbax_itself_cannot_open_s3_which_is_why_the_docs_copy_the_objects_down(
+    url, s3_endpoint, devices
+):
+    """docs/checkpoint.md says Orbax 0.12.8 neither reads nor writes s3:// (it asks for
+    s3fs; with s3fs it opens `s3:/...` as a local file). When this fails, Orbax can:
+    update the docs."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tree = {"w": jax.device_put(values((8,), seed=1))}
+    checkpoint.save(url, {"default": tree}, format="orbax")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    with pytest.raises((ImportError, ValueError), match=r"s3fs|s3:/"):
+        ocp.StandardCheckpointer().restore(url, abstract)
+    saver = ocp.StandardCheckpointer()
+    with pytest.raises((ImportError, ValueError), match=r"s3fs|s3:/"):
+        saver.save(f"{url}/by_orbax", tree)
+        saver.wait_until_finished()
+
+
 def test_a_flipped_byte_in_an_orbax_format_chunk_in_s3_is_caught(url, s3_endpoint, devices):
     from s3_testing import BUCKET, client
 
