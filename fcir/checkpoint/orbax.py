@@ -508,8 +508,9 @@ def _sharding_text(sharding: pb.Sharding) -> str | None:
 def in_item_folders(layout: pb.CheckpointLayout) -> bool:
     """Whether a saved layout has its items in subfolders, read from its chunk files' names.
 
-    Several items always are; a single one is when a CheckpointManager saved it (as
-    Orbax's manager does) and is not in older manager steps and plain `save`s.
+    Several items always are. A single item is when fcir's CheckpointManager saved it
+    (as Orbax's manager does), and is not after a plain `save` or in a step an older
+    fcir manager wrote.
     """
     if len(layout.items) > 1:
         return True
