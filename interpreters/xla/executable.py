@@ -16,7 +16,9 @@ The call path: ``exe(*args)`` goes straight to one ``jax.jit`` function over the
 argument pytree, so JAX's C++ dispatch runs a warm call without entering Python, as
 fast as ``jax.jit`` of the original program. The argument checks (leaf count, shapes,
 dtypes, members per placement) run where that function is traced, i.e. only on a
-cache miss, and raise the same InterpreterError / PlacementError as before. Whatever
+cache miss, and raise the same InterpreterError / PlacementError as before. One check
+runs at every call, in Python: a program whose ``fed.ddp_*`` op takes its keys from an
+argument copies those keys to the host and refuses a repeat (``fed.ddp_*/C3``). Whatever
 JAX itself rejects before tracing (an abstract ``ShapeDtypeStruct``, arrays on devices
 outside the mesh) goes to the slow path, which checks and lays out the arguments in
 Python. On a mesh, leaves that are not jax.Arrays on its devices take the slow path too
