@@ -54,7 +54,14 @@ from fcir.fed import of_kind
 from fcir.ir import Module, Op, Region, Value
 from fcir.types import PlacedType
 
-__all__ = ["KeyProblem", "key_arguments", "problems"]
+__all__ = [
+    "KeyProblem",
+    "check_member_keys",
+    "ddp_key_arguments",
+    "duplicate_members",
+    "key_arguments",
+    "problems",
+]
 
 _CALL_OPS = frozenset(f"jax.{n}" for n in cf.CALLS)
 _PASS = frozenset(
@@ -822,3 +829,75 @@ def key_arguments(module: Module) -> list[tuple[Op, frozenset[int]]]:
         for sub in op.regions:
             nested(sub, ins)
     return found
+
+
+# -- run time: the members' keys a backend is given ----------------------------------
+
+
+def duplicate_members(keys) -> tuple[int, int, int] | None:
+    """``(i, j, distinct)`` for the first two members ``i < j`` whose keys are equal and
+    the number of distinct keys, or None when all differ. None too where the keys cannot
+    be read cheaply: traced (inside ``jax.jit``/``grad``) or not all on this process.
+
+    ``keys`` holds one key per member along axis 0: typed keys or their raw key data.
+    """
+    import jax
+
+    if isinstance(keys, jax.core.Tracer) or not isinstance(keys, (jax.Array, np.ndarray)):
+        return None  # abstract (ShapeDtypeStruct) or not an array: other checks speak
+    if not keys.shape:
+        return None
+    if isinstance(keys, jax.Array):
+        if not keys.is_fully_addressable:
+            return None
+        if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):
+            keys = jax.random.key_data(keys)
+    data = np.asarray(keys)
+    rows = data.reshape(data.shape[0], -1)
+    distinct, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    if len(distinct) == len(rows):
+        return None
+    inverse = inverse.reshape(-1)
+    repeated = np.flatnonzero(first[inverse] != np.arange(len(rows)))
+    j = int(repeated[0])  # the first member whose key an earlier member holds
+    return int(first[inverse[j]]), j, len(distinct)
+
+
+def check_member_keys(op, keys) -> None:
+    """Refuses the keys operand of a ``fed.ddp_*`` op ``op`` that gives two members one
+    key (``jax.numpy.tile(key, n)``): they would draw the same rounding and noise shares,
+    so the sum carries less noise than the op states. Raises InterpreterError citing the
+    op's constraint C3; a no-op for keys it cannot read cheaply (``duplicate_members``)."""
+    from fcir.errors import InterpreterError
+    from fcir.fed import FedOp
+
+    found = duplicate_members(keys)
+    if found is None:
+        return
+    i, j, distinct = found
+    n = np.shape(keys)[0]
+    placement = getattr(op.operands[-1].type, "placement", "the members")
+    what = (
+        f"all {n} keys are equal"
+        if distinct == 1
+        else f"members {i} and {j} have the same key ({distinct} distinct keys for {n} members)"
+    )
+    detail = (
+        f"{what} at run time: every member of '{placement}' needs its own key, or they "
+        "draw the same rounding and noise shares; pass jax.random.split(key, n) as the "
+        "keys, not one key tiled or repeated"
+    )
+    raise InterpreterError(FedOp.registry[op.name].message("C3", detail))
+
+
+def ddp_key_arguments(module: Module) -> tuple[tuple[int, Op], ...]:
+    """``(argument index, op)`` for each top-level ``fed.ddp_*`` op of ``main`` whose keys
+    operand is an argument of ``main``: the keys a compiled backend can check on the host
+    before it runs. (Keys a ``fed.map`` derives are computed inside the program.)"""
+    body = module.main.body
+    index = {v: i for i, v in enumerate(body.params)}
+    return tuple(
+        (index[op.operands[-1]], op)
+        for op in body.ops
+        if op.name in _DDP and op.operands[-1] in index
+    )

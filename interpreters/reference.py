@@ -172,9 +172,10 @@ class ReferenceInterpreter(Interpreter):
         """Each client encodes its own pytree with its own key (``fcir.ddp.encode``), the
         residues are added modulo ``2**bits`` one client at a time in Python integers (the
         secure sum), and the server decodes: the mechanism as ``fcir.ddp`` states it."""
-        from fcir import ddp
+        from fcir import ddp, dp_keys
 
         *xs, keys = args
+        dp_keys.check_member_keys(op, keys)  # the type rule sees only broadcast keys
         n = xs[0].shape[0]
         p = ddp.params(
             ddp.member_dim(x.shape[1:] for x in xs),

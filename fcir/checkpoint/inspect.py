@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, debug_flag: bool = True) -
     parser.add_argument(
         "--shards",
         action="store_true",
-        help="also list every stored shard: index range, file, offset, bytes",
+        help="also list every data file, and every stored shard: index range, file, offset, bytes",
     )
     parser.add_argument(
         "--json",
@@ -254,6 +254,21 @@ def _size(n: int) -> str:
     raise AssertionError
 
 
+#: Up to this many data files are listed one per line; more (an Orbax-format checkpoint
+#: has a chunk file per shard) are counted, and `--shards` lists them.
+_LISTED_FILES = 8
+
+
+def _print_files(lay: pb.CheckpointLayout, shards: bool, out: TextIO) -> None:
+    total = _size(sum(f.size_bytes for f in lay.files))
+    if len(lay.files) > _LISTED_FILES and not shards:
+        out.write(f"  files: {len(lay.files)}, {total} in all (--shards lists each)\n")
+        return
+    out.write(f"  files: {len(lay.files)}, {total} in all\n")
+    width = max((len(f.name) for f in lay.files), default=0)
+    out.writelines(f"    {f.name.ljust(width)}  {_size(f.size_bytes)}\n" for f in lay.files)
+
+
 def _print_layout(
     directory: storage.Location, lay: pb.CheckpointLayout, shards: bool, out: TextIO
 ) -> None:
@@ -268,9 +283,7 @@ def _print_layout(
         f"  layout v{lay.layout_version}, {lay.num_processes} process(es){when}\n"
         f"  writer: {lay.writer or 'unknown'}\n"
     )
-    out.write(
-        "  files: " + ", ".join(f"{f.name} ({_size(f.size_bytes)})" for f in lay.files) + "\n"
-    )
+    _print_files(lay, shards, out)
     for item in lay.items:
         if item.WhichOneof("value") == "json":
             text = item.json if len(item.json) <= 70 else item.json[:67] + "..."

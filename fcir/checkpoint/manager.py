@@ -162,6 +162,8 @@ class CheckpointManager:
             progress=self.progress,
             format=self.format,
             _after_commit=self._prune,
+            # Orbax's CheckpointManager reads every item from its own subfolder.
+            _item_folders=self.format == "orbax",
         )
         if blocking:
             self._handle = None

@@ -505,14 +505,38 @@ def _sharding_text(sharding: pb.Sharding) -> str | None:
     )
 
 
+def in_item_folders(layout: pb.CheckpointLayout) -> bool:
+    """Whether a saved layout has its items in subfolders, read from its chunk files' names.
+
+    Several items always are. A single item is when fcir's CheckpointManager saved it
+    (as Orbax's manager does), and is not after a plain `save` or in a step an older
+    fcir manager wrote.
+    """
+    if len(layout.items) > 1:
+        return True
+    for item in layout.items:
+        for record in item.arrays.arrays:
+            for s in record.shards:
+                box = (tuple(r.start for r in s.index), tuple(r.stop for r in s.index))
+                path = keypaths.from_proto(record.path)
+                return layout.files[s.file].name == chunk_file(f"{item.name}/", path, box)
+    return True  # a lone JSON item is written only into its subfolder
+
+
 def metadata_files(
-    layout: pb.CheckpointLayout, empties: Mapping[str, list[tuple[OrbaxKeys, str]]] | None = None
+    layout: pb.CheckpointLayout,
+    empties: Mapping[str, list[tuple[OrbaxKeys, str]]] | None = None,
+    item_folders: bool | None = None,
 ) -> dict[str, bytes]:
     """Orbax's metadata for the merged layout: relative path -> content.
 
     `empties` (from `empty_nodes`) adds the tree's None leaves and empty containers.
+    `item_folders` puts even a single item in its subfolder, as Orbax's CheckpointManager
+    lays out a step (None: as the layout's chunk files are, see `in_item_folders`).
     """
-    several = len(layout.items) > 1
+    if item_folders is None:
+        item_folders = in_item_folders(layout)
+    several = item_folders or len(layout.items) > 1
     files: dict[str, bytes] = {}
     handlers: dict[str, str] = {}
     now = time.time_ns()
@@ -522,7 +546,8 @@ def metadata_files(
             if not several:
                 raise CheckpointError(
                     f"format='orbax': item {item.name!r} holds only JSON values; Orbax stores "
-                    "such an item beside array items (save several items) or as arrays"
+                    "such an item in a folder beside array items (save several items, or "
+                    "use a CheckpointManager) or as arrays"
                 )
             files[f"{prefix}{_JSON_FILE}"] = item.json.encode()
             handlers[item.name] = _JSON

@@ -121,6 +121,7 @@ def save(
     progress: bool | None = None,
     format: str = "fcir",  # noqa: A002 - the public name api.md fixes
     _after_commit: Callable[[], None] | None = None,
+    _item_folders: bool = False,
 ) -> SaveHandle:
     """Saves a dict of named items (pytrees of jax arrays, numpy arrays, scalars, or JSON).
 
@@ -133,6 +134,7 @@ def save(
     `format="orbax"` writes what Orbax's StandardCheckpointer restores (each item in a
     subfolder when there are several; local paths, s3:// and gs://), with fcir's layout
     and checksums beside it, so `restore` reads and verifies it as any fcir checkpoint.
+    (`CheckpointManager` puts even a single item in its subfolder, as Orbax's does.)
     """
     global _in_flight
     if format not in ("fcir", "orbax"):
@@ -159,7 +161,16 @@ def save(
             try:
                 bar = Progress(f"saving {final.name}", snap.nbytes, progress)
                 _write_and_commit(
-                    final, snap, coord, seq, overwrite, bar, _after_commit, format, empties
+                    final,
+                    snap,
+                    coord,
+                    seq,
+                    overwrite,
+                    bar,
+                    _after_commit,
+                    format,
+                    empties,
+                    _item_folders,
                 )
             except BaseException as e:  # noqa: BLE001 - surfaced by handle.wait()
                 handle._finish(e)
@@ -282,19 +293,24 @@ class _OrbaxTarget(_LocalTarget):
     0 before the layout; committed by the same rename."""
 
     def __init__(
-        self, final: pathlib.Path, overwrite: bool, empties: Mapping[str, Any] | None
+        self,
+        final: pathlib.Path,
+        overwrite: bool,
+        empties: Mapping[str, Any] | None,
+        item_folders: bool,
     ) -> None:
         super().__init__(final, overwrite)
         self.empties = empties  # None leaves and empty subtrees, for Orbax's tree metadata
+        self.item_folders = item_folders  # even a single item in its subfolder
 
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
-        names, blocks = _orbax_chunks(snap)
+        names, blocks = _orbax_chunks(snap, self.item_folders)
         written = writer.write_files(self.temp, names, blocks, bar)
         return [(n, b.nbytes) for n, b in zip(names, blocks)], written
 
     def before_layout(self, data: bytes) -> None:
         for name, content in orbax.metadata_files(
-            layout.decode(data, str(self.final)), self.empties
+            layout.decode(data, str(self.final)), self.empties, self.item_folders
         ).items():
             path = self.temp / name
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -305,9 +321,9 @@ class _OrbaxTarget(_LocalTarget):
                 commit.fsync_dir(d)
 
 
-def _orbax_chunks(snap: snapshot.Snapshot) -> tuple[list[str], list[Any]]:
+def _orbax_chunks(snap: snapshot.Snapshot, item_folders: bool) -> tuple[list[str], list[Any]]:
     """The zarr chunk file of each shard this process writes, and the shard's bytes."""
-    several = len(snap.items) > 1
+    several = item_folders or len(snap.items) > 1
     blocks = snap.blocks()  # made contiguous first
     names = []
     snap.describe()
@@ -393,10 +409,15 @@ class _OrbaxObjectTarget(_ObjectTarget):
     """
 
     def __init__(
-        self, final: storage.ObjectStore, overwrite: bool, empties: Mapping[str, Any] | None
+        self,
+        final: storage.ObjectStore,
+        overwrite: bool,
+        empties: Mapping[str, Any] | None,
+        item_folders: bool,
     ) -> None:
         super().__init__(final, overwrite)
         self.empties = empties  # None leaves and empty subtrees, for Orbax's tree metadata
+        self.item_folders = item_folders  # even a single item in its subfolder
 
     def start(self) -> str:
         nonce = super().start()
@@ -417,14 +438,16 @@ class _OrbaxObjectTarget(_ObjectTarget):
         return nonce
 
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
-        names, blocks = _orbax_chunks(snap)
+        names, blocks = _orbax_chunks(snap, self.item_folders)
         written = writer.write_chunk_objects(self.final, names, blocks, bar)
         return [(n, b.nbytes) for n, b in zip(names, blocks)], written
 
     def commit(self, data: bytes, count: int) -> None:
         if self.final.exists(layout.LAYOUT_FILE) or self.final.exists(orbax.COMMIT_SUCCESS):
             raise CheckpointError(f"{self.final} already exists; pass overwrite=True to replace it")
-        meta = orbax.metadata_files(layout.decode(data, str(self.final)), self.empties)
+        meta = orbax.metadata_files(
+            layout.decode(data, str(self.final)), self.empties, self.item_folders
+        )
         self.final.write(layout.LAYOUT_FILE, data)  # fcir's commit
         self._delete(lambda name: self.nonce in name)  # the part layouts
         self.final.write_many(sorted(meta.items()))
@@ -441,17 +464,18 @@ def _write_and_commit(
     after_commit: Callable[[], None] | None,
     fmt: str = "fcir",
     empties: Mapping[str, Any] | None = None,
+    item_folders: bool = False,
 ) -> None:
     me, count = coord.process_index, coord.process_count
     key = f"fcir/checkpoint/{seq}"
     target: _LocalTarget | _ObjectTarget
     if isinstance(final, storage.ObjectStore):
         if fmt == "orbax":
-            target = _OrbaxObjectTarget(final, overwrite, empties)
+            target = _OrbaxObjectTarget(final, overwrite, empties, item_folders)
         else:
             target = _ObjectTarget(final, overwrite)
     elif fmt == "orbax":
-        target = _OrbaxTarget(final, overwrite, empties)
+        target = _OrbaxTarget(final, overwrite, empties, item_folders)
     else:
         target = _LocalTarget(final, overwrite)
     if me == 0:

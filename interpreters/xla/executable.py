@@ -16,7 +16,9 @@ The call path: ``exe(*args)`` goes straight to one ``jax.jit`` function over the
 argument pytree, so JAX's C++ dispatch runs a warm call without entering Python, as
 fast as ``jax.jit`` of the original program. The argument checks (leaf count, shapes,
 dtypes, members per placement) run where that function is traced, i.e. only on a
-cache miss, and raise the same InterpreterError / PlacementError as before. Whatever
+cache miss, and raise the same InterpreterError / PlacementError as before. One check
+runs at every call, in Python: a program whose ``fed.ddp_*`` op takes its keys from an
+argument copies those keys to the host and refuses a repeat (``fed.ddp_*/C3``). Whatever
 JAX itself rejects before tracing (an abstract ``ShapeDtypeStruct``, arrays on devices
 outside the mesh) goes to the slow path, which checks and lays out the arguments in
 Python. On a mesh, leaves that are not jax.Arrays on its devices take the slow path too
@@ -39,7 +41,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fcir import captured, gcpause, pytrees
+from fcir import captured, dp_keys, gcpause, pytrees
 from fcir.errors import FcirError, InterpreterError, PlacementError
 from fcir.ir import Module
 from fcir.jaxcompat import core
@@ -96,6 +98,9 @@ class Executable:
         self._direct = mesh is None and self._rebuild is None
         self._lowered: dict[Any, jax.stages.Lowered] = {}
         self._compiled: dict[Any, jax.stages.Compiled] = {}
+        # (flat argument index, op) of the fed.ddp_* ops whose keys are an argument: the
+        # one place the members' keys are concrete (inside jit they are traced).
+        self._ddp_keys = dp_keys.ddp_key_arguments(module)
 
     def __repr__(self) -> str:
         where = "1 device" if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
@@ -152,6 +157,8 @@ class Executable:
         # The fast path: no Python between here and JAX's C++ dispatch but this frame.
         if kwargs:
             return self(self._keywords(args, kwargs, "call"))
+        if self._ddp_keys:
+            self._check_member_keys(args)
         if self._direct:
             try:
                 return self._jitted(*args)
@@ -160,6 +167,15 @@ class Executable:
             except Exception as e:  # noqa: BLE001  JAX rejected the arguments as given
                 return self._call_slow(args, e)
         return self._call_on_mesh(args)
+
+    def _check_member_keys(self, args) -> None:
+        """Refuses members' keys with a duplicate (``fed.ddp_*/C3``) before the call:
+        a host copy of ``n`` keys, for programs with a ``fed.ddp_*`` op only."""
+        leaves = jax.tree_util.tree_leaves(args)
+        if len(leaves) != len(self._params):
+            return  # the argument checks say what is wrong
+        for i, op in self._ddp_keys:
+            dp_keys.check_member_keys(op, leaves[i])
 
     def _keywords(self, args, kwargs, what: str):
         """``(args, kwargs)`` as capture flattened them, checked against the names the

@@ -137,3 +137,31 @@ def test_a_huge_checkpoint_is_verified_piece_by_piece(tmp_path, capsys):
     checkpoint.save(tmp_path / "c", {"x": np.ones(2**23, np.float32)})  # 32 MiB: 2 pieces
     code, out, _ = run(capsys, tmp_path / "c")
     assert code == 0 and "32.0 MiB verified" in out
+
+
+def test_an_orbax_format_checkpoint_counts_its_chunk_files_and_shards_lists_one_per_line(
+    tmp_path, devices, capsys
+):
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    sharded = NamedSharding(mesh, P("x"))
+    tree = {f"w{i}": jax.device_put(values((64, 4), seed=i), sharded) for i in range(6)}
+    checkpoint.save(tmp_path / "c", {"default": tree}, format="orbax")
+    names = [f.name for f in checkpoint.read_layout(tmp_path / "c").files]
+    assert len(names) == 48  # one zarr chunk file per shard
+    code, out, _ = run(capsys, tmp_path / "c")
+    assert code == 0
+    assert "  files: 48, 6.0 KiB in all (--shards lists each)\n" in out
+    assert not any(name in out for name in names)
+    assert max(len(line) for line in out.splitlines()) < 100
+    code, out, _ = run(capsys, tmp_path / "c", "--shards")
+    lines = out.splitlines()
+    assert code == 0 and "  files: 48, 6.0 KiB in all" in lines
+    for name in names:
+        assert sum(line.split() == [name, "128", "B"] for line in lines) == 1, name
+
+
+def test_a_few_data_files_are_listed_one_per_line(saved, capsys):
+    code, out, _ = run(capsys, saved)
+    lines = out.splitlines()
+    listed = lines[lines.index("  files: 1, 12.1 KiB in all") + 1]
+    assert code == 0 and listed.split() == ["data-p00000.bin", "12.1", "KiB"]

@@ -437,6 +437,50 @@ def test_several_orbax_format_items_in_s3_are_item_prefixes_an_orbax_manager_res
     assert checkpoint.CheckpointManager(url).all_steps() == [3]
 
 
+def test_a_one_item_orbax_manager_step_in_s3_is_in_its_item_prefix_and_overwritten_whole(
+    url, s3_endpoint, devices, tmp_path
+):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tree = _tree(devices)["params"]
+    mgr = checkpoint.CheckpointManager(url, format="orbax")
+    mgr.save(0, {"state": tree}, blocking=True)
+    keys = {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)}
+    assert {"0/commit_success.txt", "0/_CHECKPOINT_METADATA", "0/state/_METADATA"} <= keys
+    assert "0/state/w/7.0" in keys and "0/_METADATA" not in keys
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    omgr = ocp.CheckpointManager(_download(s3_endpoint, url, tmp_path / "run"))
+    got = omgr.restore(0, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    omgr.close()
+    for k, v in tree.items():
+        assert same_bits(np.asarray(got["state"][k]), np.asarray(v)), k
+    # A plain save over that step lays its one item out in the step itself; the old
+    # layout's item prefix, metadata included, goes entirely.
+    checkpoint.save(
+        f"{url}/0", {"state": {"u": values((4,), seed=3)}}, format="orbax", overwrite=True
+    )
+    keys = {k.split("/", 1)[1] for k in _keys(s3_endpoint, url)}
+    assert not any(k.startswith("0/state/") for k in keys), sorted(keys)
+    assert {"0/_METADATA", "0/u/0"} <= keys
+
+
+def test_orbax_itself_cannot_open_s3_which_is_why_the_docs_copy_the_objects_down(
+    url, s3_endpoint, devices
+):
+    """docs/checkpoint.md says Orbax 0.12.8 neither reads nor writes s3:// (it asks for
+    s3fs; with s3fs it opens `s3:/...` as a local file). When this fails, Orbax can:
+    update the docs."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tree = {"w": jax.device_put(values((8,), seed=1))}
+    checkpoint.save(url, {"default": tree}, format="orbax")
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+    with pytest.raises((ImportError, ValueError), match=r"s3fs|s3:/"):
+        ocp.StandardCheckpointer().restore(url, abstract)
+    saver = ocp.StandardCheckpointer()
+    with pytest.raises((ImportError, ValueError), match=r"s3fs|s3:/"):
+        saver.save(f"{url}/by_orbax", tree)
+        saver.wait_until_finished()
+
+
 def test_a_flipped_byte_in_an_orbax_format_chunk_in_s3_is_caught(url, s3_endpoint, devices):
     from s3_testing import BUCKET, client
 
