@@ -23,15 +23,15 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from fcir import attrs as A
-from fcir import control_flow, pytrees, sharding
 from fcir import jaxcompat as jc
-from fcir import primitives as P
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.fed import FedOp, Unsupported
-from fcir.ir import Module, Op, Region, describe, walk
+from fcir.frontend import primitives as P
+from fcir.frontend import pytrees, sharding
+from fcir.ir import Module, Op, Region, control_flow, describe, walk
+from fcir.ir import attrs as A
+from fcir.ir.types import PlacedType, TensorType, runtime_type
 from fcir.jaxcompat import core, schema
-from fcir.types import PlacedType, TensorType, runtime_type
 
 _log = logging.getLogger("fcir.interpreter")
 
@@ -219,7 +219,7 @@ class Interpreter:
             raise InterpreterError(
                 f"@{module.name} takes {len(params)} array leaves, got {len(leaves)}"
             )
-        from fcir.types import dtype_name
+        from fcir.ir.types import dtype_name
 
         leaves = [as_input(x) for x in leaves]
         for i, (x, v) in enumerate(zip(leaves, params)):
@@ -345,7 +345,7 @@ class Interpreter:
     @impl("jax.scan")
     def scan(self, op: Op, *args):
         """JAX's scan, with placed ``xs``/``ys`` moved between the IR layout (member axis
-        first, ``fcir.control_flow``) and JAX's (scan axis first)."""
+        first, ``fcir.ir.control_flow``) and JAX's (scan axis first)."""
         xs, ys = control_flow.scan_slices(op.attrs, len(op.operands), len(op.results))
         axis = control_flow.scan_axis
         args = [

@@ -26,6 +26,6 @@ COLLECTIVES = frozenset(
 
 
 def dtype_bits(dtype: str) -> int:
-    from fcir.types import dtype_from_name
+    from fcir.ir.types import dtype_from_name
 
     return np.dtype(dtype_from_name(dtype)).itemsize * 8

@@ -27,7 +27,7 @@ from fcir.interpreters import reference, xla
 from fcir.interpreters.xla import zeros
 
 import fcir
-from fcir import captured
+from fcir.frontend import jaxpr_cache as captured
 from fcir.jaxcompat import derivatives
 
 TESTS = pathlib.Path(__file__).resolve().parent

@@ -54,7 +54,7 @@ def test_one_list_of_elementwise_ops():
         for m in (
             "fcir.capture",
             "fcir.check",
-            "fcir.elementwise",
+            "fcir.ir.elementwise",
             "fcir.interpreters.xla.streaming",
         )
     )

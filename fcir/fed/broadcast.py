@@ -10,10 +10,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from fcir import autodiff as AD
-from fcir import primitives as P
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import PlacedType
 from fcir.jaxcompat import core
-from fcir.types import PlacedType
 
 from .base import FedOp, arity
 

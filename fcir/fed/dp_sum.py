@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import TensorType
 
 from .base import FedOp
 from .sum import sum_p

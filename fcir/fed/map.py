@@ -23,10 +23,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from fcir import autodiff as AD
 from fcir import jaxcompat as jc
-from fcir import primitives as P
 from fcir.errors import PlacementError
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import PlacedType
 from fcir.jaxcompat import (
     ad,
     ad_util,
@@ -39,7 +40,6 @@ from fcir.jaxcompat import (
     split_list,
     weakref_lru_cache,
 )
-from fcir.types import PlacedType
 
 from .base import FedOp
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import TensorType
 
 from .base import Reduction, mean_dtype
 from .broadcast import broadcast_p

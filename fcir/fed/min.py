@@ -16,8 +16,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
 
 from .base import Reduction
 from .broadcast import broadcast_p

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import TensorType
 
 from .base import Reduction, public
 from .broadcast import broadcast_p
@@ -50,7 +50,7 @@ def l_estimate(x, *, n: int, trim: int):
     """The trimmed mean over axis 0 (jnp ops: the primitive's impl and lowering)."""
     import jax.numpy as jnp
 
-    from fcir.sharding import gather_members
+    from fcir.frontend.sharding import gather_members
 
     s = jnp.sort(gather_members(x), axis=0)  # NaN sorts last: a NaN member makes the last row NaN
     mean = jnp.mean(s[trim : n - trim].astype(_accumulator(x.dtype)), axis=0)
@@ -139,7 +139,7 @@ class TrimmedMean(Reduction):
 
 def _check(cls):
     def check(member, *, n, **params):
-        from fcir.types import dtype_name
+        from fcir.ir.types import dtype_name
 
         found = cls.problem(dtype_name(member.dtype), n, params)
         if found is not None:
@@ -279,8 +279,8 @@ def reduce_trimmed_mean(x, *, trim: int):
     ``scipy.stats.trim_mean``), and its gradient is zero for every member; ``inf`` is
     an ordinary, largest value.
     """
-    from fcir.api import _reduce
     from fcir.errors import PlacementError
+    from fcir.frontend.program import _reduce
 
     if isinstance(trim, bool) or not isinstance(trim, (int, np.integer)):
         raise PlacementError(f"fcir.reduce_trimmed_mean: trim must be an int, got {trim!r}")

@@ -7,7 +7,7 @@ from fcir.errors import FcirError
 
 
 def cmd_export_flower(module, a) -> int:
-    from fcir.loading import load_inputs
+    from fcir.frontend.loading import load_inputs
 
     from . import export
 
@@ -291,7 +291,7 @@ def cmd_simulate(a) -> int:
 def cmd_data(a) -> int:
     import jax
 
-    from fcir.loading import is_ir_file, load_inputs, load_module, load_python_target
+    from fcir.frontend.loading import is_ir_file, load_inputs, load_module, load_python_target
 
     from .data import split_arguments
 
@@ -301,7 +301,7 @@ def cmd_data(a) -> int:
         module = load_module(a.IN)
         args = load_inputs(a.inputs, module)
     else:
-        from fcir.capture import capture
+        from fcir.frontend.capture import capture
 
         fn, args = load_python_target(a.IN)
         if a.inputs:  # the values of the file's arguments, in EXAMPLE_ARGS' structure

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from fcir.control_flow import bindings
 from fcir.errors import ExportError
 from fcir.ir import Func, Module, Op, Region, Value
-from fcir.types import SERVER, PlacedType, Structure
+from fcir.ir.control_flow import bindings
+from fcir.ir.types import SERVER, PlacedType, Structure
 
 from ..production.rewrite import clone_op
 
@@ -62,7 +62,7 @@ class LoopSplit:
     roles: list[tuple[str, int]]  # per loop operand: ("const"|"carry"|"xs"|"cond", k)
     client_operands: list[int]  # loop operand -> which program client leaf (by position)
     n_carry: int
-    body: object  # fcir.control_flow.Binding of the body
+    body: object  # fcir.ir.control_flow.Binding of the body
     cond_binding: object  # ... of a while loop's condition (None for a scan)
     operands: list  # the loop's operand values (to tell server from client ones)
     client_carry: list[int]  # body parameters of the carries placed at the clients (state)
@@ -277,7 +277,7 @@ def loop_plan(
     ``at`` of main (see the module doc). ``build_round_plan(round, server_inputs=)`` is
     writer.build_plan; ``server_inputs`` (the program's, for --device-runtime iree)
     become the first iteration's, which its device modules are verified on too."""
-    from fcir.types import runtime_type
+    from fcir.ir.types import runtime_type
 
     from ..production import lowering
 
@@ -451,7 +451,7 @@ def first_round_inputs(ls: LoopSplit, server_inputs) -> list | None:
     import jax
     import numpy as np
 
-    from fcir.types import runtime_type
+    from fcir.ir.types import runtime_type
 
     from ..production import lowering
 

@@ -31,7 +31,7 @@ import tempfile
 import numpy as np
 
 from fcir.errors import ExportError
-from fcir.types import runtime_type
+from fcir.ir.types import runtime_type
 
 from ..production.bundle import _interface
 from ..production.rewrite import member_type
@@ -97,9 +97,9 @@ def _spec(t, index, path: str | None = None) -> dict:
 
 def leaf_paths(structure, n: int) -> dict[int, str]:
     """Flat index -> its pytree path in ``structure`` (``[0]['w']``, as jax.tree_util.keystr
-    writes it; ``fcir.loading.leaf_paths``); ``[i]`` for a function without a recorded
+    writes it; ``fcir.frontend.loading.leaf_paths``); ``[i]`` for a function without a recorded
     structure."""
-    from fcir.loading import leaf_paths as paths
+    from fcir.frontend.loading import leaf_paths as paths
 
     return dict(enumerate(paths(structure, n)))
 
@@ -250,7 +250,7 @@ def _privacy(module) -> dict | None:
     """plan.json's ``privacy``: the production manifest's entry for the round as written
     (every phase's DP ops compose into one round's epsilon), and what a dp_mean divides
     by when clients drop out (docs/flower.md, Participation)."""
-    from fcir.dp_keys import key_arguments
+    from fcir.privacy.keys import key_arguments
 
     from ..production import dp
     from ..production.ddp import mechanism

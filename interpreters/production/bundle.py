@@ -32,11 +32,11 @@ import jax
 import numpy as np
 
 import fcir
-from fcir import pytrees
 from fcir.errors import FcirError
+from fcir.frontend import pytrees
 from fcir.interpreter import as_input
 from fcir.ir import Module
-from fcir.types import dtype_name, runtime_type
+from fcir.ir.types import dtype_name, runtime_type
 
 from .rewrite import member_type
 from .splitting import PARTS, RUNS_ON
@@ -364,5 +364,5 @@ def run_bundle(directory, *args):
     """
     bundle = Bundle(directory)
     outs = bundle.run_flat(jax.tree_util.tree_leaves(args))
-    # In the process that captured the round, its own pytree classes (fcir.pytrees).
+    # In the process that captured the round, its own pytree classes (fcir.frontend.pytrees).
     return pytrees.unflatten_results(bundle.round().main, outs)

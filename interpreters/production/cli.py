@@ -114,7 +114,7 @@ def register(subparsers) -> None:
 
 
 def cmd_export(a) -> int:
-    from fcir.loading import load_module
+    from fcir.frontend.loading import load_module
 
     from . import export
 
@@ -131,7 +131,7 @@ def cmd_export(a) -> int:
             "the modules on them); a production bundle takes none"
         )
     plan = export(module, aggregate_with=a.aggregate_with)
-    from fcir.loading import load_inputs
+    from fcir.frontend.loading import load_inputs
 
     inputs = load_inputs(a.inputs, module) if a.inputs else None
     out = plan.write(
@@ -157,7 +157,7 @@ def cmd_run_plan(a) -> int:
     from .bundle import Bundle
 
     bundle = Bundle(a.DIR)
-    from fcir.loading import load_inputs
+    from fcir.frontend.loading import load_inputs
 
     leaves = bundle.run_flat(load_inputs(a.inputs, bundle.round()),
                              device_runtime=a.device_runtime)

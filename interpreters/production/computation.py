@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from fcir._proto import computation_pb2 as pb
 from fcir.ir import Module
-from fcir.types import Structure, TensorType
+from fcir.ir.types import Structure, TensorType
 
 from . import lowering
 from . import wire_types as W

@@ -3,7 +3,7 @@ what a DistributeAggregateForm round runs where.
 
 One DP op becomes
 
-* a ``fed.map`` that clips each client's pytree (``fcir.primitives.clip_member``):
+* a ``fed.map`` that clips each client's pytree (``fcir.frontend.primitives.clip_member``):
   client_work;
 * one ``fed.sum`` per leaf: client_to_server_aggregation, as ``federated_sum``;
 * server ops drawing ``noise_multiplier * clip_norm * normal(fold_in(key, i))`` per leaf,
@@ -27,8 +27,8 @@ import jax
 from fcir import fed as F
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, Region, Value
+from fcir.ir.types import runtime_type
 from fcir.privacy import DP_OPS
-from fcir.types import runtime_type
 
 from .ddp import decomposed_program
 from .rewrite import clone_op
@@ -69,8 +69,8 @@ def decompose(module: Module) -> Module:
             env.update(zip(op.results, outs))
         origin.extend([i] * (len(new.ops) - len(origin)))
     new.results = [env[v] for v in body.results]
-    from fcir.check import check
     from fcir.ir import Func
+    from fcir.ir.check import check
 
     func = Func(main.name, new, main.arg_structure, main.result_structure)
     func.result_treedef = main.result_treedef
@@ -95,8 +95,8 @@ def user_op(module: Module, index: int):
 
 def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> list[Value]:
     import fcir
-    from fcir.capture import capture
-    from fcir.primitives import clip_member, dp_noise
+    from fcir.frontend.capture import capture
+    from fcir.frontend.primitives import clip_member, dp_noise
 
     placement = op.operands[0].type.placement
     n = module.cardinality(placement)

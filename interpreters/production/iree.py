@@ -387,7 +387,7 @@ def round_client_inputs(plan, leaves) -> list[list[np.ndarray]]:
     """client_work's inputs for each client on the round's argument ``leaves`` (what
     ``fcir run-plan`` takes): the client arguments' rows and what server_prepare
     broadcasts, computed by XLA."""
-    from fcir.types import dtype_name, runtime_type
+    from fcir.ir.types import dtype_name, runtime_type
 
     from . import lowering
     from .bundle import _interface
@@ -429,7 +429,7 @@ def client_modules(
 
     ``server_inputs`` (leaf index -> array): the server's real inputs; with seeded
     client data they give each client's broadcast values to verify on as well."""
-    from fcir.types import runtime_type
+    from fcir.ir.types import runtime_type
 
     from . import lowering
 

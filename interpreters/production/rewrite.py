@@ -11,7 +11,7 @@ from collections.abc import Callable
 import jax
 
 from fcir.ir import Op, Region, Value
-from fcir.types import PlacedType, Structure, TensorType, Type
+from fcir.ir.types import PlacedType, Structure, TensorType, Type
 
 
 def member_type(t: Type) -> Type:
@@ -51,7 +51,7 @@ def splice(region: Region, fn: Callable, inputs: list[Value], *, member: bool) -
     ``member``: the region runs at one client (plain tensor types); otherwise at the
     server (``T@server`` types). Returns the values ``fn`` returns, flattened.
     """
-    from fcir.capture import capture
+    from fcir.frontend.capture import capture
 
     specs = []
     for v in inputs:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from fcir._proto import computation_pb2 as pb
-from fcir.types import SERVER, Structure, TensorType, Type
+from fcir.ir.types import SERVER, Structure, TensorType, Type
 
 CLIENTS_URI = "clients"
 SERVER_URI = "server"
@@ -60,7 +60,7 @@ def unsupported_dtype(dtype: str) -> str | None:
             f"dtype {dtype} has no federated_language DataType (supported: "
             f"{', '.join(sorted(DATA_TYPES))})"
         )
-    from fcir.types import dtype_from_name
+    from fcir.ir.types import dtype_from_name
 
     np_dtype = np.dtype(dtype_from_name(dtype))
     if jax.dtypes.canonicalize_dtype(np_dtype) != np_dtype:

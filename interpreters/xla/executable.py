@@ -39,11 +39,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fcir import captured, gcpause, pytrees
+from fcir import gcpause
 from fcir.errors import FcirError, InterpreterError, PlacementError
+from fcir.frontend import jaxpr_cache as captured
+from fcir.frontend import pytrees
 from fcir.ir import Module
+from fcir.ir.types import PlacedType, Type, dtype_name, runtime_type
 from fcir.jaxcompat import core
-from fcir.types import PlacedType, Type, dtype_name, runtime_type
 
 from . import zeros
 from .interpreter import XlaInterpreter
@@ -361,7 +363,7 @@ def _result_builder(func):
     Results leave jit in the program's flatten order, so the HLO's results are those
     of jax.jit(original). A structure that flattens in another order (a custom node
     rebuilt as a dict with unsorted keys) is rebuilt outside jit instead. In the
-    capturing process the program's own treedef rebuilds its classes (fcir.pytrees)."""
+    capturing process the program's own treedef rebuilds its classes (fcir.frontend.pytrees)."""
     treedef = pytrees.result_treedef(func)
     if treedef is not None:
         return treedef.unflatten, None

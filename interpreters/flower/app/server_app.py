@@ -121,7 +121,7 @@ class Config:
 def fixed_keys(plan: dict, state: dict[int, int]) -> None:
     """Refuses, before round 1, a private app run for several rounds whose DP release
     draws its noise from a key that depends on no state-fed server input (plan.json's
-    privacy ``keys``, from fcir.dp_keys.key_arguments at export): every other server
+    privacy ``keys``, from fcir.privacy.keys.key_arguments at export): every other server
     input, and every client input, is the same in every round, so the key and the noise
     are too, and the difference of two rounds' releases is noise-free, while the
     accountant composes the rounds as independent releases."""
@@ -211,8 +211,8 @@ class Accounting:
                 )
             return
         try:
+            from fcir.ir.text import parse
             from fcir.privacy import Budget, epsilon
-            from fcir.text import parse
         except ImportError:
             self.note = "epsilon needs fcir beside the SuperLink"
             if cfg.max_epsilon is not None:
