@@ -33,9 +33,9 @@ from fcir.interpreter import Interpreter, impl
 from fcir.ir import IR_VERSION, Module
 from fcir.ir.check import check, verify
 from fcir.ir.text import parse
+from fcir.version import __version__
 
 # The user-facing functions the fed op modules define (``@fcir.fed.public``:
 # ``fcir.reduce_median``, ...), read from the registry.
 globals().update(_fed.FUNCTIONS)
 
-__version__ = "0.1.0"

@@ -189,13 +189,6 @@ def arity(cls, op, operands: int, results: int, regions: int = 0) -> None:
         )
 
 
-def mean_dtype(dtype: str) -> str:
-    from fcir.frontend import primitives as P
-    from fcir.ir.types import dtype_from_name, dtype_name
-
-    return dtype_name(P.mean_result_dtype(dtype_from_name(dtype)))
-
-
 class Reduction(FedOp):
     """A one-operand aggregate: ``{T}@child -> T`` local to the current placement."""
 

@@ -22,7 +22,7 @@ from fcir.ir.types import PlacedType, TensorType
 from fcir.mechanisms import ddgauss as ddp
 
 from .base import FedOp
-from .dp_sum import DpSum, check_leaves_then_key, dp_jvp, float_members
+from .dp_sum import DpSum, check_leaves_then_key, define_dp, dp_jvp, float_members
 
 __all__ = ["DdpSum", "ddp_sum_p", "define_ddp"]
 
@@ -127,7 +127,7 @@ def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, bits, 
 def define_ddp(op: type[FedOp], mean: bool):
     """The primitive of ``op`` (``fed.ddp_sum`` or, with ``mean``, ``fed.ddp_mean``),
     with its derivative: like ``fed.dp_*``, the noise and the rounding are constants."""
-    prim = P.define_dp(
+    prim = define_dp(
         "fed_" + op.name.removeprefix("fed."),
         functools.partial(_impl, mean=mean),
         functools.partial(_abstract_eval, op, mean=mean),

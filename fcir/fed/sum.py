@@ -56,3 +56,15 @@ class Sum(Reduction):
         return TensorType(
             dtype_name(P.sum_result_dtype(dtype_from_name(member.dtype))), member.shape
         )
+
+
+def _broadcast_transpose(ct, x, *, placement, n):
+    """``fed.broadcast``'s transpose (``fcir.fed.broadcast``): the sum of the members'
+    cotangents, registered here, where both primitives are defined."""
+    assert AD.is_undefined_primal(x)
+    if AD.is_symbolic_zero(ct):
+        return [AD.zero_cotangent(x)]
+    return [sum_p.bind(ct, placement=placement, n=n)]
+
+
+AD.def_transpose(broadcast_p, _broadcast_transpose)

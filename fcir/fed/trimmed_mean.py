@@ -35,6 +35,7 @@ from fcir.ir.types import TensorType
 
 from .base import Reduction, public
 from .broadcast import broadcast_p
+from .map import member_map
 from .max import max_p
 from .min import min_p
 from .sum import sum_p
@@ -201,7 +202,7 @@ class _Fed:
         return broadcast_p.bind(v, **self.kw)
 
     def map(self, builder, static, *placed):
-        return AD.member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
+        return member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
 
     def sum(self, x):
         return sum_p.bind(x, **self.kw)

@@ -38,10 +38,7 @@ helpers, ``linear_jvp`` and ``member_map``, the way a rule runs per-member work.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from fcir import jaxcompat as jc
 from fcir.jaxcompat import ad, ad_util, core, dtypes
@@ -55,7 +52,6 @@ __all__ = [
     "is_undefined_primal",
     "is_zero",
     "linear_jvp",
-    "member_map",
     "trace_region",
     "typeof",
     "zero_cotangent",
@@ -134,32 +130,8 @@ def linear_jvp(prim):
     return jvp
 
 
-def _member_aval(aval) -> core.ShapedArray:
-    """One member's type: the placed type without its leading (member) axis."""
-    sharding = aval.sharding
-    spec = PartitionSpec(*sharding.spec[1:])
-    return aval.update(shape=aval.shape[1:], sharding=sharding.update(spec=spec))
-
-
 def trace_region(fn, avals, name: str) -> jc.ClosedJaxpr:
     """Traces ``fn`` over one member's values (``avals``) to a closed region."""
     return jc.trace_closed(fn, avals, f"fcir.{name}")
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_region(builder, member_avals: tuple, static: tuple) -> jc.ClosedJaxpr:
-    return trace_region(builder(*static), member_avals, builder.__name__)
-
-
-def member_map(builder, static: tuple, placement: str, n: int, *placed):
-    """Binds ``fed_map`` with the region ``builder(*static)`` traced over member types.
-
-    ``builder(*static)`` returns a function of one member's values returning a list.
-    Regions are cached per (builder, member types, static), so a rule emits the same
-    region object each time (deterministic IR, cache-friendly).
-    """
-    from fcir.fed.map import map_p
-
-    avals = tuple(_member_aval(core.typeof(x)) for x in placed)
-    body = _cached_region(builder, avals, tuple(static))
-    return map_p.bind(*placed, body=body, placement=placement, n=n)

@@ -24,14 +24,12 @@ from fcir.jaxcompat import batching, core, mlir
 
 __all__ = [
     "clip_member",
-    "define_dp",
     "define_primitive",
     "define_reduction",
     "dp_noise",
     "is_key",
     "mean_result_dtype",
     "member_aval",
-    "member_slices",
     "moveaxis_to",
     "placed_aval",
     "sum_result_dtype",
@@ -42,7 +40,7 @@ def __getattr__(name: str):
     """``<op>_p``: the primitive named ``fed_<op>``, read from the registry (each fed op
     module defines its own primitive)."""
     if name.endswith("_p") and not name.startswith("_"):
-        from fcir.fed import by_primitive
+        from fcir.fed.base import by_primitive
 
         cls = by_primitive().get("fed_" + name.removesuffix("_p"))
         if cls is not None:
@@ -284,83 +282,3 @@ def is_key(aval) -> bool:
     if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
         return aval.shape == ()
     return aval.dtype == np.uint32 and aval.shape == (2,)
-
-
-def _dp_batch(prim):
-    def batch(args, dims, **params):
-        # Unrolled over the batch axis: the clip couples all leaves of one member, so a
-        # batch element cannot ride along on the members' axis.
-        # The placed leaves are sliced member by member (inside a fed.map, so that no op
-        # at the server reads them); the key, where the result lives, directly.
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        *xs, key = args
-        *xdims, kdim = dims
-        xs = [x if d is None or d > 0 else moveaxis_to(x, 0, 1) for x, d in zip(xs, xdims)]
-        xdims = [d if d is None or d > 0 else 1 for d in xdims]
-        per = []
-        for b in range(size):
-            sliced = member_slices(xs, xdims, b, params["placement"], params["n"])
-            k = key if kdim is None else jax.lax.index_in_dim(key, b, kdim, keepdims=False)
-            per.append(prim.bind(*sliced, k, **params))
-        return [jnp.stack(list(outs)) for outs in zip(*per)], [0] * len(per[0])
-
-    return batch
-
-
-def member_slices(xs, dims, b: int, placement: str, n: int) -> list:
-    """Element ``b`` of the batch axis ``dims[i]`` (>= 1) of each placed ``xs[i]``,
-    taken by a fed.map over the members (unbatched leaves as they are)."""
-    from fcir.fed.map import map_p
-
-    batched = [i for i, d in enumerate(dims) if d is not None]
-    if not batched:
-        return list(xs)
-
-    def body(*members):
-        return [
-            jax.lax.index_in_dim(m, b, dims[i] - 1, keepdims=False)
-            for i, m in zip(batched, members)
-        ]
-
-    avals = [jax.ShapeDtypeStruct(xs[i].shape[1:], xs[i].dtype) for i in batched]
-    closed = jax.make_jaxpr(body)(*avals)
-    outs = map_p.bind(*[xs[i] for i in batched], body=closed, placement=placement, n=n)
-    got = list(xs)
-    for i, o in zip(batched, outs):
-        got[i] = o
-    return got
-
-
-def define_dp(name: str, impl, abstract_eval, *, compiled: bool = False):
-    """A multiple-results DP aggregate primitive for a fed op module (``fed.dp_*``,
-    ``fed.ddp_*``): ``impl(*leaves, key(s), placement=..., n=..., **params)`` is its
-    eager impl and its lowering, ``abstract_eval(*avals, **params)`` raises the op's
-    constraint errors and gives the results' avals; batching unrolls the batch axis.
-    ``compiled``: evaluate eagerly through ``jax.jit`` of ``impl`` (``_compiled_per_params``),
-    for an impl whose bits cannot depend on it (``fed.ddp_*``: float32 with fixed-order
-    sums, then integers; no bf16 intermediate a compiled program could keep wider)."""
-    prim = core.Primitive(name)
-    prim.multiple_results = True
-    prim.def_impl(_compiled_per_params(impl) if compiled else impl)
-    prim.def_abstract_eval(abstract_eval)
-    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
-    batching.primitive_batchers[prim] = _dp_batch(prim)
-    return prim
-
-
-def _compiled_per_params(impl):
-    """``impl`` run eagerly as one compiled function per set of op parameters (and, by
-    ``jax.jit``, per operand types): the same function the lowering traces, so the
-    same bits. Op by op, a DP aggregate dispatches hundreds of small kernels (each
-    while loop of the discrete Gaussian sampler compiles afresh), which made one
-    reference run of a small ``fed.ddp_sum`` round take seconds."""
-    import functools
-
-    @functools.cache
-    def compiled(params: tuple):
-        return jax.jit(functools.partial(impl, **dict(params)))
-
-    def eager(*args, **params):
-        return compiled(tuple(sorted(params.items())))(*args)
-
-    return eager

@@ -34,6 +34,7 @@ import numpy as np
 
 from fcir.errors import ParseError, UnsupportedError
 from fcir.ir.types import dtype_from_name, dtype_name
+from fcir.jaxcompat import schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +194,6 @@ def encode(value, prim: str, key: str, add_region) -> Any:
         return value
     if t is tuple and prim not in _BY_NAME:
         return tuple([encode(v, prim, key, add_region) for v in value])
-    from fcir import jaxcompat
 
     if value is None or isinstance(value, (bool, str)):
         return value
@@ -203,7 +203,7 @@ def encode(value, prim: str, key: str, add_region) -> Any:
         return int(value)
     if isinstance(value, (float, np.floating)):
         return float(value)
-    closed = jaxcompat.region_kind(value, prim, key)
+    closed = schema.region_kind(value, prim, key)
     if closed is not None:
         return add_region(value, closed)
     if isinstance(value, np.dtype) or hasattr(value, "_impl") and hasattr(value, "name"):

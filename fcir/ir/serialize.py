@@ -28,6 +28,7 @@ from fcir.ir.nodes import (
     value_numbering,
 )
 from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, Type, dtype_from_name
+from fcir.version import __version__
 
 _KINDS = {
     "leaf": pb.Structure.LEAF,
@@ -49,9 +50,7 @@ _LABEL = re.compile(r"\w+")
 def _producer() -> str:
     import jax
 
-    import fcir
-
-    return f"fcir {fcir.__version__} / jax {jax.__version__}"
+    return f"fcir {__version__} / jax {jax.__version__}"
 
 
 # --- writing ----------------------------------------------------------------------------

@@ -96,6 +96,23 @@ def region_is_closed(prim: str, key: str) -> bool:
     return (prim, key) not in OPEN_REGIONS and ("*", key) not in OPEN_REGIONS
 
 
+def region_kind(value, prim: str, key: str) -> bool | None:
+    """For a jaxpr-valued param ``key`` of ``prim``: whether fcir's schema makes it a
+    closed region (True) or an open one (False); None when ``value`` is no jaxpr."""
+    if _jc._MERGED:
+        if not isinstance(value, _jc.core.Jaxpr):
+            return None
+        closed = region_is_closed(prim, key)
+        if not closed and value.consts:
+            raise ValueError(f"param {key} of {prim} is an open jaxpr but carries constants")
+        return closed
+    if isinstance(value, _jc.core.ClosedJaxpr):
+        return True
+    if isinstance(value, _jc.core.Jaxpr):
+        return False
+    return None
+
+
 def scan_counts(params: dict) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a scan eqn's params, in either JAX's form."""
     if "num_consts" in params:

@@ -33,9 +33,8 @@ import numpy as np
 from fcir.errors import ExportError
 from fcir.ir.types import runtime_type
 
-from ..production.bundle import _interface
 from ..production.rewrite import member_type
-from ..production.splitting import PARTS
+from ..production.splitting import PARTS, part_interface
 
 APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
@@ -111,7 +110,7 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
     carried values are ``("carry", name)`` and the round's arguments stay ``("arg", i)``.
     """
     sp = plan.split
-    interface = _interface(plan)
+    interface = part_interface(plan)
     stablehlo = plan.stablehlo_artifacts()
     n_args = len(phase.module.main.body.params) - len(phase.carried_in)
 

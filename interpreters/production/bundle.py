@@ -39,7 +39,7 @@ from fcir.ir import Module
 from fcir.ir.types import dtype_name, runtime_type
 
 from .rewrite import member_type
-from .splitting import PARTS, RUNS_ON
+from .splitting import PARTS, RUNS_ON, part_interface
 
 FORMAT = "fcir.production.bundle"
 FORMAT_VERSION = 1
@@ -51,43 +51,6 @@ class BundleError(FcirError):
 
 
 # --- writing ------------------------------------------------------------------------------
-
-
-def _interface(plan) -> dict[str, tuple[list, list]]:
-    """Each part's (params, results) as (group, name) pairs, in leaf order."""
-    sp = plan.split
-
-    def names(structure) -> list[str]:
-        return list(structure.names)
-
-    prepare = sp.parts["server_prepare"].main
-    b, t = (names(c) for c in prepare.result_structure.children)
-    a_in = names(sp.client_member.main.result_structure)
-    a_out = names(sp.parts["client_to_server_aggregation"].main.result_structure)
-    n_out = len(sp.parts["server_result"].main.body.results)
-
-    def group(g, items):
-        return [(g, str(x)) for x in items]
-
-    return {
-        "server_prepare": (
-            group("arg", sp.server_args),
-            group("broadcast_input", b) + group("temporary", t),
-        ),
-        "server_to_client_broadcast": (group("broadcast_input", b), group("broadcast_output", b)),
-        "client_work": (
-            group("arg", sp.client_args) + group("broadcast_output", b),
-            group("client_output", a_in),
-        ),
-        "client_to_server_aggregation": (
-            group("temporary", t) + group("client_output", a_in),
-            group("aggregated", a_out),
-        ),
-        "server_result": (
-            group("temporary", t) + group("aggregated", a_out),
-            group("output", range(n_out)),
-        ),
-    }
 
 
 def _entries(pairs, values, module: Module, member: bool) -> list[dict]:
@@ -121,7 +84,7 @@ def write(plan, directory, *, device_runtime="jax", device_targets=(), inputs=No
             "give -o a new directory"
         )
     device = None
-    has_client_work = bool(_interface(plan)["client_work"][1])
+    has_client_work = bool(part_interface(plan)["client_work"][1])
     if device_runtime == "iree" and has_client_work:  # first: if IREE is wrong, write nothing
         from . import iree, lowering
 
@@ -138,7 +101,7 @@ def write(plan, directory, *, device_runtime="jax", device_targets=(), inputs=No
     }
     hlo = plan.hlo_modules()
     stablehlo = plan.stablehlo_artifacts()
-    interface = _interface(plan)
+    interface = part_interface(plan)
     parts = {}
     platforms: set[str] = set()
     for name in PARTS:

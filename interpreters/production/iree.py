@@ -390,7 +390,7 @@ def round_client_inputs(plan, leaves) -> list[list[np.ndarray]]:
     from fcir.ir.types import dtype_name, runtime_type
 
     from . import lowering
-    from .bundle import _interface
+    from .splitting import part_interface
 
     params = plan.round.main.body.params
     if len(leaves) != len(params):
@@ -404,7 +404,7 @@ def round_client_inputs(plan, leaves) -> list[list[np.ndarray]]:
         if got != str(t):
             raise ExportError(f"--inputs arr_{i}: needs an array of {t}, got {got}")
         env[("arg", str(i))] = np.asarray(x)
-    interface = _interface(plan)
+    interface = part_interface(plan)
     ins, outs = interface["server_prepare"]
     fn, _ = lowering.flat_function(plan.code("server_prepare"))
     if outs:

@@ -582,3 +582,40 @@ def _lower_reduction(sp: _Splitter, i: int, fused: Region, env: dict, outputs: d
             op.name, send(name, lambda a: a.astype(jnp.int32)), post=lambda a: a.astype(jnp.bool_)
         )
     return one(op.name, send(name))
+
+
+def part_interface(plan) -> dict[str, tuple[list, list]]:
+    """Each part's (params, results) in a bundle as (group, name) pairs, in leaf order."""
+    sp = plan.split
+
+    def names(structure) -> list[str]:
+        return list(structure.names)
+
+    prepare = sp.parts["server_prepare"].main
+    b, t = (names(c) for c in prepare.result_structure.children)
+    a_in = names(sp.client_member.main.result_structure)
+    a_out = names(sp.parts["client_to_server_aggregation"].main.result_structure)
+    n_out = len(sp.parts["server_result"].main.body.results)
+
+    def group(g, items):
+        return [(g, str(x)) for x in items]
+
+    return {
+        "server_prepare": (
+            group("arg", sp.server_args),
+            group("broadcast_input", b) + group("temporary", t),
+        ),
+        "server_to_client_broadcast": (group("broadcast_input", b), group("broadcast_output", b)),
+        "client_work": (
+            group("arg", sp.client_args) + group("broadcast_output", b),
+            group("client_output", a_in),
+        ),
+        "client_to_server_aggregation": (
+            group("temporary", t) + group("client_output", a_in),
+            group("aggregated", a_out),
+        ),
+        "server_result": (
+            group("temporary", t) + group("aggregated", a_out),
+            group("output", range(n_out)),
+        ),
+    }
