@@ -14,6 +14,7 @@ import threading
 import jax
 
 from fcir.errors import CheckpointError
+from fcir.jaxcompat import distributed_client
 
 #: How long a process waits for the others at one step of a save.
 TIMEOUT_S = 3600.0
@@ -29,7 +30,6 @@ class Coordinator:
         self._changed = threading.Condition()
         self._client = None
         if self.process_count > 1:
-            from fcir.jaxcompat import distributed_client  # private in JAX; see above
 
             self._client = distributed_client()
             if self._client is None:

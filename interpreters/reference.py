@@ -28,6 +28,7 @@ from fcir.ir import Module, Op, walk
 from fcir.ir.check import check
 from fcir.ir.control_flow import scan_axis
 from fcir.ir.types import runtime_type
+from fcir.mechanisms import ddgauss as ddp
 
 
 @functools.cache
@@ -35,8 +36,6 @@ def _compiled_encode():
     """``fcir.mechanisms.ddgauss.encode`` compiled once per shapes and parameters: run op by op, each
     client's encoding dispatched its sampler's while loops afresh (over a hundred XLA
     compiles, seconds per client)."""
-    from fcir.mechanisms import ddgauss as ddp
-
     return jax.jit(ddp.encode, static_argnums=2)
 
 
@@ -172,8 +171,6 @@ class ReferenceInterpreter(Interpreter):
         """Each client encodes its own pytree with its own key (``fcir.mechanisms.ddgauss.encode``), the
         residues are added modulo ``2**bits`` one client at a time in Python integers (the
         secure sum), and the server decodes: the mechanism as ``fcir.mechanisms.ddgauss`` states it."""
-        from fcir.mechanisms import ddgauss as ddp
-
         *xs, keys = args
         n = xs[0].shape[0]
         p = ddp.params(

@@ -681,7 +681,7 @@ def test_violation_is_reported(case: Case):
 def checker_codes() -> set[str]:
     """Every ``area/Cn`` code the checker reports or documents."""
     # fcir.check is also the name of the function; import the module itself.
-    src = inspect.getsource(importlib.import_module("fcir.check"))
+    src = inspect.getsource(importlib.import_module("fcir.ir.check"))
     return set(re.findall(r"\b((?:local|region|module|fed|op|flow)/C\d+)\b", src))
 
 

@@ -14,7 +14,12 @@ import pathlib
 import sys
 
 from fcir.cli import plugins
-from fcir.errors import FcirError
+from fcir.errors import FcirError, user_location
+from fcir.frontend.capture import capture_unchecked
+from fcir.frontend.loading import is_ir_file, load_inputs, load_ir, load_module, load_python_target
+from fcir.ir.check import verify
+from fcir.privacy import format_round_cost, round_cost
+from fcir.report import dot
 
 EMIT_CHOICES = ("ir", "hlo", "stablehlo", "cost")
 
@@ -70,7 +75,6 @@ def _unflatten_args(module, leaves):
 
 
 def cmd_compile(a) -> int:
-    from fcir.frontend.loading import load_module
 
     emit = [e.strip() for e in a.emit.split(",") if e.strip()]
     bad = [e for e in emit if e not in EMIT_CHOICES]
@@ -145,11 +149,9 @@ def _mesh(spec: str):
 
 
 def cmd_show(a) -> int:
-    from fcir.frontend.loading import load_module
 
     module = load_module(a.FILE, a.args, locations=a.locations)
     if a.format == "text":
-        from fcir.privacy import format_round_cost, round_cost
 
         text = module.to_text(full_constants=a.full_constants, locations=a.locations)
         # As comments, so the output still parses as IR.
@@ -159,7 +161,6 @@ def cmd_show(a) -> int:
             notes = [f"privacy: not accounted: {e}"]
         text += "".join(f"// {line}\n" for line in notes)
     else:
-        from fcir.report import dot
 
         text = dot.to_dot(module) if a.format == "dot" else dot.to_svg(module)
     if a.output:
@@ -171,8 +172,6 @@ def cmd_show(a) -> int:
 
 
 def cmd_check(a) -> int:
-    from fcir.frontend.loading import is_ir_file, load_ir
-    from fcir.ir.check import verify
 
     if is_ir_file(a.FILE):
         module = load_ir(a.FILE)
@@ -189,8 +188,6 @@ def cmd_check(a) -> int:
 
 
 def _capture_unchecked(target, specs):
-    from fcir.frontend.capture import capture_unchecked
-    from fcir.frontend.loading import load_python_target
 
     fn, args = load_python_target(target, specs)
     # With locations, so each error names the user's source line.
@@ -198,7 +195,6 @@ def _capture_unchecked(target, specs):
 
 
 def cmd_diff(a) -> int:
-    from fcir.frontend.loading import load_ir
 
     try:
         ta = load_ir(a.A).to_text()
@@ -218,7 +214,6 @@ def cmd_diff(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from fcir.frontend.loading import load_inputs, load_module
 
     backend = plugins.backend(a.backend)
     if a.clients_per_step is not None and not getattr(backend, "STREAMS", False):
@@ -361,8 +356,6 @@ def _at(error: BaseException) -> str:
     """`` (at file.py:12)``, the user's line an error was raised at while their program
     was traced or their file ran, which the traceback this command hides would show;
     empty when the message names it already or no frame is the user's."""
-    from fcir.errors import user_location
-
     if getattr(error, "fcir_located", False):
         return ""
     at = user_location(error)

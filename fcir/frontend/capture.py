@@ -21,14 +21,16 @@ import numpy as np
 
 from fcir import gcpause
 from fcir import jaxcompat as jc
-from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
+from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError, user_location
 from fcir.fed import by_primitive
 from fcir.frontend import jaxpr_cache as captured
 from fcir.frontend import primitives as P
 from fcir.frontend import pytrees
+from fcir.frontend.program import PRIVATE_SCOPE
 from fcir.ir import Func, Module, Op, Region, Value, canonical, is_name, sanitize_name
 from fcir.ir import attrs as A
 from fcir.ir import control_flow as CF
+from fcir.ir.check import check
 from fcir.ir.elementwise import LAYOUT, PER_MEMBER
 from fcir.ir.types import (
     SERVER,
@@ -66,8 +68,6 @@ def capture(fn, *args, name: str | None = None, locations: bool = False, **kwarg
     ``to_text(locations=True)``). Without it an error still names the user's source
     line: the failing conversion or check runs once more with locations.
     """
-    from fcir.ir.check import check
-
     # Tracing makes the jaxpr and converting it the module: millions of long-lived
     # objects and no garbage cycles, so no collector passes while they are made
     # (fcir.gcpause). Unpaused, the trace alone ran one to three full collections.
@@ -142,8 +142,6 @@ def _needs_a_value(e: Exception) -> UnsupportedError:
     code, capture traces abstractly like jax.jit. ``fcir.map_fn`` marks an error of its
     body with the member placement (``fcir_member_of``): there the fix is a per-member
     select, not a server branch."""
-    from fcir.errors import user_location
-
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     at = user_location(e)
     at = f" (at {at})" if at else ""
@@ -280,8 +278,6 @@ def _calls_private(jaxpr: core.Jaxpr) -> bool:
     """True if an op of ``jaxpr`` (or of a jaxpr inside it) was traced inside an
     ``fcir.program(private=True)``: a function that calls a private program (under
     jax.grad, vmap, jit, a scan body...) is private too."""
-    from fcir.frontend.program import PRIVATE_SCOPE
-
     stack, seen = [jaxpr], set()
     while stack:
         jx = stack.pop()

@@ -11,12 +11,12 @@ from fcir.errors import PlacementError
 from fcir.fed.ddp_mean import ddp_mean_p
 from fcir.fed.ddp_sum import ddp_sum_p
 from fcir.frontend.program import _check_placed, _current, _dp_static, _flatten
+from fcir.mechanisms import ddgauss as ddp
 
 __all__ = ["ddp_mean", "ddp_sum"]
 
 
 def _ddp(prim, what: str, x, clip_norm, noise_multiplier, keys, bits):
-    from fcir.mechanisms import ddgauss as ddp
 
     frame = _current(what)
     name, n = frame.child(what)

@@ -18,7 +18,11 @@ import sys
 import jax
 
 from fcir.errors import FcirError, ParseError
+from fcir.frontend.capture import capture
+from fcir.interpreter import as_input
 from fcir.ir import Module
+from fcir.ir.text import _Parser, parse
+from fcir.ir.types import dtype_name, runtime_type
 
 IR_SUFFIXES = (".fcir", ".pb")
 
@@ -43,8 +47,6 @@ def load_ir(path: str) -> Module:
             raise ParseError(f"{path} is IR text, not a serialized module (text IR files end "
                              "in .fcir): rename it")
         return Module.deserialize(data)
-    from fcir.ir.text import parse
-
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -111,8 +113,6 @@ SPEC_SYNTAX = (
 def parse_arg_specs(specs: list[str]) -> tuple:
     """``["f32[16,1]", "(f32[8,32,16], f32[8,32,1])", '{"w": f32[3]}']`` ->
     ShapeDtypeStruct pytrees (tuples, lists, dicts with string keys, None)."""
-    from fcir.ir.text import _Parser
-
     out = []
     for spec in specs:
         try:
@@ -179,8 +179,6 @@ def format_arg_spec(tree) -> str | None:
     which :func:`parse_arg_specs` reads back; None when the pytree holds containers the
     syntax has no form for (namedtuples, dataclasses)."""
     import json
-
-    from fcir.ir.types import dtype_name
 
     if tree is None:
         return "none"
@@ -307,8 +305,6 @@ def load_module(
     args = parse_arg_specs(arg_specs) if arg_specs else example_args(name, module, fn)
     if arg_specs:
         _check_arity(fn, name, args)
-    from fcir.frontend.capture import capture
-
     return capture(fn, *args, name=name, locations=locations)
 
 
@@ -347,7 +343,6 @@ def leaf_paths(structure, n: int) -> list[str]:
 
 
 def _expected_leaves(module) -> list[str]:
-    from fcir.ir.types import runtime_type
 
     params = module.main.body.params
     paths = leaf_paths(module.main.arg_structure, len(params))
@@ -369,8 +364,6 @@ def load_inputs(path: str, module=None) -> list:
     import zipfile
 
     import numpy as np
-
-    from fcir.interpreter import as_input
 
     p = pathlib.Path(path)
     if not p.is_file():

@@ -20,7 +20,9 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from fcir.errors import PlacementError
+from fcir.fed.base import by_primitive
 from fcir.jaxcompat import batching, core, mlir
+from fcir.mechanisms.gaussian import standard_normal
 
 __all__ = [
     "clip_member",
@@ -40,7 +42,6 @@ def __getattr__(name: str):
     """``<op>_p``: the primitive named ``fed_<op>``, read from the registry (each fed op
     module defines its own primitive)."""
     if name.endswith("_p") and not name.startswith("_"):
-        from fcir.fed.base import by_primitive
 
         cls = by_primitive().get("fed_" + name.removesuffix("_p"))
         if cls is not None:
@@ -270,8 +271,6 @@ def dp_noise(key, i: int, shape, dtype, clip_norm: float, noise_multiplier: floa
     bf16, a normal has 128 values, none beyond 2.9 standard deviations (f16: 3.5), a
     truncated Gaussian whose edge gives away a shift of ``clip_norm`` (at noise
     multiplier 1, with probability 3% per release, against the accountant's δ)."""
-    from fcir.mechanisms.gaussian import standard_normal
-
     draw = jnp.float32 if jnp.finfo(dtype).bits < 32 else dtype
     normal = standard_normal(jax.random.fold_in(key, i), tuple(shape), np.dtype(draw))
     return (noise_multiplier * clip_norm * normal).astype(dtype)

@@ -20,7 +20,8 @@ from typing import Any
 
 import jax
 
-from fcir.ir.types import Structure
+from fcir.errors import InterpreterError
+from fcir.ir.types import Structure, runtime_type
 
 _AMBIGUOUS = object()
 _BY_STRUCTURE: dict[Structure, Any] = {}
@@ -61,8 +62,6 @@ def call_arguments(module, args: tuple, kwargs: dict, who: str) -> Any:
     ((...), {"x": ...})``). Keyword names must be those the module was captured with."""
     if not kwargs:
         return args
-    from fcir.errors import InterpreterError
-
     structure = module.main.arg_structure
     captured = _captured_keywords(structure)
     expected = _expected_arguments(structure, captured)
@@ -102,9 +101,6 @@ def check_arguments(module, called: tuple, who: str) -> None:
     structure = module.main.arg_structure
     if structure is None:
         return
-    from fcir.errors import InterpreterError
-    from fcir.ir.types import runtime_type
-
     params = module.main.body.params
     counted = len(jax.tree_util.tree_leaves(called)) == len(params)
 

@@ -32,6 +32,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fcir.errors import PlacementError
+from fcir.jaxcompat import physical_mesh
 
 __all__ = [
     "AMBIENT",
@@ -64,7 +65,6 @@ AMBIENT = AmbientMesh()
 
 
 def _physical_mesh():
-    from fcir.jaxcompat import physical_mesh
 
     return physical_mesh()
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from fcir.errors import ParseError, UnsupportedError
 from fcir.ir.types import dtype_from_name, dtype_name
-from fcir.jaxcompat import schema
+from fcir.jaxcompat import core, named_sharding, prng, schema
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +241,6 @@ def encode(value, prim: str, key: str, add_region) -> Any:
 def _encode_special(value, prim, key, add_region):
     import jax
 
-    from fcir.jaxcompat import named_sharding, prng
-
     if isinstance(value, named_sharding.UnspecifiedValue):
         return Enum("Sharding", "UNSPECIFIED")
     if isinstance(value, prng.PRNGImpl):
@@ -285,8 +283,6 @@ def _encode_special(value, prim, key, add_region):
             "jax.debug.print, which is kept as its format string, or call the function "
             "outside the captured program"
         )
-    from fcir.jaxcompat import core
-
     if isinstance(value, core.Primitive):
         if value.name not in PARAM_PRIMITIVES:
             raise UnsupportedError(
@@ -389,8 +385,6 @@ def decode(attr, get_region) -> Any:
 
 def _decode_enum(attr: Enum):
     import jax
-
-    from fcir.jaxcompat import named_sharding, prng
 
     if attr.type_name == "Sharding" and attr.member == "UNSPECIFIED":
         return named_sharding.UNSPECIFIED

@@ -38,10 +38,12 @@ import dataclasses
 from fcir.errors import IRTypeError, PlacementError, PrivacyError
 from fcir.ir import check_jax_ops as check_local
 from fcir.ir import control_flow as CF
+from fcir.ir import expect_module
 from fcir.ir.elementwise import PER_MEMBER as ELEMENTWISE
 from fcir.ir.nodes import Module, Op, Region, Value, describe, is_name, value_numbering
 from fcir.ir.types import SERVER, PlacedType, TensorType
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
+from fcir.privacy import leaks
 
 # The checker's own constraints (the fed ops' are in their classes, fcir.fed; local
 # ops' types in fcir.ir.check_jax_ops.CONSTRAINTS; the leak check's in fcir.privacy).
@@ -120,8 +122,6 @@ class _Checker:
         self.check_sizes(main.body.params, (), None)
         self.region(main.body, Context(m.placements, -1), (), set())
         if m.private and not self.diags:  # the leak check needs a well-formed module
-            from fcir.privacy import leaks
-
             for leak in leaks(m):
                 self.report(leak.code, leak.message, leak.path, leak.op, True)
         return self.diags
@@ -404,8 +404,6 @@ def placement_axes(op: Op, placements) -> set[str]:
 
 def verify(module: Module) -> list[Diagnostic]:
     """Every diagnostic for ``module`` (empty when it checks)."""
-    from fcir.ir import expect_module
-
     expect_module(module, "fcir.check")
     return _Checker(module).run()
 

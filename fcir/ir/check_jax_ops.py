@@ -41,10 +41,21 @@ import numpy as np
 
 from fcir import jaxcompat as jc
 from fcir.errors import FcirError
+from fcir.interpreter import jax_primitive
 from fcir.ir import attrs as A
 from fcir.ir.nodes import Op, Region
-from fcir.ir.types import SERVER, PlacedType, TensorType, Type, dtype_from_name
-from fcir.jaxcompat import core, schema
+from fcir.ir.text import format_attr
+from fcir.ir.types import SERVER, PlacedType, TensorType, Type, dtype_from_name, dtype_name
+from fcir.jaxcompat import (
+    AccuracyMode,
+    DotAlgorithm,
+    DotAlgorithmPreset,
+    Precision,
+    Tolerance,
+    core,
+    named_sharding,
+    schema,
+)
 from fcir.ops import COLLECTIVES
 
 CONSTRAINTS = {
@@ -267,7 +278,6 @@ def _aval(rt) -> core.ShapedArray:
 def _dtype_name(dtype) -> str:
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        from fcir.ir.types import dtype_name
 
         name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
     return name
@@ -287,8 +297,6 @@ def _stub(sig, closed: bool):
 def _derive(op: Op, operand_types, region_sigs) -> list | None:
     """The result types the primitive gives: a list of (dtype, shape), or None where
     they cannot be derived from the op alone."""
-    from fcir.interpreter import jax_primitive
-
     name = op.name.removeprefix("jax.")
     try:
         prim = jax_primitive(name)
@@ -365,7 +373,6 @@ def _derive(op: Op, operand_types, region_sigs) -> list | None:
 
 
 def _short(attr) -> str:
-    from fcir.ir.text import format_attr
 
     try:
         text = format_attr(attr)
@@ -375,7 +382,6 @@ def _short(attr) -> str:
 
 
 def _is_precision(v, ops, res) -> bool:
-    from fcir.jaxcompat import DotAlgorithm, DotAlgorithmPreset, Precision
 
     if v is None or isinstance(v, (DotAlgorithm, DotAlgorithmPreset)):
         return True
@@ -383,15 +389,12 @@ def _is_precision(v, ops, res) -> bool:
 
 
 def _is_accuracy(v, ops, res) -> bool:
-    from fcir.jaxcompat import AccuracyMode, Tolerance
 
     return v is None or isinstance(v, (AccuracyMode, Tolerance))
 
 
 def _is_sharding(v) -> bool:
     import jax
-
-    from fcir.jaxcompat import named_sharding
 
     return isinstance(
         v, (jax.sharding.NamedSharding, jax.sharding.PartitionSpec,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fcir.errors import IRTypeError
 from fcir.ir.types import SERVER, PlacedType, TensorType, Type
 
 PRIMITIVES = frozenset({"scan", "while", "cond"})
@@ -193,7 +194,6 @@ def scan_length(op) -> int:
     when a hand-edited module's ``length`` is not a non-negative int."""
     v = op.attrs.get("length", 1)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        from fcir.errors import IRTypeError
 
         raise IRTypeError(f"{op.name}: attribute length={v!r} must be a non-negative int")
     return v

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from fcir.errors import IRTypeError, ParseError, PlacementError
 from fcir.ir.types import Structure, Type
 
 IR_VERSION = 1  # major version of the fcir.v1 Module format this fcir reads and writes
@@ -33,7 +34,6 @@ def expect_module(module, who: str) -> None:
     """Raises ``IRTypeError`` unless ``module`` is a :class:`Module` (what ``who``, a
     public function, takes), instead of an AttributeError deep inside it."""
     if not isinstance(module, Module):
-        from fcir.errors import IRTypeError
 
         raise IRTypeError(
             f"{who}: expected an fcir.Module (from fcir.capture, fcir.parse or "
@@ -50,8 +50,6 @@ def check_names(module: Module) -> None:
     """Raises IRTypeError unless the module's, its funcs' and placements' names are
     names (:func:`is_name`): the printer and serializer refuse to write what the parser
     and deserializer would not read back."""
-    from fcir.errors import IRTypeError
-
     bad = [("module", module.name)] if not is_name(module.name) else []
     bad += [("func", f.name) for f in module.funcs if not is_name(f.name)]
     bad += [("placement", p) for p, _ in module.placements if not is_name(p)]
@@ -132,16 +130,12 @@ class Module:
         for f in self.funcs:
             if f.name == "main":
                 return f
-        from fcir.errors import IRTypeError
-
         raise IRTypeError(f"module @{self.name} has no func @main")
 
     def cardinality(self, placement: str) -> int:
         for name, n in self.placements:
             if name == placement:
                 return n
-        from fcir.errors import PlacementError
-
         raise PlacementError(
             f"placement '{placement}' is not declared by module @{self.name} "
             f"(placements: {[p for p, _ in self.placements]})"
@@ -172,8 +166,6 @@ class Module:
 def check_structure(structure: Structure, count: int, what: str) -> None:
     """Raises ParseError unless ``structure`` is well formed and its leaves index each of
     ``count`` flat values exactly once (a permutation of ``range(count)``)."""
-    from fcir.errors import ParseError
-
     leaves: list[int] = []
     stack = [structure]
     while stack:

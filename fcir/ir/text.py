@@ -28,7 +28,7 @@ import re
 import numpy as np
 
 from fcir import gcpause
-from fcir.errors import ParseError
+from fcir.errors import ParseError, VersionError
 from fcir.ir import attrs as A
 from fcir.ir.nodes import (
     CODECS,
@@ -43,7 +43,7 @@ from fcir.ir.nodes import (
     is_name,
     value_numbering,
 )
-from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, Type
+from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, Type, dtype_from_name
 
 INLINE_LIMIT = 16
 _DIGEST_CHARS = 16
@@ -381,7 +381,6 @@ class _Parser:
         self.expect("=")
         version = self.integer()
         if version > IR_VERSION:
-            from fcir.errors import VersionError
 
             raise VersionError(
                 f"module @{name} has ir_version={version}; this fcir reads ir_version "
@@ -513,8 +512,6 @@ class _Parser:
         t = self.next()
         if t[0] not in ("ident", "key"):
             raise self.error("expected a type such as f32[16,1]", t)
-        from fcir.ir.types import dtype_from_name
-
         try:
             dtype_from_name(t[1])
         except ParseError as e:
@@ -812,8 +809,6 @@ class _Parser:
                 return False
             if t[1] == "none":
                 return None
-            from fcir.ir.types import dtype_from_name
-
             try:
                 dtype_from_name(t[1])
             except ParseError:
@@ -839,8 +834,6 @@ class _Parser:
                 vals.append(self.scalar())
             if len(vals) != size:
                 raise self.error(f"dense<{tt}> needs {size} values, got {len(vals)}")
-            from fcir.ir.types import dtype_from_name
-
             dt = dtype_from_name(tt.dtype)
             if tt.dtype.startswith(("key<", "c")):
                 raise self.error("key and complex constants are written as hex")

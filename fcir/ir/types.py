@@ -19,6 +19,7 @@ from typing import Union
 import numpy as np
 
 from fcir.errors import ParseError, UnsupportedError
+from fcir.jaxcompat import prng
 
 SERVER = "server"
 
@@ -59,7 +60,6 @@ def _dtype_name(dtype) -> str:
 
 
 def _key_impls():
-    from fcir.jaxcompat import prng
 
     return {impl.tag: impl for impl in prng.prngs.values()}
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from fcir import jaxcompat as _jc
+from fcir.jaxcompat import named_sharding
 
 # (primitive, param) pairs that hold an open jaxpr (no constants) in fcir's schema; every
 # other jaxpr-valued param is closed. "*" matches any primitive.
@@ -126,8 +127,6 @@ def inlined_while_tracing(prim: str, params: dict) -> bool:
     without shardings or layouts), so that capture inlines it too."""
     if prim != "jit" or _INLINE is None or params.get("inline") is not _INLINE.JAX_LATE:
         return False
-    from fcir.jaxcompat import named_sharding
-
     unspecified = named_sharding.UnspecifiedValue
     return (
         all(isinstance(s, unspecified) for s in params["in_shardings"])

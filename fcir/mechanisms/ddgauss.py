@@ -118,6 +118,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fcir.errors import IRTypeError
+from fcir.frontend.primitives import clip_scale, pairwise_sum
 
 __all__ = [
     "DdpParams",
@@ -463,8 +464,6 @@ def _clip_rows(flat, clip_norm: float):
     computed norm is within ``(log2 D / 2 + 2) * 2**-24`` relative of the true one, so
     the clipped row's norm is at most ``clip_norm * (1 + (log2 D / 2 + 4) * 2**-24)``
     (the margin ``params`` allows for it)."""
-    from fcir.frontend.primitives import clip_scale, pairwise_sum
-
     # A row with a NaN or inf entry has a non-finite squared norm: it is encoded as the
     # all-zero row, never left to how a backend converts NaN to int.
     finite, factor = clip_scale(pairwise_sum(jnp.square(flat)), clip_norm)

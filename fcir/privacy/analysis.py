@@ -65,7 +65,11 @@ from fcir.errors import PrivacyError
 from fcir.ir import Module, Op, Region, Value, expect_module, value_numbering
 from fcir.ir import control_flow as cf
 from fcir.ir.types import SERVER, PlacedType
+from fcir.mechanisms.ddgauss import op_params, rdp_noise_multiplier
 from fcir.ops import DP_OPS
+from fcir.privacy import sampler_error
+from fcir.privacy.keys import problems
+from fcir.privacy.sampler_error import delta_with_sampler
 from fcir.report.traffic import call_unit
 
 __all__ = [
@@ -356,8 +360,6 @@ def leaks(module: Module) -> list[Leak]:
     aggregates (empty for a leak-free program), each naming its op; every DP op whose
     noise another release may repeat (``privacy/C4``); and every distributed DP op
     whose keys are not the clients' own (``privacy/C5``)."""
-    from fcir.privacy.keys import problems
-
     expect_module(module, "fcir.privacy.leaks")
     taint = _Taint(module)
     found = taint.run()
@@ -393,9 +395,7 @@ class DdpRelease(Release):
         """A bound on the total variation between one round's noise of this op as
         sampled (integer inverse CDF, ``fcir.mechanisms.ddgauss.sampler_tv``) and the exact discrete
         Gaussian's: ``count * coordinates`` times one coordinate's."""
-        from fcir.privacy.sampler_error import sampler_tv
-
-        return self.count * self.coordinates * sampler_tv(self.local_stddev)
+        return self.count * self.coordinates * sampler_error.sampler_tv(self.local_stddev)
 
 
 def releases(module: Module) -> list[Release]:
@@ -407,8 +407,6 @@ def releases(module: Module) -> list[Release]:
 def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
     for op in region.ops:
         if op.name in _DDP:  # fed.ddp_*: fcir.mechanisms.ddgauss
-            from fcir.mechanisms.ddgauss import op_params, rdp_noise_multiplier
-
             p = op_params(module, op)
             yield DdpRelease(
                 op.name,
@@ -565,8 +563,6 @@ def sampler_tv(module: Module, rounds: int) -> float:
 def _distinct_noise(module: Module) -> None:
     """The accountant counts each release as independent: refuse a module where two
     may draw the same noise (private or not)."""
-    from fcir.privacy.keys import problems
-
     found = problems(module)
     if found:
         raise PrivacyError(f"fcir.privacy.epsilon: {found[0].message}")
@@ -591,7 +587,6 @@ def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
         "unit": call_unit(module),  # "round", or a call of a program that loops over rounds
     }
     if any(isinstance(r, DdpRelease) for r in rels):
-        from fcir.privacy.sampler_error import delta_with_sampler
 
         # The sampler's distance from the exact law (a bound), and the δ it makes.
         tv = sum(r.sampler_tv for r in rels if isinstance(r, DdpRelease))

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 
+from fcir.mechanisms.ddgauss import sampler_tv as tv
+
 __all__ = ["delta_with_sampler", "release_tv", "sampler_tv"]
 
 
@@ -33,8 +35,6 @@ def sampler_tv(stddev: float) -> float:
     """An upper bound on ``TV(P', P)`` for one coordinate of ``fcir.mechanisms.ddgauss.
     discrete_gaussian`` at ``stddev`` (``fcir.mechanisms.ddgauss.sampler_tv``); 0 for ``stddev == 0``
     (no noise is drawn)."""
-    from fcir.mechanisms.ddgauss import sampler_tv as tv
-
     return tv(stddev)
 
 

@@ -29,7 +29,7 @@ import shutil
 import subprocess
 
 from fcir.errors import FcirError
-from fcir.ir import Module, Op, Region, Value, walk
+from fcir.ir import Module, Op, Region, Value, expect_module, walk
 from fcir.ir.types import SERVER, PlacedType, Structure
 from fcir.report.traffic import REDUCTIONS, Transfer, call_unit, format_bytes, nbytes, transfers
 
@@ -46,8 +46,6 @@ _NOTABLE = frozenset(
 
 def to_dot(module: Module) -> str:
     """The dataflow graph of ``module`` in Graphviz ``dot`` syntax (deterministic)."""
-    from fcir.ir import expect_module
-
     expect_module(module, "fcir.report.dot.to_dot")
     return _Drawing(module).draw()
 

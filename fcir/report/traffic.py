@@ -19,9 +19,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from fcir import fed as F
-from fcir.ir import Module, Op, Region
+from fcir.ir import Module, Op, Region, expect_module
 from fcir.ir.control_flow import scan_length
 from fcir.ir.types import PlacedType, Type, runtime_type
+from fcir.mechanisms.ddgauss import op_params
 
 __all__ = [
     "REDUCTIONS",
@@ -88,8 +89,6 @@ def _member(t: Type) -> Type:
 
 def transfers(module: Module) -> Iterator[Transfer]:
     """Every federated op that communicates, in program order, with its bytes."""
-    from fcir.ir import expect_module
-
     expect_module(module, "fcir.report.traffic")
     yield from _transfers(module, module.main.body, 1, 1)
 
@@ -105,8 +104,6 @@ def _transfers(module: Module, region: Region, members: int, repeats: int):
             p = op.operands[0].type.placement
             # The DP aggregates' last operand is the server's key: it is not sent.
             if F.ops()[op.name].kind == "ddp":  # one uint32 residue per rotated coordinate
-                from fcir.mechanisms.ddgauss import op_params
-
                 sizes = (4 * op_params(module, op).padded_dim,)
             else:
                 sizes = tuple(
@@ -152,8 +149,6 @@ def communication_bytes(module: Module) -> dict[str, dict[str, int]]:
     ``aggregate``: bytes they send into reductions. Every declared placement has an
     entry, outermost first.
     """
-    from fcir.ir import expect_module
-
     expect_module(module, "fcir.report.traffic.communication_bytes")
     out = {p: {"broadcast": 0, "aggregate": 0} for p, _ in module.placements}
     for t in transfers(module):

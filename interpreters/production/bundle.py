@@ -38,6 +38,7 @@ from fcir.interpreter import as_input
 from fcir.ir import Module
 from fcir.ir.types import dtype_name, runtime_type
 
+from . import iree, iree_runtime, lowering
 from .rewrite import member_type
 from .splitting import PARTS, RUNS_ON, part_interface
 
@@ -86,8 +87,6 @@ def write(plan, directory, *, device_runtime="jax", device_targets=(), inputs=No
     device = None
     has_client_work = bool(part_interface(plan)["client_work"][1])
     if device_runtime == "iree" and has_client_work:  # first: if IREE is wrong, write nothing
-        from . import iree, lowering
-
         extra = iree.round_client_inputs(plan, inputs) if inputs is not None else ()
         fn, specs = lowering.flat_function(plan.code("client_work"))
         device = iree.compile_verified("client_work", fn, specs, device_targets, extra)
@@ -226,7 +225,6 @@ class Bundle:
         return Module.deserialize(self.read("round.pb"))
 
     def artifact(self, part: str):
-        from . import lowering
 
         rel = self.manifest["parts"][part]["files"]["stablehlo"]
         try:
@@ -250,8 +248,6 @@ class Bundle:
 
     def device_module(self, part: str, target: str | None = None):
         """``part``'s IREE module for this host (or ``target``), loaded."""
-        from ..flower.app import iree_runtime
-
         entry = self.manifest["parts"][part].get("iree")
         if entry is None:
             raise BundleError(

@@ -15,6 +15,9 @@ computes bit for bit what the op computes.
 
 from __future__ import annotations
 
+import fcir
+from fcir.mechanisms import ddgauss as ddp
+
 __all__ = ["MECHANISM", "decomposed_program", "mechanism"]
 
 MECHANISM = (
@@ -39,9 +42,6 @@ def mechanism(entry: dict | None) -> str | None:
 def decomposed_program(op, placement: str, n: int, member_shapes):
     """An ``@fcir.program`` of ``(keys, *xs)`` that computes ``op`` in plain fed ops."""
     import jax
-
-    import fcir
-    from fcir.mechanisms import ddgauss as ddp
 
     like = [jax.ShapeDtypeStruct(s, d) for s, d in member_shapes]
     p = ddp.params(

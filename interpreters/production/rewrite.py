@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import jax
 
+from fcir.frontend.capture import capture
 from fcir.ir import Op, Region, Value
 from fcir.ir.types import PlacedType, Structure, TensorType, Type
 
@@ -51,8 +52,6 @@ def splice(region: Region, fn: Callable, inputs: list[Value], *, member: bool) -
     ``member``: the region runs at one client (plain tensor types); otherwise at the
     server (``T@server`` types). Returns the values ``fn`` returns, flattened.
     """
-    from fcir.frontend.capture import capture
-
     specs = []
     for v in inputs:
         t = member_type(v.type)

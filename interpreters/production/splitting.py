@@ -54,7 +54,7 @@ from fcir.ir.elementwise import LAYOUT
 from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, dtype_name
 from fcir.ops import dtype_bits
 
-from . import checks
+from . import checks, dp
 from .rewrite import clone_op, clone_region, member_type, named, prune, shift, splice, tensor
 from .wire_types import unsupported_dtype
 
@@ -142,8 +142,6 @@ class Split:
 def split(module: Module) -> Split:
     """Splits ``module`` (one round) into its five parts; ExportError if it cannot.
     DP aggregates are decomposed first (``dp.decompose``)."""
-    from . import dp
-
     privacy = dp.manifest_entry(module)
     checks.check_structure(module)  # on the user's ops, so errors name them
     module = dp.decompose(module)
@@ -181,8 +179,6 @@ class _Splitter:
     def op_where(self, i: int) -> str:
         """Op ``i``, named as the user wrote it: an op of the DP decomposition is named
         by the user's DP op it came from (``dp.user_op``)."""
-        from . import dp
-
         user = dp.user_op(self.m, i)
         if user is None:
             return checks.op_where(self.m, (i,), self.ops[i], self.names)

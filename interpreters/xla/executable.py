@@ -48,6 +48,7 @@ from fcir.ir.types import PlacedType, Type, dtype_name, runtime_type
 from fcir.jaxcompat import core
 
 from . import zeros
+from .cost import cost_report
 from .interpreter import XlaInterpreter
 
 __all__ = ["Executable", "default_sharding", "placement_spec", "trace_count"]
@@ -273,8 +274,6 @@ class Executable:
         """XLA's cost analysis and the per-round communication and compute report for
         ``args`` (and the captured keyword arguments; or :attr:`in_specs`); see
         ``fcir.interpreters.xla.cost``. JSON-serializable."""
-        from .cost import cost_report
-
         if kwargs:
             args = (self._keywords(args, kwargs, "cost"),)
         return cost_report(self, *args)
