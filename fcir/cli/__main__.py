@@ -2,6 +2,6 @@
 
 import sys
 
-from fcir.cli.main import main
+from fcir.cli.commands import main
 
 sys.exit(main())

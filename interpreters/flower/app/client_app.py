@@ -17,7 +17,7 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
-from . import iree_runtime, runtime
+from . import runtime
 
 app = ClientApp()
 
@@ -173,6 +173,8 @@ def compute(step_index: int, values: dict, context, rnd: int = 0, state_config=N
         group, _, name = key.partition("/")
         env[(group, name)] = x
     if "iree" in step["client"]:  # --device-runtime iree: no jax on this node
+        from . import iree_runtime  # only --device-runtime iree apps carry this file
+
         requested = context.node_config.get("device-target")
         iree_runtime.call(step["client"], env, runtime.artifact_bytes, requested)
     else:
