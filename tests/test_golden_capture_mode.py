@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import jax, numpy as np
     import fcir
-    from fcir import captured
+    from fcir.frontend import jaxpr_cache as captured
     from fcir.interpreters import xla
     from corpus import case
     from conftest import GOLDEN_DIR, _JAX_DIR

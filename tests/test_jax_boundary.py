@@ -49,7 +49,7 @@ def private_imports(source: str) -> list[tuple[int, str]]:
 
 
 def _sources():
-    for top in ("fcir", "interpreters"):
+    for top in ("fcir", "interpreters", "checkpoint"):
         for path in sorted((ROOT / top).rglob("*.py")):
             if BOUNDARY in path.parents or path.parent == BOUNDARY:
                 continue

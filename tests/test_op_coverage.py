@@ -123,7 +123,7 @@ def constraint_tables() -> list[dict[str, str]]:
     import importlib
 
     check, check_local, privacy = (
-        importlib.import_module(f"fcir.{m}") for m in ("check", "check_local", "privacy")
+        importlib.import_module(f"fcir.{m}") for m in ("ir.check", "ir.check_jax_ops", "privacy")
     )
     fed = {f"{cls.name}/{c}": t for cls in F.ops().values() for c, t in cls.constraints.items()}
     return [fed, check.CONSTRAINTS, check_local.CONSTRAINTS, privacy.CONSTRAINTS]
@@ -135,7 +135,7 @@ def cited_codes() -> dict[str, list[str]]:
 
     root = pathlib.Path(__file__).resolve().parents[1]
     found: dict[str, list[str]] = {}
-    for folder in ("fcir", "interpreters"):
+    for folder in ("fcir", "interpreters", "checkpoint"):
         for path in sorted((root / folder).rglob("*.py")):
             for i, line in enumerate(path.read_text().splitlines(), 1):
                 for m in _CODE.finditer(line):
@@ -236,7 +236,7 @@ def test_the_generic_primitive_and_autodiff_machinery_names_no_fed_op():
     import re
 
     root = pathlib.Path(__file__).resolve().parents[1] / "fcir"
-    for module in ("primitives.py", "autodiff.py"):
+    for module in ("frontend/primitives.py", "frontend/autodiff.py"):
         code = (root / module).read_text()
         for name, cls in F.ops().items():
             if cls is F.Map:  # the shared helpers run per-member work in a fed.map region
