@@ -41,7 +41,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import ServerApp
 
-from . import runtime, secagg, training
+from . import program, runtime, secagg, training
 from .runtime import AppError
 
 app = ServerApp()
@@ -228,7 +228,7 @@ class Accounting:
             self.how = "no amplification claimed: fixed-size sampling"
         else:
             self.how = "every client"
-        from fcir.errors import PrivacyError
+        from fcir.errors import PrivacyError  # fcir is optional beside the SuperLink: see above
 
         try:  # refused at this sampling (fed.ddp_* under Poisson): say so before round 1
             epsilon(self.module, 1, self.delta, sampling_rate=self.rate)
@@ -242,7 +242,7 @@ class Accounting:
         under this run's max-epsilon); one saved without a budget spent ``done`` rounds."""
         if self.budget is None or not done:
             return
-        from fcir.privacy import Budget
+        from fcir.privacy import Budget  # fcir is optional beside the SuperLink
 
         if state is None:  # an earlier run without max-epsilon: done rounds, this sampling
             state = {**self.budget.state(), "rounds": done}
@@ -449,8 +449,6 @@ def main(grid, context) -> None:
             print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
             accounting.resume(ckpt.budget, done)
     if "loop" in plan:  # a whole training program: one round per loop iteration
-        from . import program
-
         outputs = program.run(grid, cfg, plan, inputs, ckpt, run_round,
                               lambda rnd, m: record_metrics(context, history, rnd, m),
                               accounting.line, run_id=context.run_id)
