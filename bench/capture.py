@@ -67,7 +67,7 @@ def bench_overhead(reps: int) -> dict:
     """make_jaxpr time vs convert+check time of the same trace, pairwise."""
     from corpus import case
 
-    from fcir.capture import _placements, from_jaxpr
+    from fcir.frontend.capture import _placements, from_jaxpr
 
     c = case("fedavg_transformer")
     args = c.make_args()

@@ -66,10 +66,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fcir import checkpoint
 from fcir.checkpoint import parallel
 from fcir.checkpoint.layout import read_layout
 from fcir.checkpoint.reader import aligned_empty
+
+from fcir import checkpoint
 
 RESULTS = REPO / "bench" / "results"
 N_BIG = 4  # large float32 leaves, sharded over all devices
@@ -841,7 +842,6 @@ def run_s3(args: argparse.Namespace) -> int:
     import contextlib
 
     import boto3
-
     from fcir.checkpoint import reader, storage, writer
 
     sys.path.insert(0, str(REPO / "tests" / "checkpoint"))

@@ -21,7 +21,7 @@ import optax
 from fcir.interpreters import xla
 
 import fcir
-from fcir.progress import RoundProgress
+from fcir.report.progress import RoundProgress
 
 CLIENTS, INNER_STEPS, BATCH = 4, 20, 16
 INNER_OPT = optax.adamw(learning_rate=3e-3, weight_decay=1e-4)

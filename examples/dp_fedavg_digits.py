@@ -20,7 +20,7 @@ Distributed DP (``--ddp-bits 16 20``, the default) trains the same round with
 ``fcir.ddp_mean`` instead: each client clips, quantizes and noises its own update into
 integers modulo ``2**bits`` and the server only decodes their secure sum, so it never
 sees an un-noised value. Its noise multiplier is calibrated
-(``fcir.ddp.noise_multiplier_for``) so that ``fcir.privacy.epsilon`` gives the same ε
+(``fcir.mechanisms.ddgauss.noise_multiplier_for``) so that ``fcir.privacy.epsilon`` gives the same ε
 as the central run's after every round: the curves compare accuracy at equal privacy.
 
 With ``--max-epsilon E`` a ``fcir.privacy.Budget`` of the private round is spent
@@ -136,7 +136,7 @@ def make_ddp_round(num_clients: int, clip_norm: float, noise_multiplier: float, 
 
 def ddp_noise_multiplier(num_clients: int, clip_norm: float, central: float, bits: int):
     """The ddp noise multiplier accounted like central DP's ``central`` (same ε)."""
-    from fcir import ddp
+    from fcir.mechanisms import ddgauss as ddp
 
     dim = PIXELS * CLASSES + CLASSES
     return ddp.noise_multiplier_for(central, dim, num_clients, clip_norm, bits)

@@ -20,7 +20,7 @@ import optax
 from fcir.interpreters import xla
 
 import fcir
-from fcir.progress import RoundProgress
+from fcir.report.progress import RoundProgress
 
 CLIENTS, LOCAL_STEPS, BATCH, CLIENT_LR = 8, 5, 16, 0.1
 SERVER_OPT = optax.adam(learning_rate=0.05)

@@ -19,7 +19,7 @@ import numpy as np
 from fcir.interpreters import xla
 
 import fcir
-from fcir.progress import RoundProgress
+from fcir.report.progress import RoundProgress
 
 CLIENTS, LOCAL_STEPS, BATCH, LR = 4, 4, 8, 0.25
 

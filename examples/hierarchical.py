@@ -20,7 +20,7 @@ import numpy as np
 from fcir.interpreters import xla
 
 import fcir
-from fcir.progress import RoundProgress
+from fcir.report.progress import RoundProgress
 
 SILOS, CLIENTS_PER_SILO, LOCAL_STEPS, BATCH, LR = 3, 4, 4, 16, 0.1
 

@@ -19,7 +19,7 @@ import numpy as np
 from fcir.interpreters import xla
 
 import fcir
-from fcir.progress import RoundProgress
+from fcir.report.progress import RoundProgress
 
 CLIENTS, ITEMS, BINS = 100, 20, 10
 

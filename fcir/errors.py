@@ -6,6 +6,8 @@ never see a bare KeyError, IndexError or protobuf DecodeError for bad input.
 
 from __future__ import annotations
 
+from fcir.jaxcompat import source_info_util
+
 
 class FcirError(Exception):
     """Base class of every error fcir raises for bad input."""
@@ -63,8 +65,6 @@ def user_location(error: BaseException) -> str | None:
     import os
     import sysconfig
     import traceback
-
-    from fcir.jaxcompat import source_info_util
 
     libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     found = None

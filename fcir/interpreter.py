@@ -23,15 +23,15 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from fcir import attrs as A
-from fcir import control_flow, pytrees, sharding
 from fcir import jaxcompat as jc
-from fcir import primitives as P
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.fed import FedOp, Unsupported
-from fcir.ir import Module, Op, Region, describe, walk
-from fcir.jaxcompat import core, schema
-from fcir.types import PlacedType, TensorType, runtime_type
+from fcir.frontend import primitives as P
+from fcir.frontend import pytrees, sharding
+from fcir.ir import Module, Op, Region, control_flow, describe, expect_module, value_numbering, walk
+from fcir.ir import attrs as A
+from fcir.ir.types import PlacedType, TensorType, dtype_name, runtime_type
+from fcir.jaxcompat import core, pe, schema
 
 _log = logging.getLogger("fcir.interpreter")
 
@@ -197,8 +197,6 @@ class Interpreter:
         """Runs ``main`` on pytree ``args`` (and the keyword arguments it was captured
         with); returns the result pytree (and, when ``intermediates``, a dict
         value-number -> value)."""
-        from fcir.ir import expect_module, value_numbering
-
         expect_module(module, f"{type(self).__name__}.run")
         if not isinstance(intermediates, (bool, np.bool_)):
             # Not the flag: a program keyword named ``intermediates`` (or a mistake).
@@ -219,8 +217,6 @@ class Interpreter:
             raise InterpreterError(
                 f"@{module.name} takes {len(params)} array leaves, got {len(leaves)}"
             )
-        from fcir.types import dtype_name
-
         leaves = [as_input(x) for x in leaves]
         for i, (x, v) in enumerate(zip(leaves, params)):
             expected = runtime_type(v.type, module.cardinality)
@@ -345,7 +341,7 @@ class Interpreter:
     @impl("jax.scan")
     def scan(self, op: Op, *args):
         """JAX's scan, with placed ``xs``/``ys`` moved between the IR layout (member axis
-        first, ``fcir.control_flow``) and JAX's (scan axis first)."""
+        first, ``fcir.ir.control_flow``) and JAX's (scan axis first)."""
         xs, ys = control_flow.scan_slices(op.attrs, len(op.operands), len(op.results))
         axis = control_flow.scan_axis
         args = [
@@ -392,8 +388,6 @@ class Interpreter:
         params = self.params(op)
         if prim.name in _REMAT:
             # remat takes an open jaxpr; constants of the retraced region become operands.
-            from fcir.jaxcompat import pe
-
             closed = self.region_jaxpr(op.regions[0])
             params["jaxpr"] = pe.convert_constvars_jaxpr(closed.jaxpr)
             args = (*closed.consts, *args)

@@ -10,6 +10,7 @@ import numpy as np
 
 from fcir.fed import *  # noqa: F403  (the op classes, FedOp, Context, Violation, Unsupported)
 from fcir.fed import FedOp, of_kind
+from fcir.ir.types import dtype_from_name
 
 FED_OPS: dict[str, type[FedOp]] = dict(FedOp.registry)
 
@@ -26,6 +27,5 @@ COLLECTIVES = frozenset(
 
 
 def dtype_bits(dtype: str) -> int:
-    from fcir.types import dtype_from_name
 
     return np.dtype(dtype_from_name(dtype)).itemsize * 8

@@ -13,30 +13,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fcir import captured
 from fcir import fed as F
-from fcir.check import check
-from fcir.control_flow import scan_axis
 from fcir.errors import InterpreterError
-from fcir.interpreter import Interpreter, impl, is_placed
-from fcir.ir import Module, Op, walk
-from fcir.primitives import (
+from fcir.frontend import jaxpr_cache as captured
+from fcir.frontend.primitives import (
     accumulation_dtype,
     clip_member,
     dp_noise,
     mean_result_dtype,
     sum_result_dtype,
 )
-from fcir.types import runtime_type
+from fcir.interpreter import Interpreter, impl, is_placed
+from fcir.ir import Module, Op, walk
+from fcir.ir.check import check
+from fcir.ir.control_flow import scan_axis
+from fcir.ir.types import runtime_type
+from fcir.mechanisms import ddgauss as ddp
+from fcir.privacy import keys as dp_keys
 
 
 @functools.cache
 def _compiled_encode():
-    """``fcir.ddp.encode`` compiled once per shapes and parameters: run op by op, each
+    """``fcir.mechanisms.ddgauss.encode`` compiled once per shapes and parameters: run op by op, each
     client's encoding dispatched its sampler's while loops afresh (over a hundred XLA
     compiles, seconds per client)."""
-    from fcir import ddp
-
     return jax.jit(ddp.encode, static_argnums=2)
 
 
@@ -169,11 +169,9 @@ class ReferenceInterpreter(Interpreter):
         return self._ddp(op, args, mean=True)
 
     def _ddp(self, op, args, *, mean: bool):
-        """Each client encodes its own pytree with its own key (``fcir.ddp.encode``), the
+        """Each client encodes its own pytree with its own key (``fcir.mechanisms.ddgauss.encode``), the
         residues are added modulo ``2**bits`` one client at a time in Python integers (the
-        secure sum), and the server decodes: the mechanism as ``fcir.ddp`` states it."""
-        from fcir import ddp, dp_keys
-
+        secure sum), and the server decodes: the mechanism as ``fcir.mechanisms.ddgauss`` states it."""
         *xs, keys = args
         dp_keys.check_member_keys(op, keys)  # the type rule sees only broadcast keys
         n = xs[0].shape[0]
@@ -204,7 +202,7 @@ class ReferenceInterpreter(Interpreter):
         length = int(op.attrs["length"])
         body = op.regions[op.attrs["jaxpr"].index]
         consts, carry, xs = list(args[:nc]), list(args[nc : nc + nk]), args[nc + nk :]
-        # A placed xs is stacked inside its members (fcir.control_flow.scan_axis).
+        # A placed xs is stacked inside its members (fcir.ir.control_flow.scan_axis).
         axes = [scan_axis(v.type) for v in op.operands[nc + nk :]]
         ys: list = [None] * length
         steps = range(length - 1, -1, -1) if op.attrs.get("reverse") else range(length)

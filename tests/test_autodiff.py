@@ -77,7 +77,7 @@ import pytest
 
 import fcir
 from fcir import jaxcompat as jc
-from fcir import primitives as P
+from fcir.frontend import primitives as P
 from fcir.jaxcompat import config as jax_config
 from fcir.jaxcompat import core, pe
 from fcir.jaxcompat.schema import scan_counts

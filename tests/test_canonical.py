@@ -1,4 +1,4 @@
-"""fcir.canonical: capture's one layout where JAX versions emit the same computation in
+"""fcir.ir.canonical: capture's one layout where JAX versions emit the same computation in
 another. Each rewrite moves ops or constants, never changes an operand of a sum: the
 reference interpreter gives the same bits before and after, and the goldens
 (tests/golden/README.md) and tests/test_xla.py's bitwise-jit tests pin it on the
@@ -10,7 +10,7 @@ import numpy as np
 from fcir.interpreters import reference
 
 import fcir
-from fcir import canonical
+from fcir.ir import canonical
 
 HEAD = """fcir.module @m ir_version=1 placements=[]
 func @main(%0: f32[3]@server, %1: f32[3]@server, %2: f32[3]@server) -> (f32[3]@server, f32[3]@server) {

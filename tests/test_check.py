@@ -23,12 +23,12 @@ import pytest
 
 import fcir
 from fcir import cli
-from fcir.capture import capture_unchecked
-from fcir.check import verify
 from fcir.errors import IRTypeError, PlacementError
+from fcir.frontend.capture import capture_unchecked
 from fcir.ir import Module, Op, Region, Value, walk
+from fcir.ir.check import verify
+from fcir.ir.types import PlacedType, TensorType
 from fcir.ops import FED_OPS
-from fcir.types import PlacedType, TensorType
 
 N = 3
 f32 = jnp.float32
@@ -254,7 +254,7 @@ func @main(%0: {f32[2]}@clients, %1: f32[2]@server) -> ({f32[2]}@clients) {
 }
 """
 
-# Control flow (fcir/control_flow.py): a server cond choosing an aggregation, and a loop
+# Control flow (fcir/ir/control_flow.py): a server cond choosing an aggregation, and a loop
 # carrying a per-member value. Each mutation below breaks one binding of the op.
 ROBUST_OR_MEAN = """\
 fcir.module @robust_or_mean ir_version=1 placements=[clients:3]
@@ -542,7 +542,7 @@ CASES = [
     ),
     # control flow: operands -> region parameters, yields -> results
     # A binding the attributes cannot describe is what the primitive's own type rule
-    # rejects too: fcir.check_local's local/C5 reports it in its stead.
+    # rejects too: fcir.ir.check_jax_ops's local/C5 reports it in its stead.
     Case("flow", "C1", ROBUST_OR_MEAN.replace("[^0, ^1]", "[^0, ^2]"), _noop,
          "cond branch names no region", IRTypeError, reported="local/C5"),
     Case("flow", "C1", CARRY_LOOP.replace("num_consts=0", "num_consts=2"), _noop,
@@ -617,7 +617,7 @@ noise_multiplier=1.1}
 def _broadcast_keys(op):
     def mutate(m):
         from fcir.ir import Op, Value
-        from fcir.types import PlacedType
+        from fcir.ir.types import PlacedType
 
         key = param(m, 4)
         out = Value(PlacedType(t("u32", 2), "clients", True))
@@ -681,7 +681,7 @@ def test_violation_is_reported(case: Case):
 def checker_codes() -> set[str]:
     """Every ``area/Cn`` code the checker reports or documents."""
     # fcir.check is also the name of the function; import the module itself.
-    src = inspect.getsource(importlib.import_module("fcir.check"))
+    src = inspect.getsource(importlib.import_module("fcir.ir.check"))
     return set(re.findall(r"\b((?:local|region|module|fed|op|flow)/C\d+)\b", src))
 
 

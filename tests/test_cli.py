@@ -16,8 +16,8 @@ import pytest
 
 import fcir
 from fcir import cli
-from fcir.capture import capture_unchecked
-from fcir.loading import load_function
+from fcir.frontend.capture import capture_unchecked
+from fcir.frontend.loading import load_function
 
 TARGET = textwrap.dedent(
     """
@@ -394,7 +394,7 @@ HINTED = textwrap.dedent(
 
 
 def test_args_specs_describe_dicts_lists_tuples_keys_and_none():
-    from fcir.loading import format_arg_spec, parse_arg_specs
+    from fcir.frontend.loading import format_arg_spec, parse_arg_specs
 
     specs = ['{"w": f32[4,2], b: [f32[2], i32[]]}', "(f32[3,5],)", "key<fry>[]", "none",
              "[(bf16[1], u8[2]), {}]"]

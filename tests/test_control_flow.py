@@ -14,9 +14,9 @@ import pytest
 from fcir.interpreters import production, reference, xla
 
 import fcir
-from fcir.check import verify
 from fcir.errors import ExportError, PlacementError
-from fcir.types import PlacedType, TensorType
+from fcir.ir.check import verify
+from fcir.ir.types import PlacedType, TensorType
 
 N = 3
 clients = fcir.program(placements={"clients": N})
@@ -45,7 +45,7 @@ def _loss(fn):
 def assert_runs_everywhere(fn, *args):
     """Captures ``fn``, round-trips its text and protobuf, and compares every backend
     with jax.jit. The backends run the deserialized module: it has no captured jaxpr to
-    fall back on (``fcir.captured``), so XLA rebuilds the program from the IR."""
+    fall back on (``fcir.frontend.jaxpr_cache``), so XLA rebuilds the program from the IR."""
     module = fcir.capture(fn, *args)
     text = module.to_text()
     assert fcir.parse(text).to_text() == text

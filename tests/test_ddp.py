@@ -1,4 +1,4 @@
-"""Distributed DP (fcir.ddp, fcir.ddp_sum / fcir.ddp_mean): the sampler's law, the
+"""Distributed DP (fcir.mechanisms.ddgauss, fcir.ddp_sum / fcir.ddp_mean): the sampler's law, the
 encoding and its bounds, the op on every backend, gradients."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 from fcir.interpreters import reference, xla
 
 import fcir
-from fcir import ddp
-from fcir.primitives import clip_member
+from fcir.frontend.primitives import clip_member
+from fcir.mechanisms import ddgauss as ddp
 
 # --- the discrete Gaussian sampler ----------------------------------------------------------
 
@@ -532,7 +532,7 @@ def _central_module(n: int, d: int, z: float, clip: float = 1.0):
 
 def _independent_epsilon(n, d, z, bits, clip, rounds, delta):
     """ε of the distributed discrete Gaussian computed here from the papers' formulas,
-    without fcir.ddp or dp-accounting: the scale of fcir.ddp's docstring; Delta_2 =
+    without fcir.mechanisms.ddgauss or dp-accounting: the scale of fcir.mechanisms.ddgauss's docstring; Delta_2 =
     Theorem 1's conditional-rounding min(...) (``_conditional_delta2``); the RDP of order a, [KLS21]
     Proposition 14, all three terms; RDP to (ε, δ) with the conversion of Canonne,
     Kamath, Steinke 2020 (Prop. 12) / Asoodeh et al., minimised over a dense grid of a."""
@@ -607,7 +607,7 @@ def test_releases_state_the_accounted_noise_and_pld_is_refused():
         fcir.privacy.epsilon(m, 3, 1e-5, accountant="pld")
 
 
-# --- the checker's key rules (fcir.dp_keys, shared with the central DP ops) ----------------
+# --- the checker's key rules (fcir.privacy.keys, shared with the central DP ops) ----------------
 
 N = 4
 
@@ -714,7 +714,7 @@ def test_example_trains_distributed_dp_at_the_central_epsilon(tmp_path):
 
 
 def test_traffic_counts_the_residues_clients_send_not_their_keys():
-    from fcir.traffic import communication_bytes
+    from fcir.report.traffic import communication_bytes
 
     m = fcir.capture(_program(True), *_args())  # 3 + 2 elements: D = 8 residues
     assert communication_bytes(m)["clients"]["aggregate"] == 5 * 8 * 4
@@ -830,7 +830,7 @@ def test_ddp_key_codes_are_privacy_c4_for_repeated_keys_and_c5_for_server_keys()
 def test_keys_folded_with_the_next_iterations_index_are_rejected():
     """fold_in(keys, t) and fold_in(keys, t + 1) in one scan: the second op's keys in
     iteration t are the first op's in iteration t + 1, so two releases carry the same
-    noise. The key analysis shared with the central DP ops (fcir.dp_keys) sees it."""
+    noise. The key analysis shared with the central DP ops (fcir.privacy.keys) sees it."""
 
     def body(w, keys, x):
         def step(carry, _):

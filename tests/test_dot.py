@@ -1,5 +1,5 @@
-"""``fcir.dot`` pictures and the per-round traffic they are labelled with
-(``fcir.traffic.communication_bytes``), and ``fcir show --format dot|svg``."""
+"""``fcir.report.dot`` pictures and the per-round traffic they are labelled with
+(``fcir.report.traffic.communication_bytes``), and ``fcir show --format dot|svg``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 from corpus import case
 
 import fcir
-from fcir import cli, dot
-from fcir.traffic import communication_bytes, total_bytes
+from fcir import cli
+from fcir.report import dot
+from fcir.report.traffic import communication_bytes, total_bytes
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 Semantics are pinned against a plain-JAX oracle written from the definition: clip each
 member's pytree to global L2 norm ``clip`` (less ``clip_margin``, the float error of
 the clip, with the squared norm added in ``pairwise_sum``'s order), add the members in
-member order, add ``z * clip * standard_normal(fold_in(key, i))`` (``fcir.dp_noise``) to leaf ``i`` (and divide by
+member order, add ``z * clip * standard_normal(fold_in(key, i))`` (``fcir.mechanisms.gaussian``) to leaf ``i`` (and divide by
 n for the mean).
 """
 
@@ -19,8 +19,8 @@ import pytest
 from fcir.interpreters import reference, xla
 
 import fcir
-from fcir.dp_noise import standard_normal
-from fcir.primitives import clip_margin, pairwise_sum
+from fcir.frontend.primitives import clip_margin, pairwise_sum
+from fcir.mechanisms.gaussian import standard_normal
 
 N = 4
 CLIP, Z = 1.5, 0.8

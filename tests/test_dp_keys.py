@@ -2,7 +2,7 @@
 
 ``fcir.privacy.epsilon`` counts a DP op inside a ``jax.scan`` of length L as L
 independent Gaussian releases, two DP ops as two. With one key reused, the noise is
-identical and the difference of two releases is noise-free. ``fcir.dp_keys`` follows
+identical and the difference of two releases is noise-free. ``fcir.privacy.keys`` follows
 each key to its origin; a private program whose releases it cannot tell apart does not
 check, and ``epsilon`` refuses such a module.
 """

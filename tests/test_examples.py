@@ -16,7 +16,7 @@ import pytest
 
 import fcir
 from fcir import cli
-from fcir.progress import RoundProgress
+from fcir.report.progress import RoundProgress
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 

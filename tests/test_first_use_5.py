@@ -133,7 +133,7 @@ def test_the_reference_refuses_an_ill_typed_ir_file_naming_the_op_as_xla_does():
     # The file as written runs, and a parsed module is checked once, not per call.
     good = fcir.parse(text)
     assert np.asarray(reference.run(good, w, x)).tolist() == [1.0, 1.0]
-    from fcir import captured
+    from fcir.frontend import jaxpr_cache as captured
 
     assert captured.checked(good)
 

@@ -3,7 +3,7 @@ round: every server input that no state feeds, and every client input, is the sa
 each round, so a key derived from them alone is too, and the difference of two rounds'
 releases is noise-free while the accountant composes them as independent releases.
 The ServerApp refuses such a run before round 1 (plan.json's privacy ``keys``, from
-fcir.dp_keys.key_arguments at export)."""
+fcir.privacy.keys.key_arguments at export)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from flowerlib import files, inprocess, rounds
 from flowerlib.programs import CLIP, Z, private_fedavg
 
 import fcir
-from fcir.dp_keys import key_arguments
+from fcir.privacy.keys import key_arguments
 
 pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
 

@@ -268,7 +268,7 @@ def test_device_target_without_iree_is_an_export_error(tmp_path):
 
 
 def test_a_node_picks_its_module_by_platform_or_node_config(tmp_path):
-    from fcir.interpreters.flower.app import iree_runtime as ir
+    from fcir.interpreters.production import iree_runtime as ir
 
     modules = {
         "llvm-cpu": {"arch": "x86_64"},

@@ -27,7 +27,7 @@ from fcir.interpreters import reference, xla
 from fcir.interpreters.xla import zeros
 
 import fcir
-from fcir import captured
+from fcir.frontend import jaxpr_cache as captured
 from fcir.jaxcompat import derivatives
 
 TESTS = pathlib.Path(__file__).resolve().parent
@@ -42,7 +42,7 @@ _SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import jax, numpy as np
     import fcir
-    from fcir import captured
+    from fcir.frontend import jaxpr_cache as captured
     from fcir.interpreters import xla
     from corpus import case
     from conftest import GOLDEN_DIR, _JAX_DIR

@@ -1,4 +1,4 @@
-"""The device side of ``--device-runtime iree`` (interpreters/flower/app/iree_runtime.py):
+"""The device side of ``--device-runtime iree`` (interpreters/production/iree_runtime.py):
 a ``.vmfb`` loaded and called through IREE's native extension, every dtype fcir's parts
 carry coming back as XLA gives it, and a fresh process that imports neither jax nor the
 ``iree.runtime`` package (whose ``__init__`` was two thirds of a first client step)."""
@@ -16,8 +16,10 @@ import pytest
 pytest.importorskip("iree.compiler", reason="needs iree-base-compiler (pip install 'fcir[iree]')")
 pytest.importorskip("iree.runtime", reason="needs iree-base-runtime (pip install 'fcir[iree]')")
 
-from fcir.interpreters.flower.app import iree_runtime  # noqa: E402
-from fcir.interpreters.production import iree  # noqa: E402
+from fcir.interpreters.production import (
+    iree,  # noqa: E402
+    iree_runtime,  # noqa: E402
+)
 
 
 def _compiled(fn, specs):

@@ -1,60 +1,244 @@
-"""Imports go one way: the core never imports a backend, no backend imports a command
-line layer, the checker does not import capture, and the XLA backend's modules form
-no cycle (budget, cost and executable included)."""
+"""Imports go one way, and form no circle.
+
+The module graph is read from the source: every import of every module under
+``fcir/``, ``interpreters/`` (``fcir.interpreters``) and ``checkpoint/``
+(``fcir.checkpoint``), function-local ones included. Importing ``a.b.c`` from outside
+``a.b`` also runs ``a.b``'s ``__init__`` first, so that is an edge too (the root
+``fcir``, whose ``__init__`` is the public facade, is above every module and never
+counted). The core (``fcir`` but ``fcir.interpreters``) imports no backend; the
+checkpoint library imports nothing of fcir but its errors, protos and JAX boundary.
+"""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Source folder -> the package it is imported as (pyproject's package-dir).
+FOLDERS = {"fcir": "fcir", "interpreters": "fcir.interpreters", "checkpoint": "fcir.checkpoint"}
 
 
-def imports_of(path: pathlib.Path, package: str) -> set[str]:
-    """Modules ``path`` imports anywhere (function-local imports included), absolute."""
-    tree = ast.parse(path.read_text())
+def module_files() -> dict[str, pathlib.Path]:
+    """Every fcir module by its import name."""
+    out = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            name = ".".join([package, *parts])
+            if folder == "fcir" and name.startswith(("fcir.interpreters", "fcir.checkpoint")):
+                continue
+            out[name] = path
+    return out
+
+
+def imports_of(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every name ``source`` (module ``module``) imports, anywhere in it (function-local
+    imports included), absolute: ``from a import b`` gives ``a.b`` (which may be a module
+    or a name in ``a``)."""
     out: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
                 mod = f"{base}.{node.module}" if node.module else base
-                if node.module is None:
-                    out.update(f"{base}.{a.name}" for a in node.names)
-                    continue
             else:
                 mod = node.module
-            out.add(mod)
             out.update(f"{mod}.{a.name}" for a in node.names)
     return out
 
 
-def test_no_backend_imports_a_command_line_layer():
-    offenders = []
-    for path in sorted((ROOT / "interpreters").rglob("*.py")):
-        pkg = "fcir.interpreters." + ".".join(path.relative_to(ROOT / "interpreters").parts[:-1])
-        found = imports_of(path, pkg.rstrip("."))
-        if {"fcir.cli", "fcir.targets"} & found:
-            offenders.append(str(path.relative_to(ROOT)))
+def module_graph(files: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Module -> the fcir modules importing it runs (see the module docstring)."""
+
+    def owner(name: str) -> str | None:  # the module an imported name lives in
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        edges = set()
+        for name in imports_of(path.read_text(), module, path.name == "__init__.py"):
+            target = owner(name)
+            if target is None or target == module:
+                continue
+            edges.add(target)
+            parts = target.split(".")
+            for i in range(2, len(parts)):  # the packages above it, but the root fcir
+                package = ".".join(parts[:i])
+                if package in files and not module.startswith(package + "."):
+                    edges.add(package)
+        graph[module] = edges - {module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (``[a, b, ..., a]``), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return [*path[path.index(m):], m]
+            if m not in state and (found := visit(m)):
+                return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return module_graph(module_files())
+
+
+def is_core(module: str) -> bool:
+    return not module.startswith(("fcir.interpreters", "fcir.checkpoint"))
+
+
+# --- the reader and the cycle finder themselves ----------------------------------------
+
+
+def test_the_reader_sees_local_relative_and_package_imports():
+    source = (
+        "import fcir.ir.text\n"
+        "from . import sibling\n"
+        "from ..production import export\n"
+        "def f():\n"
+        "    from fcir.interpreters import xla\n"
+    )
+    found = imports_of(source, "fcir.interpreters.flower.writer")
+    assert found == {
+        "fcir.ir.text",
+        "fcir.interpreters.flower.sibling",
+        "fcir.interpreters.production.export",
+        "fcir.interpreters.xla",
+    }
+    # In a package's __init__, "." is the package itself.
+    assert imports_of("from .writer import x", "fcir.interpreters.flower", True) == {
+        "fcir.interpreters.flower.writer.x"
+    }
+
+
+def test_the_graph_counts_the_packages_an_import_initialises(tmp_path):
+    a = tmp_path / "a.py"
+    a.write_text("def f():\n    from fcir.pkg.mod import name\n")
+    b = tmp_path / "b.py"
+    b.write_text("from fcir import pkg\n")
+    init = tmp_path / "__init__.py"
+    init.write_text("from fcir.a import f\n")
+    files = {"fcir.a": a, "fcir.pkg.mod": b, "fcir.pkg": init}
+    graph = module_graph(files)
+    assert graph["fcir.a"] == {"fcir.pkg.mod", "fcir.pkg"}
+    assert graph["fcir.pkg.mod"] == {"fcir.pkg"}  # its own package: already initialising
+    assert find_cycle(graph) == ["fcir.a", "fcir.pkg", "fcir.a"]
+
+
+def test_the_cycle_finder_reports_the_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+# --- the rules ------------------------------------------------------------------------
+
+
+def test_no_import_cycle(graph):
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_core_imports_no_backend(graph):
+    offenders = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if is_core(m)
+        for t in targets
+        if t.startswith("fcir.interpreters")
+    )
+    assert not offenders, f"the core imports a backend: {offenders}"
+
+
+def test_the_core_imports_not_the_checkpoint_library(graph):
+    offenders = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if is_core(m)
+        for t in targets
+        if t.startswith("fcir.checkpoint")
+    )
+    assert not offenders, offenders
+
+
+def test_the_checkpoint_library_imports_nothing_of_fcir_but_errors_protos_and_jax():
+    """Besides itself: fcir's errors, its protos and the JAX boundary (``fcir.jaxcompat``,
+    the one place that touches JAX's internals)."""
+    graph = module_graph(module_files())
+    allowed = ("fcir.checkpoint", "fcir.errors", "fcir._proto", "fcir.jaxcompat")
+    offenders = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m.startswith("fcir.checkpoint")
+        for t in targets
+        if not t.startswith(allowed)
+    )
+    assert not offenders, offenders
+
+
+def test_no_backend_imports_a_command_line_layer(graph):
+    offenders = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m.startswith("fcir.interpreters")
+        for t in targets
+        if t == "fcir.cli" or t.startswith("fcir.cli.")
+    )
     assert not offenders, f"backends importing the CLI layer: {offenders}"
 
 
-def test_the_checker_does_not_import_capture():
-    found = imports_of(ROOT / "fcir" / "check.py", "fcir")
-    assert "fcir.capture" not in found
+def test_the_checker_does_not_import_capture(graph):
+    assert "fcir.frontend.capture" not in graph["fcir.ir.check"]
+    assert "fcir.frontend.capture" not in graph["fcir.ir.check_jax_ops"]
+
+
+def test_the_ir_imports_no_frontend_module(graph):
+    """The IR package is below the frontend: no module of ``fcir.ir`` imports one of
+    ``fcir.frontend`` (capture builds Modules, the IR never traces)."""
+    offenders = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if m.startswith("fcir.ir")
+        for t in targets
+        if t.startswith("fcir.frontend")
+    )
+    assert not offenders, offenders
 
 
 def test_one_list_of_elementwise_ops():
-    import importlib
-
     capture, check, elementwise, streaming = (
         importlib.import_module(m)
         for m in (
-            "fcir.capture",
-            "fcir.check",
-            "fcir.elementwise",
+            "fcir.frontend.capture",
+            "fcir.ir.check",
+            "fcir.ir.elementwise",
             "fcir.interpreters.xla.streaming",
         )
     )
@@ -65,39 +249,16 @@ def test_one_list_of_elementwise_ops():
     assert not elementwise.ELEMENTWISE & elementwise.LAYOUT
 
 
-def test_xla_backend_modules_import_one_way():
-    folder = ROOT / "interpreters" / "xla"
+def test_xla_backend_modules_import_one_way(graph):
     pkg = "fcir.interpreters.xla"
-    names = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
-    graph = {
-        n: {
-            m.rsplit(".", 1)[-1]
-            for m in imports_of(folder / f"{n}.py", pkg)
-            if m.startswith(pkg + ".") and m.count(".") == pkg.count(".") + 1
-        }
-        & names - {n}
-        for n in names
-    }
-    assert "budget" in graph["build"] and "executable" in graph["budget"]
-    seen: dict[str, int] = {}
-
-    def visit(n, stack):
-        if seen.get(n) == 1:
-            raise AssertionError(f"import cycle: {' -> '.join([*stack, n])}")
-        if seen.get(n) == 2:
-            return
-        seen[n] = 1
-        for m in sorted(graph[n]):
-            visit(m, [*stack, n])
-        seen[n] = 2
-
-    for n in sorted(graph):
-        visit(n, [])
+    assert f"{pkg}.budget" in graph[f"{pkg}.build"]
+    assert f"{pkg}.executable" in graph[f"{pkg}.budget"]
+    xla = {m: {t for t in ts if t.startswith(pkg + ".")} for m, ts in graph.items()
+           if m.startswith(pkg + ".")}
+    assert find_cycle(xla) is None
 
 
 def test_clients_per_step_is_validated_in_one_place():
-    import re
-
     folder = ROOT / "interpreters" / "xla"
     checks = [
         p.name
@@ -105,3 +266,13 @@ def test_clients_per_step_is_validated_in_one_place():
         if re.search(r"isinstance\(\s*(clients_per_step|k)\s*,\s*bool\)", p.read_text())
     ]
     assert checks == ["streaming.py"], checks
+
+
+def test_every_source_package_is_installed():
+    """A package folder missing from pyproject's ``packages`` is left out of a wheel."""
+    import tomllib
+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                   ["packages"])
+    found = {m for m, p in module_files().items() if p.name == "__init__.py"}
+    assert found == declared, (found - declared, declared - found)

@@ -17,7 +17,8 @@ def backend_tables() -> dict[str, dict]:
     from fcir.interpreters.production import splitting
     from fcir.interpreters.xla import streaming
 
-    from fcir import privacy, traffic
+    from fcir import privacy
+    from fcir.report import traffic
 
     def by_name(table):
         return {cls.name: rule for cls, rule in table.items()}
@@ -67,7 +68,7 @@ def test_a_backend_that_inherits_its_rules_is_caught():
 
 
 def test_a_table_missing_an_op_is_caught():
-    from fcir import traffic
+    from fcir.report import traffic
 
     table = {c.name: r for c, r in traffic.RULES.items() if c is not F.TrimmedMean}
     assert missing_entries(table) == ["fed.trimmed_mean"]
@@ -122,7 +123,7 @@ def constraint_tables() -> list[dict[str, str]]:
     import importlib
 
     check, check_local, privacy = (
-        importlib.import_module(f"fcir.{m}") for m in ("check", "check_local", "privacy")
+        importlib.import_module(f"fcir.{m}") for m in ("ir.check", "ir.check_jax_ops", "privacy")
     )
     fed = {f"{cls.name}/{c}": t for cls in F.ops().values() for c, t in cls.constraints.items()}
     return [fed, check.CONSTRAINTS, check_local.CONSTRAINTS, privacy.CONSTRAINTS]
@@ -134,7 +135,7 @@ def cited_codes() -> dict[str, list[str]]:
 
     root = pathlib.Path(__file__).resolve().parents[1]
     found: dict[str, list[str]] = {}
-    for folder in ("fcir", "interpreters"):
+    for folder in ("fcir", "interpreters", "checkpoint"):
         for path in sorted((root / folder).rglob("*.py")):
             for i, line in enumerate(path.read_text().splitlines(), 1):
                 for m in _CODE.finditer(line):
@@ -162,7 +163,7 @@ def test_tracing_and_checking_cite_one_constraint_with_one_text():
     import jax.numpy as jnp
 
     import fcir
-    from fcir.capture import capture_unchecked
+    from fcir.frontend.capture import capture_unchecked
 
     @fcir.program(placements={"clients": 3})
     def agg(x):
@@ -172,7 +173,7 @@ def test_tracing_and_checking_cite_one_constraint_with_one_text():
         jax.make_jaxpr(agg)(jnp.ones((3, 2), jnp.float32))
     m = capture_unchecked(agg, jnp.ones((3, 2), jnp.int32))
     m.main.body.params[0].type = m.main.body.params[0].type.__class__(
-        fcir.types.TensorType("f32", (2,)), "clients"
+        fcir.ir.types.TensorType("f32", (2,)), "clients"
     )
     (diag,) = fcir.verify(m)
     assert diag.code == "fed.secure_sum/C4"
@@ -204,7 +205,7 @@ def test_an_interpreter_subclass_runs_every_fed_op_through_the_base_class():
 # --- each op's JAX rules are in its own module -------------------------------------------
 
 _GENERIC_RULES = {
-    ("fcir.autodiff", "linear_jvp"),  # the same primitive on the tangent
+    ("fcir.frontend.autodiff", "linear_jvp"),  # the same primitive on the tangent
     ("jax._src.interpreters.ad", "zero_jvp"),  # AD.def_jvp_zero: never differentiable
 }
 
@@ -226,7 +227,7 @@ def test_every_fed_op_s_derivative_rules_are_defined_in_a_fed_op_module():
             home = _rule_home(rule)
             assert home[0].startswith("fcir.fed.") or home in _GENERIC_RULES, (
                 f"{name}'s {what} rule is {home}: it belongs in the op's module (or its "
-                "kind's base module), registered with fcir.autodiff.def_jvp/def_transpose"
+                "kind's base module), registered with fcir.frontend.autodiff.def_jvp/def_transpose"
             )
 
 
@@ -235,7 +236,7 @@ def test_the_generic_primitive_and_autodiff_machinery_names_no_fed_op():
     import re
 
     root = pathlib.Path(__file__).resolve().parents[1] / "fcir"
-    for module in ("primitives.py", "autodiff.py"):
+    for module in ("frontend/primitives.py", "frontend/autodiff.py"):
         code = (root / module).read_text()
         for name, cls in F.ops().items():
             if cls is F.Map:  # the shared helpers run per-member work in a fed.map region
@@ -247,7 +248,7 @@ def test_the_generic_primitive_and_autodiff_machinery_names_no_fed_op():
 
 
 def test_legacy_primitive_names_resolve_through_the_registry():
-    from fcir import primitives as P
+    from fcir.frontend import primitives as P
 
     assert P.sum_p is F.Sum.primitive and P.map_p is F.Map.primitive
     assert P.ddp_mean_p is F.DdpMean.primitive

@@ -1,5 +1,5 @@
-"""The discrete Gaussian sampler's distance from the exact law (fcir.ddp.sampler_tv,
-reported through fcir.privacy_float32) and the δ it adds in what fcir reports."""
+"""The discrete Gaussian sampler's distance from the exact law (fcir.mechanisms.ddgauss.sampler_tv,
+reported through fcir.privacy.sampler_error) and the δ it adds in what fcir reports."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import fcir
-from fcir import ddp
-from fcir import privacy_float32 as pf
+from fcir.mechanisms import ddgauss as ddp
+from fcir.privacy import sampler_error as pf
 
 
 def _modules(n=8, d=3, bits=16, z=1.1, clip=1.0):

@@ -12,8 +12,8 @@ import scipy.stats
 from fcir.interpreters import reference, xla
 
 import fcir
-from fcir import dp_noise
-from fcir import primitives as P
+from fcir.frontend import primitives as P
+from fcir.mechanisms import gaussian as dp_noise
 
 N = 4
 W = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)

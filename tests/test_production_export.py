@@ -191,7 +191,7 @@ def _tensor_bindings(b):
 def test_binding_maps_declared_order_to_flattened_order():
     """A struct whose declared element order differs from JAX's sorted flattening (a
     custom pytree node keeps its field order) binds each element to its own leaf."""
-    from fcir.types import Structure, TensorType
+    from fcir.ir.types import Structure, TensorType
 
     s = Structure(
         "custom", (Structure("leaf", leaf=1), Structure("leaf", leaf=0)), ("zeta", "alpha"), "Pair"

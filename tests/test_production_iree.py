@@ -51,7 +51,7 @@ def test_iree_bundle_runs_client_work_through_iree_to_reference_values(name, tmp
     )
     got = bundle.run_flat(_leaves(name), device_runtime="iree")
     module = cases.captured(name)
-    got = fcir.pytrees.unflatten_results(module.main, got)
+    got = fcir.frontend.pytrees.unflatten_results(module.main, got)
     cases.assert_close(got, cases.expected(name), name=name)
 
 

@@ -11,7 +11,7 @@ from production import cases, rounds
 
 import fcir
 from fcir.ir import Func, Module, walk
-from fcir.types import SERVER, PlacedType, TensorType
+from fcir.ir.types import SERVER, PlacedType, TensorType
 
 SERVER_PARTS = ("server_prepare", "server_result")
 

@@ -134,7 +134,7 @@ def test_a_private_program_may_not_release_a_median_without_noise():
 
 
 def test_traffic_counts_every_members_value_and_cost_reports_it():
-    from fcir import traffic
+    from fcir.report import traffic
 
     module = fcir.capture(program(5, 1), jnp.ones((5, 3)))
     assert traffic.communication_bytes(module) == {

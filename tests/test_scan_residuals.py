@@ -26,7 +26,7 @@ import pytest
 from fcir.interpreters import xla
 
 import fcir
-from fcir import captured
+from fcir.frontend import jaxpr_cache as captured
 from fcir.jaxcompat import scan_outputs
 
 JAX_0_10 = jax.__version_info__ < (0, 11)

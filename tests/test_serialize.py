@@ -19,9 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fcir
-from fcir import pytrees, serialize
 from fcir._proto import module_pb2 as pb
 from fcir.errors import FcirError, ParseError, VersionError
+from fcir.frontend import pytrees
+from fcir.ir import serialize
 
 N = 2
 Batch = collections.namedtuple("Batch", ["x", "y"])
@@ -114,7 +115,7 @@ def test_binary_round_trip_runs_to_the_same_values(monkeypatch):
     m = modules()["train_round"]
     back = fcir.Module.deserialize(m.serialize())
     args = train_args()
-    # In the capturing process the program's own classes come back (fcir.pytrees) ...
+    # In the capturing process the program's own classes come back (fcir.frontend.pytrees) ...
     assert isinstance(reference.run(back, *args)["params"], Params)
     # ... in another process, which never captured it, the dataclass comes back as its
     # named fields (the IR never imports Python types).

@@ -26,14 +26,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fcir
-from fcir import attrs as A
-from fcir import check_local
 from fcir._proto import module_pb2 as pb
-from fcir.capture import _name_of
-from fcir.check import verify
 from fcir.errors import FcirError, InterpreterError, IRTypeError, ParseError, PlacementError
+from fcir.frontend.capture import _name_of
+from fcir.ir import attrs as A
+from fcir.ir import check_jax_ops as check_local
 from fcir.ir import is_name, walk
-from fcir.types import PlacedType, TensorType
+from fcir.ir.check import verify
+from fcir.ir.types import PlacedType, TensorType
 
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 
@@ -276,7 +276,7 @@ def test_mutated_module_that_checks_runs_or_raises_an_fcir_error(m):
         fcir.check(m)
     except FcirError:
         return
-    from fcir.types import runtime_type
+    from fcir.ir.types import runtime_type
 
     args = [np.ones(runtime_type(v.type, m.cardinality).shape,
                     runtime_type(v.type, m.cardinality).np_dtype) for v in m.main.body.params]

@@ -1,4 +1,4 @@
-"""The parser's one-line fast path (fcir.text._FAST_OP) is invisible: on every golden,
+"""The parser's one-line fast path (fcir.ir.text._FAST_OP) is invisible: on every golden,
 on op lines split or joined in ways the canonical printer never writes, and on randomly
 edited text, parsing with it gives the same module text, or the same error, as the token
 parser alone. The goldens must also mostly take the fast path, or it buys nothing.
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import fcir
 from fcir import gcpause
-from fcir import text as fcir_text
 from fcir.errors import FcirError
+from fcir.ir import text as fcir_text
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
 GOLDENS = sorted(p.stem for p in GOLDEN_DIR.glob("*.fcir"))

@@ -16,9 +16,9 @@ import pytest
 from fcir.interpreters import production, reference, xla
 
 import fcir
-from fcir import pytrees
-from fcir.check import verify
+from fcir.frontend import pytrees
 from fcir.ir import Module
+from fcir.ir.check import verify
 
 N = 3
 

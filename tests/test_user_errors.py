@@ -9,7 +9,7 @@ import pytest
 from fcir.interpreters import production, reference, xla
 
 import fcir
-from fcir import dot, traffic
+from fcir.report import dot, traffic
 
 N = 4
 

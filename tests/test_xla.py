@@ -22,8 +22,10 @@ from corpus import CASES, case
 from fcir.interpreters import xla
 
 import fcir
-from fcir import captured, ops, types
+from fcir import ops
 from fcir.errors import InterpreterError, PlacementError
+from fcir.frontend import jaxpr_cache as captured
+from fcir.ir import types
 
 # Minutes of XLA CPU compile time each; their ids end in "-slow", so `-k "not slow"`
 # skips them.

@@ -14,9 +14,9 @@ from fcir.interpreters import xla
 from jax._src import test_util as jtu  # JAX's own counters of cache misses
 
 import fcir
-from fcir import attrs as A
-from fcir import captured
 from fcir.errors import InterpreterError, PlacementError
+from fcir.frontend import jaxpr_cache as captured
+from fcir.ir import attrs as A
 
 
 @fcir.program(placements={"clients": 8})

@@ -16,11 +16,11 @@ from fcir.interpreters import xla
 from fcir.interpreters.xla import build
 
 import fcir
-from fcir import attrs as A
-from fcir import captured
-from fcir.capture import capture_unchecked
 from fcir.errors import FcirError, PrivacyError
-from fcir.types import TensorType, dtype_name
+from fcir.frontend import jaxpr_cache as captured
+from fcir.frontend.capture import capture_unchecked
+from fcir.ir import attrs as A
+from fcir.ir.types import TensorType, dtype_name
 
 
 @fcir.program(placements={"clients": 4})

@@ -16,7 +16,7 @@ bitwise ``jax.jit`` on that mesh with its flops, directly or inside a nested ``j
 
 Order statistics (``fed.median``, ``fed.trimmed_mean``) sort over the member axis, which
 Explicit axes type as sharded, and JAX refuses such a sort: they gather the members
-first (``fcir.sharding.gather_members``).
+first (``fcir.frontend.sharding.gather_members``).
 
 JAX fixes the number of CPU devices when it starts, so ``test_on_8_simulated_devices``
 runs the other tests of this file in a fresh process with 8 simulated devices (as

@@ -220,7 +220,7 @@ def test_ddp_streams_bit_for_bit_and_differentiates_like_unstreamed():
     want = grad_of(plain)(p, x, y, keys)
     assert any(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(want))
     assert_streamed_equal(grad_of(streamed)(p, x, y, keys), want, exact=False, what="grad")
-    # The encoding makes no float decision XLA may order differently (fcir.ddp: a fixed
+    # The encoding makes no float decision XLA may order differently (fcir.mechanisms.ddgauss: a fixed
     # pairwise clip norm, an exact integer norm check), so given the members' updates
     # the streamed sum is the unstreamed one, bit for bit, on every jax.
     m = fcir.capture(elementwise_ddp_round(n), p, x, y, keys)

@@ -17,7 +17,7 @@ import dataclasses
 from typing import ClassVar
 
 from fcir.errors import IRTypeError, PlacementError
-from fcir.types import SERVER, PlacedType, TensorType, Type
+from fcir.ir.types import SERVER, PlacedType, TensorType, Type
 
 # What an op does, for the modules that treat ops by what they do:
 #   broadcast  server -> members (one operand, one all-equal result)
@@ -187,13 +187,6 @@ def arity(cls, op, operands: int, results: int, regions: int = 0) -> None:
             f"has {len(op.operands)} operands, {len(op.results)} results, "
             f"{len(op.regions)} regions",
         )
-
-
-def mean_dtype(dtype: str) -> str:
-    from fcir import primitives as P
-    from fcir.types import dtype_from_name, dtype_name
-
-    return dtype_name(P.mean_result_dtype(dtype_from_name(dtype)))
 
 
 class Reduction(FedOp):

@@ -2,7 +2,8 @@
 
 Derivative: linear. JVP: broadcast the tangent. Transpose: ``fed.sum`` (same placement
 and cardinality), so the cotangent of a server value that was broadcast is the
-federated sum of the members' cotangents.
+federated sum of the members' cotangents. Registered in ``fcir.fed.sum``, with
+``fed.sum``'s own transpose, since each of the two is the other's transpose.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from fcir import autodiff as AD
-from fcir import primitives as P
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import PlacedType
 from fcir.jaxcompat import core
-from fcir.types import PlacedType
 
 from .base import FedOp, arity
 
@@ -48,18 +49,8 @@ def _batch(args, dims, *, placement, n):
     return broadcast_p.bind(x, placement=placement, n=n), d + 1
 
 
-def _transpose(ct, x, *, placement, n):
-    from .sum import sum_p
-
-    assert AD.is_undefined_primal(x)
-    if AD.is_symbolic_zero(ct):
-        return [AD.zero_cotangent(x)]
-    return [sum_p.bind(ct, placement=placement, n=n)]
-
-
 broadcast_p = P.define_primitive("fed_broadcast", _impl, _abstract_eval, _batch)
 AD.def_jvp(broadcast_p, AD.linear_jvp(broadcast_p))
-AD.def_transpose(broadcast_p, _transpose)
 
 
 class Broadcast(FedOp):

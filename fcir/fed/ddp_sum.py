@@ -1,6 +1,6 @@
 """``fed.ddp_sum``: distributed DP through secure aggregation (the distributed discrete
-Gaussian of KLS21; the numerics and their bounds are ``fcir.ddp``'s, the frontend
-``fcir.ddp_api``, the trust model docs/privacy.md).
+Gaussian of KLS21; the numerics and their bounds are ``fcir.mechanisms.ddgauss``'s, the frontend
+``fcir.frontend.ddp_functions``, the trust model docs/privacy.md).
 
 ``({T1}@child, ..., {Tk}@child, {K}@child) -> (T1, ..., Tk)``: the placed leaves of one
 pytree, then one PRNG key per member (``K`` is ``key<...>[]`` or ``u32[2]``), results
@@ -16,19 +16,19 @@ import functools
 import jax
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import ddp
-from fcir import primitives as P
-from fcir.types import PlacedType, TensorType
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import PlacedType, TensorType
+from fcir.mechanisms import ddgauss as ddp
 
 from .base import FedOp
-from .dp_sum import DpSum, check_leaves_then_key, dp_jvp, float_members
+from .dp_sum import DpSum, check_leaves_then_key, define_dp, dp_jvp, float_members
 
 __all__ = ["DdpSum", "ddp_sum_p", "define_ddp"]
 
 
 class DdpSum(FedOp):
-    """Distributed discrete Gaussian sum (``fcir.ddp``): each member clips, rotates,
+    """Distributed discrete Gaussian sum (``fcir.mechanisms.ddgauss``): each member clips, rotates,
     quantizes and noises its pytree into integers modulo ``2**bits`` with its own key;
     the secure sum of those is decoded where the result lives."""
 
@@ -127,7 +127,7 @@ def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, bits, 
 def define_ddp(op: type[FedOp], mean: bool):
     """The primitive of ``op`` (``fed.ddp_sum`` or, with ``mean``, ``fed.ddp_mean``),
     with its derivative: like ``fed.dp_*``, the noise and the rounding are constants."""
-    prim = P.define_dp(
+    prim = define_dp(
         "fed_" + op.name.removeprefix("fed."),
         functools.partial(_impl, mean=mean),
         functools.partial(_abstract_eval, op, mean=mean),

@@ -20,14 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import TensorType
+from fcir.jaxcompat import batching, core, mlir
 
 from .base import FedOp
+from .map import member_map, member_slices
 from .sum import sum_p
 
-__all__ = ["DpSum", "define_dp_op", "dp_jvp", "dp_sum_p"]
+__all__ = ["DpSum", "define_dp", "define_dp_op", "dp_jvp", "dp_sum_p"]
 
 
 # --- the primitive ------------------------------------------------------------------------
@@ -137,11 +139,67 @@ def dp_jvp(prim, mean: bool, primals, tangents, **params):
         return ys, [AD.zero_tangent(y) for y in ys]
     ts = [t for t, nz in zip(tangents, nonzero) if nz]
     placement, n = params["placement"], params["n"]
-    clipped = AD.member_map(
+    clipped = member_map(
         _clip_tangent_region, (params["clip_norm"], nonzero), placement, n, *xs, *ts
     )
     out = [sum_p.bind(c, placement=placement, n=n) for c in clipped]
     return ys, [o / n for o in out] if mean else out
+
+
+def define_dp(name: str, impl, abstract_eval, *, compiled: bool = False):
+    """A multiple-results DP aggregate primitive for a fed op module (``fed.dp_*``,
+    ``fed.ddp_*``): ``impl(*leaves, key(s), placement=..., n=..., **params)`` is its
+    eager impl and its lowering, ``abstract_eval(*avals, **params)`` raises the op's
+    constraint errors and gives the results' avals; batching unrolls the batch axis.
+    ``compiled``: evaluate eagerly through ``jax.jit`` of ``impl`` (``_compiled_per_params``),
+    for an impl whose bits cannot depend on it (``fed.ddp_*``: float32 with fixed-order
+    sums, then integers; no bf16 intermediate a compiled program could keep wider)."""
+    prim = core.Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(_compiled_per_params(impl) if compiled else impl)
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True))
+    batching.primitive_batchers[prim] = _dp_batch(prim)
+    return prim
+
+
+def _compiled_per_params(impl):
+    """``impl`` run eagerly as one compiled function per set of op parameters (and, by
+    ``jax.jit``, per operand types): the same function the lowering traces, so the
+    same bits. Op by op, a DP aggregate dispatches hundreds of small kernels (each
+    while loop of the discrete Gaussian sampler compiles afresh), which made one
+    reference run of a small ``fed.ddp_sum`` round take seconds."""
+    import functools
+
+    @functools.cache
+    def compiled(params: tuple):
+        return jax.jit(functools.partial(impl, **dict(params)))
+
+    def eager(*args, **params):
+        return compiled(tuple(sorted(params.items())))(*args)
+
+    return eager
+
+
+def _dp_batch(prim):
+    def batch(args, dims, **params):
+        # Unrolled over the batch axis: the clip couples all leaves of one member, so a
+        # batch element cannot ride along on the members' axis.
+        # The placed leaves are sliced member by member (inside a fed.map, so that no op
+        # at the server reads them); the key, where the result lives, directly.
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        *xs, key = args
+        *xdims, kdim = dims
+        xs = [x if d is None or d > 0 else P.moveaxis_to(x, 0, 1) for x, d in zip(xs, xdims)]
+        xdims = [d if d is None or d > 0 else 1 for d in xdims]
+        per = []
+        for b in range(size):
+            sliced = member_slices(xs, xdims, b, params["placement"], params["n"])
+            k = key if kdim is None else jax.lax.index_in_dim(key, b, kdim, keepdims=False)
+            per.append(prim.bind(*sliced, k, **params))
+        return [jnp.stack(list(outs)) for outs in zip(*per)], [0] * len(per[0])
+
+    return batch
 
 
 def define_dp_op(op: type[FedOp], mean: bool):
@@ -155,7 +213,7 @@ def define_dp_op(op: type[FedOp], mean: bool):
     def abstract_eval(*avals, **params):
         return _abstract_eval(op, *avals, mean=mean, **params)
 
-    prim = P.define_dp("fed_" + op.name.removeprefix("fed."), impl, abstract_eval)
+    prim = define_dp("fed_" + op.name.removeprefix("fed."), impl, abstract_eval)
     AD.def_jvp(prim, functools.partial(dp_jvp, prim, mean))
     op.primitive = prim
     return prim

@@ -20,13 +20,17 @@ cotangents are dropped from the region's signature.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
-from fcir import autodiff as AD
 from fcir import jaxcompat as jc
-from fcir import primitives as P
 from fcir.errors import PlacementError
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import PlacedType
 from fcir.jaxcompat import (
     ad,
     ad_util,
@@ -39,11 +43,10 @@ from fcir.jaxcompat import (
     split_list,
     weakref_lru_cache,
 )
-from fcir.types import PlacedType
 
 from .base import FedOp
 
-__all__ = ["Map", "map_p"]
+__all__ = ["Map", "map_p", "member_map", "member_slices"]
 
 Zero = ad_util.Zero
 _is_zero = AD.is_zero
@@ -485,3 +488,52 @@ class Map(FedOp):
         for i, (r, y) in enumerate(zip(op.results, region.results)):
             if r.type != PlacedType(y.type, p, False):
                 cls.fail("C4", f"result {i} has type {r.type}, region yields {y.type}")
+
+
+# --- binding fed.map from other ops' rules --------------------------------------------
+
+
+def _member_aval(aval) -> core.ShapedArray:
+    """One member's type: the placed type without its leading (member) axis."""
+    sharding = aval.sharding
+    spec = PartitionSpec(*sharding.spec[1:])
+    return aval.update(shape=aval.shape[1:], sharding=sharding.update(spec=spec))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_region(builder, member_avals: tuple, static: tuple) -> jc.ClosedJaxpr:
+    return AD.trace_region(builder(*static), member_avals, builder.__name__)
+
+
+def member_map(builder, static: tuple, placement: str, n: int, *placed):
+    """Binds ``fed_map`` with the region ``builder(*static)`` traced over member types.
+
+    ``builder(*static)`` returns a function of one member's values returning a list.
+    Regions are cached per (builder, member types, static), so a rule emits the same
+    region object each time (deterministic IR, cache-friendly).
+    """
+    avals = tuple(_member_aval(core.typeof(x)) for x in placed)
+    body = _cached_region(builder, avals, tuple(static))
+    return map_p.bind(*placed, body=body, placement=placement, n=n)
+
+
+def member_slices(xs, dims, b: int, placement: str, n: int) -> list:
+    """Element ``b`` of the batch axis ``dims[i]`` (>= 1) of each placed ``xs[i]``,
+    taken by a fed.map over the members (unbatched leaves as they are)."""
+    batched = [i for i, d in enumerate(dims) if d is not None]
+    if not batched:
+        return list(xs)
+
+    def body(*members):
+        return [
+            jax.lax.index_in_dim(m, b, dims[i] - 1, keepdims=False)
+            for i, m in zip(batched, members)
+        ]
+
+    avals = [jax.ShapeDtypeStruct(xs[i].shape[1:], xs[i].dtype) for i in batched]
+    closed = jax.make_jaxpr(body)(*avals)
+    outs = map_p.bind(*[xs[i] for i in batched], body=closed, placement=placement, n=n)
+    got = list(xs)
+    for i, o in zip(batched, outs):
+        got[i] = o
+    return got

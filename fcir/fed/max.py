@@ -7,8 +7,8 @@ import functools
 
 import jax.numpy as jnp
 
-from fcir import autodiff as AD
-from fcir import primitives as P
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
 
 from .base import Reduction
 from .min import chooser_jvp

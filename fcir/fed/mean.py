@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import TensorType, dtype_from_name, dtype_name
 
-from .base import Reduction, mean_dtype
+from .base import Reduction
 from .broadcast import broadcast_p
 
-__all__ = ["Mean", "mean_p"]
+__all__ = ["Mean", "mean_dtype", "mean_p"]
+
+
+def mean_dtype(dtype: str) -> str:
+    return dtype_name(P.mean_result_dtype(dtype_from_name(dtype)))
 
 
 def _impl(x, *, n):

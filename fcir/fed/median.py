@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.frontend.program import _reduce
 
 from .base import Reduction, public
 from .trimmed_mean import (
@@ -104,6 +105,4 @@ def reduce_median(x):
     A coordinate where any member is NaN is NaN (as ``np.median`` and ``jnp.median``),
     and its gradient is zero for every member (as ``jax.grad(jnp.median)``).
     """
-    from fcir.api import _reduce
-
     return _reduce(median_p, "fcir.reduce_median", x)

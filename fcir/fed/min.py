@@ -16,11 +16,12 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
 
 from .base import Reduction
 from .broadcast import broadcast_p
+from .map import member_map
 from .sum import sum_p
 
 __all__ = ["Min", "chooser_jvp", "min_p"]
@@ -51,9 +52,9 @@ def chooser_jvp(prim, primals, tangents, *, placement, n):
     # tangents of the members attaining the extremum. Everything per member happens in
     # fed_map regions; the division by the tie count happens on the server.
     ans_at_members = broadcast_p.bind(ans, placement=placement, n=n)
-    (ind,) = AD.member_map(_indicator_region, (np.dtype(dtype),), placement, n, x, ans_at_members)
+    (ind,) = member_map(_indicator_region, (np.dtype(dtype),), placement, n, x, ans_at_members)
     count = sum_p.bind(ind, placement=placement, n=n)
-    (picked,) = AD.member_map(_masked_region, (), placement, n, g, ind)
+    (picked,) = member_map(_masked_region, (), placement, n, g, ind)
     return ans, sum_p.bind(picked, placement=placement, n=n) / count
 
 

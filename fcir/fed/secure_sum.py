@@ -9,9 +9,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType, dtype_name
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import TensorType, dtype_name
 
 from .base import Reduction
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType, dtype_from_name, dtype_name
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import TensorType, dtype_from_name, dtype_name
 
 from .base import Reduction
 from .broadcast import broadcast_p
@@ -56,3 +56,15 @@ class Sum(Reduction):
         return TensorType(
             dtype_name(P.sum_result_dtype(dtype_from_name(member.dtype))), member.shape
         )
+
+
+def _broadcast_transpose(ct, x, *, placement, n):
+    """``fed.broadcast``'s transpose (``fcir.fed.broadcast``): the sum of the members'
+    cotangents, registered here, where both primitives are defined."""
+    assert AD.is_undefined_primal(x)
+    if AD.is_symbolic_zero(ct):
+        return [AD.zero_cotangent(x)]
+    return [sum_p.bind(ct, placement=placement, n=n)]
+
+
+AD.def_transpose(broadcast_p, _broadcast_transpose)

@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType
+from fcir.errors import PlacementError
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.frontend.program import _reduce
+from fcir.frontend.sharding import gather_members
+from fcir.ir.types import TensorType, dtype_name
 
 from .base import Reduction, public
 from .broadcast import broadcast_p
+from .map import member_map
 from .max import max_p
 from .min import min_p
 from .sum import sum_p
@@ -49,8 +53,6 @@ def _accumulator(dtype) -> np.dtype:
 def l_estimate(x, *, n: int, trim: int):
     """The trimmed mean over axis 0 (jnp ops: the primitive's impl and lowering)."""
     import jax.numpy as jnp
-
-    from fcir.sharding import gather_members
 
     s = jnp.sort(gather_members(x), axis=0)  # NaN sorts last: a NaN member makes the last row NaN
     mean = jnp.mean(s[trim : n - trim].astype(_accumulator(x.dtype)), axis=0)
@@ -139,7 +141,6 @@ class TrimmedMean(Reduction):
 
 def _check(cls):
     def check(member, *, n, **params):
-        from fcir.types import dtype_name
 
         found = cls.problem(dtype_name(member.dtype), n, params)
         if found is not None:
@@ -201,7 +202,7 @@ class _Fed:
         return broadcast_p.bind(v, **self.kw)
 
     def map(self, builder, static, *placed):
-        return AD.member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
+        return member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
 
     def sum(self, x):
         return sum_p.bind(x, **self.kw)
@@ -279,9 +280,6 @@ def reduce_trimmed_mean(x, *, trim: int):
     ``scipy.stats.trim_mean``), and its gradient is zero for every member; ``inf`` is
     an ordinary, largest value.
     """
-    from fcir.api import _reduce
-    from fcir.errors import PlacementError
-
     if isinstance(trim, bool) or not isinstance(trim, (int, np.integer)):
         raise PlacementError(f"fcir.reduce_trimmed_mean: trim must be an int, got {trim!r}")
     return _reduce(trimmed_mean_p, "fcir.reduce_trimmed_mean", x, trim=int(trim))

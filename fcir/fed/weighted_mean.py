@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fcir import autodiff as AD
-from fcir import primitives as P
-from fcir.types import TensorType, dtype_name
+from fcir.frontend import autodiff as AD
+from fcir.frontend import primitives as P
+from fcir.ir.types import TensorType, dtype_name
 
-from .base import FedOp, arity, mean_dtype
+from .base import FedOp, arity
 from .broadcast import broadcast_p
-from .map import map_p
+from .map import map_p, member_map
+from .mean import mean_dtype
 from .sum import sum_p
 
 __all__ = ["WeightedMean", "weighted_mean_p"]
@@ -115,11 +116,11 @@ def _jvp(primals, tangents, *, placement, n):
         return y, AD.zero_tangent(y)
     dt = np.dtype(P.mean_result_dtype(x_aval.dtype))
     # W = sum of the weights (in the result dtype, as the primal computes it).
-    w_dt = w if w_aval.dtype == dt else AD.member_map(_cast_region, (dt,), placement, n, w)[0]
+    w_dt = w if w_aval.dtype == dt else member_map(_cast_region, (dt,), placement, n, w)[0]
     total = sum_p.bind(w_dt, placement=placement, n=n)
     y_at_members = broadcast_p.bind(y, placement=placement, n=n)
     ts = [t for t, has in ((dx, has_dx), (dw, has_dw)) if has]
-    (num_members,) = AD.member_map(
+    (num_members,) = member_map(
         _weighted_tangent_region, (dt, has_dx, has_dw), placement, n, w, x, y_at_members, *ts
     )
     num = sum_p.bind(num_members, placement=placement, n=n)

@@ -69,7 +69,6 @@ __all__ = [
     "pe",
     "physical_mesh",
     "prng",
-    "region_kind",
     "register_dce_rule",
     "register_linearization",
     "register_remat_rule",
@@ -101,25 +100,6 @@ def closed_jaxpr(jaxpr, consts):
     if _MERGED:
         return core.Jaxpr(jaxpr, list(consts))
     return core.ClosedJaxpr(jaxpr, list(consts))
-
-
-def region_kind(value, prim: str, key: str) -> bool | None:
-    """For a jaxpr-valued param ``key`` of ``prim``: whether fcir's schema makes it a
-    closed region (True) or an open one (False); None when ``value`` is no jaxpr."""
-    if _MERGED:
-        if not isinstance(value, core.Jaxpr):
-            return None
-        from fcir.jaxcompat.schema import region_is_closed
-
-        closed = region_is_closed(prim, key)
-        if not closed and value.consts:
-            raise ValueError(f"param {key} of {prim} is an open jaxpr but carries constants")
-        return closed
-    if isinstance(value, core.ClosedJaxpr):
-        return True
-    if isinstance(value, core.Jaxpr):
-        return False
-    return None
 
 
 def open_jaxpr(x):

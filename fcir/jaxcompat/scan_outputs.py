@@ -149,5 +149,5 @@ def stacked_copies(closed) -> int:
 def has_stacked_copies(closed) -> bool:
     """Whether a scan in ``closed`` stacks one value twice and the running JAX binds it
     merged: then running that very jaxpr is not what the XLA backend runs for its IR
-    (``fcir.captured`` must not hand it out)."""
+    (``fcir.frontend.jaxpr_cache`` must not hand it out)."""
     return MERGES and stacked_copies(closed) > 0

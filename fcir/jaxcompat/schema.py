@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from fcir import jaxcompat as _jc
+from fcir.jaxcompat import named_sharding
 
 # (primitive, param) pairs that hold an open jaxpr (no constants) in fcir's schema; every
 # other jaxpr-valued param is closed. "*" matches any primitive.
@@ -96,6 +97,23 @@ def region_is_closed(prim: str, key: str) -> bool:
     return (prim, key) not in OPEN_REGIONS and ("*", key) not in OPEN_REGIONS
 
 
+def region_kind(value, prim: str, key: str) -> bool | None:
+    """For a jaxpr-valued param ``key`` of ``prim``: whether fcir's schema makes it a
+    closed region (True) or an open one (False); None when ``value`` is no jaxpr."""
+    if _jc._MERGED:
+        if not isinstance(value, _jc.core.Jaxpr):
+            return None
+        closed = region_is_closed(prim, key)
+        if not closed and value.consts:
+            raise ValueError(f"param {key} of {prim} is an open jaxpr but carries constants")
+        return closed
+    if isinstance(value, _jc.core.ClosedJaxpr):
+        return True
+    if isinstance(value, _jc.core.Jaxpr):
+        return False
+    return None
+
+
 def scan_counts(params: dict) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a scan eqn's params, in either JAX's form."""
     if "num_consts" in params:
@@ -109,8 +127,6 @@ def inlined_while_tracing(prim: str, params: dict) -> bool:
     without shardings or layouts), so that capture inlines it too."""
     if prim != "jit" or _INLINE is None or params.get("inline") is not _INLINE.JAX_LATE:
         return False
-    from fcir.jaxcompat import named_sharding
-
     unspecified = named_sharding.UnspecifiedValue
     return (
         all(isinstance(s, unspecified) for s in params["in_shardings"])

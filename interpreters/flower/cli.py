@@ -4,12 +4,18 @@
 from __future__ import annotations
 
 from fcir.errors import FcirError
+from fcir.frontend.capture import capture
+from fcir.frontend.loading import is_ir_file, load_inputs, load_module, load_python_target
+
+from . import export
+from .app import training
+from .data import split_arguments
+from .local import Deployment, _bin, env_for, flwr_run
+from .simulation import simulate
+from .writer import APP_PACKAGE
 
 
 def cmd_export_flower(module, a) -> int:
-    from fcir.loading import load_inputs
-
-    from . import export
 
     inputs = load_inputs(a.inputs) if a.inputs else None  # the server's inputs only
     if a.aggregate_with != "intrinsics":
@@ -29,9 +35,6 @@ def run_hint(appdir) -> str:
     same every round under it, which the ServerApp refuses)."""
     import json
     import pathlib
-
-    from .app import training
-    from .writer import APP_PACKAGE
 
     plan = json.loads((pathlib.Path(appdir) / APP_PACKAGE / "plan.json").read_text())
     mapping = training.infer(plan)
@@ -191,8 +194,6 @@ def cmd_up(a) -> int:
     import tempfile
     import time
 
-    from .local import Deployment, env_for
-
     if a.nodes < 1:
         raise FcirError("fcir flower up: --nodes must be at least 1")
     root = a.dir or tempfile.mkdtemp(prefix="fcir-flower-")
@@ -244,8 +245,6 @@ def cmd_run(a) -> int:
     import os
     import sys
 
-    from .local import _bin, env_for, flwr_run
-
     if not os.environ.get("FLWR_HOME"):
         raise FcirError(
             "fcir flower run: set FLWR_HOME to the home that names the SuperLink (the line "
@@ -264,8 +263,6 @@ def cmd_run(a) -> int:
 
 def cmd_simulate(a) -> int:
     import signal
-
-    from .simulation import simulate
 
     if a.actors is not None and a.actors < 1:
         raise FcirError("fcir flower simulate: --actors must be at least 1")
@@ -291,17 +288,12 @@ def cmd_simulate(a) -> int:
 def cmd_data(a) -> int:
     import jax
 
-    from fcir.loading import is_ir_file, load_inputs, load_module, load_python_target
-
-    from .data import split_arguments
-
     if is_ir_file(a.IN):
         if not a.inputs:
             raise FcirError("an IR file carries no argument values: give them with --inputs ARGS.npz")
         module = load_module(a.IN)
         args = load_inputs(a.inputs, module)
     else:
-        from fcir.capture import capture
 
         fn, args = load_python_target(a.IN)
         if a.inputs:  # the values of the file's arguments, in EXAMPLE_ARGS' structure

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from fcir.errors import FcirError
-from fcir.types import SERVER, PlacedType
+from fcir.ir.types import SERVER, PlacedType
 
 SERVER_FILE = "server_inputs.npz"
 

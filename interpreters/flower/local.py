@@ -25,6 +25,8 @@ import urllib.request
 
 from fcir.errors import FcirError
 
+from .certs import Certificates, make
+
 FEDERATION = "local"
 
 
@@ -157,8 +159,6 @@ class Deployment:
     @property
     def certificates(self):
         """The localhost CA and the SuperLink's certificate (``tls=True``), made once."""
-        from .certs import Certificates, make
-
         folder = self.root / "certificates"
         if not (folder / "server.key").is_file():
             return make(folder)

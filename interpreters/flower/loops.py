@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from fcir.control_flow import bindings
 from fcir.errors import ExportError
 from fcir.ir import Func, Module, Op, Region, Value
-from fcir.types import SERVER, PlacedType, Structure
+from fcir.ir.control_flow import bindings
+from fcir.ir.types import SERVER, PlacedType, Structure, runtime_type
 
+from ..production import lowering
 from ..production.rewrite import clone_op
+from .phases import levels
 
 LOOPS = ("jax.scan", "jax.while")
 # The reduction that marks a client carry's new value in the round (its result unused):
@@ -62,7 +64,7 @@ class LoopSplit:
     roles: list[tuple[str, int]]  # per loop operand: ("const"|"carry"|"xs"|"cond", k)
     client_operands: list[int]  # loop operand -> which program client leaf (by position)
     n_carry: int
-    body: object  # fcir.control_flow.Binding of the body
+    body: object  # fcir.ir.control_flow.Binding of the body
     cond_binding: object  # ... of a while loop's condition (None for a scan)
     operands: list  # the loop's operand values (to tell server from client ones)
     client_carry: list[int]  # body parameters of the carries placed at the clients (state)
@@ -277,10 +279,6 @@ def loop_plan(
     ``at`` of main (see the module doc). ``build_round_plan(round, server_inputs=)`` is
     writer.build_plan; ``server_inputs`` (the program's, for --device-runtime iree)
     become the first iteration's, which its device modules are verified on too."""
-    from fcir.types import runtime_type
-
-    from ..production import lowering
-
     ls = split_loop(module, at)
     firsts = None if server_inputs is None else first_round_inputs(ls, server_inputs)
     doc, artifacts = build_round_plan(ls.round, server_inputs=firsts)
@@ -409,8 +407,6 @@ def _mark_state_steps(doc: dict, ls: LoopSplit, where: str) -> None:
     aggregate the server fills with zeros for the round's server parts)."""
     if not ls.state_marks:
         return
-    from .phases import levels
-
     level = levels(ls.round)
     at = {level[out] for _, out in ls.state_marks}
     if len(at) != 1:
@@ -450,10 +446,6 @@ def first_round_inputs(ls: LoopSplit, server_inputs) -> list | None:
     the inputs are not ``pre``'s (the writer then says what is wrong with them)."""
     import jax
     import numpy as np
-
-    from fcir.types import runtime_type
-
-    from ..production import lowering
 
     types = [runtime_type(v.type, ls.pre.cardinality) for v in ls.pre.main.body.params]
     xs = [np.asarray(x) for x in server_inputs]

@@ -22,7 +22,7 @@ import dataclasses
 
 from fcir import fed as F
 from fcir.ir import Func, Module, Region, Value
-from fcir.types import Structure
+from fcir.ir.types import Structure
 
 from ..production.rewrite import clone_op, named
 

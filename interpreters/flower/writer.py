@@ -31,11 +31,19 @@ import tempfile
 import numpy as np
 
 from fcir.errors import ExportError
-from fcir.types import runtime_type
+from fcir.fed import ops
+from fcir.frontend.loading import leaf_paths as paths
+from fcir.ir.types import runtime_type
+from fcir.privacy.keys import key_arguments
 
-from ..production.bundle import _interface
+from ..production import dp
+from ..production import export as production_export
+from ..production.ddp import mechanism
+from ..production.iree import client_modules
 from ..production.rewrite import member_type
-from ..production.splitting import PARTS
+from ..production.splitting import PARTS, part_interface
+from .loops import find_loop, loop_plan
+from .phases import split_phases
 
 APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
@@ -50,7 +58,9 @@ SOURCES = (
     "training.py",
     "program.py",
 )
-IREE_SOURCES = ("iree_runtime.py",)  # only in --device-runtime iree apps
+# Only in --device-runtime iree apps: the device side of production bundles' client work
+# (fcir.interpreters.production.iree_runtime), copied from production's folder.
+IREE_SOURCES = ("iree_runtime.py",)
 
 # Run config keys and their defaults (flwr run --run-config overrides only declared keys).
 RUN_CONFIG = {
@@ -77,8 +87,6 @@ def _server_aggregate(agg) -> dict:
     over the replies (app/runtime.py): the app never needs an entry per op."""
     if agg.intrinsic != "federated_aggregate":
         return {}
-    from fcir.fed import ops
-
     source = ops()[agg.fed_op].server_aggregate_source()
     if source is None:
         raise ExportError(
@@ -97,10 +105,8 @@ def _spec(t, index, path: str | None = None) -> dict:
 
 def leaf_paths(structure, n: int) -> dict[int, str]:
     """Flat index -> its pytree path in ``structure`` (``[0]['w']``, as jax.tree_util.keystr
-    writes it; ``fcir.loading.leaf_paths``); ``[i]`` for a function without a recorded
+    writes it; ``fcir.frontend.loading.leaf_paths``); ``[i]`` for a function without a recorded
     structure."""
-    from fcir.loading import leaf_paths as paths
-
     return dict(enumerate(paths(structure, n)))
 
 
@@ -111,7 +117,7 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
     carried values are ``("carry", name)`` and the round's arguments stay ``("arg", i)``.
     """
     sp = plan.split
-    interface = _interface(plan)
+    interface = part_interface(plan)
     stablehlo = plan.stablehlo_artifacts()
     n_args = len(phase.module.main.body.params) - len(phase.carried_in)
 
@@ -164,8 +170,6 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
         art(name): stablehlo[name][0] for name in PARTS if name != "server_to_client_broadcast"
     }
     if device is not None:  # --device-runtime iree: verified modules replace the artifact
-        from ..production.iree import client_modules
-
         targets, given = device
         steps[1]["client"], artifacts = client_modules(
             plan, art("client_work"), steps[1]["client"], artifacts, targets, given
@@ -181,10 +185,6 @@ def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, d
     modules for those targets instead of jax.export artifacts, verified on
     the server's inputs too when given (the first phase's: later ones take carried
     values)."""
-    from ..production import export as production_export
-    from .loops import find_loop, loop_plan
-    from .phases import split_phases
-
     at = find_loop(module)
     if at is not None:  # a whole training program: one Flower round per iteration
         rounds = functools.partial(build_plan, device_targets=device_targets)
@@ -250,11 +250,6 @@ def _privacy(module) -> dict | None:
     """plan.json's ``privacy``: the production manifest's entry for the round as written
     (every phase's DP ops compose into one round's epsilon), and what a dp_mean divides
     by when clients drop out (docs/flower.md, Participation)."""
-    from fcir.dp_keys import key_arguments
-
-    from ..production import dp
-    from ..production.ddp import mechanism
-
     entry = dp.manifest_entry(module)
     if entry is None:
         return None
@@ -436,8 +431,10 @@ def write_app(
         pkg = tmp / APP_PACKAGE
         pkg.mkdir()
         src = pathlib.Path(__file__).resolve().parent / "app"
-        for name in SOURCES + (IREE_SOURCES if iree else ()):
+        for name in SOURCES:
             shutil.copyfile(src / name, pkg / name)
+        for name in IREE_SOURCES if iree else ():
+            shutil.copyfile(src.parent.parent / "production" / name, pkg / name)
         for name, text in files.items():
             (pkg / name).write_text(text)
         project = "fcir-" + doc["round"].replace("_", "-").lower()

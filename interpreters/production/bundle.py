@@ -32,14 +32,15 @@ import jax
 import numpy as np
 
 import fcir
-from fcir import pytrees
 from fcir.errors import FcirError
+from fcir.frontend import pytrees
 from fcir.interpreter import as_input
 from fcir.ir import Module
-from fcir.types import dtype_name, runtime_type
+from fcir.ir.types import dtype_name, runtime_type
 
+from . import iree, iree_runtime, lowering
 from .rewrite import member_type
-from .splitting import PARTS, RUNS_ON
+from .splitting import PARTS, RUNS_ON, part_interface
 
 FORMAT = "fcir.production.bundle"
 FORMAT_VERSION = 1
@@ -51,43 +52,6 @@ class BundleError(FcirError):
 
 
 # --- writing ------------------------------------------------------------------------------
-
-
-def _interface(plan) -> dict[str, tuple[list, list]]:
-    """Each part's (params, results) as (group, name) pairs, in leaf order."""
-    sp = plan.split
-
-    def names(structure) -> list[str]:
-        return list(structure.names)
-
-    prepare = sp.parts["server_prepare"].main
-    b, t = (names(c) for c in prepare.result_structure.children)
-    a_in = names(sp.client_member.main.result_structure)
-    a_out = names(sp.parts["client_to_server_aggregation"].main.result_structure)
-    n_out = len(sp.parts["server_result"].main.body.results)
-
-    def group(g, items):
-        return [(g, str(x)) for x in items]
-
-    return {
-        "server_prepare": (
-            group("arg", sp.server_args),
-            group("broadcast_input", b) + group("temporary", t),
-        ),
-        "server_to_client_broadcast": (group("broadcast_input", b), group("broadcast_output", b)),
-        "client_work": (
-            group("arg", sp.client_args) + group("broadcast_output", b),
-            group("client_output", a_in),
-        ),
-        "client_to_server_aggregation": (
-            group("temporary", t) + group("client_output", a_in),
-            group("aggregated", a_out),
-        ),
-        "server_result": (
-            group("temporary", t) + group("aggregated", a_out),
-            group("output", range(n_out)),
-        ),
-    }
 
 
 def _entries(pairs, values, module: Module, member: bool) -> list[dict]:
@@ -121,10 +85,8 @@ def write(plan, directory, *, device_runtime="jax", device_targets=(), inputs=No
             "give -o a new directory"
         )
     device = None
-    has_client_work = bool(_interface(plan)["client_work"][1])
+    has_client_work = bool(part_interface(plan)["client_work"][1])
     if device_runtime == "iree" and has_client_work:  # first: if IREE is wrong, write nothing
-        from . import iree, lowering
-
         extra = iree.round_client_inputs(plan, inputs) if inputs is not None else ()
         fn, specs = lowering.flat_function(plan.code("client_work"))
         device = iree.compile_verified("client_work", fn, specs, device_targets, extra)
@@ -138,7 +100,7 @@ def write(plan, directory, *, device_runtime="jax", device_targets=(), inputs=No
     }
     hlo = plan.hlo_modules()
     stablehlo = plan.stablehlo_artifacts()
-    interface = _interface(plan)
+    interface = part_interface(plan)
     parts = {}
     platforms: set[str] = set()
     for name in PARTS:
@@ -263,7 +225,6 @@ class Bundle:
         return Module.deserialize(self.read("round.pb"))
 
     def artifact(self, part: str):
-        from . import lowering
 
         rel = self.manifest["parts"][part]["files"]["stablehlo"]
         try:
@@ -287,8 +248,6 @@ class Bundle:
 
     def device_module(self, part: str, target: str | None = None):
         """``part``'s IREE module for this host (or ``target``), loaded."""
-        from ..flower.app import iree_runtime
-
         entry = self.manifest["parts"][part].get("iree")
         if entry is None:
             raise BundleError(
@@ -364,5 +323,5 @@ def run_bundle(directory, *args):
     """
     bundle = Bundle(directory)
     outs = bundle.run_flat(jax.tree_util.tree_leaves(args))
-    # In the process that captured the round, its own pytree classes (fcir.pytrees).
+    # In the process that captured the round, its own pytree classes (fcir.frontend.pytrees).
     return pytrees.unflatten_results(bundle.round().main, outs)

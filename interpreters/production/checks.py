@@ -10,10 +10,10 @@ ops to parts; the structural ones are found here first.
 
 from __future__ import annotations
 
-from fcir.check import verify
-from fcir.control_flow import is_placed
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, describe, value_numbering, walk
+from fcir.ir.check import verify
+from fcir.ir.control_flow import is_placed
 
 # Reasons, quoted in messages and named in tests.
 HIERARCHICAL = "hierarchical placements"

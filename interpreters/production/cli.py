@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import json
 
+from fcir.interpreters.flower.cli import cmd_export_flower
+
 from fcir.errors import FcirError
+from fcir.frontend.loading import load_inputs, load_module
+
+from . import export
+from .bundle import Bundle
 
 TARGETS = ("production", "flower")
-# --device-target choices (interpreters/flower/app/iree_runtime.py ARCH, without importing it)
+# --device-target choices (interpreters/production/iree_runtime.py ARCH, without importing it)
 DEVICE_TARGETS = ("llvm-cpu", "x86_64-linux", "aarch64-linux-android34", "aarch64-apple-ios17")
 
 
@@ -114,13 +120,9 @@ def register(subparsers) -> None:
 
 
 def cmd_export(a) -> int:
-    from fcir.loading import load_module
-
-    from . import export
 
     module = load_module(a.IN, a.args)
     if a.target == "flower":
-        from fcir.interpreters.flower.cli import cmd_export_flower
 
         return cmd_export_flower(module, a)
     if a.device_target and a.device_runtime != "iree":
@@ -131,8 +133,6 @@ def cmd_export(a) -> int:
             "the modules on them); a production bundle takes none"
         )
     plan = export(module, aggregate_with=a.aggregate_with)
-    from fcir.loading import load_inputs
-
     inputs = load_inputs(a.inputs, module) if a.inputs else None
     out = plan.write(
         a.output,
@@ -154,11 +154,7 @@ def cmd_export(a) -> int:
 def cmd_run_plan(a) -> int:
     import numpy as np
 
-    from .bundle import Bundle
-
     bundle = Bundle(a.DIR)
-    from fcir.loading import load_inputs
-
     leaves = bundle.run_flat(load_inputs(a.inputs, bundle.round()),
                              device_runtime=a.device_runtime)
     structure = bundle.round().main.result_structure

@@ -31,8 +31,10 @@ from collections.abc import Callable
 import jax.numpy as jnp
 
 from fcir._proto import computation_pb2 as pb
+from fcir.errors import ParseError
+from fcir.fed import ops
 from fcir.ir import Module
-from fcir.types import Structure, TensorType
+from fcir.ir.types import Structure, TensorType
 
 from . import lowering
 from . import wire_types as W
@@ -321,8 +323,6 @@ def _gathered_call(agg: Aggregation, value, member: TensorType, n: int) -> pb.Co
     own primitive (``fcir.fed``) on them. Not secure: the aggregator sees each value."""
     from jax import lax
 
-    from fcir.fed import ops
-
     prim, attrs = ops()[agg.fed_op].primitive, dict(agg.attrs)
     dt = member.np_dtype
     state = Structure("dict", (_leaf(0), _leaf(1)), ("count", "values"))
@@ -508,8 +508,6 @@ def _aggregation(
 def parse(data: bytes) -> pb.Computation:
     """Computation bytes -> message (ParseError on bad bytes)."""
     from google.protobuf.message import DecodeError
-
-    from fcir.errors import ParseError
 
     c = pb.Computation()
     try:

@@ -1,13 +1,13 @@
 """The distributed DP aggregates for production: ``fed.ddp_sum`` / ``fed.ddp_mean``
-decomposed into what a DistributeAggregateForm round runs where (``fcir.ddp``):
+decomposed into what a DistributeAggregateForm round runs where (``fcir.mechanisms.ddgauss``):
 
 * a ``fed.map`` in which every client clips, rotates, quantizes and noises its pytree
-  with its own key into ``uint32`` residues modulo ``2**bits`` (``fcir.ddp.encode``):
+  with its own key into ``uint32`` residues modulo ``2**bits`` (``fcir.mechanisms.ddgauss.encode``):
   client_work;
 * one ``fed.secure_sum`` with ``bitwidth=bits``: client_to_server_aggregation, as
   ``federated_secure_sum_bitwidth``, so the aggregation service only ever adds noised
   residues and the server only sees their modular sum;
-* the decoding (``fcir.ddp.decode``): server_result.
+* the decoding (``fcir.mechanisms.ddgauss.decode``): server_result.
 
 The decomposition is traced with the very functions the primitive's rules use, so it
 computes bit for bit what the op computes.
@@ -15,10 +15,13 @@ computes bit for bit what the op computes.
 
 from __future__ import annotations
 
+import fcir
+from fcir.mechanisms import ddgauss as ddp
+
 __all__ = ["MECHANISM", "decomposed_program", "mechanism"]
 
 MECHANISM = (
-    "distributed discrete Gaussian (fcir.ddp): each client clips, rotates, quantizes its "
+    "distributed discrete Gaussian (fcir.mechanisms.ddgauss): each client clips, rotates, quantizes its "
     "update and adds its share of discrete Gaussian noise in client_work, the shares are "
     "summed modulo 2**bits by federated_secure_sum_bitwidth, the server decodes the "
     "noised sum in server_result; client-level DP (one client's update replaced by zero); "
@@ -39,9 +42,6 @@ def mechanism(entry: dict | None) -> str | None:
 def decomposed_program(op, placement: str, n: int, member_shapes):
     """An ``@fcir.program`` of ``(keys, *xs)`` that computes ``op`` in plain fed ops."""
     import jax
-
-    import fcir
-    from fcir import ddp
 
     like = [jax.ShapeDtypeStruct(s, d) for s, d in member_shapes]
     p = ddp.params(

@@ -3,7 +3,7 @@ what a DistributeAggregateForm round runs where.
 
 One DP op becomes
 
-* a ``fed.map`` that clips each client's pytree (``fcir.primitives.clip_member``):
+* a ``fed.map`` that clips each client's pytree (``fcir.frontend.primitives.clip_member``):
   client_work;
 * one ``fed.sum`` per leaf: client_to_server_aggregation, as ``federated_sum``;
 * server ops drawing ``noise_multiplier * clip_norm * normal(fold_in(key, i))`` per leaf,
@@ -24,13 +24,17 @@ import weakref
 
 import jax
 
+import fcir
 from fcir import fed as F
 from fcir.errors import ExportError
-from fcir.ir import Module, Op, Region, Value
-from fcir.privacy import DP_OPS
-from fcir.types import runtime_type
+from fcir.frontend.capture import capture
+from fcir.frontend.primitives import clip_member, dp_noise
+from fcir.ir import Func, Module, Op, Region, Value, walk
+from fcir.ir.check import check
+from fcir.ir.types import runtime_type
+from fcir.privacy import DP_OPS, round_cost
 
-from .ddp import decomposed_program
+from .ddp import decomposed_program, mechanism
 from .rewrite import clone_op
 
 DDP_OPS = F.of_kind("ddp")
@@ -45,8 +49,6 @@ def has_dp(module: Module) -> bool:
 def decompose(module: Module) -> Module:
     """``module`` with every top-level DP op replaced by clip map, sums and server noise
     (the module itself if it has none). ExportError for a DP op inside a region."""
-    from fcir.ir import walk
-
     for path, op in walk(module.main.body):
         if op.name in DP_OPS and len(path) > 1:
             raise ExportError(
@@ -69,9 +71,6 @@ def decompose(module: Module) -> Module:
             env.update(zip(op.results, outs))
         origin.extend([i] * (len(new.ops) - len(origin)))
     new.results = [env[v] for v in body.results]
-    from fcir.check import check
-    from fcir.ir import Func
-
     func = Func(main.name, new, main.arg_structure, main.result_structure)
     func.result_treedef = main.result_treedef
     out = check(Module(module.name, list(module.placements), [func], module.ir_version))
@@ -94,9 +93,6 @@ def user_op(module: Module, index: int):
 
 
 def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> list[Value]:
-    import fcir
-    from fcir.capture import capture
-    from fcir.primitives import clip_member, dp_noise
 
     placement = op.operands[0].type.placement
     n = module.cardinality(placement)
@@ -136,13 +132,9 @@ def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> li
 
 def manifest_entry(module: Module) -> dict | None:
     """The privacy parameters the manifest states (None without DP ops)."""
-    from fcir.privacy import round_cost
-
     cost = round_cost(module)
     if cost is None:
         return None
-    from .ddp import mechanism
-
     return {
         **cost,
         "private_program_checked": bool(module.private),

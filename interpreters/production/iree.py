@@ -40,8 +40,10 @@ import jax
 import numpy as np
 
 from fcir.errors import ExportError
+from fcir.ir.types import dtype_name, runtime_type
 
-from ..flower.app import iree_runtime
+from . import iree_runtime, lowering
+from .splitting import part_interface
 
 RUNTIMES = ("jax", "iree")
 DEFAULT_TARGET = "llvm-cpu"
@@ -88,8 +90,6 @@ def check_targets(targets) -> tuple[str, ...]:
 def cpu_export(fn, specs):
     """``fn`` exported with ``jax.export`` for CPU only (no ``stablehlo.case`` wrapper,
     no leading platform-index argument)."""
-    from . import lowering
-
     with lowering._no_source_paths():
         return jax.export.export(jax.jit(fn, keep_unused=True), platforms=("cpu",))(*specs)
 
@@ -387,11 +387,6 @@ def round_client_inputs(plan, leaves) -> list[list[np.ndarray]]:
     """client_work's inputs for each client on the round's argument ``leaves`` (what
     ``fcir run-plan`` takes): the client arguments' rows and what server_prepare
     broadcasts, computed by XLA."""
-    from fcir.types import dtype_name, runtime_type
-
-    from . import lowering
-    from .bundle import _interface
-
     params = plan.round.main.body.params
     if len(leaves) != len(params):
         raise ExportError(
@@ -404,7 +399,7 @@ def round_client_inputs(plan, leaves) -> list[list[np.ndarray]]:
         if got != str(t):
             raise ExportError(f"--inputs arr_{i}: needs an array of {t}, got {got}")
         env[("arg", str(i))] = np.asarray(x)
-    interface = _interface(plan)
+    interface = part_interface(plan)
     ins, outs = interface["server_prepare"]
     fn, _ = lowering.flat_function(plan.code("server_prepare"))
     if outs:
@@ -429,10 +424,6 @@ def client_modules(
 
     ``server_inputs`` (leaf index -> array): the server's real inputs; with seeded
     client data they give each client's broadcast values to verify on as well."""
-    from fcir.types import runtime_type
-
-    from . import lowering
-
     artifacts = {k: v for k, v in artifacts.items() if k != name}
     if not client["results"]:
         return client, artifacts

@@ -18,8 +18,8 @@ from fcir import jaxcompat as jc
 from fcir.errors import ExportError
 from fcir.interpreter import Interpreter
 from fcir.ir import Func, Module
+from fcir.ir.types import runtime_type
 from fcir.jaxcompat import config
-from fcir.types import runtime_type
 
 # Platforms the StableHLO artifacts are lowered for; the bundle runs wherever one of
 # them is the default backend.

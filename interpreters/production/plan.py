@@ -10,6 +10,7 @@ from fcir.ir import Module
 
 from . import computation, lowering
 from . import wire_types as W
+from .bundle import write
 from .splitting import PARTS, Split, split
 
 
@@ -97,8 +98,6 @@ class Plan:
         against XLA on seeded inputs and on ``inputs`` (the round's argument leaves)
         when given; ExportError when IREE does not match (interpreters/production/iree.py).
         """
-        from .bundle import write
-
         return write(
             self,
             directory,

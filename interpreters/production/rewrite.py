@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 import jax
 
+from fcir.frontend.capture import capture
 from fcir.ir import Op, Region, Value
-from fcir.types import PlacedType, Structure, TensorType, Type
+from fcir.ir.types import PlacedType, Structure, TensorType, Type
 
 
 def member_type(t: Type) -> Type:
@@ -51,8 +52,6 @@ def splice(region: Region, fn: Callable, inputs: list[Value], *, member: bool) -
     ``member``: the region runs at one client (plain tensor types); otherwise at the
     server (``T@server`` types). Returns the values ``fn`` returns, flattened.
     """
-    from fcir.capture import capture
-
     specs = []
     for v in inputs:
         t = member_type(v.type)

@@ -48,13 +48,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from fcir import fed as F
-from fcir.elementwise import LAYOUT
+from fcir.frontend.primitives import mean_result_dtype
 from fcir.ir import Func, Module, Op, Region, Value, value_numbering
+from fcir.ir.elementwise import LAYOUT
+from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, dtype_name
 from fcir.ops import dtype_bits
-from fcir.primitives import mean_result_dtype
-from fcir.types import SERVER, PlacedType, Structure, TensorType, dtype_name
 
-from . import checks
+from . import checks, dp
 from .rewrite import clone_op, clone_region, member_type, named, prune, shift, splice, tensor
 from .wire_types import unsupported_dtype
 
@@ -142,8 +142,6 @@ class Split:
 def split(module: Module) -> Split:
     """Splits ``module`` (one round) into its five parts; ExportError if it cannot.
     DP aggregates are decomposed first (``dp.decompose``)."""
-    from . import dp
-
     privacy = dp.manifest_entry(module)
     checks.check_structure(module)  # on the user's ops, so errors name them
     module = dp.decompose(module)
@@ -181,8 +179,6 @@ class _Splitter:
     def op_where(self, i: int) -> str:
         """Op ``i``, named as the user wrote it: an op of the DP decomposition is named
         by the user's DP op it came from (``dp.user_op``)."""
-        from . import dp
-
         user = dp.user_op(self.m, i)
         if user is None:
             return checks.op_where(self.m, (i,), self.ops[i], self.names)
@@ -582,3 +578,40 @@ def _lower_reduction(sp: _Splitter, i: int, fused: Region, env: dict, outputs: d
             op.name, send(name, lambda a: a.astype(jnp.int32)), post=lambda a: a.astype(jnp.bool_)
         )
     return one(op.name, send(name))
+
+
+def part_interface(plan) -> dict[str, tuple[list, list]]:
+    """Each part's (params, results) in a bundle as (group, name) pairs, in leaf order."""
+    sp = plan.split
+
+    def names(structure) -> list[str]:
+        return list(structure.names)
+
+    prepare = sp.parts["server_prepare"].main
+    b, t = (names(c) for c in prepare.result_structure.children)
+    a_in = names(sp.client_member.main.result_structure)
+    a_out = names(sp.parts["client_to_server_aggregation"].main.result_structure)
+    n_out = len(sp.parts["server_result"].main.body.results)
+
+    def group(g, items):
+        return [(g, str(x)) for x in items]
+
+    return {
+        "server_prepare": (
+            group("arg", sp.server_args),
+            group("broadcast_input", b) + group("temporary", t),
+        ),
+        "server_to_client_broadcast": (group("broadcast_input", b), group("broadcast_output", b)),
+        "client_work": (
+            group("arg", sp.client_args) + group("broadcast_output", b),
+            group("client_output", a_in),
+        ),
+        "client_to_server_aggregation": (
+            group("temporary", t) + group("client_output", a_in),
+            group("aggregated", a_out),
+        ),
+        "server_result": (
+            group("temporary", t) + group("aggregated", a_out),
+            group("output", range(n_out)),
+        ),
+    }

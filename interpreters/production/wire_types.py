@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from fcir._proto import computation_pb2 as pb
-from fcir.types import SERVER, Structure, TensorType, Type
+from fcir.ir.types import SERVER, Structure, TensorType, Type, dtype_from_name
 
 CLIENTS_URI = "clients"
 SERVER_URI = "server"
@@ -60,8 +60,6 @@ def unsupported_dtype(dtype: str) -> str | None:
             f"dtype {dtype} has no federated_language DataType (supported: "
             f"{', '.join(sorted(DATA_TYPES))})"
         )
-    from fcir.types import dtype_from_name
-
     np_dtype = np.dtype(dtype_from_name(dtype))
     if jax.dtypes.canonicalize_dtype(np_dtype) != np_dtype:
         return f"dtype {dtype} needs jax_enable_x64 to be set when exporting and running"

@@ -16,12 +16,12 @@ its JAX meaning by binding the op's primitive. Run under ``jax.jit`` tracing, it
 rebuilds the captured jaxpr, so ``xla.compile(fcir.capture(f, *args))(*args)`` is
 bitwise what ``jax.jit(f)(*args)`` computes, with the same HLO and the same flops.
 :class:`XlaInterpreter` overrides two ops, ``fed.broadcast`` and ``fed.map``, to add
-the sharding constraints of ``fcir.sharding`` when a mesh is given; every other op
+the sharding constraints of ``fcir.frontend.sharding`` when a mesh is given; every other op
 falls back to the base class. That is the pattern for any backend that maps the IR
 onto JAX (``interpreter.py``); :mod:`.executable` wraps it in ``jax.jit`` and
 :mod:`.cost` reads XLA's cost analysis, per program and per fed.map region. Without a
 mesh, a module straight from ``fcir.capture`` (unedited) skips the rebuild and reuses
-the captured jaxpr (``fcir.captured``). A warm ``exe(*args)`` is JAX's C++ dispatch
+the captured jaxpr (``fcir.frontend.jaxpr_cache``). A warm ``exe(*args)`` is JAX's C++ dispatch
 alone; the argument checks run when the program is traced (``.executable``). One
 rewrite comes first where the IR, the same on every JAX, computes a zero the running
 JAX's own trace does not (a second-order derivative op's cotangent under JAX 0.12):

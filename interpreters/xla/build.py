@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from fcir import captured
-from fcir.check import check
 from fcir.errors import PlacementError
+from fcir.frontend import jaxpr_cache as captured
 from fcir.ir import Module
+from fcir.ir.check import check
 
 from .budget import streaming_executable
 from .executable import Executable

@@ -32,12 +32,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fcir.control_flow import scan_length
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Module, Op, Region
+from fcir.ir.control_flow import scan_length
+from fcir.ir.types import runtime_type
 from fcir.privacy import format_round_cost, round_cost
-from fcir.traffic import call_unit, transfers
-from fcir.types import runtime_type
+from fcir.report.traffic import call_unit, transfers
 
 __all__ = ["cost_report", "format_cost"]
 
@@ -54,7 +54,7 @@ def cost_report(exe, *args) -> dict:
     levels = _levels(module)
     notes: list[str] = []
     maps: list[tuple[str, Region, float]] = []
-    for t in transfers(module):  # bytes and op counts come from fcir.traffic
+    for t in transfers(module):  # bytes and op counts come from fcir.report.traffic
         level = levels[t.placement]
         if t.kind == "broadcast":
             level.bytes_broadcast_per_member += t.repeats * t.bytes_per_member

@@ -41,13 +41,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fcir import captured, dp_keys, gcpause, pytrees
+from fcir import gcpause
 from fcir.errors import FcirError, InterpreterError, PlacementError
+from fcir.frontend import jaxpr_cache as captured
+from fcir.frontend import pytrees
 from fcir.ir import Module
+from fcir.ir.types import PlacedType, Type, dtype_name, runtime_type
+from fcir.privacy import keys as dp_keys
 from fcir.jaxcompat import core
-from fcir.types import PlacedType, Type, dtype_name, runtime_type
 
 from . import zeros
+from .cost import cost_report
 from .interpreter import XlaInterpreter
 
 __all__ = ["Executable", "default_sharding", "placement_spec", "trace_count"]
@@ -287,8 +291,6 @@ class Executable:
         """XLA's cost analysis and the per-round communication and compute report for
         ``args`` (and the captured keyword arguments; or :attr:`in_specs`); see
         ``fcir.interpreters.xla.cost``. JSON-serializable."""
-        from .cost import cost_report
-
         if kwargs:
             args = (self._keywords(args, kwargs, "cost"),)
         return cost_report(self, *args)
@@ -377,7 +379,7 @@ def _result_builder(func):
     Results leave jit in the program's flatten order, so the HLO's results are those
     of jax.jit(original). A structure that flattens in another order (a custom node
     rebuilt as a dict with unsorted keys) is rebuilt outside jit instead. In the
-    capturing process the program's own treedef rebuilds its classes (fcir.pytrees)."""
+    capturing process the program's own treedef rebuilds its classes (fcir.frontend.pytrees)."""
     treedef = pytrees.result_treedef(func)
     if treedef is not None:
         return treedef.unflatten, None

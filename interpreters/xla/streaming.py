@@ -54,12 +54,12 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
 
-from fcir import elementwise as E
 from fcir import fed as F
-from fcir import primitives as P
 from fcir.errors import InterpreterError
+from fcir.frontend import primitives as P
 from fcir.ir import Op, Region, Value
-from fcir.types import PlacedType, runtime_type
+from fcir.ir import elementwise as E
+from fcir.ir.types import PlacedType, runtime_type
 
 from . import streaming_ddp as _ddp
 from .interpreter import XlaInterpreter

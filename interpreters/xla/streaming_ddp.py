@@ -1,6 +1,6 @@
 """``fed.ddp_sum`` / ``fed.ddp_mean`` as streamed reductions (``streaming.py``): the
 accumulator is the ``uint32[D]`` modular sum of the clients' encodings
-(``fcir.ddp.encode``), chunk by chunk; the decoding runs once, at the end.
+(``fcir.mechanisms.ddgauss.encode``), chunk by chunk; the decoding runs once, at the end.
 
 A client's encoding depends only on its own values and key, and uint32 adds are exact
 modulo ``2**32`` in any order, so the streamed result is bit for bit the unstreamed
@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fcir import ddp
 from fcir import fed as F
+from fcir.mechanisms import ddgauss as ddp
 
 __all__ = ["DDP_OPS", "acc_init", "acc_step", "finish"]
 

@@ -31,10 +31,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fcir import attrs as A
 from fcir.ir import Module, Op, Region, Value, walk
+from fcir.ir import attrs as A
+from fcir.ir.types import PlacedType, TensorType, runtime_type
 from fcir.jaxcompat import derivatives
-from fcir.types import PlacedType, TensorType, runtime_type
 
 __all__ = ["structural_zeros", "without_structural_zeros"]
 

@@ -21,9 +21,9 @@ import signal
 import time
 
 import numpy as np
+from fcir.checkpoint import commit
 
 from fcir import checkpoint
-from fcir.checkpoint import commit
 
 LOG = "log.txt"
 RUN = "run"

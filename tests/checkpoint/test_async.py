@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import saving
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
-from fcir.checkpoint import saving
 from fcir.errors import CheckpointError
 
 

@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import commit, parallel, snapshot
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
-from fcir.checkpoint import commit, parallel, snapshot
 from fcir.errors import CheckpointError
 
 

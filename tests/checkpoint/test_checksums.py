@@ -8,7 +8,6 @@ import zlib
 
 import numpy as np
 import pytest
-
 from fcir.checkpoint import checksums
 
 

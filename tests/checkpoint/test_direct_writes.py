@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import checksums, writer
 
 from fcir import checkpoint
-from fcir.checkpoint import checksums, writer
 from fcir.errors import CheckpointError
 
 CHUNK = checksums.CHUNK_BYTES

@@ -14,11 +14,11 @@ import time
 import jax
 import numpy as np
 import pytest
+from fcir.checkpoint import layout, parallel
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
-from fcir.checkpoint import layout, parallel
 
 
 class Log:

@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 from ckpt_testing import child_env, values
+from fcir.checkpoint import inspect
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
-from fcir.checkpoint import inspect
 
 
 @pytest.fixture

@@ -8,12 +8,12 @@ import jax
 import numpy as np
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import layout as layout_module
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import layout as layout_module
 from fcir.errors import CheckpointError
 
 

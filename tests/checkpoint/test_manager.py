@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 from ckpt_testing import same_bits
+from fcir.checkpoint import commit
 
 from fcir import checkpoint
-from fcir.checkpoint import commit
 from fcir.errors import CheckpointError
 
 

@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 from ckpt_testing import REPO, child_env, same_bits, values
+from fcir.checkpoint import storage
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
-from fcir.checkpoint import storage
 from fcir.errors import CheckpointError
 
 _names = itertools.count()

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import inspect as ckpt_inspect
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
-from fcir.checkpoint import inspect as ckpt_inspect
 from fcir.errors import CheckpointError
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is in the test extra")
@@ -211,8 +211,9 @@ def test_fcir_catches_every_flipped_byte_of_an_orbax_format_checkpoint(tmp_path,
 
 def test_shards_of_unequal_shapes_cannot_be_orbax_chunks(tmp_path, devices):
     """jax shards evenly, but a layout whose shards differ cannot be zarr chunks."""
-    from fcir._proto import checkpoint_pb2 as pb
     from fcir.checkpoint import orbax
+
+    from fcir._proto import checkpoint_pb2 as pb
 
     mesh = jax.make_mesh((8,), ("x",), devices=devices)
     checkpoint.save(

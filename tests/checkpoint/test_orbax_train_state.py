@@ -12,11 +12,11 @@ import numpy as np
 import optax
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import inspect as ckpt_inspect
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
-from fcir.checkpoint import inspect as ckpt_inspect
 from fcir.errors import CheckpointError
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is in the test extra")

@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
+from fcir.checkpoint import progress
 
 from fcir import checkpoint
-from fcir.checkpoint import progress
 
 
 class FakeTerminal(io.StringIO):

@@ -17,11 +17,11 @@ import tempfile
 import ml_dtypes
 import numpy as np
 import pytest
+from fcir.checkpoint import checksums, parallel, reader
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import checksums, parallel, reader
 from fcir.errors import CheckpointError
 
 DTYPES = ["int8", "float16", "bfloat16", "float32", "uint32", "float64", "int64"]

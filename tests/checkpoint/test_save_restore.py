@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import reader
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
 from fcir._proto import checkpoint_pb2 as pb
-from fcir.checkpoint import reader
 from fcir.errors import CheckpointError
 
 Pair = collections.namedtuple("Pair", ["mu", "nu"])

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import commit, storage
 
 from fcir import checkpoint
-from fcir.checkpoint import commit, storage
 
 _names = itertools.count()
 

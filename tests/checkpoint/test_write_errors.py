@@ -11,9 +11,9 @@ import textwrap
 import numpy as np
 import pytest
 from ckpt_testing import child_env
+from fcir.checkpoint import commit
 
 from fcir import checkpoint
-from fcir.checkpoint import commit
 from fcir.errors import CheckpointError
 
 

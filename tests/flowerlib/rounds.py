@@ -14,7 +14,7 @@ from corpus import case
 from fcir.interpreters import flower, production, reference
 
 import fcir
-from fcir.types import SERVER, PlacedType
+from fcir.ir.types import SERVER, PlacedType
 
 NODES = 3
 

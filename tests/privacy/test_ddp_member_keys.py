@@ -12,7 +12,7 @@ import pytest
 from fcir.interpreters import reference, xla
 
 import fcir
-from fcir import dp_keys
+from fcir.privacy import keys as dp_keys
 from fcir.errors import InterpreterError
 
 N = 5

@@ -217,7 +217,7 @@ def _zip(s, i):
 def literal(a: pb.Array) -> np.ndarray:
     field = a.WhichOneof("kind")
     dtype = W.DTYPE_NAMES[a.dtype]
-    from fcir.types import dtype_from_name
+    from fcir.ir.types import dtype_from_name
 
     values = list(getattr(a, field).value)
     return np.asarray(values, dtype_from_name(dtype)).reshape(tuple(a.shape.dim))

@@ -173,7 +173,7 @@ def compute(step_index: int, values: dict, context, rnd: int = 0, state_config=N
         group, _, name = key.partition("/")
         env[(group, name)] = x
     if "iree" in step["client"]:  # --device-runtime iree: no jax on this node
-        from . import iree_runtime
+        from . import iree_runtime  # only --device-runtime iree apps carry this file
 
         requested = context.node_config.get("device-target")
         iree_runtime.call(step["client"], env, runtime.artifact_bytes, requested)

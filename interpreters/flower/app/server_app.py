@@ -41,7 +41,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import ServerApp
 
-from . import runtime, secagg, training
+from . import program, runtime, secagg, training
 from .runtime import AppError
 
 app = ServerApp()
@@ -121,7 +121,7 @@ class Config:
 def fixed_keys(plan: dict, state: dict[int, int]) -> None:
     """Refuses, before round 1, a private app run for several rounds whose DP release
     draws its noise from a key that depends on no state-fed server input (plan.json's
-    privacy ``keys``, from fcir.dp_keys.key_arguments at export): every other server
+    privacy ``keys``, from fcir.privacy.keys.key_arguments at export): every other server
     input, and every client input, is the same in every round, so the key and the noise
     are too, and the difference of two rounds' releases is noise-free, while the
     accountant composes the rounds as independent releases."""
@@ -211,8 +211,8 @@ class Accounting:
                 )
             return
         try:
+            from fcir.ir.text import parse
             from fcir.privacy import Budget, epsilon
-            from fcir.text import parse
         except ImportError:
             self.note = "epsilon needs fcir beside the SuperLink"
             if cfg.max_epsilon is not None:
@@ -228,7 +228,7 @@ class Accounting:
             self.how = "no amplification claimed: fixed-size sampling"
         else:
             self.how = "every client"
-        from fcir.errors import PrivacyError
+        from fcir.errors import PrivacyError  # fcir is optional beside the SuperLink: see above
 
         try:  # refused at this sampling (fed.ddp_* under Poisson): say so before round 1
             epsilon(self.module, 1, self.delta, sampling_rate=self.rate)
@@ -242,7 +242,7 @@ class Accounting:
         under this run's max-epsilon); one saved without a budget spent ``done`` rounds."""
         if self.budget is None or not done:
             return
-        from fcir.privacy import Budget
+        from fcir.privacy import Budget  # fcir is optional beside the SuperLink
 
         if state is None:  # an earlier run without max-epsilon: done rounds, this sampling
             state = {**self.budget.state(), "rounds": done}
@@ -449,8 +449,6 @@ def main(grid, context) -> None:
             print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
             accounting.resume(ckpt.budget, done)
     if "loop" in plan:  # a whole training program: one round per loop iteration
-        from . import program
-
         outputs = program.run(grid, cfg, plan, inputs, ckpt, run_round,
                               lambda rnd, m: record_metrics(context, history, rnd, m),
                               accounting.line, run_id=context.run_id)

@@ -1,0 +1,500 @@
+"""The user-facing federated API: ``program``, ``broadcast``, ``map_fn`` and reductions.
+
+Placement context is a thread-local stack pushed by a program call and by each
+``map_fn`` body being traced, so nothing global is patched: two programs with
+different placements interleave and run from threads. Every call binds a primitive
+from ``fcir.frontend.primitives`` with the placement name and cardinality as params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os as _os
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from fcir import jaxcompat as jc
+from fcir.errors import PlacementError
+from fcir.frontend import primitives as P
+from fcir.frontend import sharding
+from fcir.ir import is_name
+
+# Source locations (and filtered tracebacks) point at the user's code, not at fcir's
+# own frames, as JAX does for its internals.
+jc.source_info_util.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
+
+__all__ = [
+    "Placements",
+    "broadcast",
+    "dp_mean",
+    "dp_sum",
+    "map_fn",
+    "program",
+    "reduce_max",
+    "reduce_mean",
+    "reduce_min",
+    "reduce_sum",
+    "reduce_weighted_mean",
+    "secure_sum",
+]
+
+SERVER = "server"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placements:
+    """A placement hierarchy: ``server`` above ``names[0]`` above ``names[1]`` ..."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def from_mapping(cls, placements: Mapping[str, int]) -> Placements:
+        if not isinstance(placements, Mapping) or not placements:
+            raise PlacementError(
+                f"fcir.program: placements must be a non-empty mapping of name -> cardinality, "
+                f"got {placements!r}"
+            )
+        names, sizes = [], []
+        for name, size in placements.items():
+            if not is_name(name) or name == SERVER:
+                raise PlacementError(
+                    f"fcir.program: placement name {name!r} must be an ASCII identifier "
+                    f"([A-Za-z_][A-Za-z0-9_]*) other than '{SERVER}'"
+                )
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+                raise PlacementError(
+                    f"fcir.program: cardinality of '{name}' must be a positive int, got {size!r}"
+                )
+            names.append(name)
+            sizes.append(int(size))
+        return cls(tuple(names), tuple(sizes))
+
+    def size(self, name: str) -> int:
+        return self.sizes[self.names.index(name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+    placements: Placements
+    level: int  # -1: server; i: inside a map body over members of names[i]
+    mesh: Any
+
+    def child(self, what: str) -> tuple[str, int]:
+        if self.level + 1 >= len(self.placements.names):
+            here = SERVER if self.level < 0 else self.placements.names[self.level]
+            raise PlacementError(
+                f"{what}: there is no placement below '{here}' in this program "
+                f"(placements: {list(self.placements.names)})"
+            )
+        name = self.placements.names[self.level + 1]
+        return name, self.placements.sizes[self.level + 1]
+
+
+class _Context(threading.local):
+    def __init__(self):
+        self.stack: list[_Frame] = []
+
+
+_CONTEXT = _Context()
+
+
+def _current(what: str) -> _Frame:
+    if not _CONTEXT.stack:
+        raise PlacementError(
+            f"{what} is only defined inside a function decorated with @fcir.program(...): "
+            "decorate the round function that calls it"
+        )
+    return _CONTEXT.stack[-1]
+
+
+class _pushed:
+    def __init__(self, frame: _Frame):
+        self.frame = frame
+
+    def __enter__(self):
+        _CONTEXT.stack.append(self.frame)
+
+    def __exit__(self, *exc):
+        _CONTEXT.stack.pop()
+
+
+# The name scope of the ops a private program traces (see ``program``).
+PRIVATE_SCOPE = "fcir_private_program"
+
+
+def program(
+    fn: Callable | None = None,
+    /,
+    *,
+    placements: Mapping[str, int] | None = None,
+    mesh=None,
+    private: bool = False,
+    client_data=None,
+) -> Callable[[Callable], Callable]:
+    """Declares a federated program's placements, outermost first.
+
+    ``@fcir.program(placements={"clients": 8})`` or, for a hierarchy,
+    ``placements={"silos": 4, "clients": 16}``. The decorated function is an ordinary
+    JAX function: ``jax.jit``, ``jax.grad``, ``jax.vmap`` and ``fcir.capture`` apply.
+
+    ``private=True`` marks the captured Module private: ``fcir.check`` then rejects
+    every path by which client data reaches the server other than through
+    ``fcir.dp_sum`` / ``fcir.dp_mean`` (see ``fcir.privacy``).
+
+    ``client_data=("x", "y")`` names the arguments that hold client data (one entry per
+    member of the outermost placement along each leaf's leading axis). Calls check
+    their leading axes, and ``fcir.capture`` refuses a program that uses any other
+    argument as client data: a server model passed to ``map_fn`` without
+    ``fcir.broadcast`` (silently client data when its leading axis happens to equal the
+    cohort size).
+    """
+    if fn is not None or placements is None:
+        raise PlacementError(
+            "fcir.program needs its placements: write @fcir.program(placements={'clients': "
+            "8}) above the round, with the number of members of each placement"
+        )
+    spec = Placements.from_mapping(placements)
+    if not isinstance(private, bool):
+        raise PlacementError(f"fcir.program: private must be True or False, got {private!r}")
+    if isinstance(client_data, str):
+        client_data = (client_data,)
+    if client_data is not None and (
+        not isinstance(client_data, (tuple, list))
+        or not all(isinstance(c, str) for c in client_data)
+    ):
+        raise PlacementError(
+            f"fcir.program: client_data must name arguments, e.g. client_data=('x', 'y'), "
+            f"got {client_data!r}"
+        )
+
+    def decorate(fn: Callable) -> Callable:
+        declared = None if client_data is None else _client_data_indices(fn, client_data)
+        outer, n = spec.names[0], spec.sizes[0]
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            for i, arg_name in declared or ():
+                if i < len(args):
+                    _check_client_data(args[i], arg_name, outer, n)
+            with _pushed(_Frame(spec, -1, mesh)):
+                if not private:
+                    return fn(*args, **kwargs)
+                # Every op traced here carries the scope in its name stack, through
+                # jit, grad, vmap, scan bodies: capture of any function that calls this
+                # one sees it and makes the module private.
+                with jax.named_scope(PRIVATE_SCOPE):
+                    return fn(*args, **kwargs)
+
+        run.fcir_placements = spec
+        run.fcir_private = private
+        run.fcir_client_data = declared
+        return run
+
+    return decorate
+
+
+def _client_data_indices(fn, names) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``client_data`` names; PlacementError for a
+    name ``fn`` does not take positionally."""
+    import inspect
+
+    params = [
+        p.name for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    unknown = [c for c in names if c not in params]
+    if unknown:
+        raise PlacementError(
+            f"fcir.program(client_data=...): {fn.__name__}({', '.join(params)}) has no "
+            f"argument {', '.join(map(repr, unknown))}"
+        )
+    return tuple((params.index(c), c) for c in names)
+
+
+def _check_client_data(arg, name: str, placement: str, n: int) -> None:
+    for leaf in jax.tree_util.tree_leaves(arg):
+        shape = np.shape(leaf)
+        if len(shape) == 0 or shape[0] != n:
+            raise PlacementError(
+                f"argument {name!r} is declared client data (fcir.program(client_data=...)), "
+                f"so each leaf needs a leading axis of {n}, one entry per member of "
+                f"'{placement}'; got a leaf of shape {tuple(shape)}"
+            )
+
+
+def _flatten(x):
+    return jax.tree_util.tree_flatten(x)
+
+
+def _check_placed(tree, placement: str, n: int, what: str) -> None:
+    """Every leaf of ``tree`` is placed at ``placement``: its leading axis holds the
+    ``n`` members. A leaf with another leading axis is either a server value (which
+    only fcir.broadcast places) or data of another number of members than the program
+    declares; the error names the leaf and says both."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = tuple(np.shape(leaf))
+        if shape and shape[0] == n:
+            continue
+        where = f"leaf {jax.tree_util.keystr(path)}" if path else "a leaf"
+        cohort = (
+            f"; if it holds one entry per member, that is {shape[0]} members: declare "
+            f"'{placement}': {shape[0]} in @fcir.program(placements=...) or pass {n} "
+            "members' data"
+            if shape and what == "fcir.map_fn" else ""
+        )
+        hint = (
+            f"; if it is a server value (a model), did you mean fcir.broadcast(...) of it? "
+            f"A server value reaches the members only through fcir.broadcast: "
+            f"{what}(fn, (fcir.broadcast(w), x))" if what == "fcir.map_fn" else ""
+        )
+        raise PlacementError(
+            f"{what}: {where} of shape {shape} is not placed at '{placement}': its leading "
+            f"axis must be the cardinality of '{placement}' ({n}){cohort}{hint}"
+        )
+
+
+def broadcast(x, *, to: str | None = None, mesh=None):
+    """Sends a value to every member of the placement below: ``T@p -> T@child!``.
+
+    Every leaf of pytree ``x`` gets a new leading axis of size n(child).
+    """
+    frame = _current("fcir.broadcast")
+    name, n = frame.child("fcir.broadcast")
+    if to is not None and to != name:
+        raise PlacementError(
+            f"fcir.broadcast(to={to!r}): from here values can only be broadcast to '{name}', "
+            "the placement directly below; broadcast step by step inside map_fn bodies"
+        )
+    mesh = frame.mesh if mesh is None else mesh
+    leaves, tree = _flatten(x)
+    out = [
+        sharding.constrain_broadcast(P.broadcast_p.bind(leaf, placement=name, n=n), name, mesh)
+        for leaf in leaves
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def map_fn(fn: Callable, arg, *, mesh=None):
+    """Applies ``fn`` to each member: ``{T}@p -> {U}@p``.
+
+    ``fn`` is traced once with one member's (unbatched) shapes and becomes the region of
+    a ``fed.map`` op. A tuple ``arg`` is unpacked into positional arguments. Values that
+    ``fn`` closes over are broadcast explicitly, so every server-to-member flow is a
+    visible ``fed.broadcast``.
+    """
+    frame = _current("fcir.map_fn")
+    if not callable(fn):
+        raise PlacementError(
+            f"fcir.map_fn(fn, arg): fn must be a function of one member's values, got "
+            f"{type(fn).__name__}"
+        )
+    name, n = frame.child("fcir.map_fn")
+    mesh = frame.mesh if mesh is None else mesh
+    _check_placed(arg, name, n, "fcir.map_fn")
+    leaves, in_tree = _flatten(arg)
+    leaves = [sharding.constrain_placed(jax.numpy.asarray(x), name, mesh) for x in leaves]
+    member_specs = [
+        jax.ShapeDtypeStruct(
+            np.shape(x)[1:],
+            x.dtype,
+            weak_type=jax.typeof(x).weak_type,
+            sharding=sharding.member_sharding(x),
+        )
+        for x in leaves
+    ]
+    out_tree_box = []
+
+    def flat_body(*member_leaves):
+        member_arg = jax.tree_util.tree_unflatten(in_tree, member_leaves)
+        out = fn(*member_arg) if isinstance(member_arg, tuple) else fn(member_arg)
+        out_leaves, out_tree = _flatten(out)
+        for leaf in out_leaves:
+            if not (isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype")):
+                raise PlacementError(
+                    f"fcir.map_fn: fn returned a {type(leaf).__name__} ({leaf!r:.40}) among its "
+                    "results; a member's results are arrays (pytrees of them): return "
+                    "non-array values from outside the map_fn"
+                )
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    with _pushed(_Frame(frame.placements, frame.level + 1, mesh)):
+        try:
+            closed = jax.make_jaxpr(flat_body)(*member_specs)
+        except NameError as e:
+            _reject_placement_collective(e, frame.placements)
+            raise
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
+            # capture's message for it says what to write in a member's code; the
+            # innermost map_fn is the one whose body asked.
+            if getattr(e, "fcir_member_of", None) is None:
+                e.fcir_member_of = name
+            raise
+    body, consts = _lift_traced_consts(closed)
+    bcast = [
+        sharding.constrain_broadcast(P.broadcast_p.bind(c, placement=name, n=n), name, mesh)
+        for c in consts
+    ]
+    outs = P.map_p.bind(*bcast, *leaves, body=body, placement=name, n=n)
+    outs = [sharding.constrain_placed(o, name, mesh) for o in outs]
+    return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+
+
+def _reject_placement_collective(err: NameError, placements: Placements) -> None:
+    """A collective over a placement axis inside a map_fn body (``psum(x, "clients")``)
+    fails in JAX as an unbound axis name; say that it is client-to-client communication."""
+    m = re.search(r"unbound axis name: (\w+)", str(err))
+    if m is not None and m.group(1) in placements.names:
+        raise PlacementError(
+            f"fcir.map_fn: the body uses a collective over the placement axis '{m.group(1)}' "
+            f"({err}); that is client-to-client communication: aggregate with "
+            "fcir.reduce_sum/reduce_mean/... outside the body instead"
+        ) from err
+
+
+def _lift_traced_consts(closed: jc.ClosedJaxpr) -> tuple[jc.ClosedJaxpr, list]:
+    """Turns constants that are tracers of an outer trace into leading invars.
+
+    Concrete constants (numpy arrays) stay constants of the region.
+    """
+    jaxpr = closed.jaxpr
+    traced = [isinstance(c, jc.core.Tracer) for c in closed.consts]
+    if not any(traced):
+        return closed, []
+    keep_vars = [v for v, t in zip(jaxpr.constvars, traced) if not t]
+    keep_vals = [c for c, t in zip(closed.consts, traced) if not t]
+    lift_vars = [v for v, t in zip(jaxpr.constvars, traced) if t]
+    lift_vals = [c for c, t in zip(closed.consts, traced) if t]
+    new = jaxpr.replace(
+        constvars=keep_vars,
+        invars=[*lift_vars, *jaxpr.invars],
+        debug_info=jaxpr.debug_info._replace(arg_names=None),
+    )
+    return jc.closed_jaxpr(new, keep_vals), lift_vals
+
+
+def _reduce(prim, what: str, x, **params):
+    frame = _current(what)
+    name, n = frame.child(what)
+    _check_placed(x, name, n, what)
+    leaves, tree = _flatten(x)
+    out = [prim.bind(leaf, placement=name, n=n, **params) for leaf in leaves]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def reduce_sum(x):
+    """Sums a placed pytree to the enclosing placement: ``{T}@child -> T@p``."""
+    return _reduce(P.sum_p, "fcir.reduce_sum", x)
+
+
+def reduce_mean(x):
+    """Unweighted mean: ``{T}@child -> T@p``; ints and bools give float32."""
+    return _reduce(P.mean_p, "fcir.reduce_mean", x)
+
+
+def reduce_min(x):
+    """Elementwise minimum over members: ``{T}@child -> T@p``."""
+    return _reduce(P.min_p, "fcir.reduce_min", x)
+
+
+def reduce_max(x):
+    """Elementwise maximum over members: ``{T}@child -> T@p``."""
+    return _reduce(P.max_p, "fcir.reduce_max", x)
+
+
+def secure_sum(x, *, bitwidth: int):
+    """Sum of placed integers modulo ``2**bitwidth``: ``{iN[...]}@child -> iN[...]@p``."""
+    if isinstance(bitwidth, bool) or not isinstance(bitwidth, (int, np.integer)):
+        raise PlacementError(f"fcir.secure_sum: bitwidth must be an int, got {bitwidth!r}")
+    return _reduce(P.secure_sum_p, "fcir.secure_sum", x, bitwidth=int(bitwidth))
+
+
+def reduce_weighted_mean(x, w):
+    """Weighted mean ``sum(w*x)/sum(w)``: ``({T}@child, {W}@child) -> T@p``.
+
+    ``w`` is a placed scalar per member (shape ``[n]``) or a pytree matching ``x``.
+    A zero total weight is an InterpreterError in the reference interpreter; compiled
+    code (jit, the XLA backend) divides by zero there, as jnp.average does: NaN where
+    the weighted sum is 0 too (all weights 0), +-inf where it is not (weights such as
+    ``[1, -1]`` that cancel).
+    """
+    what = "fcir.reduce_weighted_mean"
+    frame = _current(what)
+    name, n = frame.child(what)
+    leaves, tree = _flatten(x)
+    w_leaves, w_tree = _flatten(w)
+    if len(w_leaves) == 1 and w_tree.num_leaves == 1 and tree.num_leaves != 1:
+        w_leaves = w_leaves * len(leaves)
+    elif w_tree != tree:
+        raise PlacementError(
+            f"{what}: weights must be one placed scalar per member or a pytree with the "
+            f"structure of the values; got {w_tree} for values {tree}"
+        )
+    _check_placed(leaves, name, n, what)
+    _check_placed(w_leaves, name, n, f"{what} (weights)")
+    out = [
+        P.weighted_mean_p.bind(leaf, wl, placement=name, n=n) for leaf, wl in zip(leaves, w_leaves)
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _dp_static(what: str, name: str, value, low: float, strict: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise PlacementError(
+            f"{what}: {name} must be a Python number known when the program is traced "
+            f"(the accountant reads it from the IR), got {type(value).__name__}"
+        )
+    v = float(value)
+    if not np.isfinite(v) or v < low or (strict and v == low):
+        bound = f"> {low}" if strict else f">= {low}"
+        raise PlacementError(f"{what}: {name} must be finite and {bound}, got {value!r}")
+    return v
+
+
+def _dp(prim, what: str, x, clip_norm, noise_multiplier, key):
+    frame = _current(what)
+    name, n = frame.child(what)
+    clip = _dp_static(what, "clip_norm", clip_norm, 0.0, True)
+    z = _dp_static(what, "noise_multiplier", noise_multiplier, 0.0, False)
+    leaves, tree = _flatten(x)
+    if not leaves:
+        raise PlacementError(f"{what}: x has no array leaves")
+    _check_placed(leaves, name, n, what)
+    if not isinstance(key, (jax.Array, jc.core.Tracer)):
+        try:
+            key = jax.numpy.asarray(key)
+        except (TypeError, ValueError):
+            raise PlacementError(
+                f"{what}: key must be a PRNG key at the server (jax.random.key(seed)), got "
+                f"{type(key).__name__}"
+            ) from None
+    out = prim.bind(*leaves, key, placement=name, n=n, clip_norm=clip, noise_multiplier=z)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def dp_sum(x, clip_norm, noise_multiplier, key):
+    """Differentially private sum: ``{T}@child -> T@p`` for a placed pytree ``x``.
+
+    Each member's pytree is scaled by ``min(1, clip_norm / norm)`` (``norm`` its global
+    L2 norm over all leaves; a zero member stays zero; ``clip_norm`` less the float
+    error of the clip, so the clipped norm is at most ``clip_norm``: docs/privacy.md),
+    the clipped members are summed,
+    and where the result lives leaf ``i`` gets
+    ``noise_multiplier * clip_norm * fcir.mechanisms.gaussian.standard_normal(fold_in(key, i), ...)``.
+    ``key`` is a PRNG key at the server (the current placement). ``clip_norm`` and
+    ``noise_multiplier`` are Python numbers: they are attributes of the op, read by
+    ``fcir.privacy.epsilon``. Gradients treat the noise as a constant.
+    """
+    return _dp(P.dp_sum_p, "fcir.dp_sum", x, clip_norm, noise_multiplier, key)
+
+
+def dp_mean(x, clip_norm, noise_multiplier, key):
+    """``fcir.dp_sum`` divided by the cardinality of the placement (noise included)."""
+    return _dp(P.dp_mean_p, "fcir.dp_mean", x, clip_norm, noise_multiplier, key)
