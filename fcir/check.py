@@ -77,6 +77,30 @@ class Diagnostic:
         return f"{self.where}: {self.message}"
 
 
+#: The ops fcir itself defines outside ``fed.*`` and ``jax.*`` (op/C0).
+FCIR_OPS = ("fcir.constant",)
+
+
+def closest_op(name: str, more: tuple[str, ...] = ()) -> str:
+    """`` (did you mean 'fed.broadcast'?)`` for an op name no op has, or ``""``: the one
+    suggestion of the checker (fed/C0, op/C0) and of ``@fcir.impl``. ``fed.*`` and
+    ``fcir.*`` are matched against their closed sets; any other name against both and
+    ``more`` (a caller that knows JAX's primitives adds the one it found)."""
+    import difflib
+
+    from fcir.fed import FedOp
+
+    fed = sorted(FedOp.registry)
+    if name.startswith("fed."):
+        known = fed
+    elif name.startswith("fcir."):
+        known = list(FCIR_OPS)
+    else:
+        known = [*fed, *FCIR_OPS, *more]
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
 class _Checker:
     def __init__(self, module: Module):
         self.module = module
@@ -183,11 +207,12 @@ class _Checker:
                 self.region(sub, inner, (*path, r), set())
             return
         if op.name.startswith("fed."):
-            self.report("fed/C0", f"fed/C0: unknown federated op {op.name}", path, op, False)
+            self.report("fed/C0", f"fed/C0: unknown federated op {op.name}"
+                        f"{closest_op(op.name)}", path, op, False)
             return
-        if op.name != "fcir.constant" and not op.name.startswith("jax."):
-            self.report("op/C0", f"op/C0: unknown op {op.name}: ops are fed.*, jax.* or "
-                        "fcir.constant", path, op, False)
+        if op.name not in FCIR_OPS and not op.name.startswith("jax."):
+            self.report("op/C0", f"op/C0: unknown op {op.name}{closest_op(op.name)}: ops "
+                        "are fed.*, jax.* or fcir.constant", path, op, False)
             return
         before = len(self.diags)
         if not self.region_bindings(op, ctx, path):

@@ -188,7 +188,7 @@ def cmd_check(a) -> int:
     from fcir.loading import is_ir_file, load_ir
 
     if is_ir_file(a.FILE):
-        module = load_ir(a.FILE)
+        module = load_ir(a.FILE, located=True)  # each error names its line of the file
     else:
         module = _capture_unchecked(a.FILE, a.args)
     diags = verify(module)

@@ -60,8 +60,6 @@ def impl(*ops) -> Callable:
 
 #: What the text format reads as a primitive's name (scatter-add has a hyphen).
 _PRIMITIVE_NAME = re.compile(r"[A-Za-z_]\w*(?:-\w+)*")
-#: The ops fcir itself defines outside ``fed.*`` and ``jax.*`` (the checker's op/C0).
-_FCIR_OPS = ("fcir.constant",)
 
 
 def _checked_op_name(name: str) -> str:
@@ -73,37 +71,32 @@ def _checked_op_name(name: str) -> str:
     the JAX versions an IR file may come from; an interpreter may implement a primitive
     the running JAX lacks (to run IR written under another), so any ``jax.<identifier>``
     (the shape the text format reads) is taken. A name with no prefix is no IR op (the checker refuses it, op/C0)."""
-    import difflib
-
-    def closest(known) -> str:
-        near = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-        return f" (did you mean {near[0]!r}?)" if near else ""
+    from fcir.check import FCIR_OPS, closest_op
 
     fed_names = sorted(FedOp.registry)
     if name.startswith("fed."):
         if name in FedOp.registry:
             return name
         raise FcirError(
-            f"impl({name!r}): no federated op is named {name!r}{closest(fed_names)}; the "
+            f"impl({name!r}): no federated op is named {name!r}{closest_op(name)}; the "
             f"fed ops are {', '.join(fed_names)}. Naming one by its class "
             "(@fcir.impl(fcir.fed.Broadcast)) makes a typo a Python AttributeError"
         )
     if name.startswith("fcir."):
-        if name in _FCIR_OPS:
+        if name in FCIR_OPS:
             return name
         raise FcirError(
-            f"impl({name!r}): no op is named {name!r}{closest(_FCIR_OPS)}; fcir's own ops "
-            f"outside fed.* and jax.* are {', '.join(_FCIR_OPS)}"
+            f"impl({name!r}): no op is named {name!r}{closest_op(name)}; fcir's own ops "
+            f"outside fed.* and jax.* are {', '.join(FCIR_OPS)}"
         )
     if name.startswith("jax.") and _PRIMITIVE_NAME.fullmatch(name.removeprefix("jax.")):
         return name
-    known = [*fed_names, *_FCIR_OPS]
     try:
-        known.append(f"jax.{jax_primitive(name).name}")
+        more: tuple[str, ...] = (f"jax.{jax_primitive(name).name}",)
     except UnsupportedError:
-        pass
+        more = ()
     raise FcirError(
-        f"impl({name!r}): no IR op has this name{closest(known)}; an op name is "
+        f"impl({name!r}): no IR op has this name{closest_op(name, more)}; an op name is "
         "fed.<op> (fcir.fed.ops()), jax.<JAX primitive name> or fcir.constant"
     )
 

@@ -27,8 +27,9 @@ def is_ir_file(target: str) -> bool:
     return target.endswith(IR_SUFFIXES)
 
 
-def load_ir(path: str) -> Module:
-    """Reads a ``.fcir`` text or ``.pb`` binary IR file."""
+def load_ir(path: str, *, located: bool = False) -> Module:
+    """Reads a ``.fcir`` text or ``.pb`` binary IR file. ``located``: each op of a text
+    file carries its line of the file as its location (``fcir.text.parse_located``)."""
     p = pathlib.Path(path)
     if p.is_dir():
         # `fcir compile ... -o r.fcir` writes a directory of that name: point into it.
@@ -43,13 +44,13 @@ def load_ir(path: str) -> Module:
             raise ParseError(f"{path} is IR text, not a serialized module (text IR files end "
                              "in .fcir): rename it")
         return Module.deserialize(data)
-    from fcir.text import parse
+    from fcir.text import parse, parse_located
 
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ParseError(f"{path} is not UTF-8 text (binary IR files end in .pb)") from None
-    return parse(text)
+    return parse_located(text, p.name) if located else parse(text)
 
 
 def load_function(target: str):
