@@ -168,6 +168,34 @@ def as_input(x):
     return x if dtype == x.dtype else np.asarray(x, dtype)
 
 
+def check_leaf(module: Module, i: int, v, t: TensorType, shape: tuple, dtype,
+               placed: type[FcirError] = InterpreterError) -> None:
+    """Raises the clear error for argument leaf ``i`` (parameter ``v`` of runtime type
+    ``t``) given as ``dtype[shape]``: the one message of every backend (the
+    interpreters, ``xla.compile``'s executables). When only the members per placement
+    differ it says so and what to do, as error class ``placed`` (``xla.compile`` has
+    always raised PlacementError there, the interpreters InterpreterError)."""
+    from fcir.types import dtype_name
+
+    if shape == t.shape and dtype_name(dtype) == t.dtype:
+        return
+    got = f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"  # the IR's type syntax
+    problem = f"@{module.name} argument leaf {i} (%{i}: {v.type}) needs an array of {t}, got {got}"
+    levels = []
+    member = v.type
+    while isinstance(member, PlacedType):
+        if member.placement != "server":
+            levels.append(member.placement)
+        member = member.member
+    if levels and dtype_name(dtype) == t.dtype and shape[len(levels) :] == t.shape[len(levels) :]:
+        wanted = ", ".join(f"{module.cardinality(p)} {p}" for p in levels)
+        raise placed(
+            f"{problem}: it is placed, one member per {' per '.join(levels)} ({wanted}); "
+            "capture the program again for the new number of members"
+        )
+    raise InterpreterError(problem)
+
+
 class Interpreter:
     """Runs a Module. ``verbose=True`` logs each op; ``run(..., intermediates=True)``
     also returns every value computed, keyed by the printer's value number."""
@@ -212,17 +240,10 @@ class Interpreter:
             raise InterpreterError(
                 f"@{module.name} takes {len(params)} array leaves, got {len(leaves)}"
             )
-        from fcir.types import dtype_name
-
         leaves = [as_input(x) for x in leaves]
         for i, (x, v) in enumerate(zip(leaves, params)):
             expected = runtime_type(v.type, module.cardinality)
-            shape, dtype = tuple(np.shape(x)), x.dtype
-            if shape != expected.shape or dtype_name(dtype) != expected.dtype:
-                raise InterpreterError(
-                    f"@{module.name} argument leaf {i} (%{i}: {v.type}) needs an array of "
-                    f"{expected}, got {TensorType(dtype_name(dtype), shape)}"
-                )
+            check_leaf(module, i, v, expected, tuple(np.shape(x)), x.dtype)
         self._record = {} if intermediates else None
         outs = self.run_region(func.body, leaves)
         result = pytrees.unflatten_results(func, outs)
