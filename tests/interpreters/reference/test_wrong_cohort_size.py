@@ -3,9 +3,9 @@ what the argument needs, and to capture the program again."""
 
 import jax.numpy as jnp
 import pytest
+from fcir.interpreters import reference, xla
 
 import fcir
-from fcir.interpreters import reference, xla
 
 
 @fcir.program(placements={"clients": 8})
