@@ -231,12 +231,12 @@ def cmd_diff(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from fcir.loading import load_inputs, load_module
+    from fcir.loading import load_inputs, load_module_and_names
 
     if a.clients_per_step is not None and a.backend != "xla":
         raise _Usage("--clients-per-step streams members on the xla backend: add --backend xla")
-    module = load_module(a.FILE, a.args)
-    leaves = load_inputs(a.inputs, module)
+    module, names = load_module_and_names(a.FILE, a.args)
+    leaves = load_inputs(a.inputs, module, names)
     args = _unflatten_args(module, leaves)
     if a.backend == "reference":
         from fcir.interpreters import reference

@@ -299,10 +299,18 @@ def load_module(
 ) -> Module:
     """Any target -> a captured (or loaded) Module (``locations``: capture records each
     op's source line)."""
+    return load_module_and_names(target, arg_specs, locations=locations)[0]
+
+
+def load_module_and_names(
+    target: str, arg_specs: list[str] | None = None, *, locations: bool = False
+) -> tuple[Module, list[str] | None]:
+    """``load_module``, and the names of the function's positional parameters (None for
+    an IR file, which does not keep them): messages about argument leaves name them."""
     if is_ir_file(target):
         if arg_specs:
             raise FcirError("--args applies to Python targets only; IR files carry their types")
-        return load_ir(target)
+        return load_ir(target), None
     fn, module = load_function(target)
     name = target.rpartition(":")[2]
     args = parse_arg_specs(arg_specs) if arg_specs else example_args(name, module, fn)
@@ -310,7 +318,17 @@ def load_module(
         _check_arity(fn, name, args)
     from fcir.capture import capture
 
-    return capture(fn, *args, name=name, locations=locations)
+    return capture(fn, *args, name=name, locations=locations), _positional_names(fn)
+
+
+def _positional_names(fn) -> list[str] | None:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def load_python_target(target: str, arg_specs: list[str] | None = None):
@@ -359,13 +377,14 @@ def _expected_leaves(module) -> list[str]:
     ]
 
 
-def load_inputs(path: str, module=None) -> list:
+def load_inputs(path: str, module=None, names: list[str] | None = None) -> list:
     """The argument leaves of ``module`` from ``path``, an .npz of ``arr_0, arr_1, ...``
     in ``jax.tree_util`` flatten order (what ``np.savez(path, *leaves)`` writes). An
     error names each missing or unexpected array and lists the leaves the program
     takes (with no ``module``: every ``arr_i`` the file holds, which must be
     contiguous). Leaves are converted as ``jax.jit`` would (``fcir.interpreter.as_input``:
-    float64 -> float32), with a note on stderr for each one converted."""
+    float64 -> float32), with a note on stderr for each one converted naming the
+    argument it is (by ``names``, the function's positional parameters, when given)."""
     import re
     import zipfile
 
@@ -419,15 +438,30 @@ def load_inputs(path: str, module=None) -> list:
             f"{path} holds {', '.join(f'arr_{i}' for i in extra)} beyond the "
             f"program's arguments; {takes}"
         )
+    paths = leaf_paths(module.main.arg_structure, n) if module is not None else [""] * n
     leaves = []
     for i in range(n):
         x = arrays[f"arr_{i}"]
         y = as_input(x)
         if y.dtype != x.dtype:
             print(
-                f"note: {path}: arr_{i} is {x.dtype}, converted to {y.dtype} as jax.jit "
-                "does (JAX's x64 mode is off)",
+                f"note: {path}: arr_{i}{_argument(paths[i], names)} is {x.dtype}, converted "
+                f"to {y.dtype} as jax.jit does (JAX's x64 mode is off)",
                 file=sys.stderr,
             )
         leaves.append(y)
     return leaves
+
+
+def _argument(path: str, names: list[str] | None) -> str:
+    """`` (argument w['b1'])`` for a leaf at ``path`` (``[0]['b1']``), naming the
+    positional parameter ``[0]`` is when ``names`` are known; ``""`` for no path."""
+    import re
+
+    m = re.match(r"\[(\d+)\]", path)
+    if m is None:
+        return f" (argument {path})" if path else ""
+    i = int(m.group(1))
+    if names is not None and i < len(names):
+        return f" (argument {names[i]}{path[m.end():]})"
+    return f" (argument {path})"
