@@ -445,8 +445,8 @@ def load_inputs(path: str, module=None, names: list[str] | None = None) -> list:
         y = as_input(x)
         if y.dtype != x.dtype:
             print(
-                f"note: {path}: arr_{i}{_argument(paths[i], names)} is {x.dtype}, converted "
-                f"to {y.dtype} as jax.jit does (JAX's x64 mode is off)",
+                f"note: {path}: arr_{i} is {x.dtype}, converted to {y.dtype} as jax.jit "
+                f"does (JAX's x64 mode is off){_argument(paths[i], names)}",
                 file=sys.stderr,
             )
         leaves.append(y)
@@ -454,14 +454,14 @@ def load_inputs(path: str, module=None, names: list[str] | None = None) -> list:
 
 
 def _argument(path: str, names: list[str] | None) -> str:
-    """`` (argument w['b1'])`` for a leaf at ``path`` (``[0]['b1']``), naming the
+    """``: argument w['b1']`` for a leaf at ``path`` (``[0]['b1']``), naming the
     positional parameter ``[0]`` is when ``names`` are known; ``""`` for no path."""
     import re
 
     m = re.match(r"\[(\d+)\]", path)
     if m is None:
-        return f" (argument {path})" if path else ""
+        return f": argument {path}" if path else ""
     i = int(m.group(1))
     if names is not None and i < len(names):
-        return f" (argument {names[i]}{path[m.end():]})"
-    return f" (argument {path})"
+        return f": argument {names[i]}{path[m.end():]}"
+    return f": argument {path}"

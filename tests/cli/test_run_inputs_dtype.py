@@ -30,7 +30,8 @@ def test_float64_inputs_are_converted_with_a_note_naming_the_argument(tmp_path, 
     assert cli.main(["run", target, "--inputs", str(tmp_path / "in64.npz"),
                      "-o", str(tmp_path / "out64.npz")]) == 0
     err = capsys.readouterr().err
-    assert "arr_0 (argument w) is float64, converted to float32 as jax.jit does" in err
+    assert "arr_0 is float64, converted to float32 as jax.jit does" in err
+    assert "(JAX's x64 mode is off): argument w\n" in err
     assert "arr_1" not in err  # already float32: nothing to say
     assert cli.main(["run", target, "--inputs", str(tmp_path / "in32.npz"),
                      "-o", str(tmp_path / "out32.npz")]) == 0
@@ -49,5 +50,8 @@ def test_an_ir_file_names_the_argument_by_position(tmp_path, capsys):
     assert cli.main(["run", str(tmp_path / "ir" / "rnd.fcir"), "--inputs",
                      str(tmp_path / "in64.npz")]) == 0
     err = capsys.readouterr().err
-    assert "arr_0 (argument [0]) is float64" in err
-    assert "arr_1 (argument [1]) is float64" in err
+    assert (
+        "arr_0 is float64, converted to float32 as jax.jit does (JAX's x64 mode is off): "
+        "argument [0]\n" in err
+    )
+    assert "x64 mode is off): argument [1]\n" in err
