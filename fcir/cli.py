@@ -211,13 +211,21 @@ def _capture_unchecked(target, specs):
 
 
 def cmd_diff(a) -> int:
-    from fcir.loading import load_ir
+    from fcir.loading import is_ir_file, load_module
+
+    def text(target: str) -> str:
+        # --args are the types of a Python target's arguments; an IR file has its own.
+        return load_module(target, None if is_ir_file(target) else a.args).to_text()
 
     try:
-        ta = load_ir(a.A).to_text()
-        tb = load_ir(a.B).to_text()
-    except FcirError as e:
-        print(f"fcir diff: error: {e}", file=sys.stderr)
+        ta, tb = text(a.A), text(a.B)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # exit 1 means "different": any failure to load is 2
+        if a.debug:
+            raise
+        what = str(e) if isinstance(e, FcirError) else f"{type(e).__name__}: {e}"
+        print(f"fcir diff: error: {what}{_at(e)}", file=sys.stderr)
         return 2
     if ta == tb:
         return 0
@@ -315,11 +323,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p, "FILE")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("diff", help="diff two IR files: exit 0 same, 1 different, 2 error",
-                       description="Unified diff of the canonical text of two IR files "
-                       "(text or binary). Exit 0 same, 1 different, 2 error.")
-    p.add_argument("A", help="an IR file (.fcir text or .pb binary)")
-    p.add_argument("B", help="the IR file to compare it with")
+    p = sub.add_parser("diff", help="diff two programs' IR: exit 0 same, 1 different, 2 error",
+                       description="Unified diff of the canonical text of two programs: IR "
+                       "files (text or binary) or Python targets, captured as `fcir show` "
+                       "captures them. Exit 0 same, 1 different, 2 error.")
+    p.add_argument("A", help="file.py:function, package.module:function, or an IR file "
+                   "(.fcir text, .pb binary)")
+    p.add_argument("B", help="the program to compare it with (any of the same)")
+    p.add_argument("--args", nargs="+", metavar="SPEC",
+                   help="argument types of each Python target, as `fcir compile --args` "
+                   "takes them (default: the file's EXAMPLE_ARGS); IR files carry their own")
     p.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
     p.set_defaults(func=cmd_diff)
 

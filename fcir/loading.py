@@ -87,8 +87,28 @@ def load_function(target: str):
             raise FcirError(f"cannot import {where!r}: {e}{_file_hint(where, name)}") from None
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
-        raise FcirError(f"{where} has no function {name!r}")
+        raise FcirError(f"{where} has no function {name!r}{_function_hint(module, where, name)}")
     return fn, module
+
+
+def _function_hint(module, where: str, name: str) -> str:
+    """``; did you mean f.py:fedprox_adam?`` naming the closest public function of
+    ``module`` (its @fcir.program functions first), or the programs it defines."""
+    import difflib
+
+    functions = {
+        k: v for k, v in vars(module).items()
+        if callable(v) and not k.startswith("_") and not isinstance(v, type)
+    }
+    programs = sorted(k for k, v in functions.items() if hasattr(v, "fcir_placements"))
+    near = difflib.get_close_matches(name, programs, n=1) or difflib.get_close_matches(
+        name, sorted(functions), n=1
+    )
+    if near:
+        return f"; did you mean {where}:{near[0]}?"
+    if programs:
+        return f"; its @fcir.program functions: {', '.join(programs)}"
+    return ""
 
 
 def _file_hint(where: str, name: str) -> str:
