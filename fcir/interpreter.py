@@ -278,11 +278,18 @@ class Interpreter:
             elif method is not None:  # an Unsupported entry
                 raise UnsupportedError(f"{type(self).__name__}: {op.name}: {method.reason}")
             elif op.name.startswith("jax."):
+                method = "local"
                 out = self.local(op, *args)
             elif op.name in FedOp.registry:
+                method = "fed_op"
                 out = self.fed_op(op, *args)
             else:
                 raise UnsupportedError(f"{type(self).__name__} has no implementation of {op.name}")
+            if op.results and (
+                out is None or isinstance(out, (list, tuple)) and any(o is None for o in out)
+            ):
+                # Blamed on the method here: else on the op that reads the None.
+                raise InterpreterError(_returned_none(type(self), method, op))
         except FcirError as e:
             if getattr(e, "fcir_located", False):
                 raise
@@ -472,6 +479,22 @@ class Interpreter:
 
 
 _REMAT = ("remat2", "checkpoint")
+
+
+def _returned_none(cls: type, method: str, op: Op) -> str:
+    """The message for a rule that returned no value: the method, the op, and the call
+    that gives the inherited value (a ``jax.*`` op without a method of its own in the
+    base classes has it from ``local``)."""
+    mro = cls.__mro__
+    defined = next(i for i, k in enumerate(mro) if method in vars(k))
+    if any(method in vars(k) for k in mro[defined + 1 :]):
+        base = f"super().{method}(op, ...)"
+    else:
+        base = "super().local(op, ...), the JAX meaning of every jax.* op"
+    return (
+        f"{cls.__name__}.{method} returned None for {op.name}, which has {len(op.results)} "
+        f"result(s): return its value (the inherited one is {base})"
+    )
 
 
 def _collect_impls(cls) -> None:
