@@ -227,7 +227,8 @@ def _tensorstore() -> Any:
         import tensorstore
     except ImportError as e:
         raise CheckpointError(
-            "checkpoints in object stores need tensorstore: pip install 'fcir[storage]'"
+            "checkpoints in object stores need tensorstore: pip install -e '.[storage]' in "
+            "the fcir checkout (or pip install 'tensorstore>=0.1.71')"
         ) from e
     return tensorstore
 

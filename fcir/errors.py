@@ -63,25 +63,48 @@ def user_location(error: BaseException) -> str | None:
     own TypeError) carry the user's line only in their traceback, which the command
     line does not print; it names the line with this instead."""
     import os
-    import sysconfig
     import traceback
 
-    libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     found = None
     seen: set[int] = set()
     e: BaseException | None = error
     while e is not None and id(e) not in seen:  # outermost first: the last found is deepest
         seen.add(id(e))
         for frame, line in traceback.walk_tb(e.__traceback__):
-            name = frame.f_code.co_filename
-            package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
-            if (
-                name.startswith("<")
-                or package in _NOT_USER
-                or any(name.startswith(lib + os.sep) for lib in libraries)
-                or not source_info_util.is_user_filename(name)
-            ):
-                continue
-            found = f"{os.path.basename(name)}:{line}"
+            if _is_users(frame):
+                found = f"{os.path.basename(frame.f_code.co_filename)}:{line}"
         e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
     return found
+
+
+def call_site() -> str | None:
+    """``file.py:12`` of the innermost frame of the user's code on the current stack
+    (the line that called into fcir), or None: a check raised while tracing names the
+    line in its message, for callers that print no traceback."""
+    import os
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _is_users(frame):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _is_users(frame) -> bool:
+    """Whether ``frame`` runs the user's code: not fcir's, JAX's, numpy's or another
+    installed library's, and not generated code."""
+    import os
+    import sysconfig
+
+
+    name = frame.f_code.co_filename
+    package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+    libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    return not (
+        name.startswith("<")
+        or package in _NOT_USER
+        or any(name.startswith(lib + os.sep) for lib in libraries)
+        or not source_info_util.is_user_filename(name)
+    )

@@ -30,6 +30,7 @@ from fcir.frontend import primitives as P
 from fcir.frontend import pytrees, sharding
 from fcir.ir import Module, Op, Region, control_flow, describe, expect_module, value_numbering, walk
 from fcir.ir import attrs as A
+from fcir.ir.opnames import FCIR_OPS, closest_op
 from fcir.ir.types import PlacedType, TensorType, dtype_name, runtime_type
 from fcir.jaxcompat import core, pe, schema
 
@@ -60,8 +61,6 @@ def impl(*ops) -> Callable:
 
 #: What the text format reads as a primitive's name (scatter-add has a hyphen).
 _PRIMITIVE_NAME = re.compile(r"[A-Za-z_]\w*(?:-\w+)*")
-#: The ops fcir itself defines outside ``fed.*`` and ``jax.*`` (the checker's op/C0).
-_FCIR_OPS = ("fcir.constant",)
 
 
 def _checked_op_name(name: str) -> str:
@@ -73,37 +72,30 @@ def _checked_op_name(name: str) -> str:
     the JAX versions an IR file may come from; an interpreter may implement a primitive
     the running JAX lacks (to run IR written under another), so any ``jax.<identifier>``
     (the shape the text format reads) is taken. A name with no prefix is no IR op (the checker refuses it, op/C0)."""
-    import difflib
-
-    def closest(known) -> str:
-        near = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-        return f" (did you mean {near[0]!r}?)" if near else ""
-
     fed_names = sorted(FedOp.registry)
     if name.startswith("fed."):
         if name in FedOp.registry:
             return name
         raise FcirError(
-            f"impl({name!r}): no federated op is named {name!r}{closest(fed_names)}; the "
+            f"impl({name!r}): no federated op is named {name!r}{closest_op(name)}; the "
             f"fed ops are {', '.join(fed_names)}. Naming one by its class "
             "(@fcir.impl(fcir.fed.Broadcast)) makes a typo a Python AttributeError"
         )
     if name.startswith("fcir."):
-        if name in _FCIR_OPS:
+        if name in FCIR_OPS:
             return name
         raise FcirError(
-            f"impl({name!r}): no op is named {name!r}{closest(_FCIR_OPS)}; fcir's own ops "
-            f"outside fed.* and jax.* are {', '.join(_FCIR_OPS)}"
+            f"impl({name!r}): no op is named {name!r}{closest_op(name)}; fcir's own ops "
+            f"outside fed.* and jax.* are {', '.join(FCIR_OPS)}"
         )
     if name.startswith("jax.") and _PRIMITIVE_NAME.fullmatch(name.removeprefix("jax.")):
         return name
-    known = [*fed_names, *_FCIR_OPS]
     try:
-        known.append(f"jax.{jax_primitive(name).name}")
+        more: tuple[str, ...] = (f"jax.{jax_primitive(name).name}",)
     except UnsupportedError:
-        pass
+        more = ()
     raise FcirError(
-        f"impl({name!r}): no IR op has this name{closest(known)}; an op name is "
+        f"impl({name!r}): no IR op has this name{closest_op(name, more)}; an op name is "
         "fed.<op> (fcir.fed.ops()), jax.<JAX primitive name> or fcir.constant"
     )
 
@@ -175,6 +167,32 @@ def as_input(x):
     return x if dtype == x.dtype else np.asarray(x, dtype)
 
 
+def check_leaf(module: Module, i: int, v, t: TensorType, shape: tuple, dtype,
+               placed: type[FcirError] = InterpreterError) -> None:
+    """Raises the clear error for argument leaf ``i`` (parameter ``v`` of runtime type
+    ``t``) given as ``dtype[shape]``: the one message of every backend (the
+    interpreters, ``xla.compile``'s executables). When only the members per placement
+    differ it says so and what to do, as error class ``placed`` (``xla.compile`` has
+    always raised PlacementError there, the interpreters InterpreterError)."""
+    if shape == t.shape and dtype_name(dtype) == t.dtype:
+        return
+    got = f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"  # the IR's type syntax
+    problem = f"@{module.name} argument leaf {i} (%{i}: {v.type}) needs an array of {t}, got {got}"
+    levels = []
+    member = v.type
+    while isinstance(member, PlacedType):
+        if member.placement != "server":
+            levels.append(member.placement)
+        member = member.member
+    if levels and dtype_name(dtype) == t.dtype and shape[len(levels) :] == t.shape[len(levels) :]:
+        wanted = ", ".join(f"{module.cardinality(p)} {p}" for p in levels)
+        raise placed(
+            f"{problem}: it is placed, one member per {' per '.join(levels)} ({wanted}); "
+            "capture the program again for the new number of members"
+        )
+    raise InterpreterError(problem)
+
+
 class Interpreter:
     """Runs a Module. ``verbose=True`` logs each op; ``run(..., intermediates=True)``
     also returns every value computed, keyed by the printer's value number."""
@@ -220,12 +238,7 @@ class Interpreter:
         leaves = [as_input(x) for x in leaves]
         for i, (x, v) in enumerate(zip(leaves, params)):
             expected = runtime_type(v.type, module.cardinality)
-            shape, dtype = tuple(np.shape(x)), x.dtype
-            if shape != expected.shape or dtype_name(dtype) != expected.dtype:
-                raise InterpreterError(
-                    f"@{module.name} argument leaf {i} (%{i}: {v.type}) needs an array of "
-                    f"{expected}, got {TensorType(dtype_name(dtype), shape)}"
-                )
+            check_leaf(module, i, v, expected, tuple(np.shape(x)), x.dtype)
         self._record = {} if intermediates else None
         outs = self.run_region(func.body, leaves)
         result = pytrees.unflatten_results(func, outs)
@@ -260,11 +273,18 @@ class Interpreter:
             elif method is not None:  # an Unsupported entry
                 raise UnsupportedError(f"{type(self).__name__}: {op.name}: {method.reason}")
             elif op.name.startswith("jax."):
+                method = "local"
                 out = self.local(op, *args)
             elif op.name in FedOp.registry:
+                method = "fed_op"
                 out = self.fed_op(op, *args)
             else:
                 raise UnsupportedError(f"{type(self).__name__} has no implementation of {op.name}")
+            if op.results and (
+                out is None or isinstance(out, (list, tuple)) and any(o is None for o in out)
+            ):
+                # Blamed on the method here: else on the op that reads the None.
+                raise InterpreterError(_returned_none(type(self), method, op))
         except FcirError as e:
             if getattr(e, "fcir_located", False):
                 raise
@@ -452,6 +472,22 @@ class Interpreter:
 
 
 _REMAT = ("remat2", "checkpoint")
+
+
+def _returned_none(cls: type, method: str, op: Op) -> str:
+    """The message for a rule that returned no value: the method, the op, and the call
+    that gives the inherited value (a ``jax.*`` op without a method of its own in the
+    base classes has it from ``local``)."""
+    mro = cls.__mro__
+    defined = next(i for i, k in enumerate(mro) if method in vars(k))
+    if any(method in vars(k) for k in mro[defined + 1 :]):
+        base = f"super().{method}(op, ...)"
+    else:
+        base = "super().local(op, ...), the JAX meaning of every jax.* op"
+    return (
+        f"{cls.__name__}.{method} returned None for {op.name}, which has {len(op.results)} "
+        f"result(s): return its value (the inherited one is {base})"
+    )
 
 
 def _collect_impls(cls) -> None:

@@ -192,11 +192,16 @@ class ReferenceInterpreter(Interpreter):
         return ddp.decode(jnp.asarray(total.astype(np.uint32)), p, like, mean)
 
     # Control flow whose regions hold fed ops or placed values runs eagerly, region by
-    # region, so that the fed ops inside keep their per-member semantics; local control
-    # flow binds its primitive as everywhere else.
+    # region, so that the fed ops inside keep their per-member semantics; so does control
+    # flow whose regions hold an op a subclass overrides, so that its rule sees every
+    # iteration (traced into the loop primitive, it would run once per trace). Other
+    # local control flow binds its primitive as everywhere else.
+    def _eager(self, op) -> bool:
+        return _federated(op) or _overrides_inside(type(self), op)
+
     @impl("jax.scan")
     def scan(self, op, *args):
-        if not _federated(op):
+        if not self._eager(op):
             return super().scan(op, *args)
         nc, nk = int(op.attrs["num_consts"]), int(op.attrs["num_carry"])
         length = int(op.attrs["length"])
@@ -221,7 +226,7 @@ class ReferenceInterpreter(Interpreter):
 
     @impl("jax.while")
     def while_loop(self, op, *args):
-        if not _federated(op):
+        if not self._eager(op):
             return self.local(op, *args)
         cn, bn = int(op.attrs["cond_nconsts"]), int(op.attrs["body_nconsts"])
         cond = op.regions[op.attrs["cond_jaxpr"].index]
@@ -233,12 +238,19 @@ class ReferenceInterpreter(Interpreter):
 
     @impl("jax.cond")
     def cond(self, op, index, *ops):
-        if not _federated(op):
+        if not self._eager(op):
             return self.local(op, index, *ops)
         branches = op.attrs["branches"]
         # lax.switch clamps its index before the cond; the cond itself clamps too.
         i = min(max(int(index), 0), len(branches) - 1)
         return self.run_region(op.regions[branches[i].index], list(ops))
+
+    def local(self, op, *args):
+        """A ``jax.*`` op's JAX meaning; a call (a nested ``jax.jit``) holding an op a
+        subclass overrides runs its region op by op, so that the rule sees each run."""
+        if op.name.removeprefix("jax.") in _CALLS and _overrides_inside(type(self), op):
+            return self.run_region(op.regions[0], list(args))
+        return super().local(op, *args)
 
     # Layout ops change where a value lives, never what it is: the oracle ignores them,
     # so a module captured under a mesh runs without one.
@@ -253,6 +265,45 @@ class ReferenceInterpreter(Interpreter):
     @impl("jax.mesh_cast")
     def mesh_cast(self, op, x):
         return x
+
+
+# Call-like primitives whose one region takes the op's operands (pjit is jit before
+# JAX 0.12): run region by region when a subclass overrides an op inside them.
+_CALLS = ("pjit", "jit", "closed_call", "core_call")
+
+
+def _overridden(cls) -> frozenset[str] | None:
+    """The op names whose rule ``cls`` (a ReferenceInterpreter subclass) defines itself,
+    or None when it overrides ``local`` or ``bind``, the rule of every ``jax.*`` op."""
+    if cls is ReferenceInterpreter:
+        return frozenset()
+    cached = vars(cls).get("_fcir_overridden", False)
+    if cached is not False:
+        return cached
+    if cls.local is not ReferenceInterpreter.local or cls.bind is not Interpreter.bind:
+        found = None
+    else:
+        base = ReferenceInterpreter._impls
+        found = frozenset(
+            name for name, method in cls._impls.items()
+            if isinstance(method, str) and (
+                not isinstance(base.get(name), str)
+                or getattr(cls, method) is not getattr(ReferenceInterpreter, base[name])
+            )
+        )
+    cls._fcir_overridden = found
+    return found
+
+
+def _overrides_inside(cls, op: Op) -> bool:
+    """Whether ``cls`` has a rule of its own for an op in ``op``'s regions."""
+    names = _overridden(cls)
+    if names is not None and not names:
+        return False
+    return any(
+        o.name.startswith("jax.") if names is None else o.name in names
+        for sub in op.regions for _, o in walk(sub)
+    )
 
 
 def _federated(op: Op) -> bool:

@@ -16,7 +16,14 @@ import sys
 from fcir.cli import plugins
 from fcir.errors import FcirError, user_location
 from fcir.frontend.capture import capture_unchecked
-from fcir.frontend.loading import is_ir_file, load_inputs, load_ir, load_module, load_python_target
+from fcir.frontend.loading import (
+    is_ir_file,
+    load_inputs,
+    load_ir,
+    load_module,
+    load_module_and_names,
+    load_python_target,
+)
 from fcir.ir.check import verify
 from fcir.privacy import format_round_cost, round_cost
 from fcir.report import dot
@@ -174,7 +181,7 @@ def cmd_show(a) -> int:
 def cmd_check(a) -> int:
 
     if is_ir_file(a.FILE):
-        module = load_ir(a.FILE)
+        module = load_ir(a.FILE, located=True)  # each error names its line of the file
     else:
         module = _capture_unchecked(a.FILE, a.args)
     diags = verify(module)
@@ -195,12 +202,19 @@ def _capture_unchecked(target, specs):
 
 
 def cmd_diff(a) -> int:
+    def text(target: str) -> str:
+        # --args are the types of a Python target's arguments; an IR file has its own.
+        return load_module(target, None if is_ir_file(target) else a.args).to_text()
 
     try:
-        ta = load_ir(a.A).to_text()
-        tb = load_ir(a.B).to_text()
-    except FcirError as e:
-        print(f"fcir diff: error: {e}", file=sys.stderr)
+        ta, tb = text(a.A), text(a.B)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # exit 1 means "different": any failure to load is 2
+        if a.debug:
+            raise
+        what = str(e) if isinstance(e, FcirError) else f"{type(e).__name__}: {e}"
+        print(f"fcir diff: error: {what}{_at(e)}", file=sys.stderr)
         return 2
     if ta == tb:
         return 0
@@ -221,8 +235,8 @@ def cmd_run(a) -> int:
         raise _Usage(f"--clients-per-step streams members on the {' and '.join(streaming)} "
                      f"backend: add --backend {streaming[0]}" if streaming else
                      "--clients-per-step: no installed backend streams members")
-    module = load_module(a.FILE, a.args)
-    leaves = load_inputs(a.inputs, module)
+    module, names = load_module_and_names(a.FILE, a.args)
+    leaves = load_inputs(a.inputs, module, names)
     args = _unflatten_args(module, leaves)
     outputs = backend.run_program(module, args, clients_per_step=a.clients_per_step)
     _write_outputs(outputs, a.output)
@@ -292,11 +306,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p, "FILE")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("diff", help="diff two IR files: exit 0 same, 1 different, 2 error",
-                       description="Unified diff of the canonical text of two IR files "
-                       "(text or binary). Exit 0 same, 1 different, 2 error.")
-    p.add_argument("A", help="an IR file (.fcir text or .pb binary)")
-    p.add_argument("B", help="the IR file to compare it with")
+    p = sub.add_parser("diff", help="diff two programs' IR: exit 0 same, 1 different, 2 error",
+                       description="Unified diff of the canonical text of two programs: IR "
+                       "files (text or binary) or Python targets, captured as `fcir show` "
+                       "captures them. Exit 0 same, 1 different, 2 error.")
+    p.add_argument("A", help="file.py:function, package.module:function, or an IR file "
+                   "(.fcir text, .pb binary)")
+    p.add_argument("B", help="the program to compare it with (any of the same)")
+    p.add_argument("--args", nargs="+", metavar="SPEC",
+                   help="argument types of each Python target, as `fcir compile --args` "
+                   "takes them (default: the file's EXAMPLE_ARGS); IR files carry their own")
     p.add_argument("-U", "--context", type=int, default=3, help="lines of context (default 3)")
     p.set_defaults(func=cmd_diff)
 

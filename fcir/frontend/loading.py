@@ -21,7 +21,7 @@ from fcir.errors import FcirError, ParseError
 from fcir.frontend.capture import capture
 from fcir.interpreter import as_input
 from fcir.ir import Module
-from fcir.ir.text import _Parser, parse
+from fcir.ir.text import _Parser, parse, parse_located
 from fcir.ir.types import dtype_name, runtime_type
 
 IR_SUFFIXES = (".fcir", ".pb")
@@ -31,8 +31,9 @@ def is_ir_file(target: str) -> bool:
     return target.endswith(IR_SUFFIXES)
 
 
-def load_ir(path: str) -> Module:
-    """Reads a ``.fcir`` text or ``.pb`` binary IR file."""
+def load_ir(path: str, *, located: bool = False) -> Module:
+    """Reads a ``.fcir`` text or ``.pb`` binary IR file. ``located``: each op of a text
+    file carries its line of the file as its location (``fcir.text.parse_located``)."""
     p = pathlib.Path(path)
     if p.is_dir():
         # `fcir compile ... -o r.fcir` writes a directory of that name: point into it.
@@ -51,7 +52,7 @@ def load_ir(path: str) -> Module:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ParseError(f"{path} is not UTF-8 text (binary IR files end in .pb)") from None
-    return parse(text)
+    return parse_located(text, p.name) if located else parse(text)
 
 
 def load_function(target: str):
@@ -88,8 +89,28 @@ def load_function(target: str):
             raise FcirError(f"cannot import {where!r}: {e}{_file_hint(where, name)}") from None
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
-        raise FcirError(f"{where} has no function {name!r}")
+        raise FcirError(f"{where} has no function {name!r}{_function_hint(module, where, name)}")
     return fn, module
+
+
+def _function_hint(module, where: str, name: str) -> str:
+    """``; did you mean f.py:fedprox_adam?`` naming the closest public function of
+    ``module`` (its @fcir.program functions first), or the programs it defines."""
+    import difflib
+
+    functions = {
+        k: v for k, v in vars(module).items()
+        if callable(v) and not k.startswith("_") and not isinstance(v, type)
+    }
+    programs = sorted(k for k, v in functions.items() if hasattr(v, "fcir_placements"))
+    near = difflib.get_close_matches(name, programs, n=1) or difflib.get_close_matches(
+        name, sorted(functions), n=1
+    )
+    if near:
+        return f"; did you mean {where}:{near[0]}?"
+    if programs:
+        return f"; its @fcir.program functions: {', '.join(programs)}"
+    return ""
 
 
 def _file_hint(where: str, name: str) -> str:
@@ -296,16 +317,34 @@ def load_module(
 ) -> Module:
     """Any target -> a captured (or loaded) Module (``locations``: capture records each
     op's source line)."""
+    return load_module_and_names(target, arg_specs, locations=locations)[0]
+
+
+def load_module_and_names(
+    target: str, arg_specs: list[str] | None = None, *, locations: bool = False
+) -> tuple[Module, list[str] | None]:
+    """``load_module``, and the names of the function's positional parameters (None for
+    an IR file, which does not keep them): messages about argument leaves name them."""
     if is_ir_file(target):
         if arg_specs:
             raise FcirError("--args applies to Python targets only; IR files carry their types")
-        return load_ir(target)
+        return load_ir(target), None
     fn, module = load_function(target)
     name = target.rpartition(":")[2]
     args = parse_arg_specs(arg_specs) if arg_specs else example_args(name, module, fn)
     if arg_specs:
         _check_arity(fn, name, args)
-    return capture(fn, *args, name=name, locations=locations)
+    return capture(fn, *args, name=name, locations=locations), _positional_names(fn)
+
+
+def _positional_names(fn) -> list[str] | None:
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def load_python_target(target: str, arg_specs: list[str] | None = None):
@@ -353,13 +392,14 @@ def _expected_leaves(module) -> list[str]:
     ]
 
 
-def load_inputs(path: str, module=None) -> list:
+def load_inputs(path: str, module=None, names: list[str] | None = None) -> list:
     """The argument leaves of ``module`` from ``path``, an .npz of ``arr_0, arr_1, ...``
     in ``jax.tree_util`` flatten order (what ``np.savez(path, *leaves)`` writes). An
     error names each missing or unexpected array and lists the leaves the program
     takes (with no ``module``: every ``arr_i`` the file holds, which must be
     contiguous). Leaves are converted as ``jax.jit`` would (``fcir.interpreter.as_input``:
-    float64 -> float32), with a note on stderr for each one converted."""
+    float64 -> float32), with a note on stderr for each one converted naming the
+    argument it is (by ``names``, the function's positional parameters, when given)."""
     import re
     import zipfile
 
@@ -411,6 +451,7 @@ def load_inputs(path: str, module=None) -> list:
             f"{path} holds {', '.join(f'arr_{i}' for i in extra)} beyond the "
             f"program's arguments; {takes}"
         )
+    paths = leaf_paths(module.main.arg_structure, n) if module is not None else [""] * n
     leaves = []
     for i in range(n):
         x = arrays[f"arr_{i}"]
@@ -418,8 +459,22 @@ def load_inputs(path: str, module=None) -> list:
         if y.dtype != x.dtype:
             print(
                 f"note: {path}: arr_{i} is {x.dtype}, converted to {y.dtype} as jax.jit "
-                "does (JAX's x64 mode is off)",
+                f"does (JAX's x64 mode is off){_argument(paths[i], names)}",
                 file=sys.stderr,
             )
         leaves.append(y)
     return leaves
+
+
+def _argument(path: str, names: list[str] | None) -> str:
+    """``: argument w['b1']`` for a leaf at ``path`` (``[0]['b1']``), naming the
+    positional parameter ``[0]`` is when ``names`` are known; ``""`` for no path."""
+    import re
+
+    m = re.match(r"\[(\d+)\]", path)
+    if m is None:
+        return f": argument {path}" if path else ""
+    i = int(m.group(1))
+    if names is not None and i < len(names):
+        return f": argument {names[i]}{path[m.end():]}"
+    return f": argument {path}"

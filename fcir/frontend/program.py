@@ -85,6 +85,9 @@ class _Frame:
     placements: Placements
     level: int  # -1: server; i: inside a map body over members of names[i]
     mesh: Any
+    # (leaf, "w['dense']") of the program's own arguments, for errors that name them.
+    arguments: tuple = ()
+    client_data: tuple = ()  # the names fcir.program(client_data=...) declares
 
     def child(self, what: str) -> tuple[str, int]:
         if self.level + 1 >= len(self.placements.names):
@@ -183,7 +186,9 @@ def program(
             for i, arg_name in declared or ():
                 if i < len(args):
                     _check_client_data(args[i], arg_name, outer, n)
-            with _pushed(_Frame(spec, -1, mesh)):
+            named = _named_leaves(fn, args, kwargs)
+            declared_names = tuple(c for _, c in declared or ())
+            with _pushed(_Frame(spec, -1, mesh, named, declared_names)):
                 if not private:
                     return fn(*args, **kwargs)
                 # Every op traced here carries the scope in its name stack, through
@@ -218,6 +223,26 @@ def _client_data_indices(fn, names) -> tuple[tuple[int, str], ...]:
     return tuple((params.index(c), c) for c in names)
 
 
+def _named_leaves(fn, args, kwargs) -> tuple:
+    """(leaf, its name in ``fn``'s signature: ``w``, ``params['dense']``) of each leaf of
+    a program call's arguments."""
+    import inspect
+
+    try:
+        params = [
+            p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # a callable without a signature
+        params = []
+    given = [(params[i] if i < len(params) else f"argument {i}", a) for i, a in enumerate(args)]
+    named = []
+    for name, arg in [*given, *kwargs.items()]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            named.append((leaf, name + jax.tree_util.keystr(path)))
+    return tuple(named)
+
+
 def _check_client_data(arg, name: str, placement: str, n: int) -> None:
     for leaf in jax.tree_util.tree_leaves(arg):
         shape = np.shape(leaf)
@@ -237,26 +262,57 @@ def _check_placed(tree, placement: str, n: int, what: str) -> None:
     """Every leaf of ``tree`` is placed at ``placement``: its leading axis holds the
     ``n`` members. A leaf with another leading axis is either a server value (which
     only fcir.broadcast places) or data of another number of members than the program
-    declares; the error names the leaf and says both."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    declares; the error names the leaf (by the program's argument name when it is
+    one) and the user's line, and says both, the likelier first: a forgotten broadcast
+    when other client data in the call has the cohort's leading axis or the program
+    declares client_data without this argument, else the cohort size."""
+    from fcir.errors import call_site
+
+    frame = _CONTEXT.stack[-1] if _CONTEXT.stack else None
+    arguments = frame.arguments if frame is not None else ()
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+
+    def argument(leaf):
+        return next((name for x, name in arguments if x is leaf), None)
+
+    for path, leaf in leaves:
         shape = tuple(np.shape(leaf))
         if shape and shape[0] == n:
             continue
         where = f"leaf {jax.tree_util.keystr(path)}" if path else "a leaf"
+        arg = argument(leaf)
+        at = call_site()
+        site = f" (at {at})" if at else ""
+        if arg is not None:
+            where = f"argument {arg!r}, {where}"
+        problem = (
+            f"{where} of shape {shape} is not placed at '{placement}': its leading axis "
+            f"must be the cardinality of '{placement}' ({n})"
+        )
+        if what != "fcir.map_fn":
+            raise PlacementError(f"{what}: {problem}{site}")
+        shown = arg or "w"
+        broadcast = (
+            f"did you mean fcir.broadcast({shown})? A server value (a model) reaches the "
+            f"members only through fcir.broadcast: {what}(fn, (fcir.broadcast({shown}), x))"
+        )
         cohort = (
-            f"; if it holds one entry per member, that is {shape[0]} members: declare "
+            f"if it holds one entry per member, that is {shape[0]} members: declare "
             f"'{placement}': {shape[0]} in @fcir.program(placements=...) or pass {n} "
-            "members' data"
-            if shape and what == "fcir.map_fn" else ""
+            "members' data" if shape else ""
         )
-        hint = (
-            f"; if it is a server value (a model), did you mean fcir.broadcast(...) of it? "
-            f"A server value reaches the members only through fcir.broadcast: "
-            f"{what}(fn, (fcir.broadcast(w), x))" if what == "fcir.map_fn" else ""
+        declared = frame.client_data if frame is not None else ()
+        name = arg.partition("[")[0] if arg is not None else None
+        placed_data = any(
+            np.shape(x)[:1] == (n,) and argument(x) is not None for _, x in leaves
         )
+        if name is not None and (name in declared or (not declared and not placed_data)):
+            # Declared client data, or no argument in the call has the cohort's axis:
+            # the data is of another number of members.
+            raise PlacementError(f"{what}: {problem}{site}; {cohort}; if it is a server "
+                                 f"value, {broadcast}")
         raise PlacementError(
-            f"{what}: {where} of shape {shape} is not placed at '{placement}': its leading "
-            f"axis must be the cardinality of '{placement}' ({n}){cohort}{hint}"
+            f"{what}: {broadcast}. Here {problem}{site}" + (f"; {cohort}" if cohort else "")
         )
 
 

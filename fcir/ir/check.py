@@ -41,6 +41,7 @@ from fcir.ir import control_flow as CF
 from fcir.ir import expect_module
 from fcir.ir.elementwise import PER_MEMBER as ELEMENTWISE
 from fcir.ir.nodes import Module, Op, Region, Value, describe, is_name, value_numbering
+from fcir.ir.opnames import FCIR_OPS, closest_op
 from fcir.ir.types import SERVER, PlacedType, TensorType
 from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.privacy import leaks
@@ -183,11 +184,12 @@ class _Checker:
                 self.region(sub, inner, (*path, r), set())
             return
         if op.name.startswith("fed."):
-            self.report("fed/C0", f"fed/C0: unknown federated op {op.name}", path, op, False)
+            self.report("fed/C0", f"fed/C0: unknown federated op {op.name}"
+                        f"{closest_op(op.name)}", path, op, False)
             return
-        if op.name != "fcir.constant" and not op.name.startswith("jax."):
-            self.report("op/C0", f"op/C0: unknown op {op.name}: ops are fed.*, jax.* or "
-                        "fcir.constant", path, op, False)
+        if op.name not in FCIR_OPS and not op.name.startswith("jax."):
+            self.report("op/C0", f"op/C0: unknown op {op.name}{closest_op(op.name)}: ops "
+                        "are fed.*, jax.* or fcir.constant", path, op, False)
             return
         before = len(self.diags)
         if not self.region_bindings(op, ctx, path):

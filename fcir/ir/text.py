@@ -42,6 +42,7 @@ from fcir.ir.nodes import (
     check_structure,
     is_name,
     value_numbering,
+    walk,
 )
 from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, Type, dtype_from_name
 
@@ -271,6 +272,7 @@ class _Parser:
         self.fast = fast
         self.types: dict[str, object] = {}  # type text -> Type, or _MISS
         self.attr_dicts: dict[str, object] = {}  # '{k=v, ...}' -> dict, or _MISS
+        self.lines: dict[int, int] | None = None  # id(op) -> line of its name (parse_located)
 
     def enter(self) -> None:
         """Counts one level of nesting; without a bound, deep input is a RecursionError."""
@@ -647,7 +649,10 @@ class _Parser:
                 v = env[n] = Value(t)
                 results.append(v)
         self.toks, self.i, self.pos = [], 0, m.end()
-        return Op(name, operands, results, attrs, [], "")
+        op = Op(name, operands, results, attrs, [], "")
+        if self.lines is not None:
+            self.lines[id(op)] = _line_col(text, m.start(4))[0]
+        return op
 
     def learn_types(self, m: re.Match, type_text: str):
         """Parses and caches ``type_text``, a result type of the op line ``m``."""
@@ -736,7 +741,10 @@ class _Parser:
                 if not (self.tok[1] == "," and self.peek()[1] == "{"):
                     break
                 self.next()
-        return Op(name_tok[1], operands, results, attrs, regions, location)
+        op = Op(name_tok[1], operands, results, attrs, regions, location)
+        if self.lines is not None:
+            self.lines[id(op)] = _line_col(self.text, name_tok[2])[0]
+        return op
 
     def region(self) -> Region:
         label = self.expect_kind("region", "^label")[1][1:]
@@ -895,3 +903,20 @@ def parse(text: str) -> Module:
 
 
 CODECS["print"] = print_module  # Module.to_text
+def parse_located(text: str, filename: str) -> Module:
+    """``parse``, with each op's location set to ``filename:line`` of its line in
+    ``text`` (after the location the text gives it, if any): the checker's messages for a
+    hand-edited IR file then name the line to fix (``fcir check r.fcir``)."""
+    if not isinstance(text, str):
+        raise ParseError(f"fcir.parse expects text (str), got {type(text).__name__}")
+    parser = _Parser(text)
+    parser.lines = {}
+    with gcpause.tenured():
+        module = parser.module()
+    for func in module.funcs:
+        for _, op in walk(func.body):
+            line = parser.lines.get(id(op))
+            if line is not None:
+                here = f"{filename}:{line}"
+                op.location = f"{here} (captured at {op.location})" if op.location else here
+    return module

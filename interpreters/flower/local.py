@@ -77,7 +77,8 @@ def _bin_dir() -> pathlib.Path:
     scripts = [e for e in entry_points(group="console_scripts") if e.value.startswith("flwr")]
     if not scripts:
         raise DeploymentError(
-            "Flower is not installed beside fcir: pip install 'fcir[flower]' (flwr==1.42.0)"
+            "Flower is not installed beside fcir: pip install -e '.[flower]' in the fcir "
+            "checkout (or pip install flwr==1.42.0)"
         )
     folder = pathlib.Path(tempfile.gettempdir()) / f"fcir-flower-bin-{os.getuid()}-{os.getpid()}"
     folder.mkdir(exist_ok=True)

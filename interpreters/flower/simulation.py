@@ -151,7 +151,8 @@ def simulate(
         import ray  # noqa: F401
     except ImportError:
         raise DeploymentError(
-            "the Simulation Engine needs Ray: pip install 'fcir[flower]' (flwr[simulation]==1.42.0)"
+            "the Simulation Engine needs Ray: pip install -e '.[flower]' in the fcir "
+            "checkout (or pip install 'flwr[simulation]==1.42.0')"
         ) from None
     if nodes < 1:
         raise FcirError("--nodes must be at least 1")

@@ -262,7 +262,8 @@ class Bundle:
             return iree_runtime.Module(self.read(entry["modules"][chosen]["file"]))
         except ImportError as e:
             raise BundleError(
-                f"--device-runtime iree needs iree-base-runtime: {e} (pip install 'fcir[iree]')"
+                f"--device-runtime iree needs iree-base-runtime: {e} (pip install -e "
+                "'.[iree]' in the fcir checkout, or pip install 'iree-base-runtime>=3.13,<3.14')"
             ) from None
         except iree_runtime.DeviceRuntimeError as e:
             raise BundleError(f"{self.dir}: {part} ({chosen}): {e}") from None

@@ -100,7 +100,8 @@ def compile_module(stablehlo: bytes, target: str, opt_level: str, extra_flags=()
         import iree.compiler as ic
     except ImportError as e:
         raise ExportError(
-            f"--device-runtime iree needs the IREE compiler: {e} (pip install 'fcir[iree]')"
+            f"--device-runtime iree needs the IREE compiler: {e} (pip install -e '.[iree]' "
+            "in the fcir checkout)"
         ) from None
     flags = [
         "--iree-hal-target-device=local",

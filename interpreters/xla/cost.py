@@ -21,8 +21,11 @@
 A round is one call of ``main``. A federated op inside a ``scan`` counts ``length``
 times; inside a ``while`` loop once (the trip count is not static) and inside a
 ``cond`` once per branch, each with a note in ``notes``. Region flops are from the
-HLO before optimization, so ``flops_accounted`` (server + members × per member)
-compares with ``hlo_flops``.
+HLO before optimization, so ``flops_accounted`` (the server's, plus each member region
+vmapped over its members as the program runs it, loop bodies once) compares with
+``hlo_flops``. ``flops_per_member`` is what one member computes alone: it includes work
+no member's data reaches (a client's ``1 / batch_size``), which the vmapped program
+does once for all members.
 """
 
 from __future__ import annotations
@@ -64,16 +67,17 @@ def cost_report(exe, *args) -> dict:
             level.aggregations += 1
     _visit(module, module.main.body, 1.0, 1.0, levels, maps, notes)
     flops = _Flops(module)
-    once: dict[str, float] = dict.fromkeys(levels, 0.0)
-    for placement, region, times, times_once in maps:
+    for placement, region, times, _ in maps:
         levels[placement].flops_per_member += times * flops.own(region)
-        once[placement] += times_once * flops.own(region, loops_once=True)
     server_flops = flops.own(module.main.body)
     per_call = server_flops + sum(lv.members * lv.flops_per_member for lv in levels.values())
     # XLA's cost analysis counts a loop body once, whatever its trip count: the same count
-    # of our parts is what compares with hlo_flops.
+    # of our parts is what compares with hlo_flops. The program runs a fed.map's region
+    # vmapped over all members, which computes work that no member's data reaches (1 / 8
+    # in a client's loss) once, not once per member: the members' part is costed so.
     accounted = flops.own(module.main.body, loops_once=True) + sum(
-        lv.members * once[name] for name, lv in levels.items()
+        times_once * flops.vmapped(region, levels[placement].members)
+        for placement, region, _, times_once in maps
     )
 
     report = {
@@ -255,20 +259,32 @@ class _Flops:
             self.cache[key] = _xla_flops(self.module, region)
         return self.cache[key]
 
+    def vmapped(self, region: Region, members: int) -> float:
+        """XLA's count (loop bodies once) of a member region run for ``members`` members
+        at once, as the program runs it: vmapped, so what no member's data reaches runs
+        once."""
+        key = (id(region), members)
+        if key not in self.cache:
+            self.cache[key] = _xla_flops(self.module, region, members)
+        return self.cache[key]
 
-def _xla_flops(module: Module, region: Region) -> float:
-    """XLA's flops for one execution of ``region`` lowered alone (fed.maps as zeros)."""
+
+def _xla_flops(module: Module, region: Region, members: int | None = None) -> float:
+    """XLA's flops for one execution of ``region`` lowered alone (fed.maps as zeros), or
+    with ``members``: of the region vmapped over that many members."""
     interp = _OwnWork()
     interp.module = module
+    lead = () if members is None else (members,)
     specs = [
-        jax.ShapeDtypeStruct(t.shape, t.np_dtype)
+        jax.ShapeDtypeStruct((*lead, *t.shape), t.np_dtype)
         for t in (runtime_type(v.type, module.cardinality) for v in region.params)
     ]
 
     def own(*leaves):
         return interp.run_region(region, leaves)
 
-    return _cost_dict(jax.jit(own).lower(*specs).cost_analysis()).get("flops", 0.0)
+    fn = own if members is None else jax.vmap(own, axis_size=members)
+    return _cost_dict(jax.jit(fn).lower(*specs).cost_analysis()).get("flops", 0.0)
 
 
 def _cost_dict(analysis) -> dict:

@@ -45,10 +45,11 @@ from fcir import gcpause
 from fcir.errors import FcirError, InterpreterError, PlacementError
 from fcir.frontend import jaxpr_cache as captured
 from fcir.frontend import pytrees
+from fcir.interpreter import check_leaf
 from fcir.ir import Module
-from fcir.ir.types import PlacedType, Type, dtype_name, runtime_type
-from fcir.privacy import keys as dp_keys
+from fcir.ir.types import PlacedType, Type, runtime_type
 from fcir.jaxcompat import core
+from fcir.privacy import keys as dp_keys
 
 from . import zeros
 from .cost import cost_report
@@ -137,7 +138,7 @@ class Executable:
         for i, (x, v, t) in enumerate(zip(leaves, self._params, self._types)):
             if not hasattr(x, "dtype"):
                 x = jax.numpy.asarray(x)
-            _check_leaf(self.module, i, v, t, tuple(np.shape(x)), x.dtype)
+            check_leaf(self.module, i, v, t, tuple(np.shape(x)), x.dtype, PlacementError)
             if isinstance(x, jax.ShapeDtypeStruct):
                 if not abstract_ok:
                     raise InterpreterError(
@@ -296,35 +297,6 @@ class Executable:
         return cost_report(self, *args)
 
 
-def _check_leaf(module: Module, i: int, v, t, shape: tuple, dtype) -> None:
-    """Raises the clear error for argument leaf ``i`` (parameter ``v`` of runtime type
-    ``t``) given as ``dtype[shape]``: PlacementError when only the members per
-    placement differ, InterpreterError otherwise."""
-    if shape == t.shape and dtype_name(dtype) == t.dtype:
-        return
-    got = f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"  # the IR's type syntax
-    levels = _placement_levels(v.type)
-    if levels and dtype_name(dtype) == t.dtype and shape[len(levels) :] == t.shape[len(levels) :]:
-        wanted = ", ".join(f"{module.cardinality(p)} {p}" for p in levels)
-        raise PlacementError(
-            f"@{module.name} argument leaf {i} (%{i}: {v.type}) is placed: it needs one "
-            f"member per {' per '.join(levels)} ({wanted}), an array of {t}, got {got}; "
-            "capture the program again for the new number of members"
-        )
-    raise InterpreterError(
-        f"@{module.name} argument leaf {i} (%{i}: {v.type}) needs an array of {t}, got {got}"
-    )
-
-
-def _placement_levels(t: Type) -> list[str]:
-    levels = []
-    while isinstance(t, PlacedType):
-        if t.placement != "server":
-            levels.append(t.placement)
-        t = t.member
-    return levels
-
-
 class _Program:
     """``main`` under one ``jax.jit`` over the argument pytree, for one (module, mesh).
 
@@ -355,7 +327,7 @@ class _Program:
                     f"@{module.name} takes {len(params)} array leaves, got {len(leaves)}"
                 )
             for i, (x, v, t) in enumerate(zip(leaves, params, types)):
-                _check_leaf(module, i, v, t, tuple(x.shape), x.dtype)
+                check_leaf(module, i, v, t, tuple(x.shape), x.dtype, PlacementError)
             # Without a mesh the interpreter rebuilds exactly the captured jaxpr: when
             # the module is capture's, unchanged, take that jaxpr instead of tracing
             # every op again (checked at each trace).

@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 from ckpt_testing import same_bits, values
+from fcir.checkpoint import orbax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
-from fcir.checkpoint import orbax
 
 ocp = pytest.importorskip("orbax.checkpoint", reason="orbax-checkpoint is in the test extra")
 

@@ -12,8 +12,8 @@ import pytest
 from fcir.interpreters import reference, xla
 
 import fcir
-from fcir.privacy import keys as dp_keys
 from fcir.errors import InterpreterError
+from fcir.privacy import keys as dp_keys
 
 N = 5
 

@@ -1,0 +1,139 @@
+"""A ReferenceInterpreter subclass's rules: they see every run of their op, inside local
+and federated loops and nested jits, and a rule that returns None is blamed on itself."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fcir.interpreters import reference
+from fcir.interpreters.reference import ReferenceInterpreter
+
+import fcir
+
+CLIENTS, ROUNDS, STEPS = 3, 2, 5
+
+
+def _local_scan(w, x):
+    def step(w, batch):
+        return w - 0.1 * (batch @ w), None
+
+    return jax.lax.scan(step, w, x)[0]
+
+
+def _local_while(w, x):
+    def body(carry):
+        i, w = carry
+        return i + 1, w - 0.1 * (x[i] @ w)
+
+    return jax.lax.while_loop(lambda c: c[0] < STEPS, body, (0, w))[1]
+
+
+def _local_jit(w, x):
+    step = jax.jit(lambda w, b: w - 0.1 * (b @ w))
+    for i in range(STEPS):
+        w = step(w, x[i])
+    return w
+
+
+def _rounds(local):
+    @fcir.program(placements={"clients": CLIENTS})
+    def rounds(w, x):
+        def one(w, _):
+            return fcir.reduce_mean(fcir.map_fn(local, (fcir.broadcast(w), x))), None
+
+        return jax.lax.scan(one, w, None, length=ROUNDS)[0]
+
+    return rounds
+
+
+def _args():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(CLIENTS, STEPS, 4, 4)) * 0.3, jnp.float32)
+    return jnp.full((4, 4), 0.1), x
+
+
+class CountDots(ReferenceInterpreter):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    @fcir.impl("jax.dot_general")
+    def dot_general(self, op, x, y):
+        self.calls += 1
+        return super().local(op, x, y)
+
+
+@pytest.mark.parametrize("local", [_local_scan, _local_while, _local_jit],
+                         ids=["scan", "while", "jit"])
+def test_a_rule_for_a_jax_op_sees_every_local_iteration_of_every_round(local):
+    args = _args()
+    module = fcir.capture(_rounds(local), *args)
+    counter = CountDots()
+    out = counter.run(module, *args)
+    assert counter.calls == ROUNDS * CLIENTS * STEPS
+    np.testing.assert_allclose(out, reference.run(module, *args), rtol=1e-6)
+    again = counter.calls
+    counter.run(module, *args)  # a second run counts as many again (nothing cached)
+    assert counter.calls == 2 * again
+
+
+def test_a_subclass_overriding_nothing_inside_a_local_loop_keeps_it_compiled():
+    class CountMeans(ReferenceInterpreter):
+        calls = 0
+
+        @fcir.impl(fcir.fed.Mean)
+        def mean(self, op, x):
+            CountMeans.calls += 1
+            return super().mean(op, x)
+
+    args = _args()
+    module = fcir.capture(_rounds(_local_scan), *args)
+    np.testing.assert_array_equal(CountMeans().run(module, *args), reference.run(module, *args))
+    assert CountMeans.calls == ROUNDS
+
+
+def test_a_broadcast_in_a_server_scan_is_seen_per_round_and_per_leaf():
+    class CountBroadcasts(ReferenceInterpreter):
+        calls = 0
+
+        @fcir.impl(fcir.fed.Broadcast)
+        def broadcast(self, op, x):
+            CountBroadcasts.calls += 1
+            return super().broadcast(op, x)
+
+    @fcir.program(placements={"clients": 3})
+    def three_rounds(p, x):
+        def one(p, _):
+            new = fcir.map_fn(lambda p, x: {"a": p["a"] + x, "b": p["b"]},
+                              (fcir.broadcast(p), x))
+            return jax.tree.map(fcir.reduce_mean, new), None
+
+        return jax.lax.scan(one, p, None, length=3)[0]
+
+    p, x = {"a": jnp.zeros(2), "b": jnp.zeros(2)}, jnp.ones((3, 2))
+    CountBroadcasts().run(fcir.capture(three_rounds, p, x), p, x)
+    assert CountBroadcasts.calls == 3 * 2
+
+
+def test_a_rule_returning_none_is_blamed_on_the_rule_not_on_the_op_reading_it():
+    class Forgot(ReferenceInterpreter):
+        @fcir.impl("jax.dot_general")
+        def dot_general(self, op, x, y):
+            super().local(op, x, y)  # no return
+
+    class ForgotMean(ReferenceInterpreter):
+        @fcir.impl(fcir.fed.Mean)
+        def mean(self, op, x):
+            super().mean(op, x)
+
+    args = _args()
+    module = fcir.capture(_rounds(_local_scan), *args)
+    with pytest.raises(fcir.InterpreterError) as e:
+        Forgot().run(module, *args)
+    msg = str(e.value)
+    assert "while running jax.dot_general" in msg
+    assert "Forgot.dot_general returned None for jax.dot_general" in msg
+    assert "super().local(op, ...)" in msg and "NoneType" not in msg
+    with pytest.raises(fcir.InterpreterError, match=r"ForgotMean.mean returned None for "
+                       r"fed.mean.*super\(\)\.mean\(op, \.\.\.\)"):
+        ForgotMean().run(module, *args)
