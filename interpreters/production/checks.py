@@ -10,6 +10,7 @@ ops to parts; the structural ones are found here first.
 
 from __future__ import annotations
 
+from fcir import fed as F
 from fcir.check import verify
 from fcir.control_flow import is_placed
 from fcir.errors import ExportError
@@ -50,11 +51,11 @@ def check_structure(module: Module) -> None:
                 "a production round runs without a Python host to print to; remove "
                 "jax.debug.print before exporting (reference and xla run it)",
             )
-        if not op.name.startswith("fed.") or len(path) == 1:
+        if op.name not in F.ops() or len(path) == 1:
             continue
         parent = ops_by_path[path[:-2]]
         where = describe(module, path, op, names)
-        if parent.name == "fed.map":
+        if F.ops().get(parent.name) is F.Map:
             placement = parent.operands[0].type.placement if parent.operands else "?"
             raise fail(
                 module,

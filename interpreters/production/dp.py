@@ -27,34 +27,49 @@ import jax
 from fcir import fed as F
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, Region, Value
-from fcir.privacy import DP_OPS
 from fcir.types import runtime_type
 
-from .ddp import decomposed_program
+from .ddp import mechanism
 from .rewrite import clone_op
 
-DDP_OPS = F.of_kind("ddp")
-
-__all__ = ["decompose", "has_dp", "manifest_entry"]
+__all__ = ["Decomposition", "decompose", "gaussian_program", "manifest_entry"]
 
 
-def has_dp(module: Module) -> bool:
-    return any(op.name in DP_OPS for op in module.main.body.ops)
+class Decomposition:
+    """A production rule (``splitting.OP_RULES``) for an op the export rewrites into
+    plain fed ops before the split: ``program(op, placement, n, member_shapes, mean=)``
+    is an ``@fcir.program`` of ``(key or keys, *xs)`` computing ``op``."""
+
+    def __init__(self, program, *, mean: bool):
+        self.program, self.mean = program, mean
+
+    def __call__(self, op: Op, placement: str, n: int, member_shapes):
+        return self.program(op, placement, n, member_shapes, mean=self.mean)
+
+    def __str__(self) -> str:
+        return f"decomposed before the split ({self.program.__module__})"
 
 
-def decompose(module: Module) -> Module:
-    """``module`` with every top-level DP op replaced by clip map, sums and server noise
-    (the module itself if it has none). ExportError for a DP op inside a region."""
+def _decomposed(op: Op, rules: dict) -> Decomposition | None:
+    rule = rules.get(F.ops().get(op.name))
+    return rule if isinstance(rule, Decomposition) else None
+
+
+def decompose(module: Module, rules: dict) -> Module:
+    """``module`` with every top-level op whose entry in ``rules`` (op class -> rule)
+    is a :class:`Decomposition` replaced by its plain ops: clip map, sums and server
+    noise (the module itself if it has none). ExportError for such an op inside a
+    region."""
     from fcir.ir import walk
 
     for path, op in walk(module.main.body):
-        if op.name in DP_OPS and len(path) > 1:
+        if _decomposed(op, rules) is not None and len(path) > 1:
             raise ExportError(
                 f"{op.name} (op {'/'.join(map(str, path))}) sits inside a region; the "
                 "production export decomposes DP aggregates of the round's top level only: "
                 "move it out of the map or loop"
             )
-    if not has_dp(module):
+    if not any(_decomposed(op, rules) for op in module.main.body.ops):
         return module
     main = module.main
     body = main.body
@@ -62,10 +77,11 @@ def decompose(module: Module) -> Module:
     new = Region([env[v] for v in body.params], [], [], body.label)
     origin: list[int] = []  # new top-level op -> index of the user's op it comes from
     for i, op in enumerate(body.ops):
-        if op.name not in DP_OPS:
+        rule = _decomposed(op, rules)
+        if rule is None:
             new.ops.append(clone_op(op, env))
         else:
-            outs = _splice(module, op, new, [env[v] for v in op.operands])
+            outs = _splice(module, op, rule, new, [env[v] for v in op.operands])
             env.update(zip(op.results, outs))
         origin.extend([i] * (len(new.ops) - len(origin)))
     new.results = [env[v] for v in body.results]
@@ -93,15 +109,13 @@ def user_op(module: Module, index: int):
     return entry[0], entry[1][index]
 
 
-def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> list[Value]:
+def gaussian_program(op: Op, placement: str, n: int, member_shapes, *, mean: bool):
+    """An ``@fcir.program`` of ``(key, *xs)`` computing the central DP op ``op`` in plain
+    fed ops: clipped members, one sum per leaf, noise from ``fold_in(key, i)``."""
     import fcir
-    from fcir.capture import capture
     from fcir.primitives import clip_member, dp_noise
 
-    placement = op.operands[0].type.placement
-    n = module.cardinality(placement)
     clip, z = op.attrs["clip_norm"], op.attrs["noise_multiplier"]
-    mean = op.name == "fed.dp_mean"
 
     @fcir.program(placements={placement: n})
     def decomposed(key, *xs):
@@ -113,10 +127,16 @@ def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> li
             out.append(noisy / n if mean else noisy)
         return out
 
-    if op.name in DDP_OPS:  # distributed DP: interpreters/production/ddp.py
-        shapes = [(v.type.member.shape, v.type.member.np_dtype) for v in op.operands[:-1]]
-        decomposed = decomposed_program(op, placement, n, shapes)  # noqa: F811
+    return decomposed
 
+
+def _splice(module: Module, op: Op, rule: Decomposition, region: Region, operands) -> list:
+    from fcir.capture import capture
+
+    placement = op.operands[0].type.placement
+    n = module.cardinality(placement)
+    shapes = [(v.type.member.shape, v.type.member.np_dtype) for v in op.operands[:-1]]
+    decomposed = rule(op, placement, n, shapes)
     *xs, key = op.operands
     specs = [
         jax.ShapeDtypeStruct(rt.shape, rt.np_dtype)
@@ -141,8 +161,6 @@ def manifest_entry(module: Module) -> dict | None:
     cost = round_cost(module)
     if cost is None:
         return None
-    from .ddp import mechanism
-
     return {
         **cost,
         "private_program_checked": bool(module.private),
