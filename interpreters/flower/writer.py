@@ -36,6 +36,7 @@ from fcir.types import runtime_type
 from ..production.bundle import _interface
 from ..production.rewrite import member_type
 from ..production.splitting import PARTS
+from .phases import server_aggregate, split_phases
 
 APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
@@ -69,23 +70,6 @@ RUN_CONFIG = {
     "metrics-file": "",
     "max-epsilon": "",  # none: no privacy budget
 }
-
-
-def _server_aggregate(agg) -> dict:
-    """A reduction with no intrinsic (``federated_aggregate``: the order statistics)
-    travels with the source of its op's ``server_aggregate``, which the ServerApp runs
-    over the replies (app/runtime.py): the app never needs an entry per op."""
-    if agg.intrinsic != "federated_aggregate":
-        return {}
-    from fcir.fed import ops
-
-    source = ops()[agg.fed_op].server_aggregate_source()
-    if source is None:
-        raise ExportError(
-            f"export --target flower: {agg.fed_op} has no server_aggregate: the ServerApp "
-            "cannot compute it over the replies (docs/adding_an_op.md)"
-        )
-    return {"server_aggregate": source}
 
 
 def _spec(t, index, path: str | None = None) -> dict:
@@ -152,7 +136,7 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
                     "output": a.output,
                     "bitwidth": a.bitwidth,
                     **({"attrs": dict(a.attrs)} if a.attrs else {}),
-                    **_server_aggregate(a),
+                    **server_aggregate(a),
                 }
                 for a in sp.aggregations
             ],
@@ -183,7 +167,6 @@ def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, d
     values)."""
     from ..production import export as production_export
     from .loops import find_loop, loop_plan
-    from .phases import split_phases
 
     at = find_loop(module)
     if at is not None:  # a whole training program: one Flower round per iteration

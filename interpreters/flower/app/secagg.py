@@ -169,4 +169,4 @@ def exchange(
 
 
 def _secure_aggs(step: dict) -> list[dict]:
-    return [a for a in step["aggregations"] if a["fed_op"] == "fed.secure_sum"]
+    return [a for a in step["aggregations"] if runtime.is_secure_sum(a)]
