@@ -21,7 +21,7 @@ HIERARCHICAL = "hierarchical placements"
 CONTROL_FLOW = "federated op under control flow"
 CLIENT_TO_CLIENT = "client-to-client communication"
 PER_MEMBER_READ = "per-member read"
-UNBROADCAST_FLOW = "server value used at the clients without fed.broadcast"
+UNBROADCAST_FLOW = f"server value used at the clients without {F.Broadcast.name}"
 SECOND_EXCHANGE = "more than one broadcast/aggregate exchange"
 UNSUPPORTED_DTYPE = "unsupported dtype"
 CLIENT_RESULT = "round result placed at the clients"
@@ -61,7 +61,7 @@ def check_structure(module: Module) -> None:
                 module,
                 where,
                 HIERARCHICAL,
-                f"it runs inside a fed.map over '{placement}'; federated_language knows only "
+                f"it runs inside a {F.Map.name} over '{placement}'; federated_language knows only "
                 "the server and one level of clients: export each level as its own round",
             )
         raise fail(

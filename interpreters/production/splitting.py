@@ -468,7 +468,7 @@ class _Splitter:
                             self.op_where(i),
                             checks.UNBROADCAST_FLOW,
                             f"operand %{self.names[v]} ({v.type}) reaches per-client code "
-                            "without fed.broadcast",
+                            f"without {F.Broadcast.name}",
                         )
                 out = "C"
             elif "C" in kinds:

@@ -79,7 +79,7 @@ class _Recorder:
 def _check_count(nodes: list[int], rnd: int) -> None:
     if not MIN_CLIENTS <= len(nodes) <= MAX_CLIENTS:
         raise AppError(
-            f"round {rnd}: fed.secure_sum on SecAgg+ needs {MIN_CLIENTS}..{MAX_CLIENTS} sampled "
+            f"round {rnd}: a secure sum on SecAgg+ needs {MIN_CLIENTS}..{MAX_CLIENTS} sampled "
             f"clients, got {len(nodes)}: sample more (min-clients={MIN_CLIENTS}) or run "
             "with --run-config 'secagg=false' (secure sums summed by the ServerApp)"
         )
