@@ -301,7 +301,8 @@ def is_secure_sum(agg: dict) -> bool:
     return agg.get("aggregate") == SECURE_SUM
 
 
-def _reduce(x, w, *, aggregate: str | None, bitwidth: int | None, attrs: tuple = (), source: str | None = None):
+def _reduce(x, w, *, aggregate: str | None, bitwidth: int | None, attrs: tuple = (),
+            source: str | None = None):
     if source is not None:
         # An op with no intrinsic (an order statistic): the server sees every value.
         return _server_aggregate(source)(x, **dict(attrs))
