@@ -269,7 +269,7 @@ def test_every_gathered_reduction_has_a_self_contained_server_aggregate_equal_to
     from fcir.interpreters.flower.app import runtime
     from fcir.interpreters.production import splitting
 
-    gathered = [c for c, uri in F.resolve(splitting._INTRINSIC_OF).items()
+    gathered = [F.ops()[name] for name, uri in splitting.INTRINSICS.items()
                 if uri == "federated_aggregate"]
     assert {c.name for c in gathered} >= {"fed.median", "fed.trimmed_mean"}
     for cls in gathered:
@@ -284,16 +284,21 @@ def test_every_gathered_reduction_has_a_self_contained_server_aggregate_equal_to
             np.testing.assert_array_equal(np.asarray(fn(x, **attrs)), np.asarray(want))
 
 
-def test_the_flower_app_runtime_names_no_op_without_an_intrinsic():
+def test_the_flower_app_names_no_fed_op_and_computes_every_intrinsic_the_split_uses():
+    """The ServerApp's aggregations are keyed by intrinsic (its fixed vocabulary), never
+    by op: what an op means stays in its module and the backends' tables."""
     import pathlib
 
+    from fcir.interpreters.flower.app import runtime
     from fcir.interpreters.production import splitting
 
     root = pathlib.Path(__file__).resolve().parents[1] / "interpreters" / "flower" / "app"
-    text = (root / "runtime.py").read_text()
-    for name, uri in splitting.INTRINSICS.items():
-        if uri == "federated_aggregate":
-            assert f'"{name}"' not in text, f"app/runtime.py special-cases {name}"
+    for path in sorted(root.glob("*.py")):
+        text = path.read_text()
+        for name in F.ops():
+            assert f'"{name}"' not in text, f"app/{path.name} special-cases {name}"
+    lowered = set(splitting.INTRINSICS.values()) - {"federated_aggregate"}
+    assert lowered and lowered <= set(runtime.AGGREGATES)
 
 
 def test_a_kind_default_covers_only_the_ops_of_that_kind_and_only_where_declared():
@@ -307,3 +312,62 @@ def test_a_kind_default_covers_only_the_ops_of_that_kind_and_only_where_declared
     )
     with pytest.raises(ValueError, match="neither an op class nor a kind"):
         F.resolve({"reductions": "typo"})
+
+
+# --- each backend's own table holds behaviour, not prose ------------------------------------
+
+
+def _behaviour_tables() -> dict[str, dict]:
+    """The tables whose entries a backend calls: op class -> rule."""
+    from fcir.interpreters.flower import phases
+    from fcir.interpreters.production import splitting
+    from fcir.interpreters.xla import streaming
+
+    return {"streaming": streaming.RULES, "production": splitting.OP_RULES, "flower": phases.RULES}
+
+
+def behaviour_problems(table: dict, accumulator=None) -> list[str]:
+    """The ops of ``table`` (op class -> entry) that have no entry, or one that is
+    neither Unsupported nor something the backend can run: a callable, or (streaming)
+    an accumulator object with init / step / combine / finish."""
+    problems = [f"{name}: missing" for name in sorted(set(F.ops()) - {c.name for c in table})]
+    for cls, rule in table.items():
+        if isinstance(rule, F.Unsupported):
+            continue
+        if accumulator is not None and isinstance(rule, accumulator):
+            continue
+        if isinstance(rule, str) or not callable(rule):
+            problems.append(f"{cls.name}: {type(rule).__name__} {rule!s:.60}")
+    return problems
+
+
+@pytest.mark.parametrize("backend", ["streaming", "production", "flower"])
+def test_every_backend_table_entry_is_behaviour_or_unsupported(backend):
+    from fcir.interpreters.xla.accumulators import Accumulator
+
+    table = _behaviour_tables()[backend]
+    assert behaviour_problems(table, Accumulator) == []
+    if backend == "streaming":  # every reduction it runs is folded by an accumulator
+        for cls in F.ops().values():
+            rule = table[cls]
+            if cls.kind != "map" and cls.kind != "broadcast" and not isinstance(
+                rule, F.Unsupported
+            ):
+                assert isinstance(rule, Accumulator), cls.name
+                for method in ("init", "step", "combine", "finish"):
+                    assert callable(getattr(rule, method)), (cls.name, method)
+
+
+def test_a_prose_or_missing_table_entry_is_caught():
+    from fcir.interpreters.xla import streaming
+    from fcir.interpreters.xla.accumulators import Accumulator
+
+    prose = dict(streaming.RULES)
+    prose[F.Sum] = "accumulated: a running sum"
+    del prose[F.Max]
+    assert behaviour_problems(prose, Accumulator) == [
+        "fed.max: missing",
+        "fed.sum: str accumulated: a running sum",
+    ]
+    plain = {cls: object() for cls in F.ops().values()}  # neither callable nor a rule
+    assert len(behaviour_problems(plain)) == len(F.ops())

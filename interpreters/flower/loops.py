@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fcir import fed as F
 from fcir.errors import ExportError
 from fcir.ir import Func, Module, Op, Region, Value
 from fcir.ir.control_flow import bindings
@@ -39,7 +40,7 @@ from .phases import levels
 LOOPS = ("jax.scan", "jax.while")
 # The reduction that marks a client carry's new value in the round (its result unused):
 # the identity on the client side for every dtype but bool (sent as int32).
-STATE_MARK = "fed.max"
+STATE_MARK = F.Max.name
 
 
 def _is_client(t) -> bool:
@@ -48,7 +49,7 @@ def _is_client(t) -> bool:
 
 def _has_fed(region: Region) -> bool:
     for op in region.ops:
-        if op.name.startswith("fed.") or any(_has_fed(r) for r in op.regions):
+        if op.name in F.ops() or any(_has_fed(r) for r in op.regions):
             return True
     return False
 
@@ -115,13 +116,13 @@ def split_loop(module: Module, at: int) -> LoopSplit:
     client_params = [v for v in params if _is_client(v.type)]
     before, after = ops[:at], ops[at + 1 :]
     for op in before:
-        if op.name.startswith("fed.") or any(_is_client(v.type) for v in op.operands + op.results):
+        if op.name in F.ops() or any(_is_client(v.type) for v in op.operands + op.results):
             raise ExportError(
                 f"{where}: {op.name} before the loop touches client values; only server code "
                 "may run before the rounds (the client data go into the loop as they are)"
             )
     for op in after:
-        if op.name.startswith("fed.") or any(_is_client(v.type) for v in op.operands):
+        if op.name in F.ops() or any(_is_client(v.type) for v in op.operands):
             raise ExportError(
                 f"{where}: {op.name} after the loop is federated or reads client values; only "
                 "server code may run after the rounds"

@@ -21,33 +21,75 @@ from __future__ import annotations
 import dataclasses
 
 from fcir import fed as F
+from fcir.errors import ExportError
 from fcir.ir import Func, Module, Region, Value
 from fcir.ir.types import Structure
 
+from ..production import splitting
 from ..production.rewrite import clone_op, named
+from .app import runtime
 
-# What the Flower runtime does with each fed op (tests/test_op_coverage.py reads this
-# table): a phase is split by the production export, the ServerApp aggregates the
-# clients' replies with the bundle's intrinsics (app/runtime.py) and adds DP noise.
+
+class AppAggregate:
+    """A reduction the ServerApp computes over the replies with the app's own function
+    for the intrinsic the production split lowered it to (``app/runtime.py``
+    ``AGGREGATES``: the app's fixed vocabulary, since it cannot import fcir)."""
+
+    def __call__(self, agg: splitting.Aggregation) -> dict:
+        """The server's side of ``agg`` in the app's plan.json."""
+        if agg.intrinsic not in runtime.AGGREGATES:
+            raise ExportError(
+                f"export --target flower: {agg.fed_op} lowers to {agg.intrinsic}, which the "
+                f"ServerApp does not compute (app/runtime.py AGGREGATES: "
+                f"{', '.join(sorted(runtime.AGGREGATES))})"
+            )
+        return {"aggregate": agg.intrinsic}
+
+
+class SecAggPlus(AppAggregate):
+    """``fed.secure_sum``: summed over 16-bit chunks by SecAgg+ (``app/secagg.py``) when
+    the run config turns it on, else like any other intrinsic."""
+
+
+class GatheredAggregate:
+    """A reduction with no intrinsic (``federated_aggregate``: the order statistics)
+    travels with the source of its op's ``server_aggregate``, which the ServerApp runs
+    over every reply: the app needs no entry per op. Not secure: the server sees every
+    node's value (docs/flower.md)."""
+
+    def __call__(self, agg: splitting.Aggregation) -> dict:
+        source = F.ops()[agg.fed_op].server_aggregate_source()
+        if source is None:
+            raise ExportError(
+                f"export --target flower: {agg.fed_op} has no server_aggregate: the "
+                "ServerApp cannot compute it over the replies (docs/adding_an_op.md)"
+            )
+        return {"server_aggregate": source}
+
+
+# What the Flower runtime does with each fed op, keyed by op class (tests/
+# test_op_coverage.py reads this table). A phase is split by the production export, so
+# the ops that shape the exchange, and the DP aggregates it decomposes into plain ops
+# (clip / encode at the nodes, a sum or a secure sum, noise or decoding in the phase's
+# server_result), are production's rules; the ServerApp's aggregate of each reduction
+# that reaches it is this table's.
 _OWN_RULES: dict[type[F.FedOp] | str, object] = {
-    F.Broadcast: "sent with the phase's message to every node",
-    F.Map: "client_work, run by each ClientApp",
-    **{c: "aggregated by the ServerApp (app/runtime.py aggregate)"
-       for c in (F.Sum, F.Mean, F.Min, F.Max, F.WeightedMean)},
-    F.SecureSum: "SecAgg+ over 16-bit chunks (app/secagg.py)",
-    F.DpSum: "clipped at the nodes, summed and noised by the ServerApp",
-    F.DpMean: "clipped at the nodes, summed and noised by the ServerApp",
-    # Decomposed by the production export (interpreters/production/ddp.py).
-    F.DdpSum: "encoded and noised at the nodes, summed modulo 2**bits by SecAgg+ "
-    "(app/secagg.py), decoded by the ServerApp",
-    F.DdpMean: "encoded and noised at the nodes, summed modulo 2**bits by SecAgg+ "
-    "(app/secagg.py), decoded and divided by the cardinality by the ServerApp",
-    # Any other reduction (the order statistics) is aggregated by the ServerApp with
-    # the op's own server_aggregate. Not secure: it sees every node's value
-    # (docs/flower.md).
-    "reduction": "aggregated by the ServerApp over every reply (app/runtime.py aggregate)",
+    F.Broadcast: splitting.OP_RULES[F.Broadcast],  # sent with the phase's message
+    F.Map: splitting.OP_RULES[F.Map],  # client_work, run by each ClientApp
+    **{c: AppAggregate() for c in (F.Sum, F.Mean, F.Min, F.Max, F.WeightedMean)},
+    F.SecureSum: SecAggPlus(),
+    **{c: splitting.OP_RULES[c] for c in (F.DpSum, F.DpMean, F.DdpSum, F.DdpMean)},
+    "reduction": GatheredAggregate(),
 }
 RULES = F.resolve(_OWN_RULES)
+
+
+def server_aggregate(agg: splitting.Aggregation) -> dict:
+    """What plan.json says the ServerApp computes for ``agg`` (an aggregation of a
+    phase's production split), from the entry of its op in :data:`RULES`."""
+    return RULES[F.ops()[agg.fed_op]](agg)
+
+
 # The ops that end an exchange: the reductions and the DP aggregates.
 REDUCTIONS = F.of_kind("reduction", "dp", "ddp")
 

@@ -31,7 +31,6 @@ import tempfile
 import numpy as np
 
 from fcir.errors import ExportError
-from fcir.fed import ops
 from fcir.frontend.loading import leaf_paths as paths
 from fcir.ir.types import runtime_type
 from fcir.privacy.keys import key_arguments
@@ -43,7 +42,7 @@ from ..production.iree import client_modules
 from ..production.rewrite import member_type
 from ..production.splitting import PARTS, part_interface
 from .loops import find_loop, loop_plan
-from .phases import split_phases
+from .phases import server_aggregate, split_phases
 
 APP_PACKAGE = "fcir_app"
 FORMAT = "fcir.flower.app"
@@ -79,21 +78,6 @@ RUN_CONFIG = {
     "metrics-file": "",
     "max-epsilon": "",  # none: no privacy budget
 }
-
-
-def _server_aggregate(agg) -> dict:
-    """A reduction with no intrinsic (``federated_aggregate``: the order statistics)
-    travels with the source of its op's ``server_aggregate``, which the ServerApp runs
-    over the replies (app/runtime.py): the app never needs an entry per op."""
-    if agg.intrinsic != "federated_aggregate":
-        return {}
-    source = ops()[agg.fed_op].server_aggregate_source()
-    if source is None:
-        raise ExportError(
-            f"export --target flower: {agg.fed_op} has no server_aggregate: the ServerApp "
-            "cannot compute it over the replies (docs/adding_an_op.md)"
-        )
-    return {"server_aggregate": source}
 
 
 def _spec(t, index, path: str | None = None) -> dict:
@@ -158,7 +142,7 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
                     "output": a.output,
                     "bitwidth": a.bitwidth,
                     **({"attrs": dict(a.attrs)} if a.attrs else {}),
-                    **_server_aggregate(a),
+                    **server_aggregate(a),
                 }
                 for a in sp.aggregations
             ],

@@ -10,6 +10,7 @@ ops to parts; the structural ones are found here first.
 
 from __future__ import annotations
 
+from fcir import fed as F
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, describe, value_numbering, walk
 from fcir.ir.check import verify
@@ -20,7 +21,7 @@ HIERARCHICAL = "hierarchical placements"
 CONTROL_FLOW = "federated op under control flow"
 CLIENT_TO_CLIENT = "client-to-client communication"
 PER_MEMBER_READ = "per-member read"
-UNBROADCAST_FLOW = "server value used at the clients without fed.broadcast"
+UNBROADCAST_FLOW = f"server value used at the clients without {F.Broadcast.name}"
 SECOND_EXCHANGE = "more than one broadcast/aggregate exchange"
 UNSUPPORTED_DTYPE = "unsupported dtype"
 CLIENT_RESULT = "round result placed at the clients"
@@ -50,17 +51,17 @@ def check_structure(module: Module) -> None:
                 "a production round runs without a Python host to print to; remove "
                 "jax.debug.print before exporting (reference and xla run it)",
             )
-        if not op.name.startswith("fed.") or len(path) == 1:
+        if op.name not in F.ops() or len(path) == 1:
             continue
         parent = ops_by_path[path[:-2]]
         where = describe(module, path, op, names)
-        if parent.name == "fed.map":
+        if F.ops().get(parent.name) is F.Map:
             placement = parent.operands[0].type.placement if parent.operands else "?"
             raise fail(
                 module,
                 where,
                 HIERARCHICAL,
-                f"it runs inside a fed.map over '{placement}'; federated_language knows only "
+                f"it runs inside a {F.Map.name} over '{placement}'; federated_language knows only "
                 "the server and one level of clients: export each level as its own round",
             )
         raise fail(

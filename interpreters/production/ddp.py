@@ -16,6 +16,7 @@ computes bit for bit what the op computes.
 from __future__ import annotations
 
 import fcir
+from fcir import fed as F
 from fcir.mechanisms import ddgauss as ddp
 
 __all__ = ["MECHANISM", "decomposed_program", "mechanism"]
@@ -29,18 +30,23 @@ MECHANISM = (
 )
 
 
+def _distributed(release: dict) -> bool:
+    return F.ops()[release["op"]].kind == "ddp"
+
+
 def mechanism(entry: dict | None) -> str | None:
     """The mechanism text of a manifest/plan privacy entry with ``fed.ddp_*`` releases
     (None without them)."""
-    if not entry or not any(r["op"].startswith("fed.ddp_") for r in entry["releases"]):
+    if not entry or not any(_distributed(r) for r in entry["releases"]):
         return None
-    if all(r["op"].startswith("fed.ddp_") for r in entry["releases"]):
+    if all(_distributed(r) for r in entry["releases"]):
         return MECHANISM
     return MECHANISM + "; the fed.dp_* releases: Gaussian noise added at the server"
 
 
-def decomposed_program(op, placement: str, n: int, member_shapes):
-    """An ``@fcir.program`` of ``(keys, *xs)`` that computes ``op`` in plain fed ops."""
+def decomposed_program(op, placement: str, n: int, member_shapes, *, mean: bool):
+    """An ``@fcir.program`` of ``(keys, *xs)`` that computes ``op`` in plain fed ops
+    (``mean``: ``fed.ddp_mean``, the decoded sum divided by the cardinality)."""
     import jax
 
     like = [jax.ShapeDtypeStruct(s, d) for s, d in member_shapes]
@@ -52,7 +58,6 @@ def decomposed_program(op, placement: str, n: int, member_shapes):
         op.attrs["bits"],
         op.name,
     )
-    mean = op.name == "fed.ddp_mean"
 
     @fcir.program(placements={placement: n})
     def decomposed(keys, *xs):

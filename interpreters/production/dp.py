@@ -32,31 +32,47 @@ from fcir.frontend.primitives import clip_member, dp_noise
 from fcir.ir import Func, Module, Op, Region, Value, walk
 from fcir.ir.check import check
 from fcir.ir.types import runtime_type
-from fcir.privacy import DP_OPS, round_cost
+from fcir.privacy import round_cost
 
-from .ddp import decomposed_program, mechanism
+from .ddp import mechanism
 from .rewrite import clone_op
 
-DDP_OPS = F.of_kind("ddp")
-
-__all__ = ["decompose", "has_dp", "manifest_entry"]
+__all__ = ["Decomposition", "decompose", "gaussian_program", "manifest_entry"]
 
 
-def has_dp(module: Module) -> bool:
-    return any(op.name in DP_OPS for op in module.main.body.ops)
+class Decomposition:
+    """A production rule (``splitting.OP_RULES``) for an op the export rewrites into
+    plain fed ops before the split: ``program(op, placement, n, member_shapes, mean=)``
+    is an ``@fcir.program`` of ``(key or keys, *xs)`` computing ``op``."""
+
+    def __init__(self, program, *, mean: bool):
+        self.program, self.mean = program, mean
+
+    def __call__(self, op: Op, placement: str, n: int, member_shapes):
+        return self.program(op, placement, n, member_shapes, mean=self.mean)
+
+    def __str__(self) -> str:
+        return f"decomposed before the split ({self.program.__module__})"
 
 
-def decompose(module: Module) -> Module:
-    """``module`` with every top-level DP op replaced by clip map, sums and server noise
-    (the module itself if it has none). ExportError for a DP op inside a region."""
+def _decomposed(op: Op, rules: dict) -> Decomposition | None:
+    rule = rules.get(F.ops().get(op.name))
+    return rule if isinstance(rule, Decomposition) else None
+
+
+def decompose(module: Module, rules: dict) -> Module:
+    """``module`` with every top-level op whose entry in ``rules`` (op class -> rule)
+    is a :class:`Decomposition` replaced by its plain ops: clip map, sums and server
+    noise (the module itself if it has none). ExportError for such an op inside a
+    region."""
     for path, op in walk(module.main.body):
-        if op.name in DP_OPS and len(path) > 1:
+        if _decomposed(op, rules) is not None and len(path) > 1:
             raise ExportError(
                 f"{op.name} (op {'/'.join(map(str, path))}) sits inside a region; the "
                 "production export decomposes DP aggregates of the round's top level only: "
                 "move it out of the map or loop"
             )
-    if not has_dp(module):
+    if not any(_decomposed(op, rules) for op in module.main.body.ops):
         return module
     main = module.main
     body = main.body
@@ -64,10 +80,11 @@ def decompose(module: Module) -> Module:
     new = Region([env[v] for v in body.params], [], [], body.label)
     origin: list[int] = []  # new top-level op -> index of the user's op it comes from
     for i, op in enumerate(body.ops):
-        if op.name not in DP_OPS:
+        rule = _decomposed(op, rules)
+        if rule is None:
             new.ops.append(clone_op(op, env))
         else:
-            outs = _splice(module, op, new, [env[v] for v in op.operands])
+            outs = _splice(module, op, rule, new, [env[v] for v in op.operands])
             env.update(zip(op.results, outs))
         origin.extend([i] * (len(new.ops) - len(origin)))
     new.results = [env[v] for v in body.results]
@@ -92,12 +109,11 @@ def user_op(module: Module, index: int):
     return entry[0], entry[1][index]
 
 
-def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> list[Value]:
+def gaussian_program(op: Op, placement: str, n: int, member_shapes, *, mean: bool):
+    """An ``@fcir.program`` of ``(key, *xs)`` computing the central DP op ``op`` in plain
+    fed ops: clipped members, one sum per leaf, noise from ``fold_in(key, i)``."""
 
-    placement = op.operands[0].type.placement
-    n = module.cardinality(placement)
     clip, z = op.attrs["clip_norm"], op.attrs["noise_multiplier"]
-    mean = op.name == "fed.dp_mean"
 
     @fcir.program(placements={placement: n})
     def decomposed(key, *xs):
@@ -109,10 +125,14 @@ def _splice(module: Module, op: Op, region: Region, operands: list[Value]) -> li
             out.append(noisy / n if mean else noisy)
         return out
 
-    if op.name in DDP_OPS:  # distributed DP: interpreters/production/ddp.py
-        shapes = [(v.type.member.shape, v.type.member.np_dtype) for v in op.operands[:-1]]
-        decomposed = decomposed_program(op, placement, n, shapes)  # noqa: F811
+    return decomposed
 
+
+def _splice(module: Module, op: Op, rule: Decomposition, region: Region, operands) -> list:
+    placement = op.operands[0].type.placement
+    n = module.cardinality(placement)
+    shapes = [(v.type.member.shape, v.type.member.np_dtype) for v in op.operands[:-1]]
+    decomposed = rule(op, placement, n, shapes)
     *xs, key = op.operands
     specs = [
         jax.ShapeDtypeStruct(rt.shape, rt.np_dtype)

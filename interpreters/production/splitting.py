@@ -54,7 +54,7 @@ from fcir.ir.elementwise import LAYOUT
 from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, dtype_name
 from fcir.ops import dtype_bits
 
-from . import checks, dp
+from . import checks, ddp, dp
 from .rewrite import clone_op, clone_region, member_type, named, prune, shift, splice, tensor
 from .wire_types import unsupported_dtype
 
@@ -75,43 +75,6 @@ RUNS_ON = {
     "server_result": "server",
 }
 
-_INTRINSIC_OF: dict[type[F.FedOp] | str, str] = {
-    F.Sum: "federated_sum",
-    F.Mean: "federated_mean",
-    F.WeightedMean: "federated_weighted_mean",
-    F.Min: "federated_min",
-    F.Max: "federated_max",
-    F.SecureSum: "federated_secure_sum_bitwidth",
-    # A reduction with no intrinsic (the order statistics): federated_aggregate gathers
-    # every client's value into one array at the server, whose report runs the op itself.
-    "reduction": "federated_aggregate",
-}
-# fed op name -> intrinsic URI, for every reduction.
-INTRINSICS = {cls.name: uri for cls, uri in F.resolve(_INTRINSIC_OF).items()}
-
-
-# Where every fed op goes in the split, keyed by op class; the op-coverage test
-# (tests/test_op_coverage.py) fails when a fed op has no entry here.
-_OWN_RULES: dict[type[F.FedOp] | str, object] = {
-    F.Broadcast: "server_to_client_broadcast: federated_broadcast",
-    F.Map: "client_work: federated_map",
-    **{c: f"client_to_server_aggregation: {uri}" for c, uri in _INTRINSIC_OF.items()},
-    # Decomposed before the split (interpreters/production/dp.py).
-    F.DpSum: "client_work: clip; client_to_server_aggregation: federated_sum; "
-    "server_result: Gaussian noise",
-    F.DpMean: "client_work: clip; client_to_server_aggregation: federated_sum; "
-    "server_result: Gaussian noise, divided by the cardinality",
-    # Not secure: the aggregator sees every client's value (docs/production.md).
-    "reduction": "client_to_server_aggregation: federated_aggregate of every client's value",
-    # Distributed DP (interpreters/production/ddp.py): noised on the clients.
-    F.DdpSum: "client_work: clip, rotate, quantize, discrete Gaussian noise; "
-    "client_to_server_aggregation: federated_secure_sum_bitwidth; server_result: decode",
-    F.DdpMean: "client_work: clip, rotate, quantize, discrete Gaussian noise; "
-    "client_to_server_aggregation: federated_secure_sum_bitwidth; server_result: decode, "
-    "divided by the cardinality",
-}
-OP_RULES = F.resolve(_OWN_RULES)
-
 
 @dataclasses.dataclass(frozen=True)
 class Aggregation:
@@ -124,6 +87,270 @@ class Aggregation:
     bitwidth: int | None  # for federated_secure_sum_bitwidth
     source: str  # text location of the round's op
     attrs: tuple = ()  # the op's other attributes, (name, value) pairs (trim=...)
+
+
+@dataclasses.dataclass
+class _Lowered:
+    """How one fed reduction of the round travels: client outputs, intrinsic uses, and the
+    server's finishing step (``post`` maps the aggregated values to the op's result)."""
+
+    result: Value
+    aggregations: list[Aggregation]
+    outputs: list[str]  # aggregated entries, in the order ``post`` takes them
+    post: object = None  # fn(*aggregated) -> result, or None for the identity
+
+    def finish(self, region: Region, values: list[Value]) -> Value:
+        if self.post is None:
+            return values[0]
+        return splice(region, self.post, values, member=False)[0]
+
+
+# --- what the split does with each fed op ---------------------------------------------------
+
+
+class Rule:
+    """An entry of :data:`OP_RULES`: the part an op runs in and the intrinsic it becomes
+    (``str()`` says it in words)."""
+
+    part = ""
+    intrinsic = ""
+
+    def __str__(self) -> str:
+        return f"{self.part}: {self.intrinsic}"
+
+
+class Broadcasting(Rule):
+    """``fed.broadcast``: the transport from the server to every client."""
+
+    part = "server_to_client_broadcast"
+    intrinsic = "federated_broadcast"
+
+    def __call__(self, value: Value, result_type, clients: str) -> Op:
+        """The broadcast part's op sending ``value`` to ``clients``."""
+        return Op(F.Broadcast.name, [value], [Value(result_type)], {"to": clients})
+
+
+class ClientWork(Rule):
+    """``fed.map``: its region is fused into the one region each client runs."""
+
+    part = "client_work"
+    intrinsic = "federated_map"
+
+    def __call__(self, op: Op, env: dict, fused: Region) -> None:
+        """Appends ``op``'s region to ``fused``, reading its operands through ``env``
+        (which then holds its results)."""
+        body = op.regions[0]
+        inner = {p: env[v] for p, v in zip(body.params, op.operands)}
+        for sub in body.ops:
+            fused.ops.append(clone_op(sub, inner))
+        env.update(zip(op.results, (inner[y] for y in body.results)))
+
+    def wrap(self, params: list[Value], body: Region, clients: str) -> Op:
+        """The client_work part's op running ``body`` at every client."""
+        results = [Value(PlacedType(y.type, clients)) for y in body.results]
+        return Op(F.Map.name, list(params), results, {}, [body])
+
+
+class _Site:
+    """One reduction of the round being lowered: its op, the name of its result and
+    the client region its clients' outputs are spliced into."""
+
+    def __init__(self, sp: _Splitter, i: int, fused: Region, env: dict, outputs: dict):
+        self.sp, self.op = sp, sp.ops[i]
+        self.result = self.op.results[0]
+        self.name = sp.name(self.result)
+        self.where = sp.op_where(i)
+        self.x = env[self.op.operands[0]]
+        self.xt = tensor(self.x.type)
+        self.env, self.fused, self.outputs = env, fused, outputs
+
+    def send(self, key: str, fn=None, *inputs) -> str:
+        """Client output ``key``: ``fn`` (traced JAX) of ``inputs`` (the op's operand by
+        default) at each client."""
+        vals = [self.x, *inputs] if not inputs else list(inputs)
+        out = splice(self.fused, fn, vals, member=True)[0] if fn is not None else vals[0]
+        self.outputs[key] = out
+        return key
+
+    def one(self, intrinsic: str, key: str, bitwidth=None, post=None) -> _Lowered:
+        """The op as one use of ``intrinsic`` over client output ``key``."""
+        attrs = tuple(sorted((k, v) for k, v in self.op.attrs.items() if k != "bitwidth"))
+        agg = Aggregation(self.op.name, intrinsic, (key,), self.name, bitwidth, self.where, attrs)
+        return _Lowered(self.result, [agg], [self.name], post)
+
+
+class Aggregate(Rule):
+    """A reduction in client_to_server_aggregation: what each client sends, the
+    intrinsic over it, and what the server does with the aggregate. This base sends
+    the value as it is and keeps the intrinsic's result."""
+
+    part = "client_to_server_aggregation"
+
+    def __init__(self, intrinsic: str):
+        self.intrinsic = intrinsic
+
+    def result_dtype(self, t: TensorType) -> str:
+        """The dtype of the aggregation part's op over client outputs of type ``t``."""
+        return t.dtype
+
+    def lower(self, at: _Site) -> _Lowered:
+        return at.one(self.intrinsic, at.send(at.name))
+
+    def __call__(self, sp: _Splitter, i: int, fused: Region, env: dict, outputs: dict):
+        """Op ``i`` of the round lowered: its clients' outputs spliced into ``fused``
+        (recorded in ``outputs`` by name), its intrinsic uses, the server's step."""
+        return self.lower(_Site(sp, i, fused, env, outputs))
+
+
+class Summing(Aggregate):
+    """``fed.sum``: ``federated_sum``, which has no bool counterpart."""
+
+    def lower(self, at):
+        if at.xt.dtype == "bool":
+            raise at.sp.fail(
+                at.where,
+                checks.UNSUPPORTED_DTYPE,
+                f"{at.op.name} of bool values has no {self.intrinsic} counterpart: sum them "
+                "as int32 (x.astype(jnp.int32)) before reducing",
+            )
+        return super().lower(at)
+
+
+class Averaging(Aggregate):
+    """``fed.mean``: ``federated_mean``; ints and bools are cast to f32 at the clients
+    (the op's result dtype)."""
+
+    def result_dtype(self, t):
+        return dtype_name(mean_result_dtype(t.np_dtype))
+
+    def lower(self, at):
+        if at.xt.np_dtype != mean_result_dtype(at.xt.np_dtype):
+            return at.one(self.intrinsic, at.send(at.name, lambda a: a.astype(jnp.float32)))
+        return super().lower(at)
+
+
+class WeightedAveraging(Averaging):
+    """``fed.weighted_mean``: ``federated_weighted_mean`` for a scalar weight; for
+    per-element weights (which it does not take) the weighted values and the weights
+    are summed with ``elementwise``'s intrinsic and divided at the server."""
+
+    def __init__(self, intrinsic: str, elementwise: Aggregate):
+        super().__init__(intrinsic)
+        self.elementwise = elementwise
+
+    def lower(self, at):
+        name, xt = at.name, at.xt
+        w = at.env[at.op.operands[1]]
+        wt = tensor(w.type)
+        dt = mean_result_dtype(xt.np_dtype)
+        extra = (1,) * (len(xt.shape) - len(wt.shape))
+        if wt.shape == ():
+            vkey = at.send(name, lambda a: a.astype(dt))
+            wkey = at.send(f"{name}_weight", lambda b: b.astype(dt), w)
+            agg = Aggregation(at.op.name, self.intrinsic, (vkey, wkey), name, None, at.where)
+            return _Lowered(at.result, [agg], [name])
+        at.send(name, lambda a, b: a.astype(dt) * b.astype(dt).reshape(b.shape + extra), at.x, w)
+        at.send(f"{name}_weight", lambda b: b.astype(dt), w)
+        op, uri = F.Sum.name, self.elementwise.intrinsic
+        aggs = [
+            Aggregation(op, uri, (name,), name, None, at.where),
+            Aggregation(op, uri, (f"{name}_weight",), f"{name}_weight", None, at.where),
+        ]
+        return _Lowered(
+            at.result,
+            aggs,
+            [name, f"{name}_weight"],
+            lambda num, den: num / den.reshape(den.shape + extra),
+        )
+
+
+class Extremum(Aggregate):
+    """``fed.min`` / ``fed.max``: bools travel as int32 and are read back as bools."""
+
+    def lower(self, at):
+        if at.xt.dtype == "bool":
+            return at.one(
+                self.intrinsic,
+                at.send(at.name, lambda a: a.astype(jnp.int32)),
+                post=lambda a: a.astype(jnp.bool_),
+            )
+        return super().lower(at)
+
+
+class SecureSumming(Aggregate):
+    """``fed.secure_sum``: ``federated_secure_sum_bitwidth`` wants each client's value
+    in ``[0, 2**bitwidth)`` and returns the plain sum, so clients and server reduce
+    modulo ``2**bitwidth`` to keep fcir's modular result; full-width signed values
+    travel as their unsigned bits."""
+
+    def lower(self, at):
+        name, xt = at.name, at.xt
+        bits, bw = dtype_bits(xt.dtype), at.op.attrs["bitwidth"]
+        if bw >= bits and xt.dtype[0] == "u":
+            return at.one(self.intrinsic, at.send(name), bw)
+        if bw >= bits:
+            # A full-width signed value is in [0, 2**bitwidth) only read unsigned: send its
+            # bits as the unsigned type, and read the sum's bits back as signed.
+            unsigned, signed = jnp.dtype(f"uint{bits}"), xt.np_dtype
+            return at.one(
+                self.intrinsic,
+                at.send(name, lambda a: lax.bitcast_convert_type(a, unsigned)),
+                bw,
+                lambda a: lax.bitcast_convert_type(a, signed),
+            )
+        mask = (1 << bw) - 1
+
+        def reduce(a):
+            return jnp.bitwise_and(a, jnp.asarray(mask, a.dtype))
+
+        return at.one(self.intrinsic, at.send(name, reduce), bw, reduce)
+
+
+class Gathering(Aggregate):
+    """A reduction with no intrinsic (the order statistics): ``federated_aggregate``
+    gathers every client's value into one array at the server, whose report binds the
+    op's primitive. Not secure: the aggregator sees every client's value
+    (docs/production.md)."""
+
+    def __init__(self):
+        super().__init__("federated_aggregate")
+
+    def __str__(self):
+        return f"{self.part}: {self.intrinsic} of every client's value"
+
+
+_SUM = Summing("federated_sum")
+
+# What the split does with each fed op, keyed by op class: the entry is the op's
+# decomposition (what the clients compute, the intrinsic, what the server does after).
+# tests/test_op_coverage.py fails when a fed op has no entry here.
+_OWN_RULES: dict[type[F.FedOp] | str, object] = {
+    F.Broadcast: Broadcasting(),
+    F.Map: ClientWork(),
+    F.Sum: _SUM,
+    F.Mean: Averaging("federated_mean"),
+    F.WeightedMean: WeightedAveraging("federated_weighted_mean", _SUM),
+    F.Min: Extremum("federated_min"),
+    F.Max: Extremum("federated_max"),
+    F.SecureSum: SecureSumming("federated_secure_sum_bitwidth"),
+    # Rewritten into plain fed ops before the split (interpreters/production/dp.py):
+    # clipped in client_work, federated_sum, Gaussian noise in server_result.
+    F.DpSum: dp.Decomposition(dp.gaussian_program, mean=False),
+    F.DpMean: dp.Decomposition(dp.gaussian_program, mean=True),
+    # Distributed DP (interpreters/production/ddp.py): clipped, rotated, quantized and
+    # noised in client_work, federated_secure_sum_bitwidth, decoded in server_result.
+    F.DdpSum: dp.Decomposition(ddp.decomposed_program, mean=False),
+    F.DdpMean: dp.Decomposition(ddp.decomposed_program, mean=True),
+    "reduction": Gathering(),
+}
+OP_RULES = F.resolve(_OWN_RULES)
+# fed op name -> intrinsic URI, for every reduction the split lowers.
+INTRINSICS = {cls.name: r.intrinsic for cls, r in OP_RULES.items() if isinstance(r, Aggregate)}
+
+
+def rule_of(op: Op):
+    """``op``'s entry in :data:`OP_RULES` (None for an op that is no fed op)."""
+    return OP_RULES.get(F.ops().get(op.name))
 
 
 @dataclasses.dataclass
@@ -144,7 +371,7 @@ def split(module: Module) -> Split:
     DP aggregates are decomposed first (``dp.decompose``)."""
     privacy = dp.manifest_entry(module)
     checks.check_structure(module)  # on the user's ops, so errors name them
-    module = dp.decompose(module)
+    module = dp.decompose(module, OP_RULES)
     out = _Splitter(module).run()
     out.privacy = privacy
     return out
@@ -165,6 +392,7 @@ class _Splitter:
         for i, op in enumerate(self.ops):
             for v in op.results:
                 self.index[v] = i
+        self.rules = [rule_of(op) for op in self.ops]
         self.kind: dict[Value, str] = {}
         self.origin: dict[Value, int] = {}  # a P value -> index of a reduction it depends on
         self.clients = module.placements[0][0] if module.placements else "clients"
@@ -211,10 +439,10 @@ class _Splitter:
             self.kind[v] = "C" if _is_client(v.type) else "S"
         for i, op in enumerate(self.ops):
             kinds = [self.kind[v] for v in op.operands]
-            rule = OP_RULES.get(F.ops().get(op.name))
+            rule = self.rules[i]
             if isinstance(rule, F.Unsupported):
                 raise self.fail(self.op_where(i), "no production lowering", rule.reason)
-            if op.name == "fed.broadcast":
+            if isinstance(rule, Broadcasting):
                 if kinds[0] == "P":
                     src = self.origin[op.operands[0]]
                     raise self.fail(
@@ -227,9 +455,9 @@ class _Splitter:
                         "several rounds",
                     )
                 out = "C"
-            elif op.name == "fed.map":
+            elif isinstance(rule, ClientWork):
                 out = "C"
-            elif op.name in INTRINSICS:
+            elif isinstance(rule, Aggregate):
                 out = "P"
                 for v in op.results:
                     self.origin[v] = i
@@ -240,7 +468,7 @@ class _Splitter:
                             self.op_where(i),
                             checks.UNBROADCAST_FLOW,
                             f"operand %{self.names[v]} ({v.type}) reaches per-client code "
-                            "without fed.broadcast",
+                            f"without {F.Broadcast.name}",
                         )
                 out = "C"
             elif "C" in kinds:
@@ -295,8 +523,8 @@ class _Splitter:
 
     def run(self) -> Split:
         self.classify()
-        broadcasts = [i for i, op in enumerate(self.ops) if op.name == "fed.broadcast"]
-        reductions = [i for i, op in enumerate(self.ops) if op.name in INTRINSICS]
+        broadcasts = [i for i, r in enumerate(self.rules) if isinstance(r, Broadcasting)]
+        reductions = [i for i, r in enumerate(self.rules) if isinstance(r, Aggregate)]
         for v in self.params:
             self.check_dtype(v, "round argument")
         for v in self.main.body.results:
@@ -310,12 +538,14 @@ class _Splitter:
         prepare_ops, _ = self.needed([self.ops[i].operands[0] for i in broadcasts], lambda v: False)
         client_roots = [v for i in reductions for v in self.ops[i].operands]
         client_ops, _ = self.needed(
-            client_roots, lambda v: self.ops[self.index[v]].name == "fed.broadcast"
+            client_roots, lambda v: isinstance(self.rules[self.index[v]], Broadcasting)
         )
 
         def result_stop(v):
             i = self.index[v]
-            return (i in prepare_ops and self.kind[v] != "K") or self.ops[i].name in INTRINSICS
+            return (i in prepare_ops and self.kind[v] != "K") or isinstance(
+                self.rules[i], Aggregate
+            )
 
         result_ops, result_inputs = self.needed(self.main.body.results, result_stop)
         temporary = sorted({self.name(v): v for v in result_inputs if self.kind[v] == "S"}.items())
@@ -374,9 +604,9 @@ class _Splitter:
         params = [Value(self.ops[i].operands[0].type) for i in broadcasts]
         region = Region(params, [], [], "main")
         for i, p in zip(broadcasts, params):
-            out = Value(self.ops[i].results[0].type)
-            region.ops.append(Op("fed.broadcast", [p], [out], {"to": self.clients}))
-            region.results.append(out)
+            op = self.rules[i](p, self.ops[i].results[0].type, self.clients)
+            region.ops.append(op)
+            region.results.append(op.results[0])
         return self.module(
             "server_to_client_broadcast",
             region,
@@ -391,12 +621,8 @@ class _Splitter:
         env = dict(zip(d_round + b_round, fused.params))
         for i in sorted(op_ids):
             op = self.ops[i]
-            if op.name == "fed.map":
-                body = op.regions[0]
-                inner = {p: env[v] for p, v in zip(body.params, op.operands)}
-                for sub in body.ops:
-                    fused.ops.append(clone_op(sub, inner))
-                env.update(zip(op.results, (inner[y] for y in body.results)))
+            if isinstance(self.rules[i], ClientWork):
+                self.rules[i](op, env, fused)
             elif op.name.removeprefix("jax.") in LAYOUT:
                 # A layout op over the member axis (capture under jax.set_mesh): one
                 # client's value has no member axis to lay out, so it passes through.
@@ -406,8 +632,7 @@ class _Splitter:
         outputs: dict[str, Value] = {}
         lowered = []
         for i in reductions:
-            plan = _lower_reduction(self, i, fused, env, outputs)
-            lowered.append(plan)
+            lowered.append(self.rules[i](self, i, fused, env, outputs))
         anames = sorted(outputs)
         fused.results = [outputs[n] for n in anames]
         args = Structure("tuple", (d_struct, shift(named(bnames), len(d_leaves))))
@@ -417,10 +642,9 @@ class _Splitter:
         params += [Value(PlacedType(member_type(v.type), self.clients, True)) for v in b_round]
         region = Region(params, [], [], "main")
         if anames:
-            body = clone_region(fused)
-            results = [Value(PlacedType(y.type, self.clients)) for y in body.results]
-            region.ops.append(Op("fed.map", list(params), results, {}, [body]))
-            region.results = results
+            wrap = OP_RULES[F.Map].wrap(params, clone_region(fused), self.clients)
+            region.ops.append(wrap)
+            region.results = list(wrap.results)
         work = self.module("client_work", region, args, named(anames))
         return member, work, lowered
 
@@ -435,9 +659,7 @@ class _Splitter:
             for agg in plan.aggregations:
                 operands = [by_name[n] for n in agg.inputs]
                 first = tensor(operands[0].type)
-                dtype = first.dtype
-                if agg.fed_op in ("fed.mean", "fed.weighted_mean"):
-                    dtype = dtype_name(mean_result_dtype(first.np_dtype))
+                dtype = OP_RULES[F.ops()[agg.fed_op]].result_dtype(first)
                 out = Value(PlacedType(TensorType(dtype, first.shape), SERVER, True))
                 attrs = {"bitwidth": agg.bitwidth} if agg.bitwidth is not None else {}
                 attrs.update(agg.attrs)
@@ -474,110 +696,6 @@ class _Splitter:
 
 def _names_of(s: Structure) -> list[tuple[str, int]]:
     return [(n, c.leaf) for n, c in zip(s.names, s.children)]
-
-
-# --- reductions -----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Lowered:
-    """How one fed reduction of the round travels: client outputs, intrinsic uses, and the
-    server's finishing step (``post`` maps the aggregated values to the op's result)."""
-
-    result: Value
-    aggregations: list[Aggregation]
-    outputs: list[str]  # aggregated entries, in the order ``post`` takes them
-    post: object = None  # fn(*aggregated) -> result, or None for the identity
-
-    def finish(self, region: Region, values: list[Value]) -> Value:
-        if self.post is None:
-            return values[0]
-        return splice(region, self.post, values, member=False)[0]
-
-
-def _lower_reduction(sp: _Splitter, i: int, fused: Region, env: dict, outputs: dict) -> _Lowered:
-    op = sp.ops[i]
-    result = op.results[0]
-    name = sp.name(result)
-    where = sp.op_where(i)
-    x = env[op.operands[0]]
-    xt = tensor(x.type)
-    uri = INTRINSICS[op.name]
-
-    def send(key: str, fn=None, *inputs) -> str:
-        vals = [x, *inputs] if not inputs else list(inputs)
-        outputs[key] = splice(fused, fn, vals, member=True)[0] if fn is not None else vals[0]
-        return key
-
-    def one(fed_op: str, key: str, bitwidth=None, post=None) -> _Lowered:
-        attrs = tuple(sorted((k, v) for k, v in op.attrs.items() if k != "bitwidth"))
-        agg = Aggregation(fed_op, INTRINSICS[fed_op], (key,), name, bitwidth, where, attrs)
-        return _Lowered(result, [agg], [name], post)
-
-    if op.name == "fed.weighted_mean":
-        w = env[op.operands[1]]
-        wt = tensor(w.type)
-        dt = mean_result_dtype(xt.np_dtype)
-        extra = (1,) * (len(xt.shape) - len(wt.shape))
-        if wt.shape == ():
-            vkey = send(name, lambda a: a.astype(dt))
-            wkey = send(f"{name}_weight", lambda b: b.astype(dt), w)
-            agg = Aggregation(op.name, uri, (vkey, wkey), name, None, where)
-            return _Lowered(result, [agg], [name])
-        # Per-element weights: federated_weighted_mean takes a scalar weight, so send the
-        # weighted values and the weights, sum both, and divide at the server.
-        send(name, lambda a, b: a.astype(dt) * b.astype(dt).reshape(b.shape + extra), x, w)
-        send(f"{name}_weight", lambda b: b.astype(dt), w)
-        aggs = [
-            Aggregation("fed.sum", "federated_sum", (name,), name, None, where),
-            Aggregation(
-                "fed.sum", "federated_sum", (f"{name}_weight",), f"{name}_weight", None, where
-            ),
-        ]
-        return _Lowered(
-            result,
-            aggs,
-            [name, f"{name}_weight"],
-            lambda num, den: num / den.reshape(den.shape + extra),
-        )
-    if op.name == "fed.mean":
-        if xt.np_dtype != mean_result_dtype(xt.np_dtype):
-            return one("fed.mean", send(name, lambda a: a.astype(jnp.float32)))
-        return one("fed.mean", send(name))
-    if op.name == "fed.sum" and xt.dtype == "bool":
-        raise sp.fail(
-            where,
-            checks.UNSUPPORTED_DTYPE,
-            "fed.sum of bool values has no federated_sum counterpart: sum them as int32 "
-            "(x.astype(jnp.int32)) before reducing",
-        )
-    if op.name == "fed.secure_sum":
-        bits, bw = dtype_bits(xt.dtype), op.attrs["bitwidth"]
-        if bw >= bits and xt.dtype[0] == "u":
-            return one(op.name, send(name), bw)
-        if bw >= bits:
-            # A full-width signed value is in [0, 2**bitwidth) only read unsigned: send its
-            # bits as the unsigned type, and read the sum's bits back as signed.
-            unsigned, signed = jnp.dtype(f"uint{bits}"), xt.np_dtype
-            return one(
-                op.name,
-                send(name, lambda a: lax.bitcast_convert_type(a, unsigned)),
-                bw,
-                lambda a: lax.bitcast_convert_type(a, signed),
-            )
-        mask = (1 << bw) - 1
-
-        def reduce(a):
-            return jnp.bitwise_and(a, jnp.asarray(mask, a.dtype))
-
-        # federated_secure_sum_bitwidth wants each client's value in [0, 2**bitwidth) and
-        # returns the plain sum: reduce before and after to keep fcir's modular result.
-        return one(op.name, send(name, reduce), bw, reduce)
-    if op.name in ("fed.min", "fed.max") and xt.dtype == "bool":
-        return one(
-            op.name, send(name, lambda a: a.astype(jnp.int32)), post=lambda a: a.astype(jnp.bool_)
-        )
-    return one(op.name, send(name))
 
 
 def part_interface(plan) -> dict[str, tuple[list, list]]:

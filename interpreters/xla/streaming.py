@@ -11,7 +11,8 @@ stream as a loop over chunks of ``k`` members:
   afterwards (``y * 2``, ``jnp.abs(y)``: ``ELEMENTWISE``), and the reductions of those
   values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``,
   ``dp_sum``/``dp_mean``: clipped member by member, the noise added once at the end;
-  ``ddp_*``: ``streaming_ddp.py``);
+  ``ddp_*``: ``streaming_ddp.py``): ``RULES`` maps each fed op class to what the
+  stream does with it, an accumulator object for a reduction (``accumulators.py``);
 - each step slices ``k`` members out of the per-member operands, runs the map region
   ``jax.vmap``-ed over them (broadcast values go in unbatched, as the server's one copy)
   and folds the results into running accumulators: sums (in the accumulation dtype of
@@ -49,7 +50,6 @@ import heapq
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import PartitionSpec
@@ -61,8 +61,9 @@ from fcir.ir import Op, Region, Value
 from fcir.ir import elementwise as E
 from fcir.ir.types import PlacedType, runtime_type
 
-from . import streaming_ddp as _ddp
+from . import accumulators as A
 from .interpreter import XlaInterpreter
+from .streaming_ddp import Distributed
 
 __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", "plan_region"]
 
@@ -70,7 +71,6 @@ __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", 
 # name no axis, so running them on one member's value means the same as on all.
 ELEMENTWISE = frozenset("jax." + n for n in E.ELEMENTWISE)
 
-ACCUMULATED = "accumulated: a running accumulator folded chunk by chunk"
 _ORDER = (
     "an order statistic needs every member's value at once, so it cannot stream k "
     "members at a time: compile without clients_per_step to run it"
@@ -79,32 +79,69 @@ _NO_ACCUMULATOR = (
     "streaming has no accumulator for this reduction (interpreters/xla/streaming.py "
     "RULES): compile without clients_per_step to run it"
 )
-# What a stream does with each fed op (tests/test_op_coverage.py reads this table); a
-# reduction it does not name is refused (the kind's default, declared here).
+
+
+class StreamSource:
+    """``fed.broadcast`` to the stream's placement: its operand enters the stream once,
+    unbatched, as the server's one copy every member reads."""
+
+    def __call__(self, op: Op, placement: str) -> Value | None:
+        """The value a member reads in place of ``op``'s result (None: not a source of a
+        stream over ``placement``)."""
+        return op.operands[0] if op.attrs.get("to") == placement else None
+
+
+class StreamHead:
+    """``fed.map``: a stream, its region run ``k`` members at a time with the per-member
+    ops after it and the reductions of their values (:func:`plan_region`)."""
+
+    def __call__(self, region, index, op, producer, users, results, cardinality) -> Stream:
+        return _plan_map(region, index, op, producer, users, results, cardinality)
+
+
+# The order statistics' family. A median needs every member's value at once, so it
+# cannot be folded k members at a time with one pass: refused until an accumulator that
+# selects over passes of the chunks takes this slot.
+ORDER_STATISTIC = F.Unsupported(_ORDER)
+
+# What a stream does with each fed op, keyed by op class: the entry is the behaviour
+# (tests/test_op_coverage.py reads this table). A reduction it does not name is refused
+# (the kind's default, declared here).
 _OWN_RULES: dict[type[F.FedOp] | str, object] = {
-    F.Broadcast: "a source: its operand enters the stream once, unbatched",
-    F.Map: "the stream: its region runs k members at a time",
-    F.Sum: ACCUMULATED,
-    F.Mean: ACCUMULATED,
-    F.Min: ACCUMULATED,
-    F.Max: ACCUMULATED,
-    F.WeightedMean: ACCUMULATED,
-    F.SecureSum: ACCUMULATED,
+    F.Broadcast: StreamSource(),
+    F.Map: StreamHead(),
+    # The sum-like family: running sums in the accumulation dtype, finished once.
+    F.Sum: A.Linear(P.sum_result_dtype),
+    F.Mean: A.Linear(P.mean_result_dtype, A.divided_by_cohort),
+    F.WeightedMean: A.Weighted(P.mean_result_dtype, A.divided_by_weight),
+    F.SecureSum: A.Linear(total=A.wrapped_to_bitwidth),
+    F.Min: A.Extremum(smallest=True),
+    F.Max: A.Extremum(smallest=False),
     # Clipped member by member and summed; the noise is added once, at the end.
-    F.DpSum: ACCUMULATED,
-    F.DpMean: ACCUMULATED,
+    F.DpSum: A.Gaussian(mean=False),
+    F.DpMean: A.Gaussian(mean=True),
     # interpreters/xla/streaming_ddp.py: only the uint32 modular sum is carried.
-    F.DdpSum: ACCUMULATED,
-    F.DdpMean: ACCUMULATED,
-    F.Median: F.Unsupported(_ORDER),
-    F.TrimmedMean: F.Unsupported(_ORDER),
+    F.DdpSum: Distributed(mean=False),
+    F.DdpMean: Distributed(mean=True),
+    F.Median: ORDER_STATISTIC,
+    F.TrimmedMean: ORDER_STATISTIC,
     "reduction": F.Unsupported(_NO_ACCUMULATOR),
 }
 RULES = F.resolve(_OWN_RULES)
-REDUCTIONS = frozenset(c.name for c, rule in RULES.items() if rule == ACCUMULATED)
-# Central DP aggregates: the last operand is the key, a value where the result lives,
-# read once when the noise is added.
-DP_OPS = F.of_kind("dp")
+
+
+def _rule(op: Op):
+    """``op``'s entry in :data:`RULES` (None for an op that is no fed op)."""
+    return RULES.get(F.ops().get(op.name))
+
+
+def _accumulator(op: Op) -> A.Accumulator | None:
+    rule = _rule(op)
+    return rule if isinstance(rule, A.Accumulator) else None
+
+
+def _stream_head(op: Op) -> bool:
+    return isinstance(_rule(op), StreamHead)
 
 
 @dataclasses.dataclass(eq=False)
@@ -155,8 +192,9 @@ def plan_region(region: Region, cardinality) -> list[Stream]:
     results = set(region.results)
     streams = []
     for i, op in enumerate(region.ops):
-        if op.name == "fed.map":
-            streams.append(_plan_map(region, i, op, producer, users, results, cardinality))
+        rule = _rule(op)
+        if isinstance(rule, StreamHead):
+            streams.append(rule(region, i, op, producer, users, results, cardinality))
     _recompute_member_values(region, streams, users, results)
     return streams
 
@@ -210,9 +248,8 @@ def _recompute_member_values(region: Region, streams: list[Stream], users, resul
 
 def _broadcast_source(v: Value, placement: str, producer) -> Value | None:
     op = producer.get(v)
-    if op is not None and op.name == "fed.broadcast" and op.attrs.get("to") == placement:
-        return op.operands[0]
-    return None
+    rule = None if op is None else _rule(op)
+    return rule(op, placement) if isinstance(rule, StreamSource) else None
 
 
 def _placed_at(v: Value, placement: str) -> bool:
@@ -224,7 +261,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
     # The values computed from the results of the maps after this one.
     later_maps: set[Value] = set()
     for op in region.ops[index + 1 :]:
-        if op.name == "fed.map" or any(v in later_maps for v in op.operands):
+        if _stream_head(op) or any(v in later_maps for v in op.operands):
             later_maps.update(op.results)
     group: set[Value] = set(map_op.results)
     # Values computed from the stream's outputs: an op reading one cannot feed the
@@ -267,15 +304,15 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
             group.update(op.results)
             tainted.update(op.results)
             continue
-        per_member = op.operands[:-1] if op.name in DP_OPS else op.operands
+        acc = _accumulator(op)
         if (
-            op.name in REDUCTIONS
+            acc is not None
             and op.operands[0] in group
             and all(
                 v in group or (_placed_at(v, placement) and v not in tainted)
-                for v in per_member[1:]
+                for v in acc.member_operands(op)[1:]
             )
-            and (op.name not in DP_OPS or op.operands[-1] not in tainted)
+            and all(v not in tainted for v in acc.server_operands(op))
         ):
             reductions.append(op)
         tainted.update(op.results)
@@ -303,12 +340,13 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         for v in op.operands:
             add_input(v)
     for op in reductions:
-        per_member = op.operands[:-1] if op.name in DP_OPS else op.operands
-        for v in per_member[1:]:  # a weight that is no stream value: read per chunk
+        acc = _accumulator(op)
+        for v in acc.member_operands(op)[1:]:  # a weight that is no stream value: per chunk
             if v not in defined and v not in batched:
                 batched.append(v)
-        if op.name in DP_OPS and op.operands[-1] not in unbatched:
-            unbatched.append(op.operands[-1])  # the key: read when the noise is added
+        for v in acc.server_operands(op):  # a DP key: read when the noise is added
+            if v not in unbatched:
+                unbatched.append(v)
     inside = set(absorbed) | set(reductions) | {map_op}
     materialized = [
         v
@@ -487,17 +525,17 @@ class StreamingInterpreter(XlaInterpreter):
                 mesh=mesh,
                 in_specs=([member] * len(batched), [PartitionSpec()] * len(unbatched)),
                 out_specs=(
-                    [[member] * len(_acc_parts(op)) for op in s.reductions],
+                    [[member] * _accumulator(op).parts(op) for op in s.reductions],
                     [member] * len(s.materialized),
                 ),
                 axis_names={axis},
                 check_vma=False,
             )(batched, unbatched)
-            accs = [_combine(op, acc) for op, acc in zip(s.reductions, partial)]
+            accs = [_accumulator(op).combine(op, acc) for op, acc in zip(s.reductions, partial)]
         server = dict(zip(s.unbatched, unbatched))
         outs = []
         for op, a in zip(s.reductions, accs):
-            outs += _finish(op, a, s.n, server)
+            outs += _accumulator(op).finish(op, a, s.n, server)
         return outs + list(bufs), accs
 
     def _backward(self, s: Stream, mesh, axis, batched, unbatched, accs, perturbed, cts):
@@ -571,7 +609,7 @@ class StreamingInterpreter(XlaInterpreter):
             env.update({v: env[src] for v, src in s.source.items()})
             for op in s.member_ops:
                 vals = [env[v] for v in op.operands]
-                if op.name == "fed.map":
+                if _stream_head(op):
                     outs = inner.run_region(op.regions[0], vals)
                 else:
                     outs = inner.run_op(op, vals)
@@ -606,13 +644,15 @@ class StreamingInterpreter(XlaInterpreter):
         values = self._chunk_values(s, k)
         chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
         shapes = values(chunk_specs, unbatched, shapes_only=True)
-        accs0 = [_acc_init(op, shapes, s.n) for op in s.reductions]
+        accs0 = [_accumulator(op).init(op, shapes, s.n) for op in s.reductions]
         bufs0 = [_zeros((n, *shapes[v].shape[1:]), shapes[v].dtype) for v in s.materialized]
 
         def step(state, start, valid):
             accs, bufs = state
             vals = values([lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched], unbatched)
-            accs = [_acc_step(op, a, vals, valid, s.n) for op, a in zip(s.reductions, accs)]
+            accs = [
+                _accumulator(op).step(op, a, vals, valid, s.n) for op, a in zip(s.reductions, accs)
+            ]
             new_bufs = []
             for v, buf in zip(s.materialized, bufs):
                 x = vals[v]
@@ -639,7 +679,7 @@ class StreamingInterpreter(XlaInterpreter):
                 u_vals[j] = x
             vals = values(b_vals, u_vals)
             parts = [
-                None if seed is None else _contribution(op, vals, valid)
+                None if seed is None else _accumulator(op).contribution(op, vals, valid)
                 for op, seed in zip(s.reductions, seeds)
             ]
             return parts, [vals[v] for v in mat_values]
@@ -653,7 +693,7 @@ class StreamingInterpreter(XlaInterpreter):
                 [unbatched[j] for j in diff_u],
             )
             part_cts = [
-                None if seed is None else _part_cotangent(op, seed, part, valid)
+                None if seed is None else _accumulator(op).part_cotangent(op, seed, part, valid)
                 for op, seed, part in zip(s.reductions, seeds, parts)
             ]
             mat_cts = [_mask(lax.dynamic_slice_in_dim(c, start, k, 0), valid) for c in buf_cts]
@@ -720,169 +760,6 @@ def _unshard_members(x):
     return jax.sharding.reshard(x, jax.sharding.PartitionSpec(None, *spec[1:]))
 
 
-# --- accumulators -----------------------------------------------------------------------
-
-
-def _acc_parts(op: Op) -> tuple:
-    if op.name == "fed.weighted_mean":
-        return ("xw", "w")
-    if op.name in ("fed.min", "fed.max"):
-        return ("x", "count")  # the count of members at the extremum: for the gradient
-    if op.name in DP_OPS:
-        return tuple(f"x{i}" for i in range(len(op.operands) - 1))
-    return ("x",)
-
-
-def _declared_dtype(op: Op, i: int = 0) -> np.dtype:
-    """The dtype of result ``i`` of ``op``, as its IR type declares it."""
-    t = op.results[i].type
-    while isinstance(t, PlacedType):
-        t = t.member
-    return t.np_dtype
-
-
-def _result_dtype(op: Op, dtype) -> np.dtype:
-    if op.name == "fed.sum":
-        return P.sum_result_dtype(dtype)
-    if op.name in ("fed.mean", "fed.weighted_mean"):
-        return P.mean_result_dtype(dtype)
-    return np.dtype(dtype)
-
-
-def _identity(op: Op, dtype):
-    """The value a masked-out member contributes: leaves the accumulator unchanged."""
-    dtype = np.dtype(dtype)
-    if op.name not in ("fed.min", "fed.max"):
-        return np.zeros((), dtype)
-    big = op.name == "fed.min"
-    if dtype == np.bool_:
-        return np.array(big)
-    if jnp.issubdtype(dtype, jnp.floating):
-        return np.array(np.inf if big else -np.inf, dtype)
-    info = jnp.iinfo(dtype)
-    return np.array(info.max if big else info.min, dtype)
-
-
-def _weights(x, w):
-    dt = P.mean_result_dtype(x.dtype)
-    return x.astype(dt), w.astype(dt).reshape(w.shape + (1,) * (x.ndim - w.ndim))
-
-
-def _acc_init(op: Op, shapes, n: int) -> list:
-    # Sums accumulate in P.accumulation_dtype (f32 for f16/bf16), as the reference and
-    # jnp.sum do, and are rounded to the result dtype once, in _finish: a bf16 or f16
-    # running sum rounded every chunk drops small terms and overflows (the f16 mean of
-    # five 20000s was inf).
-    acc = P.accumulation_dtype
-    if op.name in _ddp.DDP_OPS:
-        return _ddp.acc_init(op, shapes, n)
-    x = shapes[op.operands[0]]
-    if op.name == "fed.weighted_mean":
-        dt = acc(P.mean_result_dtype(x.dtype))
-        w = shapes[op.operands[1]]
-        w_shape = w.shape[1:] + (1,) * (len(x.shape) - len(w.shape))
-        return [jnp.zeros(x.shape[1:], dt), jnp.zeros(w_shape, dt)]
-    if op.name in DP_OPS:
-        return [jnp.zeros(shapes[v].shape[1:], acc(shapes[v].dtype)) for v in op.operands[:-1]]
-    dt = _result_dtype(op, x.dtype)
-    if op.name in ("fed.min", "fed.max"):
-        return [jnp.full(x.shape[1:], _identity(op, dt), dt), jnp.zeros(x.shape[1:], jnp.int32)]
-    return [jnp.full(x.shape[1:], _identity(op, acc(dt)), acc(dt))]
-
-
-def _masked(y, valid, fill):
-    if valid is None:
-        return y
-    return jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, fill)
-
-
-def _contribution(op: Op, vals: dict, valid) -> list:
-    """What a chunk adds to a linear reduction's accumulator (sums, means, weighted
-    means; for dp and ddp ops the clipped sum, which their gradient treats as the
-    result, the noise and rounding being constants); for min and max, the chunk's
-    member values themselves."""
-    x = vals[op.operands[0]]
-    acc = P.accumulation_dtype
-    if op.name == "fed.weighted_mean":
-        # Products in the result dtype, sums in its accumulation dtype (the reference's).
-        xs, ws = _weights(x, vals[op.operands[1]])
-        a = acc(xs.dtype)
-        return [
-            jnp.sum(_masked((xs * ws).astype(a), valid, 0), axis=0),
-            jnp.sum(_masked(ws.astype(a), valid, 0), axis=0),
-        ]
-    if op.name in ("fed.min", "fed.max"):
-        return [x]
-    if op.name in DP_OPS or op.name in _ddp.DDP_OPS:
-        leaves = [vals[v] for v in op.operands[:-1]]
-        clip = op.attrs["clip_norm"]
-        clipped = jax.vmap(lambda *m: P.clip_member(m, clip))(*leaves)
-        if op.name in DP_OPS:
-            clipped = [c.astype(acc(c.dtype)) for c in clipped]
-        return [jnp.sum(_masked(c, valid, 0), axis=0) for c in clipped]
-    a = acc(_result_dtype(op, x.dtype))
-    return [jnp.sum(_masked(x.astype(a), valid, 0), axis=0, dtype=a)]
-
-
-def _acc_step(op: Op, acc: list, vals: dict, valid, n: int) -> list:
-    if op.name in _ddp.DDP_OPS:
-        return _ddp.acc_step(op, acc, vals, valid, n)
-    if op.name in ("fed.min", "fed.max"):
-        x = vals[op.operands[0]]
-        part = _masked(x, valid, _identity(op, x.dtype))
-        fold, red = (jnp.minimum, jnp.min) if op.name == "fed.min" else (jnp.maximum, jnp.max)
-        m = red(part, axis=0)
-        at = part == m
-        if valid is not None:
-            at = _masked(at, valid, False)
-        new = fold(acc[0], m)
-        count = jnp.where(acc[0] == new, acc[1], 0) + jnp.where(
-            m == new, jnp.sum(at, axis=0, dtype=jnp.int32), 0
-        )
-        return [new, count]
-    return [a + p for a, p in zip(acc, _contribution(op, vals, valid))]
-
-
-def _combine(op: Op, partial: list) -> list:
-    """Per-device partial accumulators (stacked on a leading axis) folded into one."""
-    if op.name in ("fed.min", "fed.max"):
-        m = (jnp.min if op.name == "fed.min" else jnp.max)(partial[0], axis=0)
-        return [m, jnp.sum(jnp.where(partial[0] == m, partial[1], 0), axis=0, dtype=jnp.int32)]
-    return [jnp.sum(a, axis=0, dtype=a.dtype) for a in partial]
-
-
-def _finish(op: Op, acc: list, n: int, server: dict) -> list:
-    """The reduction's results from its accumulator (``server``: the stream's unbatched
-    values by Value, where a dp op's key is)."""
-    if op.name in _ddp.DDP_OPS:
-        return _ddp.finish(op, acc, n)
-    if op.name in DP_OPS:
-        key, a = server[op.operands[-1]], op.attrs
-        out = []
-        for i, total in enumerate(acc):
-            total = total.astype(_declared_dtype(op, i))  # the noise is added in it
-            total = total + P.dp_noise(
-                key, i, total.shape, total.dtype, a["clip_norm"], a["noise_multiplier"]
-            )
-            out.append(total / n if op.name == "fed.dp_mean" else total)
-        return out
-    return [_finish_linear(op, acc, n)]
-
-
-def _finish_linear(op: Op, acc: list, n: int):
-    dt = _declared_dtype(op)
-    if op.name == "fed.mean":
-        return (acc[0] / jnp.asarray(n, acc[0].dtype)).astype(dt)
-    if op.name == "fed.weighted_mean":
-        return acc[0].astype(dt) / acc[1].astype(dt)
-    if op.name == "fed.secure_sum":
-        total, bits = acc[0], op.attrs["bitwidth"]
-        if bits < np.dtype(total.dtype).itemsize * 8:
-            total = jnp.bitwise_and(total, jnp.asarray((1 << bits) - 1, total.dtype))
-        return total
-    return acc[0].astype(dt)
-
-
 # --- the backward loop's cotangents -----------------------------------------------------
 
 
@@ -906,33 +783,18 @@ def _zero(ct) -> bool:
 
 
 def _seed(op: Op, acc: list, cts: list, n: int):
-    """What every chunk's :func:`_contribution` is pulled back with, from the
-    cotangents ``cts`` of the reduction's results; None when none is needed."""
+    """What every chunk's contribution (``Accumulator.contribution``) is pulled back
+    with, from the cotangents ``cts`` of the reduction's results; None when none is
+    needed."""
     if all(_zero(c) for c in cts) or not all(_inexact(c.dtype) for c in cts):
         return None
     cts = [jnp.zeros(c.aval.shape, c.aval.dtype) if _zero(c) else c for c in cts]
-    if op.name in DP_OPS or op.name in _ddp.DDP_OPS:
-        mean = op.name in ("fed.dp_mean", "fed.ddp_mean")
-        return [c / n if mean else c for c in cts]
-    if op.name in ("fed.min", "fed.max"):
-        # The gradient of an extremum is shared by the members at it, as jnp.min's is.
-        return [acc[0], cts[0] / acc[1].astype(cts[0].dtype)]
-    _, pull = jax.vjp(lambda a: _finish_linear(op, a, n), acc)
-    (ct_acc,) = pull(cts[0])
-    return list(ct_acc)
-
-
-def _part_cotangent(op: Op, seed: list, part: list, valid) -> list:
-    if op.name not in ("fed.min", "fed.max"):
-        return seed
-    (x,) = part
-    at = (x == seed[0]) if valid is None else _masked(x == seed[0], valid, False)
-    return [jnp.where(at, seed[1], jnp.zeros((), seed[1].dtype))]
+    return _accumulator(op).seed(op, acc, cts, n)
 
 
 def _mask(x, valid):
     """``x`` with the members an earlier chunk already counted zeroed."""
-    return x if valid is None else _masked(x, valid, jnp.zeros((), x.dtype))
+    return x if valid is None else A.masked(x, valid, jnp.zeros((), x.dtype))
 
 
 # --- arrays of any dtype (PRNG keys included) ---------------------------------------------

@@ -11,12 +11,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fcir import fed as F
+from fcir.frontend import primitives as P
 from fcir.mechanisms import ddgauss as ddp
 
-__all__ = ["DDP_OPS", "acc_init", "acc_step", "finish"]
+from .accumulators import Accumulator, masked
 
-DDP_OPS = F.of_kind("ddp")
+__all__ = ["Distributed"]
 
 
 def _params(op, shapes_or_vals, n: int) -> ddp.DdpParams:
@@ -25,30 +25,46 @@ def _params(op, shapes_or_vals, n: int) -> ddp.DdpParams:
     return ddp.params(dim, n, a["clip_norm"], a["noise_multiplier"], a["bits"], op.name)
 
 
-def acc_init(op, shapes, n: int) -> list:
-    return [jnp.zeros((_params(op, shapes, n).padded_dim,), jnp.uint32)]
+class Distributed(Accumulator):
+    """The distributed DP family (``mean``: ``fed.ddp_mean``): every operand, the keys
+    included, is read per member; the gradient treats the clipped sum as the result
+    (noise, quantization and rounding constant), as the op's own rule does."""
 
+    def __init__(self, *, mean: bool):
+        self.mean = mean
 
-def acc_step(op, acc: list, vals: dict, valid, n: int) -> list:
-    p = _params(op, vals, n)
-    leaves = [vals[v] for v in op.operands[:-1]]
-    shares = ddp.encode_batch(leaves, vals[op.operands[-1]], p)
-    if valid is not None:
-        shares = jnp.where(valid[:, None], shares, jnp.uint32(0))
-    return [acc[0] + jnp.sum(shares, axis=0, dtype=jnp.uint32)]
+    def init(self, op, shapes, n):
+        return [jnp.zeros((_params(op, shapes, n).padded_dim,), jnp.uint32)]
 
+    def step(self, op, acc, vals, valid, n):
+        p = _params(op, vals, n)
+        leaves = [vals[v] for v in op.operands[:-1]]
+        shares = ddp.encode_batch(leaves, vals[op.operands[-1]], p)
+        if valid is not None:
+            shares = jnp.where(valid[:, None], shares, jnp.uint32(0))
+        return [acc[0] + jnp.sum(shares, axis=0, dtype=jnp.uint32)]
 
-def finish(op, acc: list, n: int) -> list:
-    like = [
-        jax.ShapeDtypeStruct(v.type.member.shape, v.type.member.np_dtype) for v in op.operands[:-1]
-    ]
-    p = ddp.params(
-        ddp.member_dim(x.shape for x in like),
-        n,
-        op.attrs["clip_norm"],
-        op.attrs["noise_multiplier"],
-        op.attrs["bits"],
-        op.name,
-    )
-    total = jnp.bitwise_and(acc[0], jnp.uint32(p.modulus - 1))
-    return ddp.decode(total, p, like, op.name == "fed.ddp_mean")
+    def contribution(self, op, vals, valid):
+        leaves = [vals[v] for v in op.operands[:-1]]
+        clip = op.attrs["clip_norm"]
+        clipped = jax.vmap(lambda *m: P.clip_member(m, clip))(*leaves)
+        return [jnp.sum(masked(c, valid, 0), axis=0) for c in clipped]
+
+    def finish(self, op, acc, n, server):
+        like = [
+            jax.ShapeDtypeStruct(v.type.member.shape, v.type.member.np_dtype)
+            for v in op.operands[:-1]
+        ]
+        p = ddp.params(
+            ddp.member_dim(x.shape for x in like),
+            n,
+            op.attrs["clip_norm"],
+            op.attrs["noise_multiplier"],
+            op.attrs["bits"],
+            op.name,
+        )
+        total = jnp.bitwise_and(acc[0], jnp.uint32(p.modulus - 1))
+        return ddp.decode(total, p, like, self.mean)
+
+    def seed(self, op, acc, cts, n):
+        return [c / n if self.mean else c for c in cts]

@@ -238,34 +238,77 @@ def _server_aggregate(source: str):
     return namespace["server_aggregate"]
 
 
-def _reduce(x, w, *, op: str, bitwidth: int | None, attrs: tuple = (), source: str | None = None):
+def _federated_sum(x, w, *, bitwidth, attrs):
     import jax.numpy as jnp
 
+    dt = np.dtype(np.int32) if x.dtype == np.bool_ else x.dtype
+    return jnp.sum(x, axis=0, dtype=dt)
+
+
+def _federated_mean(x, w, *, bitwidth, attrs):
+    import jax.numpy as jnp
+
+    dt = _mean_dtype(x.dtype)
+    return jnp.mean(x.astype(dt) if x.dtype != dt else x, axis=0)
+
+
+def _federated_weighted_mean(x, w, *, bitwidth, attrs):
+    import jax.numpy as jnp
+
+    dt = _mean_dtype(x.dtype)
+    x = x.astype(dt)
+    w = w.astype(dt).reshape(w.shape + (1,) * (x.ndim - w.ndim))
+    return jnp.sum(x * w, axis=0) / jnp.sum(w, axis=0)
+
+
+def _federated_min(x, w, *, bitwidth, attrs):
+    import jax.numpy as jnp
+
+    return jnp.min(x, axis=0)
+
+
+def _federated_max(x, w, *, bitwidth, attrs):
+    import jax.numpy as jnp
+
+    return jnp.max(x, axis=0)
+
+
+def _federated_secure_sum_bitwidth(x, w, *, bitwidth, attrs):
+    import jax.numpy as jnp
+
+    total = jnp.sum(x, axis=0, dtype=x.dtype)
+    if bitwidth < np.dtype(x.dtype).itemsize * 8:
+        total = jnp.bitwise_and(total, jnp.asarray((1 << bitwidth) - 1, x.dtype))
+    return total
+
+
+# The server's side of each aggregation intrinsic the production split uses, by the
+# intrinsic's name (a plan aggregation's "aggregate"): the app's whole vocabulary. An
+# op with no intrinsic travels as its own server_aggregate source instead.
+AGGREGATES = {
+    "federated_sum": _federated_sum,
+    "federated_mean": _federated_mean,
+    "federated_weighted_mean": _federated_weighted_mean,
+    "federated_min": _federated_min,
+    "federated_max": _federated_max,
+    "federated_secure_sum_bitwidth": _federated_secure_sum_bitwidth,
+}
+# Summed by SecAgg+ (secagg.py) when the run config turns it on.
+SECURE_SUM = "federated_secure_sum_bitwidth"
+
+
+def is_secure_sum(agg: dict) -> bool:
+    return agg.get("aggregate") == SECURE_SUM
+
+
+def _reduce(x, w, *, aggregate: str | None, bitwidth: int | None, attrs: tuple = (),
+            source: str | None = None):
     if source is not None:
         # An op with no intrinsic (an order statistic): the server sees every value.
         return _server_aggregate(source)(x, **dict(attrs))
-
-    if op == "fed.sum":
-        dt = np.dtype(np.int32) if x.dtype == np.bool_ else x.dtype
-        return jnp.sum(x, axis=0, dtype=dt)
-    if op == "fed.mean":
-        dt = _mean_dtype(x.dtype)
-        return jnp.mean(x.astype(dt) if x.dtype != dt else x, axis=0)
-    if op == "fed.weighted_mean":
-        dt = _mean_dtype(x.dtype)
-        x = x.astype(dt)
-        w = w.astype(dt).reshape(w.shape + (1,) * (x.ndim - w.ndim))
-        return jnp.sum(x * w, axis=0) / jnp.sum(w, axis=0)
-    if op == "fed.min":
-        return jnp.min(x, axis=0)
-    if op == "fed.max":
-        return jnp.max(x, axis=0)
-    if op == "fed.secure_sum":
-        total = jnp.sum(x, axis=0, dtype=x.dtype)
-        if bitwidth < np.dtype(x.dtype).itemsize * 8:
-            total = jnp.bitwise_and(total, jnp.asarray((1 << bitwidth) - 1, x.dtype))
-        return total
-    raise AppError(f"no aggregation {op}")
+    if aggregate not in AGGREGATES:
+        raise AppError(f"no aggregation {aggregate}")
+    return AGGREGATES[aggregate](x, w, bitwidth=bitwidth, attrs=attrs)
 
 
 @functools.cache
@@ -274,8 +317,8 @@ def _reduce_all():
 
     def reduce_all(stacked, *, ops):
         return [
-            _reduce(x, w, op=op, bitwidth=bw, attrs=attrs, source=source)
-            for (x, w), (op, bw, attrs, source) in zip(stacked, ops)
+            _reduce(x, w, aggregate=aggregate, bitwidth=bw, attrs=attrs, source=source)
+            for (x, w), (aggregate, bw, attrs, source) in zip(stacked, ops)
         ]
 
     return jax.jit(reduce_all, static_argnames=("ops",))
@@ -291,7 +334,7 @@ def aggregate(aggregations: list[dict], replies: list[dict]) -> dict:
         w = np.stack([r[names[1]] for r in replies]) if len(names) > 1 else None
         stacked.append((x, w))
         attrs = tuple(sorted(agg.get("attrs", {}).items()))
-        ops.append((agg["fed_op"], agg["bitwidth"], attrs, agg.get("server_aggregate")))
+        ops.append((agg.get("aggregate"), agg["bitwidth"], attrs, agg.get("server_aggregate")))
     outs = _reduce_all()(stacked, ops=tuple(ops))
     return {agg["output"]: y for agg, y in zip(aggregations, outs)}
 
@@ -349,14 +392,14 @@ def from_chunk_sums(sums: np.ndarray, bitwidth: int, dtype) -> np.ndarray:
 
 def secure_inputs(step: dict) -> list[tuple[str, int]]:
     """The exchange's secure sums: (client output name, bitwidth), in plan order."""
-    return [(a["inputs"][0], a["bitwidth"]) for a in step["aggregations"] if a["fed_op"] == "fed.secure_sum"]
+    return [(a["inputs"][0], a["bitwidth"]) for a in step["aggregations"] if is_secure_sum(a)]
 
 
 def plain_inputs(step: dict) -> list[str]:
     """The client outputs the exchange's other aggregations read (sent in the clear)."""
     names: list[str] = []
     for a in step["aggregations"]:
-        if a["fed_op"] != "fed.secure_sum":
+        if not is_secure_sum(a):
             names += [n for n in a["inputs"] if n not in names]
     return names
 

@@ -79,7 +79,7 @@ class _Recorder:
 def _check_count(nodes: list[int], rnd: int) -> None:
     if not MIN_CLIENTS <= len(nodes) <= MAX_CLIENTS:
         raise AppError(
-            f"round {rnd}: fed.secure_sum on SecAgg+ needs {MIN_CLIENTS}..{MAX_CLIENTS} sampled "
+            f"round {rnd}: a secure sum on SecAgg+ needs {MIN_CLIENTS}..{MAX_CLIENTS} sampled "
             f"clients, got {len(nodes)}: sample more (min-clients={MIN_CLIENTS}) or run "
             "with --run-config 'secagg=false' (secure sums summed by the ServerApp)"
         )
@@ -169,4 +169,4 @@ def exchange(
 
 
 def _secure_aggs(step: dict) -> list[dict]:
-    return [a for a in step["aggregations"] if a["fed_op"] == "fed.secure_sum"]
+    return [a for a in step["aggregations"] if runtime.is_secure_sum(a)]

@@ -286,7 +286,7 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
             grid, nodes, step_index, step, values, rnd, cfg.timeout, extra
         )
         stats["received"] += received
-        aggregations = [a for a in aggregations if a["fed_op"] != "fed.secure_sum"]
+        aggregations = [a for a in aggregations if not runtime.is_secure_sum(a)]
     else:
         replies, errors = plain_exchange(grid, cfg, step_index, values, nodes, rnd, stats, extra)
     if step.get("state"):  # the clients whose state of this round the server counts

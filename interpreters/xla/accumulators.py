@@ -1,0 +1,296 @@
+"""What a stream does with a reduction: one :class:`Accumulator` per family of fed ops.
+
+``streaming.py``'s table maps each fed op class to one of these objects (or to an
+``Unsupported``); the stream's loop only calls their methods, so an op's streamed
+meaning is its table entry. The families:
+
+- :class:`Linear`: the sum-like ops (``fed.sum``, ``mean``, ``secure_sum``; with
+  :class:`Weighted`, ``weighted_mean``): a running sum in the accumulation dtype of the
+  result dtype (f32 for f16/bf16, as the reference and ``jnp.sum``), finished once at
+  the end (rounded, divided by the cohort or the weight sum, wrapped to the bitwidth);
+- :class:`Extremum`: ``fed.min`` / ``fed.max``, the running extremum and the count of
+  members at it (the gradient is shared among them, as ``jnp.min``'s is);
+- :class:`Gaussian`: the central DP aggregates, each member clipped and summed, the
+  noise drawn once at the end from the key that lives with the result;
+- ``streaming_ddp.Distributed``: the distributed DP aggregates.
+
+Every method takes the op (its operands, attributes and declared result types) and
+works on lists of arrays, one per *part* of the accumulator.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fcir.frontend import primitives as P
+from fcir.ir import Op, Value
+from fcir.ir.types import PlacedType
+
+__all__ = [
+    "Accumulator",
+    "Extremum",
+    "Gaussian",
+    "Linear",
+    "Weighted",
+    "as_result",
+    "declared_dtype",
+    "divided_by_cohort",
+    "divided_by_weight",
+    "masked",
+    "wrapped_to_bitwidth",
+]
+
+
+def declared_dtype(op: Op, i: int = 0) -> np.dtype:
+    """The dtype of result ``i`` of ``op``, as its IR type declares it."""
+    t = op.results[i].type
+    while isinstance(t, PlacedType):
+        t = t.member
+    return t.np_dtype
+
+
+def masked(y, valid, fill):
+    """``y`` with the members an earlier chunk already counted replaced by ``fill``."""
+    if valid is None:
+        return y
+    return jnp.where(valid.reshape((-1,) + (1,) * (y.ndim - 1)), y, fill)
+
+
+class Accumulator:
+    """How a stream folds one reduction ``k`` members at a time.
+
+    ``init`` -> ``step`` per chunk -> ``combine`` of the per-device partials (stacked on
+    a leading axis) -> ``finish`` once. For reverse mode, ``contribution`` is what a
+    chunk adds (the linear part the gradient flows through), ``seed`` what each chunk's
+    contribution is pulled back with, and ``part_cotangent`` that seed for one chunk."""
+
+    def parts(self, op: Op) -> int:
+        """How many arrays the accumulator holds."""
+        return 1
+
+    def member_operands(self, op: Op) -> list[Value]:
+        """The operands read member by member (sliced a chunk at a time)."""
+        return list(op.operands)
+
+    def server_operands(self, op: Op) -> list[Value]:
+        """The operands read once, where the result lives (a DP op's key)."""
+        return []
+
+    def init(self, op: Op, shapes: dict, n: int) -> list:
+        raise NotImplementedError
+
+    def contribution(self, op: Op, vals: dict, valid) -> list:
+        raise NotImplementedError
+
+    def step(self, op: Op, acc: list, vals: dict, valid, n: int) -> list:
+        return [a + p for a, p in zip(acc, self.contribution(op, vals, valid))]
+
+    def combine(self, op: Op, partial: list) -> list:
+        return [jnp.sum(a, axis=0, dtype=a.dtype) for a in partial]
+
+    def finish(self, op: Op, acc: list, n: int, server: dict) -> list:
+        """The op's results (``server``: the stream's unbatched values by Value)."""
+        raise NotImplementedError
+
+    def seed(self, op: Op, acc: list, cts: list, n: int) -> list:
+        """From the cotangents of the op's results (arrays, none symbolic)."""
+        raise NotImplementedError
+
+    def part_cotangent(self, op: Op, seed: list, part: list, valid) -> list:
+        return seed
+
+
+# Finishing steps of the sum-like family: the result (dtype ``dt``) from the running
+# sums ``acc`` of a cohort of ``n``.
+
+
+def as_result(acc: list, n: int, dt, op: Op):
+    """The sum, rounded to the result dtype."""
+    return acc[0].astype(dt)
+
+
+def divided_by_cohort(acc: list, n: int, dt, op: Op):
+    """The mean: divided by the cohort size in the accumulation dtype, then rounded."""
+    return (acc[0] / jnp.asarray(n, acc[0].dtype)).astype(dt)
+
+
+def divided_by_weight(acc: list, n: int, dt, op: Op):
+    """The weighted mean: the weighted sum over the weight sum, in the result dtype."""
+    return acc[0].astype(dt) / acc[1].astype(dt)
+
+
+def wrapped_to_bitwidth(acc: list, n: int, dt, op: Op):
+    """The secure sum: the integer sum (exact modulo its dtype's width) modulo
+    ``2**bitwidth``."""
+    total, bits = acc[0], op.attrs["bitwidth"]
+    if bits < np.dtype(total.dtype).itemsize * 8:
+        total = jnp.bitwise_and(total, jnp.asarray((1 << bits) - 1, total.dtype))
+    return total
+
+
+class Linear(Accumulator):
+    """A sum-like reduction: ``total(acc, n, result dtype, op)`` gives the result from
+    the running sum, whose dtype is the accumulation dtype of ``result_dtype(member
+    dtype)``. Rounding to the result dtype happens once, there: a bf16 or f16 running
+    sum rounded every chunk drops small terms and overflows (the f16 mean of five
+    20000s was inf)."""
+
+    def __init__(self, result_dtype=np.dtype, total=as_result):
+        self.result_dtype = result_dtype
+        self.total = total
+
+    def _acc_dtype(self, op: Op, dtype) -> np.dtype:
+        return P.accumulation_dtype(self.result_dtype(dtype))
+
+    def init(self, op, shapes, n):
+        x = shapes[op.operands[0]]
+        a = self._acc_dtype(op, x.dtype)
+        return [jnp.full(x.shape[1:], np.zeros((), a), a)]
+
+    def contribution(self, op, vals, valid):
+        x = vals[op.operands[0]]
+        a = self._acc_dtype(op, x.dtype)
+        return [jnp.sum(masked(x.astype(a), valid, 0), axis=0, dtype=a)]
+
+    def finish(self, op, acc, n, server):
+        return [self.total(acc, n, declared_dtype(op), op)]
+
+    def seed(self, op, acc, cts, n):
+        dt = declared_dtype(op)
+        _, pull = jax.vjp(lambda a: self.total(a, n, dt, op), acc)
+        (ct_acc,) = pull(cts[0])
+        return list(ct_acc)
+
+
+def _weights(x, w):
+    dt = P.mean_result_dtype(x.dtype)
+    return x.astype(dt), w.astype(dt).reshape(w.shape + (1,) * (x.ndim - w.ndim))
+
+
+class Weighted(Linear):
+    """``fed.weighted_mean``: the weighted sum and the weight sum, products in the
+    result dtype and sums in its accumulation dtype (the reference's)."""
+
+    def parts(self, op):
+        return 2
+
+    def init(self, op, shapes, n):
+        x, w = shapes[op.operands[0]], shapes[op.operands[1]]
+        dt = self._acc_dtype(op, x.dtype)
+        w_shape = w.shape[1:] + (1,) * (len(x.shape) - len(w.shape))
+        return [jnp.zeros(x.shape[1:], dt), jnp.zeros(w_shape, dt)]
+
+    def contribution(self, op, vals, valid):
+        xs, ws = _weights(vals[op.operands[0]], vals[op.operands[1]])
+        a = P.accumulation_dtype(xs.dtype)
+        return [
+            jnp.sum(masked((xs * ws).astype(a), valid, 0), axis=0),
+            jnp.sum(masked(ws.astype(a), valid, 0), axis=0),
+        ]
+
+
+class Extremum(Accumulator):
+    """``fed.min`` (``smallest=True``) or ``fed.max``: the running extremum and the
+    count of members at it, which shares the gradient among them."""
+
+    def __init__(self, *, smallest: bool):
+        self.smallest = smallest
+        self.fold, self.reduce = (jnp.minimum, jnp.min) if smallest else (jnp.maximum, jnp.max)
+
+    def parts(self, op):
+        return 2
+
+    def identity(self, dtype):
+        """The value a masked-out member contributes: leaves the extremum unchanged."""
+        dtype = np.dtype(dtype)
+        if dtype == np.bool_:
+            return np.array(self.smallest)
+        if jnp.issubdtype(dtype, jnp.floating):
+            return np.array(np.inf if self.smallest else -np.inf, dtype)
+        info = jnp.iinfo(dtype)
+        return np.array(info.max if self.smallest else info.min, dtype)
+
+    def init(self, op, shapes, n):
+        x = shapes[op.operands[0]]
+        dt = np.dtype(x.dtype)
+        return [jnp.full(x.shape[1:], self.identity(dt), dt), jnp.zeros(x.shape[1:], jnp.int32)]
+
+    def contribution(self, op, vals, valid):
+        return [vals[op.operands[0]]]  # the members' values: the gradient picks among them
+
+    def step(self, op, acc, vals, valid, n):
+        x = vals[op.operands[0]]
+        part = masked(x, valid, self.identity(x.dtype))
+        m = self.reduce(part, axis=0)
+        at = part == m
+        if valid is not None:
+            at = masked(at, valid, False)
+        new = self.fold(acc[0], m)
+        count = jnp.where(acc[0] == new, acc[1], 0) + jnp.where(
+            m == new, jnp.sum(at, axis=0, dtype=jnp.int32), 0
+        )
+        return [new, count]
+
+    def combine(self, op, partial):
+        m = self.reduce(partial[0], axis=0)
+        return [m, jnp.sum(jnp.where(partial[0] == m, partial[1], 0), axis=0, dtype=jnp.int32)]
+
+    def finish(self, op, acc, n, server):
+        return [acc[0].astype(declared_dtype(op))]
+
+    def seed(self, op, acc, cts, n):
+        return [acc[0], cts[0] / acc[1].astype(cts[0].dtype)]
+
+    def part_cotangent(self, op, seed, part, valid):
+        (x,) = part
+        at = (x == seed[0]) if valid is None else masked(x == seed[0], valid, False)
+        return [jnp.where(at, seed[1], jnp.zeros((), seed[1].dtype))]
+
+
+class Gaussian(Accumulator):
+    """``fed.dp_sum`` / ``fed.dp_mean`` (``mean``): each member's pytree clipped and
+    summed leaf by leaf in the accumulation dtype; the noise is drawn once, at the end,
+    from the key (the last operand, a value where the result lives), leaf ``i`` with
+    ``fold_in(key, i)`` in the leaf's declared dtype, as the unstreamed op draws it.
+    The gradient treats the clipped sum as the result (noise and rounding constant)."""
+
+    def __init__(self, *, mean: bool):
+        self.mean = mean
+
+    def parts(self, op):
+        return len(op.operands) - 1
+
+    def member_operands(self, op):
+        return list(op.operands[:-1])
+
+    def server_operands(self, op):
+        return [op.operands[-1]]
+
+    def init(self, op, shapes, n):
+        return [
+            jnp.zeros(shapes[v].shape[1:], P.accumulation_dtype(shapes[v].dtype))
+            for v in op.operands[:-1]
+        ]
+
+    def contribution(self, op, vals, valid):
+        leaves = [vals[v] for v in op.operands[:-1]]
+        clip = op.attrs["clip_norm"]
+        clipped = jax.vmap(lambda *m: P.clip_member(m, clip))(*leaves)
+        clipped = [c.astype(P.accumulation_dtype(c.dtype)) for c in clipped]
+        return [jnp.sum(masked(c, valid, 0), axis=0) for c in clipped]
+
+    def finish(self, op, acc, n, server):
+        key, a = server[op.operands[-1]], op.attrs
+        out = []
+        for i, total in enumerate(acc):
+            total = total.astype(declared_dtype(op, i))  # the noise is added in it
+            total = total + P.dp_noise(
+                key, i, total.shape, total.dtype, a["clip_norm"], a["noise_multiplier"]
+            )
+            out.append(total / n if self.mean else total)
+        return out
+
+    def seed(self, op, acc, cts, n):
+        return [c / n if self.mean else c for c in cts]
