@@ -2,22 +2,9 @@
 
 from fcir import fed as _fed  # every fed op's module: its primitive and JAX rules
 from fcir import privacy
-from fcir.api import (
-    broadcast,
-    dp_mean,
-    dp_sum,
-    map_fn,
-    program,
-    reduce_max,
-    reduce_mean,
-    reduce_min,
-    reduce_sum,
-    reduce_weighted_mean,
-    secure_sum,
-)
+from fcir.api import program
 from fcir.capture import capture
 from fcir.check import check, verify
-from fcir.ddp_api import ddp_mean, ddp_sum
 from fcir.errors import (
     CheckpointError,
     ExportError,
@@ -35,7 +22,8 @@ from fcir.ir import IR_VERSION, Module
 from fcir.text import parse
 
 # The user-facing functions the fed op modules define (``@fcir.fed.public``:
-# ``fcir.reduce_median``, ...), read from the registry.
+# ``fcir.broadcast``, ``fcir.map_fn``, ``fcir.reduce_sum``, ``fcir.dp_mean``, ...), read
+# from the registry: each is defined in its op's module and named nowhere else.
 globals().update(_fed.FUNCTIONS)
 
 __version__ = "0.1.0"

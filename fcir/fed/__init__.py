@@ -37,7 +37,10 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
 
 _CLASSES = {cls.__name__: cls for cls in FedOp.registry.values()}
 globals().update(_CLASSES)
-globals().update(FUNCTIONS)
+# A function named as its op's module (``broadcast``, ``dp_sum``) leaves the module in
+# place (``fcir.fed.dp_sum.dp_jvp``): ``fcir.dp_sum`` and ``FUNCTIONS`` name the function.
+_FUNCTIONS = {k: f for k, f in FUNCTIONS.items() if k not in globals()}
+globals().update(_FUNCTIONS)
 
 __all__ = sorted(
     [
@@ -55,6 +58,6 @@ __all__ = sorted(
         "public",
         "resolve",
         *_CLASSES,
-        *FUNCTIONS,
+        *_FUNCTIONS,
     ]
 )

@@ -7,17 +7,20 @@ federated sum of the members' cotangents.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
+from fcir import api, sharding
 from fcir import autodiff as AD
 from fcir import primitives as P
+from fcir.errors import PlacementError
 from fcir.jaxcompat import core
 from fcir.types import PlacedType
 
-from .base import FedOp, arity
+from .base import FedOp, arity, public
 
-__all__ = ["Broadcast", "broadcast_p"]
+__all__ = ["Broadcast", "broadcast", "broadcast_p"]
 
 
 def _explicit_member_axis(aval: core.ShapedArray, placement: str):
@@ -94,3 +97,25 @@ class Broadcast(FedOp):
     def bind(cls, op, args, cardinality):
         to = op.attrs["to"]
         return cls.primitive.bind(*args, placement=to, n=cardinality(to))
+
+
+@public
+def broadcast(x, *, to: str | None = None, mesh=None):
+    """Sends a value to every member of the placement below: ``T@p -> T@child!``.
+
+    Every leaf of pytree ``x`` gets a new leading axis of size n(child).
+    """
+    frame = api._current("fcir.broadcast")
+    name, n = frame.child("fcir.broadcast")
+    if to is not None and to != name:
+        raise PlacementError(
+            f"fcir.broadcast(to={to!r}): from here values can only be broadcast to '{name}', "
+            "the placement directly below; broadcast step by step inside map_fn bodies"
+        )
+    mesh = frame.mesh if mesh is None else mesh
+    leaves, tree = api._flatten(x)
+    out = [
+        sharding.constrain_broadcast(broadcast_p.bind(leaf, placement=name, n=n), name, mesh)
+        for leaf in leaves
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from fcir import api
 from fcir import autodiff as AD
 from fcir import primitives as P
 from fcir.types import TensorType
 
-from .base import Reduction, mean_dtype
+from .base import Reduction, mean_dtype, public
 from .broadcast import broadcast_p
 
-__all__ = ["Mean", "mean_p"]
+__all__ = ["Mean", "mean_p", "reduce_mean"]
 
 
 def _impl(x, *, n):
@@ -52,3 +53,9 @@ class Mean(Reduction):
     @classmethod
     def result_member(cls, member):
         return TensorType(mean_dtype(member.dtype), member.shape)
+
+
+@public
+def reduce_mean(x):
+    """Unweighted mean: ``{T}@child -> T@p``; ints and bools give float32."""
+    return api._reduce(mean_p, "fcir.reduce_mean", x)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcir import api
 from fcir import autodiff as AD
 from fcir import primitives as P
 
@@ -104,6 +105,4 @@ def reduce_median(x):
     A coordinate where any member is NaN is NaN (as ``np.median`` and ``jnp.median``),
     and its gradient is zero for every member (as ``jax.grad(jnp.median)``).
     """
-    from fcir.api import _reduce
-
-    return _reduce(median_p, "fcir.reduce_median", x)
+    return api._reduce(median_p, "fcir.reduce_median", x)

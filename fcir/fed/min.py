@@ -16,14 +16,15 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from fcir import api
 from fcir import autodiff as AD
 from fcir import primitives as P
 
-from .base import Reduction
+from .base import Reduction, public
 from .broadcast import broadcast_p
 from .sum import sum_p
 
-__all__ = ["Min", "chooser_jvp", "min_p"]
+__all__ = ["Min", "chooser_jvp", "min_p", "reduce_min"]
 
 
 def _indicator_region(dtype):
@@ -66,3 +67,9 @@ class Min(Reduction):
 
     name = "fed.min"
     primitive = min_p
+
+
+@public
+def reduce_min(x):
+    """Elementwise minimum over members: ``{T}@child -> T@p``."""
+    return api._reduce(min_p, "fcir.reduce_min", x)

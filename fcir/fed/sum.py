@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from fcir import api
 from fcir import autodiff as AD
 from fcir import primitives as P
 from fcir.types import TensorType, dtype_from_name, dtype_name
 
-from .base import Reduction
+from .base import Reduction, public
 from .broadcast import broadcast_p
 
-__all__ = ["Sum", "sum_p"]
+__all__ = ["Sum", "reduce_sum", "sum_p"]
 
 
 def _transpose(ct, x, *, placement, n):
@@ -56,3 +57,9 @@ class Sum(Reduction):
         return TensorType(
             dtype_name(P.sum_result_dtype(dtype_from_name(member.dtype))), member.shape
         )
+
+
+@public
+def reduce_sum(x):
+    """Sums a placed pytree to the enclosing placement: ``{T}@child -> T@p``."""
+    return api._reduce(sum_p, "fcir.reduce_sum", x)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fcir import api
 from fcir import autodiff as AD
 from fcir import primitives as P
 from fcir.types import TensorType
@@ -279,9 +280,8 @@ def reduce_trimmed_mean(x, *, trim: int):
     ``scipy.stats.trim_mean``), and its gradient is zero for every member; ``inf`` is
     an ordinary, largest value.
     """
-    from fcir.api import _reduce
     from fcir.errors import PlacementError
 
     if isinstance(trim, bool) or not isinstance(trim, (int, np.integer)):
         raise PlacementError(f"fcir.reduce_trimmed_mean: trim must be an int, got {trim!r}")
-    return _reduce(trimmed_mean_p, "fcir.reduce_trimmed_mean", x, trim=int(trim))
+    return api._reduce(trimmed_mean_p, "fcir.reduce_trimmed_mean", x, trim=int(trim))
