@@ -23,10 +23,9 @@ from fcir import attrs as A
 from fcir import canonical, captured, gcpause, pytrees
 from fcir import control_flow as CF
 from fcir import jaxcompat as jc
-from fcir import primitives as P
 from fcir.elementwise import LAYOUT, PER_MEMBER
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError
-from fcir.fed import by_primitive
+from fcir.fed import Map, by_primitive
 from fcir.ir import Func, Module, Op, Region, Value, is_name, sanitize_name
 from fcir.jaxcompat import core, derivatives, scan_outputs, schema, source_info_util
 from fcir.types import (
@@ -319,7 +318,7 @@ def _placements(fn, jaxpr: core.Jaxpr) -> list[tuple[str, int]]:
                     )
                 found[p] = (depth, n)
             for sub in core.jaxprs_in_params(eqn.params):
-                visit(sub, depth + (eqn.primitive is P.map_p))
+                visit(sub, depth + (eqn.primitive is Map.primitive))
 
     visit(jaxpr, 0)
     by_depth = sorted(found.items(), key=lambda kv: kv[1][0])

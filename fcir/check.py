@@ -37,10 +37,11 @@ import dataclasses
 
 from fcir import check_local
 from fcir import control_flow as CF
+from fcir.check_local import COLLECTIVES
 from fcir.elementwise import PER_MEMBER as ELEMENTWISE
 from fcir.errors import IRTypeError, PlacementError, PrivacyError
+from fcir.fed import Context, Violation, ops
 from fcir.ir import Module, Op, Region, Value, describe, is_name, value_numbering
-from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.types import SERVER, PlacedType, TensorType
 
 # The checker's own constraints (the fed ops' are in their classes, fcir.fed; local
@@ -171,7 +172,7 @@ class _Checker:
         for v in op.results:
             self.check_type_placements(v.type, path, op)
         self.check_sizes(op.results, path, op)
-        rule = FED_OPS.get(op.name)
+        rule = ops().get(op.name)
         if rule is not None:
             try:
                 rule.verify(op, ctx)

@@ -44,8 +44,14 @@ from fcir import jaxcompat as jc
 from fcir.errors import FcirError
 from fcir.ir import Op, Region
 from fcir.jaxcompat import core, schema
-from fcir.ops import COLLECTIVES
 from fcir.types import SERVER, PlacedType, TensorType, Type, dtype_from_name
+
+# Collectives over a named axis: inside a fed.map over a placement they would be
+# client-to-client communication.
+COLLECTIVES = frozenset(
+    "psum pmax pmin pmean ppermute pbroadcast all_gather all_to_all axis_index psum_scatter "
+    "reduce_scatter psum_invariant pvary".split()
+)
 
 CONSTRAINTS = {
     "local/C4": "result types must be those the primitive's abstract evaluation gives for the "

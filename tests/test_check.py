@@ -26,9 +26,11 @@ from fcir import cli
 from fcir.capture import capture_unchecked
 from fcir.check import verify
 from fcir.errors import IRTypeError, PlacementError
+from fcir.fed import ops as _fed_ops
 from fcir.ir import Module, Op, Region, Value, walk
-from fcir.ops import FED_OPS
 from fcir.types import PlacedType, TensorType
+
+FED_OPS = _fed_ops()
 
 N = 3
 f32 = jnp.float32

@@ -22,7 +22,8 @@ from corpus import CASES, case
 from fcir.interpreters import xla
 
 import fcir
-from fcir import captured, ops, types
+from fcir import captured, types
+from fcir import fed as F
 from fcir.errors import InterpreterError, PlacementError
 
 # Minutes of XLA CPU compile time each; their ids end in "-slow", so `-k "not slow"`
@@ -190,7 +191,7 @@ def test_mesh_must_be_a_mesh():
 
 def test_every_federated_op_has_a_rule():
     rules = xla.XlaInterpreter._impls
-    assert set(ops.FedOp.registry) <= set(rules), set(ops.FedOp.registry) - set(rules)
+    assert set(F.ops().values()) <= set(rules), set(F.ops().values()) - set(rules)
 
 
 def test_subclass_overrides_one_op():

@@ -94,7 +94,7 @@ class Broadcast(FedOp):
             cls.fail("C4", f"result {op.results[0].type}, expected {expected}")
 
     @classmethod
-    def bind(cls, op, args, cardinality):
+    def bind(cls, op, args, cardinality, regions=()):
         to = op.attrs["to"]
         return cls.primitive.bind(*args, placement=to, n=cardinality(to))
 

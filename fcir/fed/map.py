@@ -471,6 +471,13 @@ class Map(FedOp):
     placement_constraints = frozenset({"C2"})
 
     @classmethod
+    def bind(cls, op, args, cardinality, regions=()):
+        """Binds ``map_p`` with the body the interpreter traced from the op's region."""
+        (body,) = regions
+        p = op.operands[0].type.placement
+        return cls.primitive.bind(*args, body=body, placement=p, n=cardinality(p))
+
+    @classmethod
     def verify(cls, op, ctx):
         if len(op.regions) != 1 or not op.operands:
             cls.fail("C1", f"{len(op.regions)} regions, {len(op.operands)} operands")
