@@ -4,8 +4,9 @@ A subclass overrides single ops with ``@fcir.impl(fcir.fed.Sum)`` (or
 ``@fcir.impl("fed.sum")``, the same op by name) methods; ops it does not override fall
 back to the base class. The base class gives every op its JAX meaning by binding the
 op's primitive (a fed op through its class, ``FedOp.bind``), so it runs eagerly and
-equally under ``jax.jit`` tracing (``fcir.interpreters.xla`` is exactly that). An impl receives the op and its
-operand values and returns the result value (or a sequence, for several results)::
+equally under ``jax.jit`` tracing (``fcir.interpreters.xla`` is exactly that). An impl
+receives the op and its operand values and returns the result value (or a sequence,
+for several results)::
 
     class CountTraffic(fcir.Interpreter):
         @fcir.impl("fed.broadcast")
