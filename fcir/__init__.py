@@ -15,20 +15,7 @@ from fcir.errors import (
     VersionError,
 )
 from fcir.frontend.capture import capture
-from fcir.frontend.ddp_functions import ddp_mean, ddp_sum
-from fcir.frontend.program import (
-    broadcast,
-    dp_mean,
-    dp_sum,
-    map_fn,
-    program,
-    reduce_max,
-    reduce_mean,
-    reduce_min,
-    reduce_sum,
-    reduce_weighted_mean,
-    secure_sum,
-)
+from fcir.frontend.program import program
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import IR_VERSION, Module
 from fcir.ir.check import check, verify
@@ -36,6 +23,7 @@ from fcir.ir.text import parse
 from fcir.version import __version__
 
 # The user-facing functions the fed op modules define (``@fcir.fed.public``:
-# ``fcir.reduce_median``, ...), read from the registry.
+# ``fcir.broadcast``, ``fcir.map_fn``, ``fcir.reduce_sum``, ``fcir.dp_mean``, ...), read
+# from the registry: each is defined in its op's module and named nowhere else.
 globals().update(_fed.FUNCTIONS)
 

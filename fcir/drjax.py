@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fcir.errors import PlacementError
+from fcir.fed import FUNCTIONS as _FED
 from fcir.frontend import program as _api
 from fcir.frontend import sharding as _sharding
 
@@ -120,7 +121,7 @@ def broadcast(x: Any, *, mesh: _Mesh = None) -> Any:
     ambient mesh) has one; the other dimensions are laid out like ``x``.
     """
     _require_program("broadcast")
-    return _api.broadcast(jax.tree.map(jnp.asarray, x), mesh=mesh)
+    return _FED["broadcast"](jax.tree.map(jnp.asarray, x), mesh=mesh)
 
 
 def map_fn(fn: Callable[..., Any], arg: Any, *, mesh: _Mesh = None) -> Any:
@@ -129,7 +130,7 @@ def map_fn(fn: Callable[..., Any], arg: Any, *, mesh: _Mesh = None) -> Any:
     Inputs and outputs are sharded along the placement's mesh axis if there is one.
     """
     _require_program("map_fn")
-    return _api.map_fn(fn, arg, mesh=mesh)
+    return _FED["map_fn"](fn, arg, mesh=mesh)
 
 
 def reduce_sum(x: Any) -> Any:
@@ -140,8 +141,8 @@ def reduce_sum(x: Any) -> Any:
     leaves = jax.tree_util.tree_leaves(x)
     if any(_sum_dtype(leaf.dtype) != leaf.dtype for leaf in leaves):
         # The widening is a client-side cast, so it is a map like any other client work.
-        x = _api.map_fn(lambda v: jax.tree.map(lambda a: a.astype(_sum_dtype(a.dtype)), v), x)
-    return _api.reduce_sum(x)
+        x = _FED["map_fn"](lambda v: jax.tree.map(lambda a: a.astype(_sum_dtype(a.dtype)), v), x)
+    return _FED["reduce_sum"](x)
 
 
 def _sum_dtype(dtype):
@@ -152,7 +153,7 @@ def _sum_dtype(dtype):
 def reduce_mean(x: Any) -> Any:
     """Computes an unweighted mean across placed values (float32 for ints and bools)."""
     _require_program("reduce_mean")
-    return _api.reduce_mean(x)
+    return _FED["reduce_mean"](x)
 
 
 def _promoted_dtype(x, w):
@@ -181,5 +182,5 @@ def reduce_weighted_mean(x: Any, w: Any) -> Any:
             def cast(*leaves):
                 return [a if d is None else a.astype(d) for a, d in zip(leaves, casts)]
 
-            x = jax.tree.unflatten(x_tree, _api.map_fn(cast, tuple(x_leaves)))
-    return _api.reduce_weighted_mean(x, w)
+            x = jax.tree.unflatten(x_tree, _FED["map_fn"](cast, tuple(x_leaves)))
+    return _FED["reduce_weighted_mean"](x, w)

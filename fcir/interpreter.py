@@ -1,10 +1,12 @@
 """The interpreter base class: run a Module op by op.
 
-A subclass overrides single ops with ``@fcir.impl("op.name")`` methods; ops it does not
-override fall back to the base class. The base class gives every op its JAX meaning
-by binding the op's primitive, so it runs eagerly and equally under ``jax.jit``
-tracing (``fcir.interpreters.xla`` is exactly that). An impl receives the op and its
-operand values and returns the result value (or a sequence, for several results)::
+A subclass overrides single ops with ``@fcir.impl(fcir.fed.Sum)`` (or
+``@fcir.impl("fed.sum")``, the same op by name) methods; ops it does not override fall
+back to the base class. The base class gives every op its JAX meaning by binding the
+op's primitive (a fed op through its class, ``FedOp.bind``), so it runs eagerly and
+equally under ``jax.jit`` tracing (``fcir.interpreters.xla`` is exactly that). An impl
+receives the op and its operand values and returns the result value (or a sequence,
+for several results)::
 
     class CountTraffic(fcir.Interpreter):
         @fcir.impl("fed.broadcast")
@@ -26,7 +28,6 @@ import numpy as np
 from fcir import jaxcompat as jc
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.fed import FedOp, Unsupported
-from fcir.frontend import primitives as P
 from fcir.frontend import pytrees, sharding
 from fcir.ir import Module, Op, Region, control_flow, describe, expect_module, value_numbering, walk
 from fcir.ir import attrs as A
@@ -40,20 +41,21 @@ _log = logging.getLogger("fcir.interpreter")
 def impl(*ops) -> Callable:
     """Marks an Interpreter method as the implementation of ``ops``: fed op classes
     (``fcir.fed.Sum``; a typo is then an error, not dead code) or op names
-    (``"fed.sum"``, ``"jax.scan"``)."""
+    (``"fed.sum"``, resolved to its class; ``"jax.scan"``)."""
     if not ops:
         raise TypeError("impl() needs at least one op (a fed op class or an op name)")
-    names = []
+    keys: list = []
     for op in ops:
         if isinstance(op, type) and issubclass(op, FedOp) and "name" in vars(op):
-            names.append(op.name)
+            keys.append(op)
         elif isinstance(op, str):
-            names.append(_checked_op_name(op))
+            name = _checked_op_name(op)
+            keys.append(FedOp.registry.get(name, name))
         else:
             raise TypeError(f"impl({op!r}): give fed op classes (fcir.fed.Sum) or op names")
 
     def mark(fn):
-        fn.fcir_ops = tuple(names)
+        fn.fcir_ops = tuple(keys)
         return fn
 
     return mark
@@ -100,14 +102,20 @@ def _checked_op_name(name: str) -> str:
     )
 
 
-def own_rules(cls) -> dict[str, object]:
-    """The rules ``cls`` itself declares (not inherited): op name -> method name, or the
-    ``Unsupported`` entry of its ``unsupported`` table (a dict fed op class ->
-    ``fcir.fed.Unsupported``). The op-coverage test reads this for every backend."""
-    table: dict[str, object] = {}
+def own_rules(cls) -> dict[object, object]:
+    """The rules ``cls`` itself declares (not inherited): op -> the method implementing
+    it, or the ``Unsupported`` entry of its ``unsupported`` table (a dict fed op class ->
+    ``fcir.fed.Unsupported``). A fed op is keyed by its class, any other op by its name
+    (``"jax.scan"``). The op-coverage test reads this for every backend."""
+    return {key: entry for key, _, entry in _own_entries(cls)}
+
+
+def _own_entries(cls):
+    """(op key, attribute name or None, method or Unsupported) for each rule of ``cls``."""
+    table: list = []
     for attr, fn in vars(cls).items():
-        for name in getattr(fn, "fcir_ops", ()):
-            table[name] = attr
+        for key in getattr(fn, "fcir_ops", ()):
+            table.append((key, attr, fn))
     unsupported = vars(cls).get("unsupported", {})
     if not isinstance(unsupported, dict):
         raise FcirError(
@@ -127,7 +135,7 @@ def own_rules(cls) -> dict[str, object]:
                 f"write fcir.fed.Unsupported({entry!r}) so running {op_cls.name} is an "
                 "error giving that reason"
             )
-        table[op_cls.name] = entry
+        table.append((op_cls, None, entry))
     return table
 
 
@@ -197,7 +205,8 @@ class Interpreter:
     """Runs a Module. ``verbose=True`` logs each op; ``run(..., intermediates=True)``
     also returns every value computed, keyed by the printer's value number."""
 
-    _impls: ClassVar[dict[str, object]] = {}
+    # op (fed op class, or the name of any other op) -> method name or Unsupported
+    _impls: ClassVar[dict[object, object]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -264,7 +273,8 @@ class Interpreter:
         return [env[v] for v in region.results]
 
     def run_op(self, op: Op, args: Sequence) -> list:
-        method = self._impls.get(op.name)
+        fed = FedOp.registry.get(op.name)
+        method = self._impls.get(fed or op.name)
         if self.verbose:
             _log.info("%s", op.name)
         try:
@@ -275,8 +285,7 @@ class Interpreter:
             elif op.name.startswith("jax."):
                 method = "local"
                 out = self.local(op, *args)
-            elif op.name in FedOp.registry:
-                method = "fed_op"
+            elif fed is not None:
                 out = self.fed_op(op, *args)
             else:
                 raise UnsupportedError(f"{type(self).__name__} has no implementation of {op.name}")
@@ -291,7 +300,6 @@ class Interpreter:
             raise self._locate(e, op) from e
         except Exception as e:  # an op failed while running: attach the op, like torch.fx
             raise self._locate(InterpreterError(f"{type(e).__name__}: {e}"), op) from e
-        fed = FedOp.registry.get(op.name)
         multiple = fed.multiple_results if fed is not None else _multiple(op)
         if len(op.results) == 1 and not multiple:
             return [out]
@@ -314,49 +322,11 @@ class Interpreter:
     def constant(self, op: Op):
         return op.attrs["value"].value()
 
-    @impl("fed.broadcast")
-    def broadcast(self, op: Op, x):
-        to = op.attrs["to"]
-        return P.broadcast_p.bind(x, placement=to, n=self.module.cardinality(to))
-
-    @impl("fed.map")
-    def map(self, op: Op, *args):
-        p = op.operands[0].type.placement
-        body = self.region_jaxpr(op.regions[0])
-        return P.map_p.bind(*args, body=body, placement=p, n=self.module.cardinality(p))
-
     def fed_op(self, op: Op, *args):
-        """Any fed op without a method of its own: bind its primitive (its module in
-        ``fcir.fed`` holds the primitive's rules)."""
-        return FedOp.registry[op.name].bind(op, args, self.module.cardinality)
-
-    def _reduce(self, prim, op: Op, *args, **params):
-        p = op.operands[0].type.placement
-        return prim.bind(*args, placement=p, n=self.module.cardinality(p), **params)
-
-    @impl("fed.sum")
-    def sum(self, op, x):
-        return self._reduce(P.sum_p, op, x)
-
-    @impl("fed.mean")
-    def mean(self, op, x):
-        return self._reduce(P.mean_p, op, x)
-
-    @impl("fed.min")
-    def min(self, op, x):
-        return self._reduce(P.min_p, op, x)
-
-    @impl("fed.max")
-    def max(self, op, x):
-        return self._reduce(P.max_p, op, x)
-
-    @impl("fed.weighted_mean")
-    def weighted_mean(self, op, x, w):
-        return self._reduce(P.weighted_mean_p, op, x, w)
-
-    @impl("fed.secure_sum")
-    def secure_sum(self, op, x):
-        return self._reduce(P.secure_sum_p, op, x, bitwidth=op.attrs["bitwidth"])
+        """Any fed op: its class binds its primitive (its module in ``fcir.fed`` holds the
+        primitive's rules), with the op's regions traced by this interpreter."""
+        regions = [self.region_jaxpr(r) for r in op.regions]
+        return FedOp.registry[op.name].bind(op, args, self.module.cardinality, regions)
 
     @impl("jax.scan")
     def scan(self, op: Op, *args):
@@ -373,24 +343,6 @@ class Interpreter:
             jax.numpy.moveaxis(o, 0, axis(op.results[j].type)) if j in ys else o
             for j, o in enumerate(outs)
         ]
-
-    def _dp(self, prim, op, *args):
-        p = op.operands[0].type.placement
-        return prim.bind(
-            *args,
-            placement=p,
-            n=self.module.cardinality(p),
-            clip_norm=op.attrs["clip_norm"],
-            noise_multiplier=op.attrs["noise_multiplier"],
-        )
-
-    @impl("fed.dp_sum")
-    def dp_sum(self, op, *args):
-        return self._dp(P.dp_sum_p, op, *args)
-
-    @impl("fed.dp_mean")
-    def dp_mean(self, op, *args):
-        return self._dp(P.dp_mean_p, op, *args)
 
     @impl("jax.custom_jvp_call")
     def custom_jvp_call(self, op, *args):
@@ -491,14 +443,32 @@ def _returned_none(cls: type, method: str, op: Op) -> str:
 
 
 def _collect_impls(cls) -> None:
-    """op name -> method name, subclasses overriding their bases (no registration call
-    to forget: it runs for every subclass)."""
-    table: dict[str, object] = {}
+    """op -> method name (or Unsupported), subclasses overriding their bases (no
+    registration call to forget: it runs for every subclass)."""
+    table: dict[object, object] = {}
     for klass in reversed(cls.__mro__):
-        table.update(own_rules(klass))
+        for key, attr, entry in _own_entries(klass):
+            table[key] = entry if attr is None else attr
     cls._impls = table
 
 
+def _base_method(op_cls: type[FedOp]):
+    def run(self, op: Op, *args):
+        return self.fed_op(op, *args)
+
+    run.__name__ = run.__qualname__ = _method_name(op_cls)
+    run.__doc__ = f"``{op_cls.name}`` as the base class runs it (``fed_op``): for ``super()``."
+    return run
+
+
+def _method_name(op_cls: type[FedOp]) -> str:
+    return op_cls.primitive.name.removeprefix("fed_")
+
+
+# ``super().<op>(op, *args)`` in an override (``super().broadcast(op, x)``) reaches the
+# base behaviour of every fed op, whose one definition is ``fed_op``.
+for _op_cls in FedOp.registry.values():
+    setattr(Interpreter, _method_name(_op_cls), _base_method(_op_cls))
 _collect_impls(Interpreter)
 
 

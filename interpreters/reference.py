@@ -108,7 +108,7 @@ class ReferenceInterpreter(Interpreter):
         num, den = num.astype(dt), den.astype(dt)
         if np.any(np.asarray(den) == 0):
             raise InterpreterError(
-                "fed.weighted_mean: the total weight is zero, so the weighted mean is undefined"
+                f"{op.name}: the total weight is zero, so the weighted mean is undefined"
             )
         return (num / den).astype(dt)
 

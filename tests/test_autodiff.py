@@ -77,7 +77,14 @@ import pytest
 
 import fcir
 from fcir import jaxcompat as jc
-from fcir.frontend import primitives as P
+from fcir.fed.broadcast import broadcast_p
+from fcir.fed.map import map_p
+from fcir.fed.max import max_p
+from fcir.fed.mean import mean_p
+from fcir.fed.min import min_p
+from fcir.fed.secure_sum import secure_sum_p
+from fcir.fed.sum import sum_p
+from fcir.fed.weighted_mean import weighted_mean_p
 from fcir.jaxcompat import config as jax_config
 from fcir.jaxcompat import core, pe
 from fcir.jaxcompat.schema import scan_counts
@@ -117,7 +124,7 @@ def _inferred_placed_invars(jaxpr) -> list[bool]:
     as the frontend's sharding constraints) are placed."""
     used = set()
     for eqn in reversed(jaxpr.eqns):
-        if eqn.primitive is P.map_p or eqn.primitive.name in _REDUCTIONS:
+        if eqn.primitive is map_p or eqn.primitive.name in _REDUCTIONS:
             used.update(v for v in eqn.invars if isinstance(v, core.Var))
         elif eqn.primitive.name in MEMBERWISE and any(v in used for v in eqn.outvars):
             used.update(v for v in eqn.invars if isinstance(v, core.Var))
@@ -143,15 +150,15 @@ def _walk(jaxpr, placed_invars, where: str, errors: list[str]) -> list[bool]:
     for i, eqn in enumerate(jaxpr.eqns):
         name, loc = eqn.primitive.name, f"{where}/{i}:{eqn.primitive.name}"
         ins = [is_placed(a) for a in eqn.invars]
-        if eqn.primitive is P.broadcast_p:
+        if eqn.primitive is broadcast_p:
             if ins[0]:
                 errors.append(f"{loc}: broadcast of a placed value")
             placed.update(eqn.outvars)
-        elif eqn.primitive is P.map_p or name in _REDUCTIONS:
+        elif eqn.primitive is map_p or name in _REDUCTIONS:
             for a, p in zip(eqn.invars, ins):
                 if not p:
                     errors.append(f"{name}: operand produced by {producer(a)} is not placed")
-            if eqn.primitive is P.map_p:
+            if eqn.primitive is map_p:
                 _walk(eqn.params["body"], None, loc, errors)
                 placed.update(eqn.outvars)
         elif name == "scan":
@@ -632,44 +639,44 @@ def _bind(prim, x, **params):
 def test_broadcast_sum_mean_transposes_are_federated():
     s = jnp.arange(2.0)
     placed = jnp.arange(6.0).reshape(N, 2)
-    bt = jax.make_jaxpr(jax.linear_transpose(lambda v: _bind(P.broadcast_p, v), s))(placed)
-    st = jax.make_jaxpr(jax.linear_transpose(lambda v: _bind(P.sum_p, v), placed))(s)
-    mt = jax.linear_transpose(lambda v: _bind(P.mean_p, v), placed)
-    assert [e.primitive for e in bt.eqns] == [P.sum_p]
-    assert [e.primitive for e in st.eqns] == [P.broadcast_p]
+    bt = jax.make_jaxpr(jax.linear_transpose(lambda v: _bind(broadcast_p, v), s))(placed)
+    st = jax.make_jaxpr(jax.linear_transpose(lambda v: _bind(sum_p, v), placed))(s)
+    mt = jax.linear_transpose(lambda v: _bind(mean_p, v), placed)
+    assert [e.primitive for e in bt.eqns] == [sum_p]
+    assert [e.primitive for e in st.eqns] == [broadcast_p]
     mjaxpr = jax.make_jaxpr(mt)(s)
-    assert mjaxpr.eqns[-1].primitive is P.broadcast_p
+    assert mjaxpr.eqns[-1].primitive is broadcast_p
     assert federated_violations(mjaxpr) == []
     np.testing.assert_allclose(mt(s)[0], np.broadcast_to(s / N, (N, 2)))
     # JVPs are the primitive applied to the tangent.
-    _, t = jax.jvp(lambda v: _bind(P.mean_p, v), (placed,), (placed,))
+    _, t = jax.jvp(lambda v: _bind(mean_p, v), (placed,), (placed,))
     np.testing.assert_allclose(t, placed.mean(0))
 
 
 def test_integer_mean_and_secure_sum_have_zero_tangents():
     ints_ = jnp.array([[1, 2], [3, 4], [5, 7]], jnp.int32)
     f0 = np.zeros(ints_.shape, jax.dtypes.float0)
-    y, t = jax.jvp(lambda v: _bind(P.mean_p, v), (ints_,), (f0,))
+    y, t = jax.jvp(lambda v: _bind(mean_p, v), (ints_,), (f0,))
     assert y.dtype == jnp.float32 and t.dtype == jnp.float32 and not np.any(t)
-    y, t = jax.jvp(lambda v: _bind(P.secure_sum_p, v, bitwidth=4), (ints_,), (f0,))
+    y, t = jax.jvp(lambda v: _bind(secure_sum_p, v, bitwidth=4), (ints_,), (f0,))
     assert t.dtype == jax.dtypes.float0
     np.testing.assert_array_equal(y, [(1 + 3 + 5) % 16, (2 + 4 + 7) % 16])
     # An integer mean of a value computed from a float parameter passes no gradient.
     w, x, counts = ints_args()
 
     def through_int(w):
-        return _bind(P.mean_p, (counts[:, None] * (w > 0)).astype(jnp.int32)).sum() + w.sum()
+        return _bind(mean_p, (counts[:, None] * (w > 0)).astype(jnp.int32)).sum() + w.sum()
 
     np.testing.assert_array_equal(jax.grad(through_int)(w), np.ones(3))
 
 
-@pytest.mark.parametrize("prim,ref", [(P.min_p, jnp.min), (P.max_p, jnp.max)])
+@pytest.mark.parametrize("prim,ref", [(min_p, jnp.min), (max_p, jnp.max)])
 def test_min_max_ties_split_like_jnp(prim, ref):
     """Ties: the subgradient jnp.min/jnp.max use (lax._reduce_chooser_jvp_rule): the
     tangents of the tied members are averaged; so each of k tied members gets 1/k of
     the cotangent. Checked for 1-, 2- and 3-way ties, in both modes, exactly."""
     x = jnp.array([[1.0, 2.0, 5.0, 0.5], [1.0, 2.0, 3.0, 0.5], [4.0, 2.0, 5.0, 0.5]])
-    if prim is P.max_p:
+    if prim is max_p:
         x = -x
     x = x.at[2, 3].set(x[0, 3])  # all tie in column 3 as well
     ct = jnp.array([1.0, 2.0, 3.0, 4.0])
@@ -702,7 +709,7 @@ def test_weighted_mean_values_and_weights():
     w_int = (3 * w_abs[:, :, 0]).astype(jnp.int32)
 
     def fed(x, w):
-        return jnp.sum(jnp.sin(P.weighted_mean_p.bind(x, w, placement="clients", n=N)))
+        return jnp.sum(jnp.sin(weighted_mean_p.bind(x, w, placement="clients", n=N)))
 
     def ref(x, w):
         wf = w.astype(jnp.float32).reshape(w.shape + (1,) * (x.ndim - w.ndim))
@@ -764,14 +771,14 @@ def test_dce_prunes_map_outputs_and_body():
     w, x = remat_body_args()
     jaxpr = jax.make_jaxpr(f)(w, x).jaxpr
     new, used = pe.dce_jaxpr(jaxpr, [True, False, False])
-    maps = [e for e in new.eqns if e.primitive is P.map_p]
+    maps = [e for e in new.eqns if e.primitive is map_p]
     assert len(maps) == 1 and len(maps[0].outvars) == 1
     body = maps[0].params["body"].jaxpr
     assert "sin" not in str(body) and len(body.outvars) == 1
     assert used == [True, True]
     # Only x is needed by the surviving output: the map keeps one operand.
     new, used = pe.dce_jaxpr(jaxpr, [False, True, False])
-    (m,) = [e for e in new.eqns if e.primitive is P.map_p]
+    (m,) = [e for e in new.eqns if e.primitive is map_p]
     assert len(m.invars) == 1 and used == [False, True]
 
 
@@ -792,8 +799,8 @@ def test_partial_eval_jaxpr_nounits_keeps_residuals_placed():
         closed, [True, False], instantiate=False
     )
     assert out_uk == [True]
-    (kmap,) = [e for e in known.jaxpr.eqns if e.primitive is P.map_p]
-    (umap,) = [e for e in unknown.jaxpr.eqns if e.primitive is P.map_p]
+    (kmap,) = [e for e in known.jaxpr.eqns if e.primitive is map_p]
+    (umap,) = [e for e in unknown.jaxpr.eqns if e.primitive is map_p]
     assert all(v.aval.shape[0] == N for v in kmap.outvars)  # residuals placed
     assert "cos" in str(kmap.params["body"]) and "cos" not in str(umap.params["body"])
     res = core.jaxpr_as_fun(known)(x)
@@ -810,7 +817,7 @@ def test_transpose_of_map_keeps_cotangents_placed():
         x,
     )
     jaxpr = jax.make_jaxpr(vjp)(jnp.ones_like(x))
-    (m,) = [e for e in jaxpr.eqns if e.primitive is P.map_p]
+    (m,) = [e for e in jaxpr.eqns if e.primitive is map_p]
     assert m.outvars[0].aval.shape == x.shape
     np.testing.assert_allclose(vjp(jnp.ones_like(x))[0], 3 * jnp.cos(x), rtol=1e-6)
 
@@ -830,7 +837,7 @@ def test_body_constants_stay_constants_of_the_linear_region():
             jaxpr = jax.make_jaxpr(jax.grad(f))(x)
             g = jax.grad(f)(x)
         np.testing.assert_allclose(g, jnp.cos(x) * c, rtol=1e-5, atol=1e-6)
-        *_, backward = [e for e in jaxpr.eqns if e.primitive is P.map_p]
+        *_, backward = [e for e in jaxpr.eqns if e.primitive is map_p]
         assert backward.params["body"].consts  # c is a constant of the region
         assert len(backward.invars) == 2  # cos(x) residual (placed) and the cotangent
 

@@ -24,11 +24,13 @@ import pytest
 import fcir
 from fcir import cli
 from fcir.errors import IRTypeError, PlacementError
+from fcir.fed import ops as _fed_ops
 from fcir.frontend.capture import capture_unchecked
 from fcir.ir import Module, Op, Region, Value, walk
 from fcir.ir.check import verify
 from fcir.ir.types import PlacedType, TensorType
-from fcir.ops import FED_OPS
+
+FED_OPS = _fed_ops()
 
 N = 3
 f32 = jnp.float32

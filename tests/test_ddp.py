@@ -811,7 +811,7 @@ def test_ddp_ops_are_registry_fed_ops_of_kind_ddp_with_placed_keys():
     """fed.ddp_* live in fcir.fed (one module each) and every list of DP ops reads them
     from the registry by kind."""
     from fcir import fed as F
-    from fcir.ops import DP_OPS
+    from fcir.privacy import DP_OPS
 
     assert F.of_kind("ddp") == {"fed.ddp_sum", "fed.ddp_mean"} <= DP_OPS
     for name, mod in (("fed.ddp_sum", "fcir.fed.ddp_sum"), ("fed.ddp_mean", "fcir.fed.ddp_mean")):

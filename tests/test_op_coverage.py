@@ -11,7 +11,7 @@ from fcir.interpreter import Interpreter, impl, own_rules
 
 
 def backend_tables() -> dict[str, dict]:
-    """Each backend's own table: op name -> rule or Unsupported."""
+    """Each backend's own table: op (class or name) -> rule or Unsupported."""
     from fcir.interpreters import reference, xla
     from fcir.interpreters.flower import phases
     from fcir.interpreters.production import splitting
@@ -20,22 +20,40 @@ def backend_tables() -> dict[str, dict]:
     from fcir import privacy
     from fcir.report import traffic
 
-    def by_name(table):
-        return {cls.name: rule for cls, rule in table.items()}
+    def fed_only(table):  # an interpreter's table also holds jax.* rules
+        return {k: r for k, r in table.items() if isinstance(k, type)}
 
     return {
-        "reference": own_rules(reference.ReferenceInterpreter),
-        "xla": own_rules(xla.XlaInterpreter),
-        "streaming": by_name(streaming.RULES),
-        "production": by_name(splitting.OP_RULES),
-        "flower": by_name(phases.RULES),
-        "privacy": by_name(privacy.RULES),
-        "traffic": by_name(traffic.RULES),
+        "reference": fed_only(own_rules(reference.ReferenceInterpreter)),
+        "xla": fed_only(own_rules(xla.XlaInterpreter)),
+        # streaming's accumulators, production's decompositions and Flower's server
+        # aggregates are objects: test_every_backend_table_entry_is_behaviour_or_unsupported
+        # checks what each must be.
+        "streaming": dict(streaming.RULES),
+        "production": dict(splitting.OP_RULES),
+        "flower": dict(phases.RULES),
+        "privacy": dict(privacy.RULES),
+        "traffic": dict(traffic.RULES),
     }
 
 
+# The tables whose entries are the behaviour itself: each must be callable (a method, a
+# function), never prose describing a branch written elsewhere.
+CALLABLE_TABLES = ("reference", "xla", "privacy", "traffic")
+
+
 def missing_entries(table: dict) -> list[str]:
-    return sorted(set(F.ops()) - set(table))
+    keys = {k.name if isinstance(k, type) else k for k in table}
+    return sorted(set(F.ops()) - keys)
+
+
+def not_callable(table: dict) -> list[str]:
+    """The ops whose entry is neither an Unsupported nor callable behaviour."""
+    return sorted(
+        k.name if isinstance(k, type) else k
+        for k, rule in table.items()
+        if not isinstance(rule, F.Unsupported) and not callable(rule)
+    )
 
 
 @pytest.mark.parametrize(
@@ -45,9 +63,21 @@ def test_every_fed_op_has_a_rule_or_unsupported_in_the_backends_own_table(backen
     table = backend_tables()[backend]
     missing = missing_entries(table)
     assert not missing, f"{backend} has neither a rule nor Unsupported for {missing}"
-    for name, rule in table.items():
+    for key, rule in table.items():
         if isinstance(rule, F.Unsupported):
-            assert rule.reason.strip(), f"{backend}: Unsupported({name}) gives no reason"
+            assert rule.reason.strip(), f"{backend}: Unsupported({key}) gives no reason"
+
+
+@pytest.mark.parametrize("backend", CALLABLE_TABLES)
+def test_every_entry_of_a_backend_s_own_table_is_callable_behaviour(backend):
+    table = backend_tables()[backend]
+    assert not not_callable(table), f"{backend}'s entries for {not_callable(table)} are prose"
+
+
+def test_a_prose_entry_is_caught():
+    table = {**F.resolve({"reduction": lambda *a: None}), F.Sum: "sums the members"}
+    assert not_callable(table) == ["fed.sum"]
+    assert not_callable({F.Median: F.Unsupported("no")}) == []
 
 
 def test_a_backend_that_inherits_its_rules_is_caught():
@@ -70,7 +100,7 @@ def test_a_backend_that_inherits_its_rules_is_caught():
 def test_a_table_missing_an_op_is_caught():
     from fcir.report import traffic
 
-    table = {c.name: r for c, r in traffic.RULES.items() if c is not F.TrimmedMean}
+    table = {c: r for c, r in traffic.RULES.items() if c is not F.TrimmedMean}
     assert missing_entries(table) == ["fed.trimmed_mean"]
 
 
@@ -247,13 +277,17 @@ def test_the_generic_primitive_and_autodiff_machinery_names_no_fed_op():
                 assert hit is None, f"fcir/{module} names {word} ({name}): move it to the op"
 
 
-def test_legacy_primitive_names_resolve_through_the_registry():
+def test_an_op_s_primitive_is_named_by_its_module_not_by_the_generic_machinery():
+    from fcir.fed.ddp_mean import ddp_mean_p
+    from fcir.fed.map import map_p
+    from fcir.fed.sum import sum_p
     from fcir.frontend import primitives as P
 
-    assert P.sum_p is F.Sum.primitive and P.map_p is F.Map.primitive
-    assert P.ddp_mean_p is F.DdpMean.primitive
-    with pytest.raises(AttributeError):
-        P.no_such_op_p  # noqa: B018
+    assert sum_p is F.Sum.primitive and map_p is F.Map.primitive
+    assert ddp_mean_p is F.DdpMean.primitive
+    for name in ("sum_p", "no_such_op_p"):
+        with pytest.raises(AttributeError):
+            getattr(P, name)
 
 
 # --- what a Flower ServerApp runs for a reduction with no intrinsic ------------------------

@@ -22,7 +22,7 @@ from corpus import CASES, case
 from fcir.interpreters import xla
 
 import fcir
-from fcir import ops
+from fcir import fed as F
 from fcir.errors import InterpreterError, PlacementError
 from fcir.frontend import jaxpr_cache as captured
 from fcir.ir import types
@@ -192,7 +192,7 @@ def test_mesh_must_be_a_mesh():
 
 def test_every_federated_op_has_a_rule():
     rules = xla.XlaInterpreter._impls
-    assert set(ops.FedOp.registry) <= set(rules), set(ops.FedOp.registry) - set(rules)
+    assert set(F.ops().values()) <= set(rules), set(F.ops().values()) - set(rules)
 
 
 def test_subclass_overrides_one_op():

@@ -3,7 +3,7 @@
     python tools/gen_ops_doc.py           # rewrite docs/ops.md
     python tools/gen_ops_doc.py --check   # exit 1 if docs/ops.md is stale
 
-Sources: the federated op classes (subclasses of ``fcir.ops.FedOp``: name, numbered
+Sources: the federated op classes (subclasses of ``fcir.fed.FedOp``: name, numbered
 constraints), ``fcir.jaxcompat.schema`` (the local-op attributes fcir fixes whatever the
 JAX, and the regions that are open), and the corpus goldens (every ``jax.*`` op the test
 corpus captures, with the attributes it carries). tests/test_ops_doc.py runs --check.
@@ -33,7 +33,7 @@ under one supported JAX loads, checks, runs and prints the same under the others
 
 
 def _fed_ops():
-    from fcir.ops import FedOp
+    from fcir.fed import FedOp
 
     seen, stack = {}, list(FedOp.__subclasses__())
     while stack:

@@ -26,6 +26,7 @@ from .base import (
     Violation,
     by_primitive,
     of_kind,
+    op_class,
     ops,
     public,
     resolve,
@@ -37,7 +38,10 @@ for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
 
 _CLASSES = {cls.__name__: cls for cls in FedOp.registry.values()}
 globals().update(_CLASSES)
-globals().update(FUNCTIONS)
+# A function named as its op's module (``broadcast``, ``dp_sum``) leaves the module in
+# place (``fcir.fed.dp_sum.dp_jvp``): ``fcir.dp_sum`` and ``FUNCTIONS`` name the function.
+_FUNCTIONS = {k: f for k, f in FUNCTIONS.items() if k not in globals()}
+globals().update(_FUNCTIONS)
 
 __all__ = sorted(
     [
@@ -51,10 +55,11 @@ __all__ = sorted(
         "base",
         "by_primitive",
         "of_kind",
+        "op_class",
         "ops",
         "public",
         "resolve",
         *_CLASSES,
-        *FUNCTIONS,
+        *_FUNCTIONS,
     ]
 )

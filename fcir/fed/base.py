@@ -133,9 +133,10 @@ class FedOp:
         return {k: t(params[k]) for k, t in cls.attributes.items()}
 
     @classmethod
-    def bind(cls, op, args, cardinality):
+    def bind(cls, op, args, cardinality, regions=()):
         """Runs ``op`` by binding its primitive (the JAX meaning every backend that
-        traces to JAX shares)."""
+        traces to JAX shares). ``regions``: the op's regions as ClosedJaxprs, traced by
+        the interpreter running it (``fed.map``'s body)."""
         p = op.operands[0].type.placement
         params = {k: op.attrs[k] for k in cls.attributes}
         return cls.primitive.bind(*args, placement=p, n=cardinality(p), **params)
@@ -235,6 +236,13 @@ def of_kind(*kinds: str) -> frozenset[str]:
         if k not in KINDS:
             raise ValueError(f"unknown fed op kind {k!r}; kinds are {KINDS}")
     return frozenset(n for n, c in FedOp.registry.items() if c.kind in kinds)
+
+
+def op_class(op) -> type[FedOp] | None:
+    """The class of IR op ``op`` (or of an op name) if it is a fed op, else None: what
+    code outside ``fcir.fed`` compares (``op_class(op) is Broadcast``) instead of
+    naming the op by string."""
+    return FedOp.registry.get(op if isinstance(op, str) else op.name)
 
 
 def by_primitive() -> dict[str, type[FedOp]]:

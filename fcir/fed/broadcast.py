@@ -8,17 +8,21 @@ federated sum of the members' cotangents. Registered in ``fcir.fed.sum``, with
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
+from fcir.errors import PlacementError
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
+from fcir.frontend import sharding
 from fcir.ir.types import PlacedType
 from fcir.jaxcompat import core
 
-from .base import FedOp, arity
+from .base import FedOp, arity, public
 
-__all__ = ["Broadcast", "broadcast_p"]
+__all__ = ["Broadcast", "broadcast", "broadcast_p"]
 
 
 def _explicit_member_axis(aval: core.ShapedArray, placement: str):
@@ -82,6 +86,28 @@ class Broadcast(FedOp):
             cls.fail("C4", f"result {op.results[0].type}, expected {expected}")
 
     @classmethod
-    def bind(cls, op, args, cardinality):
+    def bind(cls, op, args, cardinality, regions=()):
         to = op.attrs["to"]
         return cls.primitive.bind(*args, placement=to, n=cardinality(to))
+
+
+@public
+def broadcast(x, *, to: str | None = None, mesh=None):
+    """Sends a value to every member of the placement below: ``T@p -> T@child!``.
+
+    Every leaf of pytree ``x`` gets a new leading axis of size n(child).
+    """
+    frame = api._current("fcir.broadcast")
+    name, n = frame.child("fcir.broadcast")
+    if to is not None and to != name:
+        raise PlacementError(
+            f"fcir.broadcast(to={to!r}): from here values can only be broadcast to '{name}', "
+            "the placement directly below; broadcast step by step inside map_fn bodies"
+        )
+    mesh = frame.mesh if mesh is None else mesh
+    leaves, tree = api._flatten(x)
+    out = [
+        sharding.constrain_broadcast(broadcast_p.bind(leaf, placement=name, n=n), name, mesh)
+        for leaf in leaves
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)

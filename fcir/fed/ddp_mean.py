@@ -3,9 +3,10 @@ holds the shared type rule, primitive and derivative)."""
 
 from __future__ import annotations
 
-from .ddp_sum import DdpSum, define_ddp
+from .base import public
+from .ddp_sum import DdpSum, ddp_release, define_ddp
 
-__all__ = ["DdpMean", "ddp_mean_p"]
+__all__ = ["DdpMean", "ddp_mean", "ddp_mean_p"]
 
 
 class DdpMean(DdpSum):
@@ -16,3 +17,9 @@ class DdpMean(DdpSum):
 
 
 ddp_mean_p = define_ddp(DdpMean, mean=True)
+
+
+@public
+def ddp_mean(x, clip_norm, noise_multiplier, keys, bits=20):
+    """``fcir.ddp_sum`` divided by the cardinality of the placement (noise included)."""
+    return ddp_release(ddp_mean_p, "fcir.ddp_mean", x, clip_norm, noise_multiplier, keys, bits)

@@ -1,6 +1,6 @@
 """``fed.ddp_sum``: distributed DP through secure aggregation (the distributed discrete
 Gaussian of KLS21; the numerics and their bounds are ``fcir.mechanisms.ddgauss``'s, the frontend
-``fcir.frontend.ddp_functions``, the trust model docs/privacy.md).
+``ddp_release``, the trust model docs/privacy.md).
 
 ``({T1}@child, ..., {Tk}@child, {K}@child) -> (T1, ..., Tk)``: the placed leaves of one
 pytree, then one PRNG key per member (``K`` is ``key<...>[]`` or ``u32[2]``), results
@@ -16,15 +16,17 @@ import functools
 import jax
 import numpy as np
 
+from fcir.errors import PlacementError
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
 from fcir.ir.types import PlacedType, TensorType
 from fcir.mechanisms import ddgauss as ddp
 
-from .base import FedOp
+from .base import FedOp, public
 from .dp_sum import DpSum, check_leaves_then_key, define_dp, dp_jvp, float_members
 
-__all__ = ["DdpSum", "ddp_sum_p", "define_ddp"]
+__all__ = ["DdpSum", "ddp_release", "ddp_sum", "ddp_sum_p", "define_ddp"]
 
 
 class DdpSum(FedOp):
@@ -139,3 +141,47 @@ def define_ddp(op: type[FedOp], mean: bool):
 
 
 ddp_sum_p = define_ddp(DdpSum, mean=False)
+
+
+def ddp_release(prim, what: str, x, clip_norm, noise_multiplier, keys, bits):
+    """Binds distributed DP aggregate ``prim`` on placed pytree ``x`` from the public
+    functions (``fcir.ddp_sum``, ``fcir.ddp_mean``), its static attributes checked first."""
+    frame = api._current(what)
+    name, n = frame.child(what)
+    clip = api._dp_static(what, "clip_norm", clip_norm, 0.0, True)
+    z = api._dp_static(what, "noise_multiplier", noise_multiplier, 0.0, False)
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)):
+        raise PlacementError(f"{what}: bits must be a Python int, got {bits!r}")
+    bits = int(bits)
+    if not ddp.MIN_BITS <= bits <= ddp.MAX_BITS:
+        raise PlacementError(
+            f"{what}: bits must be in [{ddp.MIN_BITS}, {ddp.MAX_BITS}], got {bits}"
+        )
+    leaves, tree = api._flatten(x)
+    if not leaves:
+        raise PlacementError(f"{what}: x has no array leaves")
+    api._check_placed(leaves, name, n, what)
+    if not isinstance(keys, jax.Array) and not hasattr(keys, "aval"):
+        keys = jax.numpy.asarray(keys)
+    api._check_placed([keys], name, n, f"{what} (keys: one PRNG key per member of '{name}')")
+    out = prim.bind(
+        *leaves, keys, placement=name, n=n, clip_norm=clip, noise_multiplier=z, bits=bits
+    )
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+@public
+def ddp_sum(x, clip_norm, noise_multiplier, keys, bits=20):
+    """Distributed DP sum: ``{T}@child -> T@p`` for a placed pytree ``x``, through a
+    secure sum modulo ``2**bits``.
+
+    ``keys`` holds one PRNG key per member (``jax.random.split(key, n)`` passed as client
+    data, ``{key}@clients``). Each member clips its pytree to global L2 norm
+    ``clip_norm``, rotates, scales and rounds it to integers at random and adds its share
+    of discrete Gaussian noise, so that the sum carries noise of std ``noise_multiplier
+    * clip_norm`` in the update's units; the server decodes the modular sum and never
+    holds an individual or un-noised value (``fcir.ddp``). ``clip_norm``,
+    ``noise_multiplier`` and ``bits`` are Python numbers (attributes of the op, read by
+    ``fcir.privacy.epsilon``). Gradients treat the noise and the rounding as constants.
+    """
+    return ddp_release(ddp_sum_p, "fcir.ddp_sum", x, clip_norm, noise_multiplier, keys, bits)

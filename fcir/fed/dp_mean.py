@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from .dp_sum import DpSum, define_dp_op
+from .base import public
+from .dp_sum import DpSum, define_dp_op, dp_release
 
-__all__ = ["DpMean", "dp_mean_p"]
+__all__ = ["DpMean", "dp_mean", "dp_mean_p"]
 
 
 class DpMean(DpSum):
@@ -15,3 +16,9 @@ class DpMean(DpSum):
 
 
 dp_mean_p = define_dp_op(DpMean, mean=True)
+
+
+@public
+def dp_mean(x, clip_norm, noise_multiplier, key):
+    """``fcir.dp_sum`` divided by the cardinality of the placement (noise included)."""
+    return dp_release(dp_mean_p, "fcir.dp_mean", x, clip_norm, noise_multiplier, key)

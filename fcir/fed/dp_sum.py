@@ -20,16 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fcir.errors import PlacementError
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
 from fcir.ir.types import TensorType
 from fcir.jaxcompat import batching, core, mlir
+from fcir.jaxcompat import core as _core
 
-from .base import FedOp
+from .base import FedOp, public
 from .map import member_map, member_slices
 from .sum import sum_p
 
-__all__ = ["DpSum", "define_dp", "define_dp_op", "dp_jvp", "dp_sum_p"]
+__all__ = ["DpSum", "define_dp", "define_dp_op", "dp_jvp", "dp_release", "dp_sum", "dp_sum_p"]
 
 
 # --- the primitive ------------------------------------------------------------------------
@@ -283,3 +286,43 @@ class DpSum(FedOp):
 
 
 dp_sum_p = define_dp_op(DpSum, mean=False)
+
+
+def dp_release(prim, what: str, x, clip_norm, noise_multiplier, key):
+    """Binds DP aggregate ``prim`` on placed pytree ``x`` from the public functions
+    (``fcir.dp_sum``, ``fcir.dp_mean``), its static attributes checked first."""
+    frame = api._current(what)
+    name, n = frame.child(what)
+    clip = api._dp_static(what, "clip_norm", clip_norm, 0.0, True)
+    z = api._dp_static(what, "noise_multiplier", noise_multiplier, 0.0, False)
+    leaves, tree = api._flatten(x)
+    if not leaves:
+        raise PlacementError(f"{what}: x has no array leaves")
+    api._check_placed(leaves, name, n, what)
+    if not isinstance(key, (jax.Array, _core.Tracer)):
+        try:
+            key = jax.numpy.asarray(key)
+        except (TypeError, ValueError):
+            raise PlacementError(
+                f"{what}: key must be a PRNG key at the server (jax.random.key(seed)), got "
+                f"{type(key).__name__}"
+            ) from None
+    out = prim.bind(*leaves, key, placement=name, n=n, clip_norm=clip, noise_multiplier=z)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+@public
+def dp_sum(x, clip_norm, noise_multiplier, key):
+    """Differentially private sum: ``{T}@child -> T@p`` for a placed pytree ``x``.
+
+    Each member's pytree is scaled by ``min(1, clip_norm / norm)`` (``norm`` its global
+    L2 norm over all leaves; a zero member stays zero; ``clip_norm`` less the float
+    error of the clip, so the clipped norm is at most ``clip_norm``: docs/privacy.md),
+    the clipped members are summed,
+    and where the result lives leaf ``i`` gets
+    ``noise_multiplier * clip_norm * fcir.dp_noise.standard_normal(fold_in(key, i), ...)``.
+    ``key`` is a PRNG key at the server (the current placement). ``clip_norm`` and
+    ``noise_multiplier`` are Python numbers: they are attributes of the op, read by
+    ``fcir.privacy.epsilon``. Gradients treat the noise as a constant.
+    """
+    return dp_release(dp_sum_p, "fcir.dp_sum", x, clip_norm, noise_multiplier, key)

@@ -21,6 +21,8 @@ cotangents are dropped from the region's signature.
 from __future__ import annotations
 
 import functools
+import re
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -30,6 +32,8 @@ from fcir import jaxcompat as jc
 from fcir.errors import PlacementError
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
+from fcir.frontend import sharding
 from fcir.ir.types import PlacedType
 from fcir.jaxcompat import (
     ad,
@@ -44,9 +48,10 @@ from fcir.jaxcompat import (
     weakref_lru_cache,
 )
 
-from .base import FedOp
+from .base import FedOp, public
+from .broadcast import broadcast_p
 
-__all__ = ["Map", "map_p", "member_map", "member_slices"]
+__all__ = ["Map", "map_fn", "map_p", "member_map", "member_slices"]
 
 Zero = ad_util.Zero
 _is_zero = AD.is_zero
@@ -469,6 +474,13 @@ class Map(FedOp):
     placement_constraints = frozenset({"C2"})
 
     @classmethod
+    def bind(cls, op, args, cardinality, regions=()):
+        """Binds ``map_p`` with the body the interpreter traced from the op's region."""
+        (body,) = regions
+        p = op.operands[0].type.placement
+        return cls.primitive.bind(*args, body=body, placement=p, n=cardinality(p))
+
+    @classmethod
     def verify(cls, op, ctx):
         if len(op.regions) != 1 or not op.operands:
             cls.fail("C1", f"{len(op.regions)} regions, {len(op.operands)} operands")
@@ -537,3 +549,101 @@ def member_slices(xs, dims, b: int, placement: str, n: int) -> list:
     for i, o in zip(batched, outs):
         got[i] = o
     return got
+@public
+def map_fn(fn: Callable, arg, *, mesh=None):
+    """Applies ``fn`` to each member: ``{T}@p -> {U}@p``.
+
+    ``fn`` is traced once with one member's (unbatched) shapes and becomes the region of
+    a ``fed.map`` op. A tuple ``arg`` is unpacked into positional arguments. Values that
+    ``fn`` closes over are broadcast explicitly, so every server-to-member flow is a
+    visible ``fed.broadcast``.
+    """
+    frame = api._current("fcir.map_fn")
+    if not callable(fn):
+        raise PlacementError(
+            f"fcir.map_fn(fn, arg): fn must be a function of one member's values, got "
+            f"{type(fn).__name__}"
+        )
+    name, n = frame.child("fcir.map_fn")
+    mesh = frame.mesh if mesh is None else mesh
+    api._check_placed(arg, name, n, "fcir.map_fn")
+    leaves, in_tree = api._flatten(arg)
+    leaves = [sharding.constrain_placed(jax.numpy.asarray(x), name, mesh) for x in leaves]
+    member_specs = [
+        jax.ShapeDtypeStruct(
+            np.shape(x)[1:],
+            x.dtype,
+            weak_type=jax.typeof(x).weak_type,
+            sharding=sharding.member_sharding(x),
+        )
+        for x in leaves
+    ]
+    out_tree_box = []
+
+    def flat_body(*member_leaves):
+        member_arg = jax.tree_util.tree_unflatten(in_tree, member_leaves)
+        out = fn(*member_arg) if isinstance(member_arg, tuple) else fn(member_arg)
+        out_leaves, out_tree = api._flatten(out)
+        for leaf in out_leaves:
+            if not (isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype")):
+                raise PlacementError(
+                    f"fcir.map_fn: fn returned a {type(leaf).__name__} ({leaf!r:.40}) among its "
+                    "results; a member's results are arrays (pytrees of them): return "
+                    "non-array values from outside the map_fn"
+                )
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    with api._pushed(api._Frame(frame.placements, frame.level + 1, mesh)):
+        try:
+            closed = jax.make_jaxpr(flat_body)(*member_specs)
+        except NameError as e:
+            _reject_placement_collective(e, frame.placements)
+            raise
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
+            # capture's message for it says what to write in a member's code; the
+            # innermost map_fn is the one whose body asked.
+            if getattr(e, "fcir_member_of", None) is None:
+                e.fcir_member_of = name
+            raise
+    body, consts = _lift_traced_consts(closed)
+    bcast = [
+        sharding.constrain_broadcast(broadcast_p.bind(c, placement=name, n=n), name, mesh)
+        for c in consts
+    ]
+    outs = map_p.bind(*bcast, *leaves, body=body, placement=name, n=n)
+    outs = [sharding.constrain_placed(o, name, mesh) for o in outs]
+    return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+
+
+def _reject_placement_collective(err: NameError, placements: api.Placements) -> None:
+    """A collective over a placement axis inside a map_fn body (``psum(x, "clients")``)
+    fails in JAX as an unbound axis name; say that it is client-to-client communication."""
+    m = re.search(r"unbound axis name: (\w+)", str(err))
+    if m is not None and m.group(1) in placements.names:
+        raise PlacementError(
+            f"fcir.map_fn: the body uses a collective over the placement axis '{m.group(1)}' "
+            f"({err}); that is client-to-client communication: aggregate with "
+            "fcir.reduce_sum/reduce_mean/... outside the body instead"
+        ) from err
+
+
+def _lift_traced_consts(closed: jc.ClosedJaxpr) -> tuple[jc.ClosedJaxpr, list]:
+    """Turns constants that are tracers of an outer trace into leading invars.
+
+    Concrete constants (numpy arrays) stay constants of the region.
+    """
+    jaxpr = closed.jaxpr
+    traced = [isinstance(c, jc.core.Tracer) for c in closed.consts]
+    if not any(traced):
+        return closed, []
+    keep_vars = [v for v, t in zip(jaxpr.constvars, traced) if not t]
+    keep_vals = [c for c, t in zip(closed.consts, traced) if not t]
+    lift_vars = [v for v, t in zip(jaxpr.constvars, traced) if t]
+    lift_vals = [c for c, t in zip(closed.consts, traced) if t]
+    new = jaxpr.replace(
+        constvars=keep_vars,
+        invars=[*lift_vars, *jaxpr.invars],
+        debug_info=jaxpr.debug_info._replace(arg_names=None),
+    )
+    return jc.closed_jaxpr(new, keep_vals), lift_vals

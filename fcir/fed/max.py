@@ -9,11 +9,12 @@ import jax.numpy as jnp
 
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
 
-from .base import Reduction
+from .base import Reduction, public
 from .min import chooser_jvp
 
-__all__ = ["Max", "max_p"]
+__all__ = ["Max", "max_p", "reduce_max"]
 
 max_p = P.define_reduction("fed_max", lambda x, *, n: jnp.max(x, axis=0), weak_type=True)
 AD.def_jvp(max_p, functools.partial(chooser_jvp, max_p))
@@ -24,3 +25,9 @@ class Max(Reduction):
 
     name = "fed.max"
     primitive = max_p
+
+
+@public
+def reduce_max(x):
+    """Elementwise maximum over members: ``{T}@child -> T@p``."""
+    return api._reduce(max_p, "fcir.reduce_max", x)

@@ -12,12 +12,13 @@ import jax.numpy as jnp
 
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_from_name, dtype_name
 
-from .base import Reduction
+from .base import Reduction, public
 from .broadcast import broadcast_p
 
-__all__ = ["Mean", "mean_dtype", "mean_p"]
+__all__ = ["Mean", "mean_dtype", "mean_p", "reduce_mean"]
 
 
 def mean_dtype(dtype: str) -> str:
@@ -56,3 +57,9 @@ class Mean(Reduction):
     @classmethod
     def result_member(cls, member):
         return TensorType(mean_dtype(member.dtype), member.shape)
+
+
+@public
+def reduce_mean(x):
+    """Unweighted mean: ``{T}@child -> T@p``; ints and bools give float32."""
+    return api._reduce(mean_p, "fcir.reduce_mean", x)

@@ -15,7 +15,7 @@ import numpy as np
 
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
-from fcir.frontend.program import _reduce
+from fcir.frontend import program as api
 
 from .base import Reduction, public
 from .trimmed_mean import (
@@ -105,4 +105,4 @@ def reduce_median(x):
     A coordinate where any member is NaN is NaN (as ``np.median`` and ``jnp.median``),
     and its gradient is zero for every member (as ``jax.grad(jnp.median)``).
     """
-    return _reduce(median_p, "fcir.reduce_median", x)
+    return api._reduce(median_p, "fcir.reduce_median", x)

@@ -18,13 +18,14 @@ import numpy as np
 
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
 
-from .base import Reduction
+from .base import Reduction, public
 from .broadcast import broadcast_p
 from .map import member_map
 from .sum import sum_p
 
-__all__ = ["Min", "chooser_jvp", "min_p"]
+__all__ = ["Min", "chooser_jvp", "min_p", "reduce_min"]
 
 
 def _indicator_region(dtype):
@@ -67,3 +68,9 @@ class Min(Reduction):
 
     name = "fed.min"
     primitive = min_p
+
+
+@public
+def reduce_min(x):
+    """Elementwise minimum over members: ``{T}@child -> T@p``."""
+    return api._reduce(min_p, "fcir.reduce_min", x)

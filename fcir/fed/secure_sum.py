@@ -9,13 +9,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from fcir.errors import PlacementError
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_name
 
-from .base import Reduction
+from .base import Reduction, public
 
-__all__ = ["SecureSum", "secure_sum_p"]
+__all__ = ["SecureSum", "secure_sum", "secure_sum_p"]
 
 
 def _impl(x, *, n, bitwidth):
@@ -68,3 +70,11 @@ class SecureSum(Reduction):
         found = cls.problem(member.dtype, op.attrs.get("bitwidth"))
         if found is not None:
             cls.fail(*found)
+
+
+@public
+def secure_sum(x, *, bitwidth: int):
+    """Sum of placed integers modulo ``2**bitwidth``: ``{iN[...]}@child -> iN[...]@p``."""
+    if isinstance(bitwidth, bool) or not isinstance(bitwidth, (int, np.integer)):
+        raise PlacementError(f"fcir.secure_sum: bitwidth must be an int, got {bitwidth!r}")
+    return api._reduce(secure_sum_p, "fcir.secure_sum", x, bitwidth=int(bitwidth))

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_from_name, dtype_name
 
-from .base import Reduction
+from .base import Reduction, public
 from .broadcast import broadcast_p
 
-__all__ = ["Sum", "sum_p"]
+__all__ = ["Sum", "reduce_sum", "sum_p"]
 
 
 def _transpose(ct, x, *, placement, n):
@@ -68,3 +69,7 @@ def _broadcast_transpose(ct, x, *, placement, n):
 
 
 AD.def_transpose(broadcast_p, _broadcast_transpose)
+@public
+def reduce_sum(x):
+    """Sums a placed pytree to the enclosing placement: ``{T}@child -> T@p``."""
+    return api._reduce(sum_p, "fcir.reduce_sum", x)

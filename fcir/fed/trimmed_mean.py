@@ -32,7 +32,7 @@ import numpy as np
 from fcir.errors import PlacementError
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
-from fcir.frontend.program import _reduce
+from fcir.frontend import program as api
 from fcir.frontend.sharding import gather_members
 from fcir.ir.types import TensorType, dtype_name
 
@@ -280,6 +280,7 @@ def reduce_trimmed_mean(x, *, trim: int):
     ``scipy.stats.trim_mean``), and its gradient is zero for every member; ``inf`` is
     an ordinary, largest value.
     """
+
     if isinstance(trim, bool) or not isinstance(trim, (int, np.integer)):
         raise PlacementError(f"fcir.reduce_trimmed_mean: trim must be an int, got {trim!r}")
-    return _reduce(trimmed_mean_p, "fcir.reduce_trimmed_mean", x, trim=int(trim))
+    return api._reduce(trimmed_mean_p, "fcir.reduce_trimmed_mean", x, trim=int(trim))

@@ -15,17 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fcir.errors import PlacementError
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_name
 
-from .base import FedOp, arity
+from .base import FedOp, arity, public
 from .broadcast import broadcast_p
 from .map import map_p, member_map
 from .mean import mean_dtype
 from .sum import sum_p
 
-__all__ = ["WeightedMean", "weighted_mean_p"]
+__all__ = ["WeightedMean", "reduce_weighted_mean", "weighted_mean_p"]
 
 
 # --- the primitive ------------------------------------------------------------------------
@@ -172,3 +174,33 @@ class WeightedMean(FedOp):
         expected = ctx.local(TensorType(mean_dtype(x.member.dtype), x.member.shape))
         if op.results[0].type != expected:
             cls.fail("C5", f"result {op.results[0].type}, expected {expected}")
+
+
+@public
+def reduce_weighted_mean(x, w):
+    """Weighted mean ``sum(w*x)/sum(w)``: ``({T}@child, {W}@child) -> T@p``.
+
+    ``w`` is a placed scalar per member (shape ``[n]``) or a pytree matching ``x``.
+    A zero total weight is an InterpreterError in the reference interpreter; compiled
+    code (jit, the XLA backend) divides by zero there, as jnp.average does: NaN where
+    the weighted sum is 0 too (all weights 0), +-inf where it is not (weights such as
+    ``[1, -1]`` that cancel).
+    """
+    what = "fcir.reduce_weighted_mean"
+    frame = api._current(what)
+    name, n = frame.child(what)
+    leaves, tree = api._flatten(x)
+    w_leaves, w_tree = api._flatten(w)
+    if len(w_leaves) == 1 and w_tree.num_leaves == 1 and tree.num_leaves != 1:
+        w_leaves = w_leaves * len(leaves)
+    elif w_tree != tree:
+        raise PlacementError(
+            f"{what}: weights must be one placed scalar per member or a pytree with the "
+            f"structure of the values; got {w_tree} for values {tree}"
+        )
+    api._check_placed(leaves, name, n, what)
+    api._check_placed(w_leaves, name, n, f"{what} (weights)")
+    out = [
+        weighted_mean_p.bind(leaf, wl, placement=name, n=n) for leaf, wl in zip(leaves, w_leaves)
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)

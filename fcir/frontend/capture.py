@@ -22,9 +22,8 @@ import numpy as np
 from fcir import gcpause
 from fcir import jaxcompat as jc
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError, user_location
-from fcir.fed import by_primitive
+from fcir.fed import Broadcast, Map, by_primitive
 from fcir.frontend import jaxpr_cache as captured
-from fcir.frontend import primitives as P
 from fcir.frontend import pytrees
 from fcir.frontend.program import PRIVATE_SCOPE
 from fcir.ir import Func, Module, Op, Region, Value, canonical, is_name, sanitize_name
@@ -317,7 +316,7 @@ def _placements(fn, jaxpr: core.Jaxpr) -> list[tuple[str, int]]:
                     )
                 found[p] = (depth, n)
             for sub in core.jaxprs_in_params(eqn.params):
-                visit(sub, depth + (eqn.primitive is P.map_p))
+                visit(sub, depth + (eqn.primitive is Map.primitive))
 
     visit(jaxpr, 0)
     by_depth = sorted(found.items(), key=lambda kv: kv[1][0])
@@ -430,12 +429,12 @@ class _Converter:
                 require(v, t)
         for eqn in reversed(jx.eqns):
             name = eqn.primitive.name
-            if name == "fed_map":
+            if eqn.primitive is Map.primitive:
                 p = self.child(level, eqn)
                 inner = self.param_types(eqn.params["body"].jaxpr, level + 1, stacked_ok=True)
                 for v, t in zip(eqn.invars, inner):
                     require(v, t if isinstance(t, _Stacked) else PlacedType(t, p))
-            elif name in FED_OP_NAMES and name != "fed_broadcast":
+            elif name in FED_OP_NAMES and eqn.primitive is not Broadcast.primitive:
                 p = self.child(level, eqn)
                 placed = FED_OP_CLASSES[name].placed_operands(len(eqn.invars))
                 for v in (eqn.invars[i] for i in placed):
@@ -708,7 +707,7 @@ class _Converter:
     def check_swapped(self, eqn, operands) -> None:
         """Stacked placed values (scan ``ys``) may only be scanned over again."""
         name = eqn.primitive.name
-        if name in _INLINE_IF_FEDERATED or name == "fed_map":
+        if name in _INLINE_IF_FEDERATED or eqn.primitive is Map.primitive:
             return  # passed on unchanged: the body's uses are checked
         xs = range(0)
         if name == "scan":
@@ -890,7 +889,7 @@ class _Converter:
         first: ``T@p!``, or for nested ``{{T}@q}@p`` a map over p broadcasting to q."""
         member = CF.innermost(want)
         top = Value(PlacedType(member, want.placement, True))
-        region.ops.append(Op("fed.broadcast", [tensor], [top], {"to": want.placement},
+        region.ops.append(Op(Broadcast.name, [tensor], [top], {"to": want.placement},
                              location=location))
         if isinstance(want.member, TensorType):
             return top
@@ -898,22 +897,22 @@ class _Converter:
         body = Region([param], [], [], "member")
         body.results = [self.broadcast_down(body, param, want.member, location)]
         out = Value(PlacedType(body.results[0].type, want.placement))
-        region.ops.append(Op("fed.map", [top], [out], {}, [body], location=location))
+        region.ops.append(Op(Map.name, [top], [out], {}, [body], location=location))
         return out
 
     def fed_op(self, eqn, operands, region: Region, level: int) -> list[Value]:
-        name = eqn.primitive.name
+        cls = FED_OP_CLASSES[eqn.primitive.name]
         p = self.child(level, eqn)
         loc = self.location(eqn)
-        if name == "fed_broadcast":
+        if cls is Broadcast:
             (x,) = operands
             t = PlacedType(_member_of(x.type) if level < 0 else x.type, p, True)
             out = [Value(t)]
-            op = Op("fed.broadcast", operands, out, {"to": p}, location=loc)
-        elif name == "fed_map":
+            op = Op(cls.name, operands, out, {"to": p}, location=loc)
+        elif cls is Map:
             body = eqn.params["body"]
             if not operands:
-                raise UnsupportedError("fed.map over no placed values: give map_fn an argument")
+                raise UnsupportedError(f"{cls.name} over no placed values: give map_fn an argument")
             inner = [_member_of(o.type) for o in operands]
             # A broadcast (all-equal) operand is one value per member inside the region.
             sub = self.convert_closed(body, level + 1, "member", param_types=inner,
@@ -921,9 +920,8 @@ class _Converter:
             out = [Value(PlacedType(r.type, p)) for r in sub.results]
             # A stacked value passes through the map unchanged (member axis first).
             self.swapped.update(v for v, r in zip(out, sub.results) if r in self.swapped)
-            op = Op("fed.map", operands, out, {}, [sub], location=loc)
+            op = Op(cls.name, operands, out, {}, [sub], location=loc)
         else:  # the reductions and DP aggregates: results local to this level
-            cls = FED_OP_CLASSES[name]
             out = [Value(self.local(tensor_of(v.aval), level)) for v in eqn.outvars]
             op = Op(cls.name, operands, out, cls.attrs_from_params(eqn.params), location=loc)
         region.ops.append(op)

@@ -5,8 +5,8 @@ batching, derivatives) sit in the op's own module, ``fcir/fed/<op>.py``; this mo
 holds what they share: the placed/member type helpers, the factories that make a
 reduction or a DP aggregate primitive (``define_reduction``, ``define_dp``), and the
 dtype and DP numerics conventions the backends agree on (``mean_result_dtype``,
-``sum_result_dtype``, ``clip_member``, ``dp_noise``). ``fcir.frontend.primitives.<op>_p`` still
-names each op's primitive, read from the registry (``fcir.fed``).
+``sum_result_dtype``, ``clip_member``, ``dp_noise``). An op's primitive is named by its
+module (``from fcir.fed.<op> import <op>_p``), never here.
 
 Conventions: a value placed at a placement of cardinality ``n`` is an array whose
 leading axis has size ``n`` (the member axis). Reductions remove that axis.
@@ -20,7 +20,6 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from fcir.errors import PlacementError
-from fcir.fed.base import by_primitive
 from fcir.jaxcompat import batching, core, mlir
 from fcir.mechanisms.gaussian import standard_normal
 
@@ -36,17 +35,6 @@ __all__ = [
     "placed_aval",
     "sum_result_dtype",
 ]
-
-
-def __getattr__(name: str):
-    """``<op>_p``: the primitive named ``fed_<op>``, read from the registry (each fed op
-    module defines its own primitive)."""
-    if name.endswith("_p") and not name.startswith("_"):
-
-        cls = by_primitive().get("fed_" + name.removesuffix("_p"))
-        if cls is not None:
-            return cls.primitive
-    raise AttributeError(f"module 'fcir.frontend.primitives' has no attribute {name!r}")
 
 
 def placed_aval(aval: core.ShapedArray, n: int, member_axis=None, mesh=None):

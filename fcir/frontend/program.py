@@ -1,9 +1,12 @@
-"""The user-facing federated API: ``program``, ``broadcast``, ``map_fn`` and reductions.
+"""The federated frontend's shared machinery: ``program`` and the placement context.
 
 Placement context is a thread-local stack pushed by a program call and by each
 ``map_fn`` body being traced, so nothing global is patched: two programs with
-different placements interleave and run from threads. Every call binds a primitive
-from ``fcir.frontend.primitives`` with the placement name and cardinality as params.
+different placements interleave and run from threads. The public function of each
+fed op (``fcir.broadcast``, ``fcir.map_fn``, ``fcir.reduce_sum``, ...) lives in the
+op's module in ``fcir.fed`` and reads the context here (``_current``, ``_pushed``),
+binding its primitive with the placement name and cardinality as params
+(``_reduce`` for the one-operand aggregates).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os as _os
-import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,28 +23,13 @@ import numpy as np
 
 from fcir import jaxcompat as jc
 from fcir.errors import PlacementError
-from fcir.frontend import primitives as P
-from fcir.frontend import sharding
 from fcir.ir import is_name
 
 # Source locations (and filtered tracebacks) point at the user's code, not at fcir's
 # own frames, as JAX does for its internals.
 jc.source_info_util.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
 
-__all__ = [
-    "Placements",
-    "broadcast",
-    "dp_mean",
-    "dp_sum",
-    "map_fn",
-    "program",
-    "reduce_max",
-    "reduce_mean",
-    "reduce_min",
-    "reduce_sum",
-    "reduce_weighted_mean",
-    "secure_sum",
-]
+__all__ = ["PRIVATE_SCOPE", "Placements", "program"]
 
 SERVER = "server"
 
@@ -316,188 +303,12 @@ def _check_placed(tree, placement: str, n: int, what: str) -> None:
         )
 
 
-def broadcast(x, *, to: str | None = None, mesh=None):
-    """Sends a value to every member of the placement below: ``T@p -> T@child!``.
-
-    Every leaf of pytree ``x`` gets a new leading axis of size n(child).
-    """
-    frame = _current("fcir.broadcast")
-    name, n = frame.child("fcir.broadcast")
-    if to is not None and to != name:
-        raise PlacementError(
-            f"fcir.broadcast(to={to!r}): from here values can only be broadcast to '{name}', "
-            "the placement directly below; broadcast step by step inside map_fn bodies"
-        )
-    mesh = frame.mesh if mesh is None else mesh
-    leaves, tree = _flatten(x)
-    out = [
-        sharding.constrain_broadcast(P.broadcast_p.bind(leaf, placement=name, n=n), name, mesh)
-        for leaf in leaves
-    ]
-    return jax.tree_util.tree_unflatten(tree, out)
-
-
-def map_fn(fn: Callable, arg, *, mesh=None):
-    """Applies ``fn`` to each member: ``{T}@p -> {U}@p``.
-
-    ``fn`` is traced once with one member's (unbatched) shapes and becomes the region of
-    a ``fed.map`` op. A tuple ``arg`` is unpacked into positional arguments. Values that
-    ``fn`` closes over are broadcast explicitly, so every server-to-member flow is a
-    visible ``fed.broadcast``.
-    """
-    frame = _current("fcir.map_fn")
-    if not callable(fn):
-        raise PlacementError(
-            f"fcir.map_fn(fn, arg): fn must be a function of one member's values, got "
-            f"{type(fn).__name__}"
-        )
-    name, n = frame.child("fcir.map_fn")
-    mesh = frame.mesh if mesh is None else mesh
-    _check_placed(arg, name, n, "fcir.map_fn")
-    leaves, in_tree = _flatten(arg)
-    leaves = [sharding.constrain_placed(jax.numpy.asarray(x), name, mesh) for x in leaves]
-    member_specs = [
-        jax.ShapeDtypeStruct(
-            np.shape(x)[1:],
-            x.dtype,
-            weak_type=jax.typeof(x).weak_type,
-            sharding=sharding.member_sharding(x),
-        )
-        for x in leaves
-    ]
-    out_tree_box = []
-
-    def flat_body(*member_leaves):
-        member_arg = jax.tree_util.tree_unflatten(in_tree, member_leaves)
-        out = fn(*member_arg) if isinstance(member_arg, tuple) else fn(member_arg)
-        out_leaves, out_tree = _flatten(out)
-        for leaf in out_leaves:
-            if not (isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype")):
-                raise PlacementError(
-                    f"fcir.map_fn: fn returned a {type(leaf).__name__} ({leaf!r:.40}) among its "
-                    "results; a member's results are arrays (pytrees of them): return "
-                    "non-array values from outside the map_fn"
-                )
-        out_tree_box.append(out_tree)
-        return out_leaves
-
-    with _pushed(_Frame(frame.placements, frame.level + 1, mesh)):
-        try:
-            closed = jax.make_jaxpr(flat_body)(*member_specs)
-        except NameError as e:
-            _reject_placement_collective(e, frame.placements)
-            raise
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
-            # capture's message for it says what to write in a member's code; the
-            # innermost map_fn is the one whose body asked.
-            if getattr(e, "fcir_member_of", None) is None:
-                e.fcir_member_of = name
-            raise
-    body, consts = _lift_traced_consts(closed)
-    bcast = [
-        sharding.constrain_broadcast(P.broadcast_p.bind(c, placement=name, n=n), name, mesh)
-        for c in consts
-    ]
-    outs = P.map_p.bind(*bcast, *leaves, body=body, placement=name, n=n)
-    outs = [sharding.constrain_placed(o, name, mesh) for o in outs]
-    return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
-
-
-def _reject_placement_collective(err: NameError, placements: Placements) -> None:
-    """A collective over a placement axis inside a map_fn body (``psum(x, "clients")``)
-    fails in JAX as an unbound axis name; say that it is client-to-client communication."""
-    m = re.search(r"unbound axis name: (\w+)", str(err))
-    if m is not None and m.group(1) in placements.names:
-        raise PlacementError(
-            f"fcir.map_fn: the body uses a collective over the placement axis '{m.group(1)}' "
-            f"({err}); that is client-to-client communication: aggregate with "
-            "fcir.reduce_sum/reduce_mean/... outside the body instead"
-        ) from err
-
-
-def _lift_traced_consts(closed: jc.ClosedJaxpr) -> tuple[jc.ClosedJaxpr, list]:
-    """Turns constants that are tracers of an outer trace into leading invars.
-
-    Concrete constants (numpy arrays) stay constants of the region.
-    """
-    jaxpr = closed.jaxpr
-    traced = [isinstance(c, jc.core.Tracer) for c in closed.consts]
-    if not any(traced):
-        return closed, []
-    keep_vars = [v for v, t in zip(jaxpr.constvars, traced) if not t]
-    keep_vals = [c for c, t in zip(closed.consts, traced) if not t]
-    lift_vars = [v for v, t in zip(jaxpr.constvars, traced) if t]
-    lift_vals = [c for c, t in zip(closed.consts, traced) if t]
-    new = jaxpr.replace(
-        constvars=keep_vars,
-        invars=[*lift_vars, *jaxpr.invars],
-        debug_info=jaxpr.debug_info._replace(arg_names=None),
-    )
-    return jc.closed_jaxpr(new, keep_vals), lift_vals
-
-
 def _reduce(prim, what: str, x, **params):
     frame = _current(what)
     name, n = frame.child(what)
     _check_placed(x, name, n, what)
     leaves, tree = _flatten(x)
     out = [prim.bind(leaf, placement=name, n=n, **params) for leaf in leaves]
-    return jax.tree_util.tree_unflatten(tree, out)
-
-
-def reduce_sum(x):
-    """Sums a placed pytree to the enclosing placement: ``{T}@child -> T@p``."""
-    return _reduce(P.sum_p, "fcir.reduce_sum", x)
-
-
-def reduce_mean(x):
-    """Unweighted mean: ``{T}@child -> T@p``; ints and bools give float32."""
-    return _reduce(P.mean_p, "fcir.reduce_mean", x)
-
-
-def reduce_min(x):
-    """Elementwise minimum over members: ``{T}@child -> T@p``."""
-    return _reduce(P.min_p, "fcir.reduce_min", x)
-
-
-def reduce_max(x):
-    """Elementwise maximum over members: ``{T}@child -> T@p``."""
-    return _reduce(P.max_p, "fcir.reduce_max", x)
-
-
-def secure_sum(x, *, bitwidth: int):
-    """Sum of placed integers modulo ``2**bitwidth``: ``{iN[...]}@child -> iN[...]@p``."""
-    if isinstance(bitwidth, bool) or not isinstance(bitwidth, (int, np.integer)):
-        raise PlacementError(f"fcir.secure_sum: bitwidth must be an int, got {bitwidth!r}")
-    return _reduce(P.secure_sum_p, "fcir.secure_sum", x, bitwidth=int(bitwidth))
-
-
-def reduce_weighted_mean(x, w):
-    """Weighted mean ``sum(w*x)/sum(w)``: ``({T}@child, {W}@child) -> T@p``.
-
-    ``w`` is a placed scalar per member (shape ``[n]``) or a pytree matching ``x``.
-    A zero total weight is an InterpreterError in the reference interpreter; compiled
-    code (jit, the XLA backend) divides by zero there, as jnp.average does: NaN where
-    the weighted sum is 0 too (all weights 0), +-inf where it is not (weights such as
-    ``[1, -1]`` that cancel).
-    """
-    what = "fcir.reduce_weighted_mean"
-    frame = _current(what)
-    name, n = frame.child(what)
-    leaves, tree = _flatten(x)
-    w_leaves, w_tree = _flatten(w)
-    if len(w_leaves) == 1 and w_tree.num_leaves == 1 and tree.num_leaves != 1:
-        w_leaves = w_leaves * len(leaves)
-    elif w_tree != tree:
-        raise PlacementError(
-            f"{what}: weights must be one placed scalar per member or a pytree with the "
-            f"structure of the values; got {w_tree} for values {tree}"
-        )
-    _check_placed(leaves, name, n, what)
-    _check_placed(w_leaves, name, n, f"{what} (weights)")
-    out = [
-        P.weighted_mean_p.bind(leaf, wl, placement=name, n=n) for leaf, wl in zip(leaves, w_leaves)
-    ]
     return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -512,45 +323,3 @@ def _dp_static(what: str, name: str, value, low: float, strict: bool) -> float:
         bound = f"> {low}" if strict else f">= {low}"
         raise PlacementError(f"{what}: {name} must be finite and {bound}, got {value!r}")
     return v
-
-
-def _dp(prim, what: str, x, clip_norm, noise_multiplier, key):
-    frame = _current(what)
-    name, n = frame.child(what)
-    clip = _dp_static(what, "clip_norm", clip_norm, 0.0, True)
-    z = _dp_static(what, "noise_multiplier", noise_multiplier, 0.0, False)
-    leaves, tree = _flatten(x)
-    if not leaves:
-        raise PlacementError(f"{what}: x has no array leaves")
-    _check_placed(leaves, name, n, what)
-    if not isinstance(key, (jax.Array, jc.core.Tracer)):
-        try:
-            key = jax.numpy.asarray(key)
-        except (TypeError, ValueError):
-            raise PlacementError(
-                f"{what}: key must be a PRNG key at the server (jax.random.key(seed)), got "
-                f"{type(key).__name__}"
-            ) from None
-    out = prim.bind(*leaves, key, placement=name, n=n, clip_norm=clip, noise_multiplier=z)
-    return jax.tree_util.tree_unflatten(tree, out)
-
-
-def dp_sum(x, clip_norm, noise_multiplier, key):
-    """Differentially private sum: ``{T}@child -> T@p`` for a placed pytree ``x``.
-
-    Each member's pytree is scaled by ``min(1, clip_norm / norm)`` (``norm`` its global
-    L2 norm over all leaves; a zero member stays zero; ``clip_norm`` less the float
-    error of the clip, so the clipped norm is at most ``clip_norm``: docs/privacy.md),
-    the clipped members are summed,
-    and where the result lives leaf ``i`` gets
-    ``noise_multiplier * clip_norm * fcir.mechanisms.gaussian.standard_normal(fold_in(key, i), ...)``.
-    ``key`` is a PRNG key at the server (the current placement). ``clip_norm`` and
-    ``noise_multiplier`` are Python numbers: they are attributes of the op, read by
-    ``fcir.privacy.epsilon``. Gradients treat the noise as a constant.
-    """
-    return _dp(P.dp_sum_p, "fcir.dp_sum", x, clip_norm, noise_multiplier, key)
-
-
-def dp_mean(x, clip_norm, noise_multiplier, key):
-    """``fcir.dp_sum`` divided by the cardinality of the placement (noise included)."""
-    return _dp(P.dp_mean_p, "fcir.dp_mean", x, clip_norm, noise_multiplier, key)

@@ -36,14 +36,15 @@ from __future__ import annotations
 import dataclasses
 
 from fcir.errors import IRTypeError, PlacementError, PrivacyError
+from fcir.fed import Context, Violation, ops
 from fcir.ir import check_jax_ops as check_local
 from fcir.ir import control_flow as CF
 from fcir.ir import expect_module
+from fcir.ir.check_jax_ops import COLLECTIVES
 from fcir.ir.elementwise import PER_MEMBER as ELEMENTWISE
 from fcir.ir.nodes import Module, Op, Region, Value, describe, is_name, value_numbering
 from fcir.ir.opnames import FCIR_OPS, closest_op
 from fcir.ir.types import SERVER, PlacedType, TensorType
-from fcir.ops import COLLECTIVES, FED_OPS, Context, Violation
 from fcir.privacy import leaks
 
 # The checker's own constraints (the fed ops' are in their classes, fcir.fed; local
@@ -172,7 +173,7 @@ class _Checker:
         for v in op.results:
             self.check_type_placements(v.type, path, op)
         self.check_sizes(op.results, path, op)
-        rule = FED_OPS.get(op.name)
+        rule = ops().get(op.name)
         if rule is not None:
             try:
                 rule.verify(op, ctx)

@@ -56,7 +56,13 @@ from fcir.jaxcompat import (
     named_sharding,
     schema,
 )
-from fcir.ops import COLLECTIVES
+
+# Collectives over a named axis: inside a fed.map over a placement they would be
+# client-to-client communication.
+COLLECTIVES = frozenset(
+    "psum pmax pmin pmean ppermute pbroadcast all_gather all_to_all axis_index psum_scatter "
+    "reduce_scatter psum_invariant pvary".split()
+)
 
 CONSTRAINTS = {
     "local/C4": "result types must be those the primitive's abstract evaluation gives for the "

@@ -274,3 +274,8 @@ def _custom_names(node_type, aux, count: int) -> tuple[str, ...]:
     ):
         return tuple(aux)
     return tuple(str(i) for i in range(count))
+
+
+def dtype_bits(dtype: str) -> int:
+    """The width in bits of IR dtype ``dtype`` (``"i16"`` -> 16)."""
+    return np.dtype(dtype_from_name(dtype)).itemsize * 8

@@ -205,7 +205,7 @@ def params(
     clip_norm: float,
     noise_multiplier: float,
     bits: int,
-    what: str = "fed.ddp_sum",
+    what: str = "fcir.ddp.params",
     conditional: bool = True,
 ) -> DdpParams:
     """The scale, noise and bounds of a ``ddp_*`` op (see the module docstring);
@@ -616,7 +616,8 @@ def noise_multiplier_for(
     rounding's share of the sensitivity stays too large)."""
 
     def accounted(z):
-        return rdp_noise_multiplier(params(dim, n, clip_norm, z, bits, conditional=conditional))
+        p = params(dim, n, clip_norm, z, bits, "fcir.ddp.noise_multiplier_for", conditional)
+        return rdp_noise_multiplier(p)
 
     lo, hi = float(target), float(target)
     while accounted(hi) < target:

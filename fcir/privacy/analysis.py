@@ -66,7 +66,6 @@ from fcir.ir import Module, Op, Region, Value, expect_module, value_numbering
 from fcir.ir import control_flow as cf
 from fcir.ir.types import SERVER, PlacedType
 from fcir.mechanisms.ddgauss import op_params, rdp_noise_multiplier
-from fcir.ops import DP_OPS
 from fcir.privacy import sampler_error
 from fcir.privacy.keys import problems
 from fcir.privacy.sampler_error import delta_with_sampler
@@ -96,19 +95,9 @@ CONSTRAINTS = {
     "is derived from (fcir.privacy.keys)",
 }
 
-# What the leak check does with each fed op (tests/test_op_coverage.py reads RULES):
-# a plain reduction releases its operands' information to the placement above in the
-# clear (privacy/C1 when they derive from client data), a DP aggregate releases it
-# through the Gaussian mechanism, a broadcast or a map passes it on.
-_BY_KIND = {
-    "broadcast": "passes taint from operand to result",
-    "map": "its region is checked; taint follows the region's dataflow",
-    "reduction": "releases to the server in the clear: privacy/C1 on client data",
-    "dp": "noised release: results are untainted, the accountant counts it",
-    "ddp": "noised at the clients, securely summed: results are untainted, the accountant "
-    "counts it; its keys are checked (privacy/C4, privacy/C5)",
-}
-RULES = {cls: _BY_KIND[cls.kind] for cls in F.ops().values()}
+# The ops that release client data to the placement above only through the Gaussian
+# mechanism: the leak check lets their results through, the accountant counts them.
+DP_OPS = F.of_kind("dp", "ddp")
 _AGGREGATES = F.of_kind("reduction")
 _DDP = F.of_kind("ddp")
 
@@ -203,16 +192,13 @@ class _Taint:
         ins = [self.taint.get(v, 0) for v in op.operands]
         if op.name == "jax.while" and any(_has_dp(r) for r in op.regions):
             self.report_while(op, path)
-        if op.name in DP_OPS and op.attrs["noise_multiplier"] > 0:
-            outs = [0] * len(op.results)
-        elif op.name in DP_OPS:  # noise_multiplier=0: the clipped sum, un-noised
-            outs = [max(ins, default=0)] * len(op.results)
-        elif op.name == "fed.map":
-            outs = self.region(op.regions[0], ins, (*path, 0), self.members_level(op, level))
+        rule = RULES.get(F.op_class(op))
+        if rule is not None:
+            outs = rule(self, op, ins, path, level)
         elif op.regions:
             outs = self.control_flow(op, ins, path, level)
-        else:  # fed.broadcast, the plain aggregates, local ops: results follow operands
-            outs = [max(ins, default=0)] * len(op.results)
+        else:  # local ops: results follow operands
+            outs = _follows(self, op, ins, path, level)
         for v, t in zip(op.results, outs):
             if t > level and _local(v.type, level):
                 # The first value of this level derived from the data of the parties
@@ -326,6 +312,41 @@ class _Taint:
             if (carried, outs, control) == before:
                 break
         return outs
+
+
+# What the leak check does with each fed op (tests/test_op_coverage.py reads RULES): a
+# rule gives the taints of the op's results from its operands' (``_Taint.op``). A plain
+# reduction releases its operands' information to the placement above in the clear
+# (``_Taint.report`` makes that privacy/C1 on client data), a DP aggregate releases it
+# through the Gaussian mechanism, a broadcast passes it on, a map's region is checked.
+
+
+def _follows(taint: _Taint, op: Op, ins: list[int], path: tuple, level: int) -> list[int]:
+    """Results derive from every operand (broadcast, plain reductions, local ops)."""
+    return [max(ins, default=0)] * len(op.results)
+
+
+def _region(taint: _Taint, op: Op, ins: list[int], path: tuple, level: int) -> list[int]:
+    """The region runs at the level of its members: taint follows its dataflow."""
+    return taint.region(op.regions[0], ins, (*path, 0), taint.members_level(op, level))
+
+
+def _noised(taint: _Taint, op: Op, ins: list[int], path: tuple, level: int) -> list[int]:
+    """A noised release is untainted (the accountant counts it); with
+    noise_multiplier=0 it is the clipped sum, un-noised, and follows its operands."""
+    if op.attrs["noise_multiplier"] > 0:
+        return [0] * len(op.results)
+    return _follows(taint, op, ins, path, level)
+
+
+_BY_KIND = {
+    "broadcast": _follows,
+    "map": _region,
+    "reduction": _follows,
+    "dp": _noised,
+    "ddp": _noised,  # noised at the clients; its keys are checked (privacy/C4, privacy/C5)
+}
+RULES = F.resolve(_BY_KIND)
 
 
 def _wiring(op: Op) -> list[tuple[list[int | None], list[tuple[str, int]] | None]]:

@@ -49,7 +49,7 @@ import itertools
 
 import numpy as np
 
-from fcir.fed import of_kind
+from fcir.fed import Broadcast, Map, of_kind, op_class
 from fcir.ir import Module, Op, Region, Value
 from fcir.ir import control_flow as cf
 from fcir.ir.types import PlacedType
@@ -276,9 +276,9 @@ class _Keys:
             if record:
                 self.releases.append(_Release(op, path, _as_key(ins[-1]), frames))
             outs = [None] * len(op.results)
-        elif name == "fed.broadcast":
+        elif op_class(op) is Broadcast:
             outs = ins[:1]
-        elif name == "fed.map":
+        elif op_class(op) is Map:
             outs = self.fed_map(op, ins, path, frames, record)
         elif name == "jax.scan":
             outs = self.loop(op, ins, path, frames, record, scan=True)

@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 
+from fcir import fed as F
 from fcir.errors import FcirError
 from fcir.ir import Module, Op, Region, Value, expect_module, walk
 from fcir.ir.types import SERVER, PlacedType, Structure
@@ -188,7 +189,7 @@ class _Drawing:
             if kind == "map":
                 run = self.node(op.operands[0].type.placement, "map", _map_label(op, context))
             elif run is None:
-                where = op.attrs["to"] if op.name == "fed.broadcast" else placement
+                where = op.attrs["to"] if F.op_class(op) is F.Broadcast else placement
                 run = self.node(where, kind, context=context)
             run.ops.append(op)
             t = self.traffic.get(id(op))
@@ -197,12 +198,12 @@ class _Drawing:
             self.define(op.results, run)
 
     def kind_of(self, op: Op) -> str:
-        if op.name == "fed.broadcast":
+        if F.op_class(op) is F.Broadcast:
             return f"broadcast:{op.attrs['to']}"
         if op.name in REDUCTIONS:
             bits = op.attrs.get("bitwidth")
             return f"{op.name}:{op.operands[0].type.placement}:{bits}"
-        if op.name == "fed.map":
+        if F.op_class(op) is F.Map:
             return "open" if self.communicates(op) else "map"
         if op.regions and self.communicates(op):
             return "open"
@@ -212,7 +213,7 @@ class _Drawing:
         key = id(op)
         if key not in self.federated:
             self.federated[key] = any(
-                o.name == "fed.broadcast" or o.name in REDUCTIONS
+                F.op_class(o) is F.Broadcast or o.name in REDUCTIONS
                 for r in op.regions
                 for _, o in walk(r)
             )
@@ -221,7 +222,7 @@ class _Drawing:
     def open(self, op: Op, placement: str, context: str) -> None:
         """Draws the regions of ``op`` in place: region parameters take their values
         from the op's last operands, the op's results from the regions' yields."""
-        if op.name == "fed.map":
+        if F.op_class(op) is F.Map:
             inner, inner_context = op.operands[0].type.placement, context
         else:
             inner = placement
@@ -340,7 +341,7 @@ def _short(name: str) -> str:
 
 def _map_label(op: Op, context: str) -> str:
     total, kinds = _count(op.regions[0].ops)
-    return f"fed.map: member computation\n{total} ops: {kinds}{_within(context)}"
+    return f"{op.name}: member computation\n{total} ops: {kinds}{_within(context)}"
 
 
 def _run_label(n: _Node) -> str:
@@ -351,7 +352,7 @@ def _run_label(n: _Node) -> str:
         total, kinds = _count(n.ops)
         return f"{total} local op{'s' if total != 1 else ''}\n{kinds}{_within(context)}"
     name = first.name
-    if name == "fed.secure_sum":
+    if F.op_class(first) is F.SecureSum:
         name += f" ({first.attrs['bitwidth']} bits)"
     return f"{name}" + (f" x{count}" if count > 1 else "") + _within(context)
 

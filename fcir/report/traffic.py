@@ -34,20 +34,6 @@ __all__ = [
     "transfers",
 ]
 
-# How each fed op communicates, by what it does (tests/test_op_coverage.py reads RULES):
-# a broadcast's members each receive its result, a map's members run its region, and
-# every reduction and DP aggregate receives its placed operands from each member (a
-# distributed DP aggregate: one uint32 residue per rotated coordinate, fcir.mechanisms.ddgauss).
-_BY_KIND = {
-    "broadcast": "broadcast",
-    "map": "map",
-    "reduction": "aggregate",
-    "dp": "aggregate",
-    "ddp": "aggregate",
-}
-RULES = {cls: _BY_KIND[cls.kind] for cls in F.ops().values()}
-REDUCTIONS = frozenset(cls.name for cls, rule in RULES.items() if rule == "aggregate")
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Transfer:
@@ -96,28 +82,63 @@ def transfers(module: Module) -> Iterator[Transfer]:
 def _transfers(module: Module, region: Region, members: int, repeats: int):
     """``members``: how many members run ``region``; ``repeats``: how often each does."""
     for op in region.ops:
-        if op.name == "fed.broadcast":
-            to = op.attrs["to"]
-            size = nbytes(module, _member(op.results[0].type))
-            yield Transfer(op, "broadcast", to, (size,), members * module.cardinality(to), repeats)
-        elif op.name in REDUCTIONS:
-            p = op.operands[0].type.placement
-            # The DP aggregates' last operand is the server's key: it is not sent.
-            if F.ops()[op.name].kind == "ddp":  # one uint32 residue per rotated coordinate
-                sizes = (4 * op_params(module, op).padded_dim,)
-            else:
-                sizes = tuple(
-                    nbytes(module, _member(o.type)) for o in op.operands
-                    if isinstance(o.type, PlacedType) and o.type.placement == p
-                )
-            yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
-        elif op.name == "fed.map":
-            n = module.cardinality(op.operands[0].type.placement)
-            yield from _transfers(module, op.regions[0], members * n, repeats)
+        rule = RULES.get(F.op_class(op))
+        if rule is not None:
+            yield from rule(module, op, members, repeats)
         elif op.regions:
             inner = repeats * scan_length(op) if op.name == "jax.scan" else repeats
             for sub in op.regions:
                 yield from _transfers(module, sub, members, inner)
+
+
+# How each fed op communicates, by what it does (tests/test_op_coverage.py reads RULES):
+# a rule yields the op's Transfers, given how many members run it and how often.
+
+
+def _broadcast(module: Module, op: Op, members: int, repeats: int):
+    """Each member of the target placement receives the result's member type."""
+    to = op.attrs["to"]
+    size = nbytes(module, _member(op.results[0].type))
+    yield Transfer(op, "broadcast", to, (size,), members * module.cardinality(to), repeats)
+
+
+def _map(module: Module, op: Op, members: int, repeats: int):
+    """Each member runs the region: its fed ops communicate once per member."""
+    n = module.cardinality(op.operands[0].type.placement)
+    yield from _transfers(module, op.regions[0], members * n, repeats)
+
+
+def _aggregate(module: Module, op: Op, members: int, repeats: int):
+    """Each member sends its placed operands (a DP aggregate's last operand, the
+    server's key, is not sent)."""
+    p = op.operands[0].type.placement
+    sizes = tuple(
+        nbytes(module, _member(o.type)) for o in op.operands
+        if isinstance(o.type, PlacedType) and o.type.placement == p
+    )
+    yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
+
+
+def _ddp_aggregate(module: Module, op: Op, members: int, repeats: int):
+    """Each member sends one uint32 residue per rotated coordinate (``fcir.ddp``)."""
+
+    p = op.operands[0].type.placement
+    sizes = (4 * op_params(module, op).padded_dim,)
+    yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
+
+
+_BY_KIND = {
+    "broadcast": _broadcast,
+    "map": _map,
+    "reduction": _aggregate,
+    "dp": _aggregate,
+    "ddp": _ddp_aggregate,
+}
+RULES = F.resolve(_BY_KIND)
+# The ops whose members send their values (the reports count them as aggregates).
+REDUCTIONS = frozenset(
+    cls.name for cls, rule in RULES.items() if rule in (_aggregate, _ddp_aggregate)
+)
 
 
 def call_unit(module: Module) -> str:

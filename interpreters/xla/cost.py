@@ -35,6 +35,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from fcir import fed as F
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Module, Op, Region
 from fcir.ir.control_flow import scan_length
@@ -174,7 +175,7 @@ def _visit(module, region: Region, times: float, once: float, levels, maps, note
     placement running ``region`` (``times``; ``once``: each loop body counted once, as
     XLA counts), and notes on loops whose trip count is not static."""
     for op in region.ops:
-        if op.name == "fed.map":
+        if F.op_class(op) is F.Map:
             placement = op.operands[0].type.placement
             levels[placement].maps += 1
             maps.append((placement, op.regions[0], times, once))
@@ -207,7 +208,7 @@ def _has_federated(op: Op) -> bool:
 class _OwnWork(Interpreter):
     """Runs a region without the work of its members: a ``fed.map`` yields zeros."""
 
-    @impl("fed.map")
+    @impl(F.Map)
     def map(self, op: Op, *args):
         return [_zeros(runtime_type(r.type, self.module.cardinality)) for r in op.results]
 
@@ -243,7 +244,7 @@ class _Flops:
     def more_iterations(self, region: Region) -> float:
         extra = 0.0
         for op in region.ops:
-            if op.name == "fed.map" or not op.regions:
+            if F.op_class(op) is F.Map or not op.regions:
                 continue  # member regions are costed on their own
             if op.name == "jax.scan" and isinstance(op.attrs.get("length"), int):
                 body = op.regions[0]

@@ -31,7 +31,6 @@ from jax.sharding import AxisType, PartitionSpec
 
 from fcir import fed as F
 from fcir import jaxcompat as jc
-from fcir.frontend import primitives as P
 from fcir.frontend import sharding
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import Op, Region
@@ -75,17 +74,16 @@ class XlaInterpreter(Interpreter):
     @impl(F.Map)
     def map(self, op: Op, *args):
         placement = op.operands[0].type.placement
-        n = self.module.cardinality(placement)
         args = [self.constrain(jax.numpy.asarray(a), placement) for a in args]
         body = self.member_jaxpr(op.regions[0], args)
-        outs = P.map_p.bind(*args, body=body, placement=placement, n=n)
+        outs = F.Map.bind(op, args, self.module.cardinality, [body])
         return [self.constrain(o, placement) for o in outs]
 
     @impl(*(c for c in F.ops().values() if c.kind in ("reduction", "dp", "ddp")))
     def aggregate(self, op: Op, *args):
         """A reduction or DP aggregate: its primitive, lowered by the rule its module in
         ``fcir.fed`` registers."""
-        return F.ops()[op.name].bind(op, args, self.module.cardinality)
+        return self.fed_op(op, *args)
 
     def member_jaxpr(self, region: Region, placed_args) -> jc.ClosedJaxpr:
         """The region traced for one member of ``placed_args``: unbatched shapes with each
