@@ -4,7 +4,7 @@ Every program body is written once, as a function of the API module, and run wit
 ``drjax`` and with ``fcir.drjax``. Single-device checks run in this process; the
 8-device checks (shardings on meshes with and without a ``clients`` axis, Auto and
 Explicit axis types) run once in a subprocess started with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``python tests/test_drjax.py``
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (``python tests/frontend/test_drjax.py``
 prints their results as JSON), so the whole suite stays one pytest process.
 """
 
@@ -658,7 +658,7 @@ _MESH_RUN: dict = {}
 
 
 def _start_mesh_checks() -> subprocess.Popen:
-    """Starts ``python tests/test_drjax.py`` with 8 host devices (once per session)."""
+    """Starts ``python tests/frontend/test_drjax.py`` with 8 host devices (once per session)."""
     if "proc" not in _MESH_RUN:
         env = dict(os.environ)
         env["XLA_FLAGS"] = " ".join(
@@ -670,7 +670,7 @@ def _start_mesh_checks() -> subprocess.Popen:
             ]
         ).strip()
         env["JAX_PLATFORMS"] = "cpu"
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         _MESH_RUN["proc"] = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__)],

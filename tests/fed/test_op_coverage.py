@@ -132,7 +132,7 @@ def cited_codes() -> dict[str, list[str]]:
     """Every ``ns/Cn`` written in the source of fcir and its backends -> where."""
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     found: dict[str, list[str]] = {}
     for folder in ("fcir", "interpreters"):
         for path in sorted((root / folder).rglob("*.py")):
@@ -234,7 +234,7 @@ def test_the_generic_primitive_and_autodiff_machinery_names_no_fed_op():
     import pathlib
     import re
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "fcir"
+    root = pathlib.Path(__file__).resolve().parents[2] / "fcir"
     for module in ("primitives.py", "autodiff.py"):
         code = (root / module).read_text()
         for name, cls in F.ops().items():
@@ -288,7 +288,7 @@ def test_the_flower_app_runtime_names_no_op_without_an_intrinsic():
 
     from fcir.interpreters.production import splitting
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "interpreters" / "flower" / "app"
+    root = pathlib.Path(__file__).resolve().parents[2] / "interpreters" / "flower" / "app"
     text = (root / "runtime.py").read_text()
     for name, uri in splitting.INTRINSICS.items():
         if uri == "federated_aggregate":

@@ -702,7 +702,7 @@ def test_noise_multiplier_for_matches_central_epsilon(bits):
 
 
 def test_example_trains_distributed_dp_at_the_central_epsilon(tmp_path):
-    from test_examples import load
+    from examples_testing import load
 
     png = tmp_path / "dp.png"
     curves = load("dp_fedavg_digits").main(

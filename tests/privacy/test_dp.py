@@ -118,7 +118,7 @@ def test_xla_backend_is_jit_bitwise_and_the_gradient_is_the_oracles():
             np.asarray(got_leaf), np.asarray(want_leaf), rtol=2e-5, atol=1e-6
         )
     # The derivative stays federated: captured, it checks, and its IR computes it. (Of
-    # the round declared private it is private too, and a leak: tests/test_dp_transforms.)
+    # the round declared private it is private too, and a leak: tests/privacy/test_dp_transforms.py)
     public = make_round(fcir.dp_mean, private=False)
 
     def public_objective(w, xs):
@@ -365,7 +365,7 @@ def test_production_clips_at_clients_sums_and_adds_noise_at_the_server(tmp_path)
 
 
 def test_example_trains_on_digits_and_draws_its_picture(tmp_path, capsys):
-    from test_examples import load
+    from examples_testing import load
 
     png = tmp_path / "dp.png"
     curves = load("dp_fedavg_digits").main(["--rounds", "3", "--output", str(png)])

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-WORKER = pathlib.Path(__file__).resolve().parent / "multiprocess" / "fedavg_worker.py"
+WORKER = pathlib.Path(__file__).resolve().parents[2] / "multiprocess" / "fedavg_worker.py"
 DEADLINE_S = 150  # generous for a loaded 2-core machine; a normal run takes ~20 s
 
 

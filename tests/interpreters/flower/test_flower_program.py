@@ -128,7 +128,7 @@ def _scaffold():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scaffold.py"
+    path = pathlib.Path(__file__).resolve().parents[3] / "examples" / "scaffold.py"
     spec = importlib.util.spec_from_file_location("example_scaffold", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

@@ -1,7 +1,7 @@
 """fcir.canonical: capture's one layout where JAX versions emit the same computation in
 another. Each rewrite moves ops or constants, never changes an operand of a sum: the
 reference interpreter gives the same bits before and after, and the goldens
-(tests/golden/README.md) and tests/test_xla.py's bitwise-jit tests pin it on the
+(tests/golden/README.md) and tests/interpreters/xla/test_xla.py's bitwise-jit tests pin it on the
 corpus under every JAX."""
 
 from __future__ import annotations

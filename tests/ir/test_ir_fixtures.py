@@ -19,7 +19,7 @@ from fcir.interpreters import reference, xla
 
 import fcir
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 SETS = sorted(p for p in FIXTURES.glob("ir_v*_jax*") if (p / "manifest.json").exists())
 CASES = [
     (d, name)

@@ -17,7 +17,7 @@ from fcir import gcpause
 from fcir import text as fcir_text
 from fcir.errors import FcirError
 
-GOLDEN_DIR = pathlib.Path(__file__).parent / "golden"
+GOLDEN_DIR = pathlib.Path(__file__).parents[1] / "golden"
 GOLDENS = sorted(p.stem for p in GOLDEN_DIR.glob("*.fcir"))
 
 

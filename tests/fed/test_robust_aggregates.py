@@ -1,7 +1,7 @@
 """fcir.reduce_median and fcir.reduce_trimmed_mean: semantics on every backend, their
 subgradient, their constraints while tracing, round trips, privacy and traffic.
 (Corpus case robust_agg runs them through the corpus-wide checks; the production
-round own:robust through the export tests; tests/test_flower_app.py through Flower.)"""
+round own:robust through the export tests; tests/interpreters/flower/test_flower_app.py through Flower.)"""
 
 from __future__ import annotations
 

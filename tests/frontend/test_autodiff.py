@@ -29,7 +29,7 @@ remat_body       jax.checkpoint inside the map body: eager grad, remat3, check_g
 drjax_round      same source on fcir and on the real drjax 0.2.1: equal gradients
 meta_learning    examples/meta_learning.py at reduced size (grad through a lax.scan of SGD
                  steps inside the body, w.r.t. the server lr and the initial model)
-corpus           tests/test_autodiff_corpus.py: every case with grad_argnums, grad and jvp
+corpus           tests/frontend/test_autodiff_corpus.py: every case with grad_argnums, grad and jvp
                  vs the oracle, federated-ness; two cases also vs drjax's gradient
 ===============  ===========================================================================
 
@@ -82,7 +82,7 @@ from fcir.jaxcompat import config as jax_config
 from fcir.jaxcompat import core, pe
 from fcir.jaxcompat.schema import scan_counts
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 # --- the federated-ness checker -------------------------------------------------------------

@@ -6,7 +6,7 @@ import pathlib
 
 from production import doc_runner
 
-PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "production.md"
+PAGE = pathlib.Path(__file__).resolve().parents[3] / "docs" / "production.md"
 
 
 def test_production_page_runs_and_shows_real_outputs():

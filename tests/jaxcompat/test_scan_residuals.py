@@ -160,7 +160,7 @@ def test_capture_keeps_copies_and_jax_keeps_its_own_form_whatever_traced_before(
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=pathlib.Path(__file__).resolve().parents[1],
+        cwd=pathlib.Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRIVATE = ("jax._src", "jax.interpreters", "jax.extend")
 BOUNDARY = ROOT / "fcir" / "jaxcompat"
 

@@ -20,7 +20,7 @@ first (``fcir.sharding.gather_members``).
 
 JAX fixes the number of CPU devices when it starts, so ``test_on_8_simulated_devices``
 runs the other tests of this file in a fresh process with 8 simulated devices (as
-tests/test_xla_mesh.py does, whose helpers these tests use).
+tests/interpreters/xla/test_xla_mesh.py does, whose helpers these tests use).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _corpus_grad(name):
 
 
 def _meta_learning_grad():
-    path = HERE.parent.parent / "examples" / "meta_learning.py"
+    path = HERE.parents[3] / "examples" / "meta_learning.py"
     spec = importlib.util.spec_from_file_location("meta_learning_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

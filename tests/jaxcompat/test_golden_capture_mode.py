@@ -30,7 +30,7 @@ import fcir
 from fcir import captured
 from fcir.jaxcompat import derivatives
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 DERIVATIVE_OPS = {f"jax.{name}" for name in derivatives.OPS}
 
 # One process: JAX traces and differentiates the corpus program itself (jit, make_jaxpr,

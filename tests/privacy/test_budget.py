@@ -93,7 +93,7 @@ def test_bad_parameters_are_privacy_errors(kw):
 
 
 def test_the_digits_example_stops_before_the_round_that_would_pass_max_epsilon(tmp_path, capsys):
-    from test_examples import load
+    from examples_testing import load
 
     example = load("dp_fedavg_digits")
     # ε after 2 rounds at the example's defaults is 1.48, after 3 rounds 1.85

@@ -4,21 +4,18 @@ compiled by ``fcir compile`` from their ``EXAMPLE_ARGS``. Also ``RoundProgress``
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import pathlib
 import subprocess
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from examples_testing import EXAMPLES, load
 
 import fcir
 from fcir import cli
 from fcir.progress import RoundProgress
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 # example file -> (round function, reduced command-line arguments)
 TRAINING = {
@@ -32,18 +29,6 @@ ANALYTICS = {
                                                     "--items", "5"]),
 }  # fmt: skip
 ALL = {**TRAINING, **ANALYTICS}
-
-
-def load(name: str):
-    """Imports examples/<name>.py as a script would see it (examples/ on sys.path)."""
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    return module
 
 
 @pytest.mark.parametrize("name", sorted(TRAINING))

@@ -83,7 +83,7 @@ def test_meta_learning_gradient_ir_matches_golden(golden):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "meta_learning.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "meta_learning.py"
     spec = importlib.util.spec_from_file_location("meta_learning_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)

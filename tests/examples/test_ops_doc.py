@@ -14,7 +14,7 @@ from fcir.interpreters import reference
 import fcir
 from fcir.jaxcompat import schema
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _tool():

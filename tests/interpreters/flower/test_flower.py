@@ -258,7 +258,7 @@ def test_per_client_state_survives_a_supernode_restart_mid_run(dep, tmp_path):
     import importlib.util
     import re
 
-    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "scaffold.py"
+    path = pathlib.Path(__file__).resolve().parents[3] / "examples" / "scaffold.py"
     spec = importlib.util.spec_from_file_location("example_scaffold", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
