@@ -19,17 +19,6 @@ pytest.importorskip("moto.server", reason="the test extra has moto[server]")
 _names = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from s3_testing import BUCKET, client, moto_server, s3_env
-
-    with moto_server() as endpoint, pytest.MonkeyPatch.context() as mp:
-        for k, v in s3_env(endpoint).items():
-            mp.setenv(k, v)
-        client(endpoint).create_bucket(Bucket=BUCKET)
-        yield endpoint
-
-
 def _upload(endpoint, local, prefix, skip=()):
     from s3_testing import BUCKET, client
 
