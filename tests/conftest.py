@@ -122,6 +122,27 @@ def pytest_sessionfinish(session, exitstatus):
     session.exitstatus = 1
 
 
+# Folders whose tests no JAX version changes: checkpoint I/O, CLI plumbing, Flower and
+# Ray deployments (the client work they ship is jax.export's, which the production export
+# tests run on every JAX). Every test under them is marked ``jax_independent``, and so is
+# any other file that says ``pytestmark = pytest.mark.jax_independent``; CI runs them on
+# the newest JAX only (.ci/run, docs/contributing.md).
+JAX_INDEPENDENT_FOLDERS = ("checkpoint", "cli", "interpreters/flower")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests under ``JAX_INDEPENDENT_FOLDERS`` ``jax_independent``."""
+    root = pathlib.Path(__file__).parent.resolve()
+    folders = [tuple(f.split("/")) for f in JAX_INDEPENDENT_FOLDERS]
+    for item in items:
+        try:
+            parts = pathlib.Path(item.path).resolve().relative_to(root).parts
+        except ValueError:  # a test outside this folder (a scratch suite's)
+            continue
+        if any(parts[: len(f)] == f for f in folders):
+            item.add_marker("jax_independent")
+
+
 def pytest_collection_finish(session):
     """Starts the 8-device children of the selected files in the background (see
     eight_devices.py): only those whose waiting test was selected, none for
