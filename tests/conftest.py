@@ -131,10 +131,15 @@ JAX_INDEPENDENT_FOLDERS = ("checkpoint", "cli", "interpreters/flower")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests under ``JAX_INDEPENDENT_FOLDERS`` ``jax_independent``."""
+    """Marks the tests under ``JAX_INDEPENDENT_FOLDERS`` ``jax_independent``, and the
+    test that waits for a file's 8-device child (eight_devices.py) ``slow``: the child
+    compiles for minutes."""
     root = pathlib.Path(__file__).parent.resolve()
     folders = [tuple(f.split("/")) for f in JAX_INDEPENDENT_FOLDERS]
     for item in items:
+        child = getattr(getattr(item, "module", None), "EIGHT_DEVICES", None)
+        if child is not None and getattr(item, "originalname", None) == child.test:
+            item.add_marker("slow")
         try:
             parts = pathlib.Path(item.path).resolve().relative_to(root).parts
         except ValueError:  # a test outside this folder (a scratch suite's)

@@ -18,6 +18,8 @@ import os, pathlib, time
 import pytest
 from eight_devices import Child, inside
 
+pytestmark = pytest.mark.jax_independent  # the suite's own machinery, no JAX
+
 HERE = pathlib.Path(__file__).resolve()
 EIGHT_DEVICES = Child(HERE, "FCIR_SCRATCH_TESTS")
 MARK = HERE.parent / "child-started"

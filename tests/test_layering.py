@@ -7,6 +7,10 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
+pytestmark = pytest.mark.jax_independent  # reads the source's imports
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

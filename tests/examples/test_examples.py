@@ -17,6 +17,8 @@ import fcir
 from fcir import cli
 from fcir.progress import RoundProgress
 
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 # example file -> (round function, reduced command-line arguments)
 TRAINING = {
     "fedavg_transformer": ("fedavg_transformer_round", ["--rounds", "3", "--clients", "2"]),

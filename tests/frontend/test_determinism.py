@@ -9,6 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 # Run in a fresh interpreter: a program with dicts, sets of names, pytree classes, regions,
 # PRNG keys, bf16, large constants, a hierarchy, and its gradient.
 CAPTURE_SCRIPT = textwrap.dedent(

@@ -719,6 +719,7 @@ def _assert_close_lists(a, b, rtol=1e-4, atol=1e-5):
         np.testing.assert_allclose(y, x, rtol=rtol, atol=atol)
 
 
+@pytest.mark.slow  # an 8-device process: left out of the fast tier
 @pytest.mark.parametrize("scenario", ["Auto", "Explicit", "Auto_no_axis"])
 def test_mesh_values_and_shardings_match(mesh_results, scenario):
     theirs, ours = _both_ok(mesh_results, scenario)
@@ -732,6 +733,7 @@ def test_mesh_values_and_shardings_match(mesh_results, scenario):
         assert ours["clients_constraints"] > 0
 
 
+@pytest.mark.slow  # an 8-device process: left out of the fast tier
 @pytest.mark.parametrize("scenario", ["Auto", "Explicit"])
 def test_mesh_gradients_match(mesh_results, scenario):
     theirs, ours = _both_ok(mesh_results, scenario)
@@ -740,6 +742,7 @@ def test_mesh_gradients_match(mesh_results, scenario):
     assert ours["grad_sig"] == theirs["grad_sig"]
 
 
+@pytest.mark.slow  # an 8-device process: left out of the fast tier
 def test_mesh_passed_as_argument_matches(mesh_results):
     theirs, ours = _both_ok(mesh_results, "mesh_kwarg")
     _assert_close_lists(theirs["values"], ours["values"])

@@ -6,6 +6,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.jax_independent  # generated protobuf code
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 

@@ -99,6 +99,7 @@ def _run(name: str, order: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a fresh process each: left out of the fast tier
 @pytest.mark.parametrize("order", ["jax_first", "capture_first"])
 @pytest.mark.parametrize("name", ["scan_rounds", "fedavg_mlp_grad", "scan_rounds_grad"])
 def test_capture_matches_golden_and_jit_whatever_jax_traced_before(name, order):

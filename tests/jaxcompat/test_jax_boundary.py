@@ -10,6 +10,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.jax_independent  # reads the source's imports
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRIVATE = ("jax._src", "jax.interpreters", "jax.extend")
 BOUNDARY = ROOT / "fcir" / "jaxcompat"

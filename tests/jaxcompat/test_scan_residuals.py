@@ -153,6 +153,7 @@ _SCRIPT = textwrap.dedent(
 ).format(tests=str(pathlib.Path(__file__).resolve().parent))
 
 
+@pytest.mark.slow  # a fresh process each: left out of the fast tier
 @pytest.mark.parametrize("order", ["jax_first", "capture_first"])
 def test_capture_keeps_copies_and_jax_keeps_its_own_form_whatever_traced_before(order):
     proc = subprocess.run(

@@ -26,6 +26,8 @@ from flowerlib.rounds import NODES
 
 import fcir
 
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
 
 CORPUS = ("fedavg_mlp", "fedavg_weighted", "minmax_agg", "bf16_client", "secure_histogram")

@@ -30,6 +30,8 @@ from production import iree_faults
 
 import fcir
 
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
 pytest.importorskip("iree.compiler", reason="needs iree-base-compiler (pip install 'fcir[iree]')")
 pytest.importorskip("iree.runtime", reason="needs iree-base-runtime (pip install 'fcir[iree]')")

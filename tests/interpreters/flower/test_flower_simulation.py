@@ -9,6 +9,8 @@ import subprocess
 import pytest
 from flowerlib import files, rounds, simulation
 
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
 pytest.importorskip("ray", reason="the Simulation Engine needs ray (pip install 'fcir[flower]')")
 

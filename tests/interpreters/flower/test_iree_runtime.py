@@ -19,6 +19,8 @@ pytest.importorskip("iree.runtime", reason="needs iree-base-runtime (pip install
 from fcir.interpreters.flower.app import iree_runtime  # noqa: E402
 from fcir.interpreters.production import iree  # noqa: E402
 
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 
 def _compiled(fn, specs):
     exported = iree.cpu_export(fn, specs)

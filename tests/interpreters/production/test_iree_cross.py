@@ -29,6 +29,8 @@ pytest.importorskip("iree.compiler", reason="needs iree-base-compiler (pip insta
 from fcir.interpreters import production  # noqa: E402
 from fcir.interpreters.production import iree, lowering  # noqa: E402
 
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 SYSROOT = pathlib.Path("/usr/aarch64-linux-gnu")
 WHEEL = "iree-base-runtime==3.13.0"
 AARCH64 = ("aarch64-linux-android34", "aarch64-apple-ios17")

@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import benchrun
+import pytest
+
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
 
 def test_call_path_benchmark_smoke_mode(tmp_path):

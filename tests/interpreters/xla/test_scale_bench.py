@@ -11,9 +11,12 @@ import sys
 import benchrun
 import jax
 import numpy as np
+import pytest
 from corpus import transformer
 
 import fcir
+
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
 BENCH = benchrun.ROOT / "bench"
 

@@ -25,8 +25,8 @@ import fcir
 from fcir import captured, ops, types
 from fcir.errors import InterpreterError, PlacementError
 
-# Minutes of XLA CPU compile time each; their ids end in "-slow", so `-k "not slow"`
-# skips them.
+# Minutes of XLA CPU compile time each; marked slow, and their ids end in "-slow", so
+# `-m "not slow"` and `-k "not slow"` skip them.
 SLOW = {"fedavg_transformer"}
 # Programs fcir cannot capture yet (a core bug, not the backend's): strict xfails, so
 # they fail loudly once capture is fixed and the entry should go.
@@ -54,6 +54,8 @@ def _params(names, *, text=False):
             marks.append(pytest.mark.xfail(strict=True, reason="weak-typed literal (see above)"))
         elif text and name in NEUTRAL_DERIVATIVES:
             marks.append(pytest.mark.xfail(strict=True, reason="tanh residual (see above)"))
+        if name in SLOW:
+            marks.append(pytest.mark.slow)
         out.append(pytest.param(name, marks=marks, id=name + ("-slow" if name in SLOW else "")))
     return out
 

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 WORKER = pathlib.Path(__file__).resolve().parents[2] / "multiprocess" / "fedavg_worker.py"
 DEADLINE_S = 150  # generous for a loaded 2-core machine; a normal run takes ~20 s
 

@@ -91,7 +91,8 @@ def assert_streamed_equal(got, want, *, exact: bool, what: str, tol: float = TOL
 
 
 def _param(name):
-    return pytest.param(name, id=name + ("-slow" if name in SLOW else ""))
+    marks = [pytest.mark.slow] if name in SLOW else []
+    return pytest.param(name, marks=marks, id=name + ("-slow" if name in SLOW else ""))
 
 
 def refuses(module, args) -> bool:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 import benchrun
+import pytest
+
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
 
 def test_streaming_benchmark_smoke_mode(tmp_path):
