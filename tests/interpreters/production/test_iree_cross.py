@@ -29,7 +29,10 @@ pytest.importorskip("iree.compiler", reason="needs iree-base-compiler (pip insta
 from fcir.interpreters import production  # noqa: E402
 from fcir.interpreters.production import iree, lowering  # noqa: E402
 
-pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+# Slow (docs/contributing.md), and JAX-independent: what a JAX version can change is the
+# StableHLO that IREE compiles, which test_production_iree.py checks on both CI legs;
+# this file runs such modules for another CPU under qemu.
+pytestmark = [pytest.mark.slow, pytest.mark.jax_independent]
 
 SYSROOT = pathlib.Path("/usr/aarch64-linux-gnu")
 WHEEL = "iree-base-runtime==3.13.0"
