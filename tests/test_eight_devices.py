@@ -11,14 +11,16 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.jax_independent  # the suite's own machinery, no JAX
+
 HERE = pathlib.Path(__file__).parent
 
 SCRATCH = '''
 import os, pathlib, time
 import pytest
 from eight_devices import Child, inside
-
-pytestmark = pytest.mark.jax_independent  # the suite's own machinery, no JAX
 
 HERE = pathlib.Path(__file__).resolve()
 EIGHT_DEVICES = Child(HERE, "FCIR_SCRATCH_TESTS")
