@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import os
 import pathlib
+import re
 
 # The reference interpreter evaluates local ops one at a time, rounding each bf16
 # result; XLA would otherwise keep fused bf16 intermediates in f32 ("excess precision")
@@ -120,6 +121,38 @@ def pytest_sessionfinish(session, exitstatus):
     print(f"\nunused golden files (no test compares them): {names}\n"
           "remove them, or run: python -m pytest tests --update-goldens")
     session.exitstatus = 1
+
+
+# Folders whose tests no JAX version changes: checkpoint I/O, CLI plumbing, Flower and
+# Ray deployments (the client work they ship is jax.export's, which the production export
+# tests run on every JAX). Every test under them is marked ``jax_independent``, and so is
+# any other file that says ``pytestmark = pytest.mark.jax_independent``; CI runs them on
+# the newest JAX only (.ci/run, docs/contributing.md).
+JAX_INDEPENDENT_FOLDERS = ("checkpoint", "cli", "interpreters/flower")
+# Corpus programs that take a minute or more to compile or differentiate on this
+# machine's CPU: every test run on one of them (a parameter naming it) is ``slow``.
+SLOW_CORPUS_CASES = frozenset({"fedavg_transformer"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests under ``JAX_INDEPENDENT_FOLDERS`` ``jax_independent``; marks
+    ``slow`` the test that waits for a file's 8-device child (eight_devices.py: the child
+    compiles for minutes) and every test of a ``SLOW_CORPUS_CASES`` program."""
+    root = pathlib.Path(__file__).parent.resolve()
+    folders = [tuple(f.split("/")) for f in JAX_INDEPENDENT_FOLDERS]
+    for item in items:
+        child = getattr(getattr(item, "module", None), "EIGHT_DEVICES", None)
+        if child is not None and getattr(item, "originalname", None) == child.test:
+            item.add_marker("slow")
+        spec = getattr(item, "callspec", None)  # ids name cases: "x", "corpus:x", "x-slow"
+        if spec is not None and SLOW_CORPUS_CASES & set(re.split(r"[-:]", spec.id)):
+            item.add_marker("slow")
+        try:
+            parts = pathlib.Path(item.path).resolve().relative_to(root).parts
+        except ValueError:  # a test outside this folder (a scratch suite's)
+            continue
+        if any(parts[: len(f)] == f for f in folders):
+            item.add_marker("jax_independent")
 
 
 def pytest_collection_finish(session):

@@ -24,6 +24,7 @@ import sys
 import threading
 
 TIMEOUT = 900  # seconds a test waits for its child
+_REPO = pathlib.Path(__file__).resolve().parent.parent  # where the children run
 
 
 def inside(flag: str) -> bool:
@@ -61,7 +62,7 @@ class Child:
         ).strip()
         try:
             self._proc = subprocess.Popen(
-                self.cmd, env=env, cwd=self.path.parent.parent, text=True,
+                self.cmd, env=env, cwd=_REPO, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )  # fmt: skip
             if _STOPPING.is_set():  # the session ended while this one started

@@ -7,6 +7,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.jax_independent  # the suite's own bookkeeping
+
 CONFTEST = pathlib.Path(__file__).parent / "conftest.py"
 
 

@@ -11,6 +11,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.jax_independent  # the suite's own machinery, no JAX
+
 HERE = pathlib.Path(__file__).parent
 
 SCRATCH = '''

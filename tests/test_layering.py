@@ -18,6 +18,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.jax_independent  # reads the source's imports
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Source folder -> the package it is imported as (pyproject's package-dir).
 FOLDERS = {"fcir": "fcir", "interpreters": "fcir.interpreters", "checkpoint": "fcir.checkpoint"}

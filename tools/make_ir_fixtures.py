@@ -15,7 +15,7 @@ version>/``:
 plus ``manifest.json`` (fcir/JAX versions, per program its leaf kinds). The set checked
 in was written by fcir main at commit 4767b94 under jax/jaxlib 0.10.2, Python 3.11
 (``.venv311/bin/python tools/make_ir_fixtures.py``), *before* fcir's own op schema: it is
-what "IR written by an earlier fcir under JAX 0.10.2" means in tests/test_ir_fixtures.py,
+what "IR written by an earlier fcir under JAX 0.10.2" means in tests/ir/test_ir_fixtures.py,
 which loads these files under the running JAX, checks them and compares the numbers.
 Never regenerate that directory; a newer fcir writes a new one next to it.
 """

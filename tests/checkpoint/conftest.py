@@ -35,6 +35,31 @@ def devices() -> list[jax.Device]:
     return devs[:8]
 
 
+@pytest.fixture(scope="session")
+def s3_server():
+    """One local S3 server (moto_server, ~7 s to start) with ``s3_testing.BUCKET`` for
+    every test of the session that needs S3; each module keeps to its own key prefix."""
+    pytest.importorskip("boto3", reason="the test extra has boto3 and moto[server]")
+    pytest.importorskip("moto.server", reason="the test extra has moto[server]")
+    from s3_testing import BUCKET, client, moto_server
+
+    with moto_server() as endpoint:
+        client(endpoint).create_bucket(Bucket=BUCKET)
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(s3_server):
+    """The session's S3 endpoint, with the AWS_* variables that point boto3 and
+    tensorstore at it set for the module."""
+    from s3_testing import s3_env
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_env(s3_server).items():
+            mp.setenv(k, v)
+        yield s3_server
+
+
 @pytest.fixture
 def gate(monkeypatch):
     """Holds every background write until the test opens the gate (opened at teardown)."""

@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from ckpt_testing import REPO, child_env
+
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
 
 def test_checkpoint_benchmark_quick_mode(tmp_path):

@@ -13,21 +13,15 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
 
 
-def test_docs_object_store_example_runs_against_a_local_s3_server(tmp_path, devices):
-    try:
-        import boto3  # noqa: F401
-        import moto.server  # noqa: F401
-    except ImportError:
-        pytest.skip("moto[server] is not installed (the test extra has it): no local S3 server")
-    from s3_testing import BUCKET, client, moto_server, s3_env
+def test_docs_object_store_example_runs_against_a_local_s3_server(tmp_path, devices, s3_server):
+    from s3_testing import BUCKET, s3_env
 
     (block,) = re.findall(
         r"```python s3\n(.*?)```", (REPO / "docs" / "checkpoint.md").read_text(), re.DOTALL
     )
-    with moto_server() as endpoint, pytest.MonkeyPatch.context() as mp:
-        for k, v in {**s3_env(endpoint), "FCIR_DOCS_S3_URL": f"s3://{BUCKET}/docs"}.items():
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {**s3_env(s3_server), "FCIR_DOCS_S3_URL": f"s3://{BUCKET}/docs"}.items():
             mp.setenv(k, v)
-        client(endpoint).create_bucket(Bucket=BUCKET)
         script = tmp_path / "example_s3.py"
         script.write_text(block)
         runpy.run_path(str(script), run_name="__main__")

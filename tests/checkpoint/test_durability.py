@@ -20,6 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from fcir import checkpoint
 
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
 
 class Log:
     def __init__(self, monkeypatch, fsync_seconds: float) -> None:

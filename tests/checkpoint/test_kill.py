@@ -8,7 +8,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 from kill_worker import run_trial
+
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
 TRIALS = 20
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from ckpt_testing import HERE, child_env, free_port
+
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
 WORKER = str(HERE / "mp_worker.py")
 

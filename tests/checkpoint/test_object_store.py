@@ -21,22 +21,6 @@ from fcir.errors import CheckpointError
 _names = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    try:
-        import boto3  # noqa: F401
-        import moto.server  # noqa: F401
-    except ImportError:
-        pytest.skip("moto[server] is not installed (the test extra has it): no local S3 server")
-    from s3_testing import BUCKET, client, moto_server, s3_env
-
-    with moto_server() as endpoint, pytest.MonkeyPatch.context() as mp:
-        for k, v in s3_env(endpoint).items():
-            mp.setenv(k, v)
-        client(endpoint).create_bucket(Bucket=BUCKET)
-        yield endpoint
-
-
 @pytest.fixture
 def url(s3_endpoint):
     from s3_testing import BUCKET

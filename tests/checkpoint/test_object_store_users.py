@@ -19,17 +19,6 @@ pytest.importorskip("moto.server", reason="the test extra has moto[server]")
 _names = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from s3_testing import BUCKET, client, moto_server, s3_env
-
-    with moto_server() as endpoint, pytest.MonkeyPatch.context() as mp:
-        for k, v in s3_env(endpoint).items():
-            mp.setenv(k, v)
-        client(endpoint).create_bucket(Bucket=BUCKET)
-        yield endpoint
-
-
 def _upload(endpoint, local, prefix, skip=()):
     from s3_testing import BUCKET, client
 
@@ -47,10 +36,11 @@ def test_an_orbax_checkpoint_in_s3_without_its_commit_marker_is_not_read(s3_endp
     from s3_testing import BUCKET
 
     ocp.PyTreeCheckpointer().save(tmp_path / "ox", {"w": np.arange(4.0)})
-    ocp.CheckpointManager(tmp_path / "run").save(
-        2, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.arange(4.0)}))
-    )
-    ocp.CheckpointManager(tmp_path / "run").wait_until_finished()
+    # The manager saves in the background: wait on that manager, not on a new one (which
+    # has nothing to wait for, so on a loaded machine the step was not there yet).
+    manager = ocp.CheckpointManager(tmp_path / "run")
+    manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.arange(4.0)})))
+    manager.wait_until_finished()
     url = f"s3://{BUCKET}/orbax{next(_names)}"
     _upload(s3_endpoint, tmp_path / "ox", url.split("/", 3)[3], skip={"commit_success.txt"})
     _upload(s3_endpoint, tmp_path / "run", url.split("/", 3)[3] + "-run")

@@ -32,6 +32,7 @@ def _run(*args, expect=0):
     return [line for line in result.stdout.splitlines() if line.startswith("round ")]
 
 
+@pytest.mark.slow  # kills and resumes a training run: left out of the fast tier
 def test_a_killed_run_resumed_from_its_checkpoint_ends_bit_for_bit_like_an_unbroken_one(tmp_path):
     ckpt = str(tmp_path / "run")
     killed = _run("--checkpoints", ckpt, "--kill-after", "3", expect=-signal.SIGKILL)

@@ -7,26 +7,12 @@ import itertools
 import threading
 
 import numpy as np
-import pytest
 from ckpt_testing import same_bits, values
 from fcir.checkpoint import commit, storage
 
 from fcir import checkpoint
 
 _names = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    pytest.importorskip("boto3", reason="the test extra has boto3 and moto[server]")
-    pytest.importorskip("moto.server", reason="the test extra has moto[server]")
-    from s3_testing import BUCKET, client, moto_server, s3_env
-
-    with moto_server() as endpoint, pytest.MonkeyPatch.context() as mp:
-        for k, v in s3_env(endpoint).items():
-            mp.setenv(k, v)
-        client(endpoint).create_bucket(Bucket=BUCKET)
-        yield endpoint
 
 
 def _tree(step):

@@ -1,0 +1,214 @@
+"""The scripts in examples/ run end to end at a reduced size, train (the loss goes down),
+print one plain progress line per round when stdout is not a terminal, and can be
+compiled by ``fcir compile`` from their ``EXAMPLE_ARGS``. Also ``RoundProgress``."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from examples_testing import EXAMPLES, load
+
+import fcir
+from fcir import cli
+from fcir.report.progress import RoundProgress
+
+pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
+
+# example file -> (round function, reduced command-line arguments)
+TRAINING = {
+    "fedavg_transformer": ("fedavg_transformer_round", ["--rounds", "3", "--clients", "2"]),
+    "fedadam": ("fedadam_round", ["--rounds", "3", "--clients", "3"]),
+    "diloco": ("diloco_round", ["--rounds", "3", "--clients", "2", "--inner-steps", "5"]),
+    "hierarchical": ("hierarchical_round", ["--rounds", "3", "--silos", "2", "--clients", "2"]),
+}
+ANALYTICS = {
+    "secure_histogram": ("secure_histogram_round", ["--rounds", "2", "--clients", "6",
+                                                    "--items", "5"]),
+}  # fmt: skip
+ALL = {**TRAINING, **ANALYTICS}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING))
+def test_training_example_runs_and_the_loss_goes_down(name, capsys):
+    losses = load(name).main(TRAINING[name][1])
+    out = capsys.readouterr().out
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    assert losses[-1] < losses[0], f"{name}: loss did not go down: {losses}"
+    assert "\r" not in out, "no carriage-return animation when stdout is not a terminal"
+    lines = out.splitlines()
+    assert [line.split(" | ")[0] for line in lines[:3]] == ["round 1/3", "round 2/3", "round 3/3"]
+    assert all(" | loss " in line and " KiB down, " in line for line in lines[:3])
+    assert lines[3].startswith("3 rounds in ") and "communicated" in lines[3]
+
+
+def test_secure_histogram_sums_exactly(capsys):
+    example = load("secure_histogram")
+    hist = example.main(ANALYTICS["secure_histogram"][1])
+    assert hist.sum() == 2 * 6 * 5  # two days, six clients, five values each
+    rng = np.random.default_rng(0)
+    example.client_values(rng, 6, 5)  # the capture's example data
+    plain = sum(np.bincount(example.client_values(rng, 6, 5).ravel(), minlength=10)
+                for _ in range(2))  # fmt: skip
+    np.testing.assert_array_equal(hist, plain)
+    out = capsys.readouterr().out
+    assert "day 2/2" in out and "\r" not in out
+
+
+def test_example_as_a_script_prints_plain_lines_into_a_pipe():
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "secure_histogram.py"), "--rounds", "2",
+         "--clients", "4", "--items", "3"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("day 1/2 | values 12 | ") and lines[1].startswith("day 2/2")
+    assert lines[2].startswith("2 days in ") and "\r" not in done.stdout
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_fcir_compile_captures_example_from_its_example_args(name, tmp_path, capsys):
+    fn = ALL[name][0]
+    target = f"{EXAMPLES / name}.py:{fn}"
+    assert cli.main(["compile", target, "--emit", "ir", "-o", str(tmp_path)]) == 0
+    module = fcir.parse((tmp_path / f"{fn}.fcir").read_text())
+    fcir.check(module)
+    assert module.name == fn
+
+
+# --- RoundProgress ---------------------------------------------------------------------------
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_one_line_on_a_terminal(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    stream = Terminal()
+    progress = RoundProgress(3, bytes_per_round=2048, stream=stream)
+    for r in progress:
+        progress.log(loss=jnp.float32(3.0 - r))
+    text = stream.getvalue()
+    assert text.count("\r") == 3 and text.count("\n") == 2  # end of the live line, summary
+    assert "\rround 3/3 | loss 1 | " in text and "sent 2.0 KiB" in text
+    assert text.splitlines()[-1].startswith("3 rounds in ")
+    assert "loss 3 -> 1 | 6.0 KiB communicated" in text
+    assert [h["loss"] for h in progress.history] == [3.0, 2.0, 1.0]
+
+
+def test_progress_prints_plain_lines_elsewhere_and_splits_traffic_by_direction():
+    @fcir.program(placements={"clients": 2})
+    def avg(w):
+        return fcir.reduce_mean(fcir.map_fn(lambda w: w * 2, fcir.broadcast(w)))
+
+    module = fcir.capture(avg, jnp.ones(256))  # 1 KiB to each of 2 clients and back
+    stream = io.StringIO()
+    for _ in (progress := RoundProgress(2, module=module, stream=stream)):
+        progress.log(loss=0.5)
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("round 1/2 | loss 0.5000 | ")
+    assert lines[0].endswith(" s | sent 2.0 KiB down, 2.0 KiB up")
+    assert lines[2].endswith("| loss 0.5000 -> 0.5000 | 8.0 KiB communicated")
+    assert "\r" not in stream.getvalue()
+
+
+def test_progress_summary_after_an_early_break():
+    stream = io.StringIO()
+    for r in (progress := RoundProgress(10, stream=stream, live=False)):
+        if r == 1:
+            break
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("round  1/10 | ")
+    assert lines[1].startswith("1 round in ")
+    assert len(progress.history) == 1
+
+
+# --- examples/dp_fedavg_digits.py (issue 17, items 17 and 20) ------------------------------
+
+
+def test_digits_plot_title_names_the_clients_given_and_round_ticks_are_whole():
+    pytest.importorskip("matplotlib")
+    digits = load("dp_fedavg_digits")
+    fig = digits.figure([0.5, 0.6], [0.4, 0.5], [1.0, 1.5], 1e-5, 4.0, num_clients=7)
+    fig.canvas.draw()
+    accuracy, privacy = fig.axes
+    assert accuracy.get_title() == "digits, 7 non-IID clients"
+    for ax in (accuracy, privacy):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_both_digits_rounds_compile_from_the_command_line(tmp_path):
+    pytest.importorskip("sklearn")
+    for fn in ("fedavg_round", "dp_fedavg_round"):
+        target = f"{EXAMPLES / 'dp_fedavg_digits'}.py:{fn}"
+        assert cli.main(["compile", target, "--emit", "ir", "-o", str(tmp_path)]) == 0
+        fcir.check(fcir.parse((tmp_path / f"{fn}.fcir").read_text()))
+
+
+# --- examples/dp_flower_training.py (issue 20, item 4) -------------------------------------
+
+
+def test_dp_flower_example_stops_on_its_budget_and_the_resume_keeps_spending_it(capsys, tmp_path):
+    """3 virtual nodes, rounds=6, max-epsilon between ε(3 rounds) and ε(4 rounds): the
+    first run trains 2 rounds, the resumed run only round 3 (a fresh budget would run 3
+    more), as many as fcir.privacy.Budget on the module allows; the model is 3 rounds
+    of production.run_bundle bit for bit (reference.run's to 1e-5), and nothing of the
+    simulation is left running."""
+    pytest.importorskip("flwr", reason="needs flwr (pip install 'fcir[flower]')")
+    pytest.importorskip(
+        "ray", reason="the Simulation Engine needs ray (pip install 'fcir[flower]')"
+    )
+    pytest.importorskip("sklearn")
+    import re
+
+    import jax
+    from corpus.compare import assert_trees_match
+    from fcir.interpreters import production, reference
+    from fcir.interpreters.flower.simulation import _pids_with_home_under
+
+    example = load("dp_flower_training")
+    argv = ["--nodes", "3", "--noise-multiplier", "2.0", "--rounds", "6", "--first-rounds", "2"]
+    rnd = example.make_round(3, 0.5, 2.0, None)
+    args, _ = example.round_args(3, 0, None)
+    module = fcir.capture(rnd, *args)
+    eps = [fcir.privacy.epsilon(module, r, 1e-5) for r in (3, 4)]
+    cap = sum(eps) / 2
+    result = example.main([*argv, "--max-epsilon", repr(cap), "--dir", str(tmp_path / "work")])
+    out = capsys.readouterr().out
+    budget = fcir.privacy.Budget(module, 1e-5, cap)
+    while budget.can_spend():
+        budget.spend()
+    assert result["planned"] == budget.rounds == result["rounds"] == 3
+    assert result["epsilon"] <= cap < budget.epsilon_after(1)
+    first, resumed = result["logs"]
+    assert re.findall(r"round (\d)/2:", first) == ["1", "2"]
+    assert "resuming after round 2" in resumed
+    assert re.findall(r"round (\d)/6:", resumed) == ["3"]
+    assert f"stopping before round 4: it would bring epsilon to {eps[1]:.4g}" in resumed
+    assert f"epsilon={eps[0]:.4g} after 3 round(s)" in out
+
+    model, r, key, clients = args
+    bundle = production.export(module).write(tmp_path / "bundle")
+    ref_model, ref_r = model, r
+    for _ in range(3):
+        model, r = production.run_bundle(bundle, model, r, key, clients)
+        ref_model, ref_r = reference.run(module, ref_model, ref_r, key, clients)
+    got = result["outputs"]
+    assert int(got[-1]) == 4  # the round counter: 3 rounds ran
+    # Bit for bit the production bundle's 3 rounds; the reference interpreter's to 1e-5.
+    assert [g.tobytes() for g in got] == [
+        np.asarray(v).tobytes() for v in jax.tree.leaves((model, r))
+    ]
+    want = [np.asarray(v) for v in jax.tree.leaves((ref_model, ref_r))]
+    assert_trees_match(got, want, rtol=1e-5, atol=1e-6)
+    work = result["work"]
+    for sim in ("sim0", "sim1"):
+        assert _pids_with_home_under(work / sim) == []

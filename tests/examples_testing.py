@@ -1,0 +1,21 @@
+"""Importing the scripts in examples/ as they run (for tests in any folder)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str):
+    """Imports examples/<name>.py as a script would see it (examples/ on sys.path)."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return module
