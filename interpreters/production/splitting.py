@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -442,7 +443,10 @@ class _Splitter:
                 dtype = first.dtype
                 if agg.fed_op in ("fed.mean", "fed.weighted_mean"):
                     dtype = dtype_name(mean_result_dtype(first.np_dtype))
-                out = Value(PlacedType(TensorType(dtype, first.shape), SERVER, True))
+                shape = first.shape
+                if INTRINSICS[agg.fed_op] == "federated_aggregate":
+                    shape = _gathered_shape(agg, first, self.m.cardinality(self.clients))
+                out = Value(PlacedType(TensorType(dtype, shape), SERVER, True))
                 attrs = {"bitwidth": agg.bitwidth} if agg.bitwidth is not None else {}
                 attrs.update(agg.attrs)
                 region.ops.append(Op(agg.fed_op, operands, [out], attrs))
@@ -474,6 +478,16 @@ class _Splitter:
             "tuple", tuple(Structure("leaf", leaf=i) for i in range(len(region.results)))
         )
         return self.module("server_result", region, args, results)
+
+
+def _gathered_shape(agg: Aggregation, member: TensorType, n: int) -> tuple:
+    """The result shape of an op the server computes over every client's value (its
+    primitive's abstract evaluation): the member's for the order statistics, a stack of
+    chosen members for the selections (fed.krum)."""
+    prim = F.ops()[agg.fed_op].primitive
+    arg = jax.ShapeDtypeStruct((n, *member.shape), member.np_dtype)
+    out = jax.eval_shape(lambda a: prim.bind(a, placement="clients", n=n, **dict(agg.attrs)), arg)
+    return tuple(out.shape)
 
 
 def _names_of(s: Structure) -> list[tuple[str, int]]:
