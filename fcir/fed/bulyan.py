@@ -124,9 +124,7 @@ class BulyanSelect(Krum):
         return x[chosen]
 
 
-bulyan_select_p = define_selection(
-    BulyanSelect, lambda x, *, n, f: _select(x, n=n, f=f)
-)
+bulyan_select_p = define_selection(BulyanSelect, lambda x, *, n, f: _select(x, n=n, f=f))
 
 
 def closest_mean(chosen, beta: int):

@@ -28,7 +28,7 @@ from fcir.types import TensorType
 
 from .base import Reduction, public
 from .broadcast import broadcast_p
-from .krum import _float, _int_attr, flatten_members, int_arg
+from .krum import _float, _int_attr, flatten_members, int_arg, unrolled_batch
 from .mean import mean_p
 from .sum import sum_p
 
@@ -115,15 +115,24 @@ class GeometricMedian(Reduction):
         return z.reshape(x.shape[1:]).astype(x.dtype)
 
 
-def _check(member, *, n, **attrs):
+def _abstract_eval(x, *, placement, n, **attrs):
     from fcir.types import dtype_name
 
+    member = P.member_aval(x, placement, n, GeometricMedian.name)
     found = GeometricMedian.problem(dtype_name(member.dtype), n, attrs)
     if found is not None:
         raise GeometricMedian.error(*found)
+    return member.update(weak_type=False)
 
 
-geometric_median_p = P.define_reduction("fed_geometric_median", _weiszfeld, _check)
+def _lower(x, *, placement, n, **attrs):
+    del placement
+    return _weiszfeld(x, n=n, **attrs)
+
+
+geometric_median_p = P.define_primitive(
+    "fed_geometric_median", _lower, _abstract_eval, unrolled_batch(lambda: geometric_median_p)
+)
 GeometricMedian.primitive = geometric_median_p
 
 

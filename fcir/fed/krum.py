@@ -166,9 +166,8 @@ class Krum(Reduction):
 def define_selection(cls, impl):
     """The primitive of a member-choosing op ``cls``: ``impl(x, n=..., **attrs)`` gives
     the chosen members stacked, ``cls.result_shape`` their shape; its abstract
-    evaluation raises ``cls``'s constraints; batching maps over the batch axis (a
+    evaluation raises ``cls``'s constraints; batching unrolls the batch axis (a
     choice per batch element); derivative ``selection_jvp``."""
-    import jax
 
     from fcir.types import dtype_name
 
@@ -186,19 +185,39 @@ def define_selection(cls, impl):
         del placement
         return impl(x, n=n, **attrs)
 
-    def batch(args, dims, *, placement, n, **attrs):
-        (x,), (d,) = args, dims
-        x = P.moveaxis_to(x, d, 1)
-        one = jax.vmap(lambda b: prim.bind(b, placement=placement, n=n, **attrs), in_axes=1)
-        return one(x), 0
-
-    prim = P.define_primitive(f"fed_{cls.name.removeprefix('fed.')}", lower, abstract_eval, batch)
+    prim = P.define_primitive(
+        f"fed_{cls.name.removeprefix('fed.')}", lower, abstract_eval, unrolled_batch(lambda: prim)
+    )
     cls.primitive = prim
+
     def jvp(primals, tangents, **params):
         return selection_jvp(prim, primals, tangents, **params)
 
     AD.def_jvp(prim, jvp)
     return prim
+
+
+def unrolled_batch(primitive):
+    """A batching rule that binds ``primitive()`` once per batch element (sliced inside a
+    fed.map): these ops couple every entry of a member (a distance over the whole value),
+    so a batch axis cannot ride along inside the member."""
+
+    def batch(args, dims, *, placement, n, **attrs):
+        import jax.numpy as jnp
+
+        (x,), (d,) = args, dims
+        if d == 0:
+            x, d = P.moveaxis_to(x, 0, 1), 1
+        prim = primitive()
+        outs = [
+            prim.bind(
+                P.member_slices([x], [d], b, placement, n)[0], placement=placement, n=n, **attrs
+            )
+            for b in range(x.shape[d])
+        ]
+        return jnp.stack(outs), 0
+
+    return batch
 
 
 def _equal_region(rank: int):
