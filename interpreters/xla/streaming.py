@@ -62,6 +62,7 @@ from fcir.ir import Op, Region, Value
 from fcir.types import PlacedType, runtime_type
 
 from . import streaming_ddp as _ddp
+from . import streaming_order as _order
 from .interpreter import XlaInterpreter
 
 __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", "plan_region"]
@@ -71,10 +72,6 @@ __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", 
 ELEMENTWISE = frozenset("jax." + n for n in E.ELEMENTWISE)
 
 ACCUMULATED = "accumulated: a running accumulator folded chunk by chunk"
-_ORDER = (
-    "an order statistic needs every member's value at once, so it cannot stream k "
-    "members at a time: compile without clients_per_step to run it"
-)
 _NO_ACCUMULATOR = (
     "streaming has no accumulator for this reduction (interpreters/xla/streaming.py "
     "RULES): compile without clients_per_step to run it"
@@ -96,12 +93,15 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     # interpreters/xla/streaming_ddp.py: only the uint32 modular sum is carried.
     F.DdpSum: ACCUMULATED,
     F.DdpMean: ACCUMULATED,
-    F.Median: F.Unsupported(_ORDER),
-    F.TrimmedMean: F.Unsupported(_ORDER),
+    # Exact, by passes over the chunks (interpreters/xla/streaming_order.py).
+    F.Median: _order.streamed,
+    F.TrimmedMean: _order.streamed,
     "reduction": F.Unsupported(_NO_ACCUMULATOR),
 }
 RULES = F.resolve(_OWN_RULES)
 REDUCTIONS = frozenset(c.name for c, rule in RULES.items() if rule == ACCUMULATED)
+# Reductions run by passes over the chunks after the stream's loop.
+ORDERED = frozenset(c.name for c, rule in RULES.items() if rule is _order.streamed)
 # Central DP aggregates: the last operand is the key, a value where the result lives,
 # read once when the noise is added.
 DP_OPS = F.of_kind("dp")
@@ -123,6 +123,7 @@ class Stream:
     # Member ops of earlier streams run again, chunk by chunk, before the map: the per-
     # member values this stream reads from them are recomputed instead of kept whole.
     prelude: list[Op] = dataclasses.field(default_factory=list)
+    ordered: list[Op] = dataclasses.field(default_factory=list)  # ORDERED reductions
 
     @property
     def inputs(self) -> list[Value]:
@@ -140,7 +141,8 @@ class Stream:
 
     @property
     def outputs(self) -> list[Value]:
-        return [r for op in self.reductions for r in op.results] + self.materialized
+        reduced = [r for op in (*self.reductions, *self.ordered) for r in op.results]
+        return reduced + self.materialized
 
 
 def plan_region(region: Region, cardinality) -> list[Stream]:
@@ -232,6 +234,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
     tainted: set[Value] = set(map_op.results)
     absorbed: list[Op] = []
     reductions: list[Op] = []
+    ordered: list[Op] = []
     source: dict[Value, Value] = {}
 
     def member_operand(v: Value) -> bool:
@@ -269,7 +272,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
             continue
         per_member = op.operands[:-1] if op.name in DP_OPS else op.operands
         if (
-            op.name in REDUCTIONS
+            (op.name in REDUCTIONS or op.name in ORDERED)
             and op.operands[0] in group
             and all(
                 v in group or (_placed_at(v, placement) and v not in tainted)
@@ -277,7 +280,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
             )
             and (op.name not in DP_OPS or op.operands[-1] not in tainted)
         ):
-            reductions.append(op)
+            (ordered if op.name in ORDERED else reductions).append(op)
         tainted.update(op.results)
 
     stream_ops = [map_op, *absorbed]
@@ -309,7 +312,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
                 batched.append(v)
         if op.name in DP_OPS and op.operands[-1] not in unbatched:
             unbatched.append(op.operands[-1])  # the key: read when the noise is added
-    inside = set(absorbed) | set(reductions) | {map_op}
+    inside = set(absorbed) | set(reductions) | set(ordered) | {map_op}
     materialized = [
         v
         for op in stream_ops
@@ -326,6 +329,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         unbatched=unbatched,
         materialized=materialized,
         source=source,
+        ordered=ordered,
     )
 
 
@@ -378,7 +382,7 @@ class StreamingInterpreter(XlaInterpreter):
         position = {id(op): i for i, op in enumerate(region.ops)}
         in_stream = {}
         for s in streams:
-            for op in (s.map_op, *s.absorbed, *s.reductions):
+            for op in (s.map_op, *s.absorbed, *s.reductions, *s.ordered):
                 in_stream[id(op)] = s
         items: list = [op for op in region.ops if id(op) not in in_stream] + streams
         key = {id(it): position[id(it.map_op if isinstance(it, Stream) else it)] for it in items}
@@ -470,6 +474,7 @@ class StreamingInterpreter(XlaInterpreter):
             accs, bufs = self._stream_local(s, batched, unbatched, s.n)
             if self.mesh is not None:
                 bufs = [self.constrain(b, s.placement) for b in bufs]
+            bufs = self._ordered(s, batched, unbatched, s.n) + list(bufs)
         else:
             devices = mesh.shape[axis]
 
@@ -494,6 +499,7 @@ class StreamingInterpreter(XlaInterpreter):
                 check_vma=False,
             )(batched, unbatched)
             accs = [_combine(op, acc) for op, acc in zip(s.reductions, partial)]
+            bufs = list(bufs)
         server = dict(zip(s.unbatched, unbatched))
         outs = []
         for op, a in zip(s.reductions, accs):
@@ -507,7 +513,12 @@ class StreamingInterpreter(XlaInterpreter):
         for op, acc in zip(s.reductions, accs):
             seeds.append(_seed(op, acc, cts[pos : pos + len(op.results)], s.n))
             pos += len(op.results)
-        buf_cts = cts[pos:]
+        if not all(_zero(c) for c in cts[pos : pos + len(s.ordered)]):
+            raise InterpreterError(
+                f"{s.ordered[0].name}: a streamed order statistic has no derivative here: "
+                "compile without clients_per_step to differentiate it"
+            )
+        buf_cts = cts[pos + len(s.ordered) :]
         mats = [j for j, c in enumerate(buf_cts) if not _zero(c) and _inexact(c.dtype)]
         buf_cts = [buf_cts[j] for j in mats]
         wanted = perturbed.value
@@ -556,7 +567,8 @@ class StreamingInterpreter(XlaInterpreter):
         return self.mesh
 
     def _mesh_axis(self, s: Stream, mesh) -> str | None:
-        if mesh is None or s.placement not in mesh.axis_names:
+        # An order statistic's passes count over every member: its stream runs unsharded.
+        if mesh is None or s.placement not in mesh.axis_names or s.ordered:
             return None
         return s.placement if s.n % mesh.shape[s.placement] == 0 else None
 
@@ -582,7 +594,10 @@ class StreamingInterpreter(XlaInterpreter):
         needed = list(
             dict.fromkeys(
                 v
-                for v in [*(u for op in s.reductions for u in op.operands), *s.materialized]
+                for v in [
+                    *(u for op in (*s.reductions, *s.ordered) for u in op.operands),
+                    *s.materialized,
+                ]
                 if v not in s.batched and v not in s.unbatched
             )
         )
@@ -622,6 +637,32 @@ class StreamingInterpreter(XlaInterpreter):
             return accs, new_bufs
 
         return _chunk_loop(n, k, step, (accs0, bufs0))
+
+    def _ordered(self, s: Stream, batched, unbatched, n: int) -> list:
+        """The stream's order statistics, each by passes over the chunks: every pass runs
+        the member ops again on each chunk (streaming_order.py), so no per-member value
+        is kept."""
+        if not s.ordered:
+            return []
+        k = min(self.k, n)
+        values = self._chunk_values(s, k)
+        chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
+        shapes = values(chunk_specs, unbatched, shapes_only=True)
+        outs = []
+        for op in s.ordered:
+            v = op.operands[0]
+
+            def over_chunks(step, acc0, v=v):
+                def chunk(acc, start, valid):
+                    b = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
+                    return step(acc, values(b, unbatched)[v], valid)
+
+                return _chunk_loop(n, k, chunk, acc0)
+
+            cls = F.ops()[op.name]
+            shape, dtype = shapes[v].shape[1:], shapes[v].dtype
+            outs.append(RULES[cls](cls, op.attrs, n, shape, dtype, over_chunks))
+        return outs
 
     def _backward_local(self, s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, n):
         """The reverse loop over ``n`` local members: each chunk's values recomputed
