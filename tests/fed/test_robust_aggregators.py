@@ -404,3 +404,71 @@ def test_a_nan_member_is_never_chosen():
     assert not np.isnan(np.asarray(got["krum"]["a"])).any()
     assert not np.isnan(np.asarray(got["bulyan"]["a"])).any()
     assert np.isnan(np.asarray(got["geomed"]["a"])).all()  # its norm is NaN: every weight
+
+
+# --- order statistics streamed (interpreters/xla/streaming_order.py) ----------------------
+
+
+def _order_program(n: int, trim: int):
+    @fcir.program(placements={"clients": n})
+    def robust(w, x):
+        upd = fcir.map_fn(lambda w, x: w * x + 1.0, (fcir.broadcast(w), x))
+        return fcir.reduce_median(upd), fcir.reduce_trimmed_mean(upd, trim=trim)
+
+    return robust
+
+
+def _hard_values(n: int, dtype=np.float32) -> np.ndarray:
+    rng = np.random.default_rng(n)
+    # Magnitudes over many binades, where the order of float adds shows in the bits.
+    x = rng.normal(size=(n, 4, 3)) * np.exp(3 * rng.normal(size=(n, 4, 3)))
+    x[:, 0, 0] = 1.5  # every member ties
+    x[:, 0, 1] = rng.integers(0, 2, n)  # two values, many ties
+    x[n - 1, 0, 2] = np.nan  # one NaN member: NaN out
+    x[:, 1, 0] = -0.0  # signed zeros rank equal
+    x[0, 1, 0] = 0.0
+    x[: min(2, n), 1, 1] = np.inf
+    return x.astype(dtype)
+
+
+@pytest.mark.parametrize("n, trim", [(1, 0), (2, 0), (5, 1), (6, 2), (6, 1), (9, 0), (10, 3)])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_streamed_order_statistics_equal_the_unstreamed_bit_for_bit(n, trim, dtype):
+    x = _hard_values(n, dtype)
+    w = np.asarray(0.7, dtype)
+    module = fcir.capture(_order_program(n, trim), w, x)
+    want = [np.asarray(v) for v in xla.compile(module)(w, x)]
+    for k in sorted({1, 2, 3, n}):
+        got = xla.compile(module, clients_per_step=k)(w, x)
+        for g, e in zip(got, want):
+            g = np.asarray(g)
+            assert g.dtype == e.dtype
+            np.testing.assert_array_equal(g.view(np.uint8), e.view(np.uint8), f"k={k}")
+    med = np.where(np.isnan(x).any(axis=0), np.nan, np.median(0.7 * x.astype(np.float32) + 1, 0))
+    np.testing.assert_allclose(want[0].astype(np.float32), med, rtol=5e-2 if n > 2 else 1e-2)
+
+
+def test_a_streamed_order_statistic_refuses_a_derivative():
+    n = 5
+    x = _hard_values(n)[:, 2:]  # no NaN
+    module = fcir.capture(_order_program(n, 1), np.float32(0.7), x)
+    run = xla.compile(module, clients_per_step=2)
+    with pytest.raises(fcir.FcirError, match="no derivative here"):
+        jax.grad(lambda w: run(w, x)[0].sum())(np.float32(0.7))
+
+
+def test_streamed_median_temp_memory_is_flat_in_the_cohort():
+    from fcir.interpreters.xla import streaming
+
+    assert streaming.RULES[fcir.fed.Median] is streaming.RULES[fcir.fed.TrimmedMean]
+    temps = {}
+    for n in (64, 512):
+        x = jax.ShapeDtypeStruct((n, 256), jnp.float32)
+        module = fcir.capture(_order_program(n, 3), jax.ShapeDtypeStruct((), jnp.float32), x)
+        run = xla.compile(module, clients_per_step=8)
+        args = (np.float32(1.0), np.zeros((n, 256), np.float32))
+        temps[n] = run.compiled(*args).memory_analysis().temp_size_in_bytes
+        whole = xla.compile(module).compiled(*args).memory_analysis().temp_size_in_bytes
+        assert whole >= n * 256 * 4  # unstreamed: the sorted cohort
+    print("streamed temp bytes", temps)
+    assert temps[512] <= 1.1 * temps[64] + 4096
