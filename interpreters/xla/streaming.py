@@ -96,7 +96,7 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.DdpMean: ACCUMULATED,
     # Exact, by passes over the chunks (interpreters/xla/streaming_order.py).
     F.Median: _order.streamed,
-    F.TrimmedMean: _order.streamed,
+    F.TrimmedMean: F.Unsupported(_order.TRIMMED),
     "reduction": F.Unsupported(_NO_ACCUMULATOR),
 }
 RULES = F.resolve(_OWN_RULES)

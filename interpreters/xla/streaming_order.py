@@ -33,7 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["OrderStatistic", "streamed"]
+__all__ = ["TRIMMED", "OrderStatistic", "streamed"]
+
+# Why streaming refuses fed.trimmed_mean for now: its band walk (more than two kept
+# values) gave a wrong sum inside streaming's chunk loops compiled at XLA backend
+# optimization level 0 (tests/test_xla_streaming.py's FAST options), though exact at the
+# default level and on plain chunked arrays; the cause is not found yet.
+TRIMMED = (
+    "a streamed trimmed mean is not exact under every XLA optimization level yet: "
+    "compile without clients_per_step to run it (fed.median streams)"
+)
 
 
 def _key_dtypes(dtype) -> tuple:
@@ -125,84 +134,113 @@ class OrderStatistic:
 
     def run(self, over_chunks):
         """The result, given ``over_chunks(step, acc0)``: ``acc0`` folded by
-        ``step(acc, x_chunk, valid)`` over every chunk of the members (one pass)."""
+        ``step(acc, x_chunk, valid)`` over every chunk of the members (one pass).
+
+        Every pass is one iteration of a single loop whose one chunk step folds every
+        pass kind's accumulator: the member values are then computed by the same
+        instructions in every pass. Recomputed in separately compiled loops they could
+        differ in a last bit (XLA fuses each loop body its own way; at optimization
+        level 0 they did), and a count taken in one pass would not match the values of
+        the next."""
         u = self._u()
         bits = _key_dtypes(self.dtype)[2]
         r = (self.trim, self.n - 1 - self.trim)
-        full = jnp.full(self.shape, np.iinfo(u).max, u)
-        zero = jnp.zeros(self.shape, u)
-
-        def bisect(_, state):
-            lo1, hi1, lo2, hi2, _ = state
-            mid1 = lo1 + (hi1 - lo1) // 2
-            mid2 = lo2 + (hi2 - lo2) // 2
-            c1, c2, nan = over_chunks(
-                lambda acc, x, valid: self.bisect_step((mid1, mid2), acc, x, valid),
-                self.bisect_init(),
-            )
-            up1, up2 = c1 > r[0], c2 > r[1]
-            return (
-                jnp.where(up1, lo1, mid1 + 1),
-                jnp.where(up1, mid1, hi1),
-                jnp.where(up2, lo2, mid2 + 1),
-                jnp.where(up2, mid2, hi2),
-                nan,
-            )
-
-        init = (zero, full, zero, full, jnp.zeros(self.shape, jnp.int32))
-        k_lo, _, k_hi, _, nan = lax.fori_loop(0, bits, bisect, init)
-        acc_dt = np.result_type(self.dtype, np.float32)
-        a = from_key(k_lo, self.dtype).astype(self.dtype).astype(acc_dt)
-        total = jnp.zeros(self.shape, acc_dt) + a
-        if self.kept == 2:
-            total = total + from_key(k_hi, self.dtype).astype(self.dtype).astype(acc_dt)
-        elif self.kept > 2:
-            total = self._walk(over_chunks, k_lo, acc_dt)
-        mean = total / jnp.asarray(self.kept, acc_dt)
-        return jnp.where(nan > 0, jnp.nan, mean).astype(self.dtype)
-
-    def _walk(self, over_chunks, k_lo, acc_dt):
-        """The kept values added one by one from the smallest: one pass per distinct
-        value (the first pass counts the smallest's copies below ``n - trim``)."""
         end = self.n - self.trim
-        below = k_lo - jnp.ones_like(k_lo)
+        acc_dt = np.result_type(self.dtype, np.float32)
+        top = jnp.full(self.shape, np.iinfo(u).max, u)
+        zero_u = jnp.zeros(self.shape, u)
+        zero_i = jnp.zeros(self.shape, jnp.int32)
+        # Phases: 0 bisection (``bits`` passes), 1 count the members below s[trim],
+        # 2 walk the kept band's distinct values, 3 done.
+        walk = self.kept > 2
 
-        def add(total, v, times):
-            def body(c):
-                j, t = c
-                return j + 1, jnp.where(j < times, t + v, t)
+        def mids(st):
+            return st["lo1"] + (st["hi1"] - st["lo1"]) // 2, st["lo2"] + (
+                st["hi2"] - st["lo2"]
+            ) // 2
 
-            return lax.while_loop(lambda c: c[0] < jnp.max(times), body, (0, total))[1]
+        def one_pass(st):
+            mid = mids(st)
 
-        def cond(state):
-            _, pos, _ = state
-            return jnp.any(pos < end)
+            def step(acc, x, valid):
+                c1, c2, nan = self.bisect_step(mid, acc[:3], x, valid)
+                key = to_key(x, self.dtype)
+                ok = jnp.ones(key.shape[:1], bool) if valid is None else valid
+                ok = ok.reshape(ok.shape + (1,) * len(self.shape))
+                below = acc[3] + jnp.sum(ok & (key < st["lo1"][None]), axis=0, dtype=jnp.int32)
+                m, c = self.next_step(st["cur"], acc[4:], x, valid)
+                return c1, c2, nan, below, m, c
 
-        def body(state):
-            cur, pos, total = state
-            nxt, count = over_chunks(
-                lambda acc, x, valid: self.next_step(cur, acc, x, valid), self.next_init()
+            c1, c2, nan, below, m, count = over_chunks(
+                step, (zero_i, zero_i, zero_i, zero_i, *self.next_init())
             )
-            # Positions before ``trim`` (values below the kept band) are skipped, the
-            # rest added; a coordinate already complete adds nothing.
+            phase = st["phase"]
+            out = dict(st)
+            # phase 0: one bisection step on both thresholds
+            up1, up2 = c1 > r[0], c2 > r[1]
+            bis = phase == 0
+            out["lo1"] = jnp.where(bis & ~up1, mid[0] + 1, st["lo1"])
+            out["hi1"] = jnp.where(bis & up1, mid[0], st["hi1"])
+            out["lo2"] = jnp.where(bis & ~up2, mid[1] + 1, st["lo2"])
+            out["hi2"] = jnp.where(bis & up2, mid[1], st["hi2"])
+            out["nan"] = jnp.where(bis, nan, st["nan"])
+            # phase 1: start just below s[trim] (no member's key is 0: that is a NaN's
+            # bits, keyed largest), at the position of the members below it
+            first = phase == 1
+            out["cur"] = jnp.where(first, st["lo1"] - jnp.ones_like(st["lo1"]), st["cur"])
+            out["pos"] = jnp.where(first, below, st["pos"])
+            # phase 2: add the next distinct value as often as it is kept
+            pos = st["pos"]
+            active = (phase == 2) & (pos < end)
             start = jnp.maximum(pos, self.trim)
             stop = jnp.minimum(pos + count, end)
-            times = jnp.where(pos < end, jnp.maximum(stop - start, 0), 0)
-            v = from_key(nxt, self.dtype).astype(self.dtype).astype(acc_dt)
-            total = add(total, v, times)
-            return jnp.where(pos < end, nxt, cur), jnp.where(pos < end, pos + count, pos), total
+            times = jnp.where(active, jnp.maximum(stop - start, 0), 0)
+            v = from_key(m, self.dtype).astype(self.dtype).astype(acc_dt)
+            out["total"] = _add_times(st["total"], v, times)
+            out["cur"] = jnp.where(active, m, out["cur"])
+            out["pos"] = jnp.where(active, pos + count, out["pos"])
+            done_walk = jnp.all(out["pos"] >= end)
+            out["phase"] = jnp.where(
+                bis,
+                jnp.where(st["i"] + 1 < bits, 0, 1 if walk else 3),
+                jnp.where(first, 2, jnp.where(done_walk, 3, phase)),
+            )
+            out["i"] = st["i"] + 1
+            return out
 
-        # Start just below s[trim] (no member's key is 0: that is a NaN's bits, keyed
-        # largest), at the position of the members below it (one counting pass).
-        def below_step(acc, x, valid):
-            hit = to_key(x, self.dtype) < k_lo[None]
-            if valid is not None:
-                hit = hit & valid.reshape(valid.shape + (1,) * len(self.shape))
-            return acc + jnp.sum(hit, axis=0, dtype=jnp.int32)
+        init = {
+            "phase": jnp.zeros((), jnp.int32),
+            "i": jnp.zeros((), jnp.int32),
+            "lo1": zero_u,
+            "hi1": top,
+            "lo2": zero_u,
+            "hi2": top,
+            "nan": zero_i,
+            "cur": zero_u,
+            "pos": zero_i,
+            "total": jnp.zeros(self.shape, acc_dt),
+        }
+        st = lax.while_loop(lambda st: st["phase"] < 3, one_pass, init)
+        if walk:
+            total = st["total"]
+        else:
+            total = jnp.zeros(self.shape, acc_dt) + from_key(st["lo1"], self.dtype).astype(
+                self.dtype
+            ).astype(acc_dt)
+            if self.kept == 2:
+                total = total + from_key(st["lo2"], self.dtype).astype(self.dtype).astype(acc_dt)
+        mean = total / jnp.asarray(self.kept, acc_dt)
+        return jnp.where(st["nan"] > 0, jnp.nan, mean).astype(self.dtype)
 
-        pos0 = over_chunks(below_step, jnp.zeros(self.shape, jnp.int32))
-        state = (below, pos0, jnp.zeros(self.shape, acc_dt))
-        return lax.while_loop(cond, body, state)[2]
+
+def _add_times(total, v, times):
+    """``total + v + v + ...``, ``times`` adds per coordinate, one by one."""
+
+    def body(c):
+        j, t = c
+        return j + 1, jnp.where(j < times, t + v, t)
+
+    return lax.while_loop(lambda c: c[0] < jnp.max(times), body, (0, total))[1]
 
 
 def streamed(op_cls, attrs: dict, n: int, shape, dtype, over_chunks):
