@@ -87,10 +87,9 @@ def server_aggregate(x, *, trim):
     computes it (self-contained: the app copies this source, it cannot import fcir;
     the same jnp calls as ``l_estimate``, so all replies give the bundle's bits; NaN
     in a coordinate gives NaN)."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
-
-    import jax
 
     n = x.shape[0]
     acc = np.result_type(x.dtype, np.float32)

@@ -11,8 +11,8 @@ stream as a loop over chunks of ``k`` members:
   afterwards (``y * 2``, ``jnp.abs(y)``: ``ELEMENTWISE``), and the reductions of those
   values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``,
   ``dp_sum``/``dp_mean``: clipped member by member, the noise added once at the end;
-  ``ddp_*``: ``streaming_ddp.py``; ``median``/``trimmed_mean``: exact, by passes over
-  the chunks after the stream's loop, ``streaming_order.py``);
+  ``ddp_*``: ``streaming_ddp.py``; ``median``: exact, by passes over the chunks after
+  the stream's loop, ``streaming_order.py``);
 - each step slices ``k`` members out of the per-member operands, runs the map region
   ``jax.vmap``-ed over them (broadcast values go in unbatched, as the server's one copy)
   and folds the results into running accumulators: sums (in the accumulation dtype of
