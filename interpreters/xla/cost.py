@@ -42,6 +42,7 @@ from fcir.types import runtime_type
 __all__ = ["cost_report", "format_cost"]
 
 
+
 def cost_report(exe, *args) -> dict:
     """The report described in the module docstring, for ``args`` (or the executable's
     abstract parameter specs)."""
@@ -178,7 +179,8 @@ def _visit(module, region: Region, times: float, once: float, levels, maps, note
             _visit_control_flow(module, op, times, once, levels, maps, notes)
 
 
-def _visit_control_flow(module, op: Op, times: float, once: float, levels, maps, notes) -> None:
+def _visit_control_flow(module, op: Op, times: float, once: float, levels, maps,
+                        notes) -> None:
     name = op.name.removeprefix("jax.")
     if name == "scan":
         times *= scan_length(op)
