@@ -55,8 +55,20 @@ def l_estimate(x, *, n: int, trim: int):
     import jax.numpy as jnp
 
     s = jnp.sort(gather_members(x), axis=0)  # NaN sorts last: a NaN member makes the last row NaN
-    mean = jnp.mean(s[trim : n - trim].astype(_accumulator(x.dtype)), axis=0)
+    mean = band_sum(s, trim, n - trim) / jnp.asarray(n - 2 * trim, _accumulator(x.dtype))
     return jnp.where(jnp.isnan(s[n - 1]), jnp.nan, mean).astype(x.dtype)
+
+
+def band_sum(s, start: int, stop: int):
+    """``s[start] + ... + s[stop - 1]`` added one by one from zero, in the accumulator
+    dtype: a fixed order of float adds (``jnp.sum`` leaves it to XLA), the one a streamed
+    order statistic reproduces pass by pass (interpreters/xla/streaming_order.py)."""
+    import jax
+    import jax.numpy as jnp
+
+    acc = _accumulator(s.dtype)
+    zero = jnp.zeros(s.shape[1:], acc)
+    return jax.lax.fori_loop(start, stop, lambda i, t: t + s[i].astype(acc), zero)
 
 
 def l_estimate_numpy(x: np.ndarray, trim: int) -> np.ndarray:
@@ -64,7 +76,11 @@ def l_estimate_numpy(x: np.ndarray, trim: int) -> np.ndarray:
     x = np.asarray(x)
     n = x.shape[0]
     s = np.sort(x, axis=0)  # NaN sorts last
-    mean = s[trim : n - trim].astype(_accumulator(x.dtype)).mean(axis=0)
+    acc = _accumulator(x.dtype)
+    total = np.zeros(x.shape[1:], acc)
+    for row in s[trim : n - trim]:  # one by one from the smallest, as l_estimate
+        total = (total + row.astype(acc)).astype(acc)
+    mean = total / acc.type(n - 2 * trim)
     return np.where(np.isnan(s[n - 1]), np.nan, mean).astype(x.dtype)
 
 
@@ -73,13 +89,16 @@ def server_aggregate(x, *, trim):
     computes it (self-contained: the app copies this source, it cannot import fcir;
     the same jnp calls as ``l_estimate``, so all replies give the bundle's bits; NaN
     in a coordinate gives NaN)."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
     n = x.shape[0]
     acc = np.result_type(x.dtype, np.float32)
     s = jnp.sort(x, axis=0)
-    mean = jnp.mean(s[trim : n - trim].astype(acc), axis=0)
+    zero = jnp.zeros(x.shape[1:], acc)
+    total = jax.lax.fori_loop(trim, n - trim, lambda i, t: t + s[i].astype(acc), zero)
+    mean = total / jnp.asarray(n - 2 * trim, acc)
     return jnp.where(jnp.isnan(s[n - 1]), jnp.nan, mean).astype(x.dtype)
 
 

@@ -354,7 +354,13 @@ def _gathered_call(agg: Aggregation, value, member: TensorType, n: int) -> pb.Co
     mrg = xla_of_function(
         merge, Structure("tuple", (state, shift(state, 2))), leaves + leaves, state, leaves
     )
-    rep = xla_of_function(report, state, leaves, _leaf(), [member])
+    # The op's own result type: a member's for the order statistics, a stack of chosen
+    # members for the selections (fed.krum).
+    import jax
+
+    buf = jax.ShapeDtypeStruct((n, *member.shape), dt)
+    shape = jax.eval_shape(report, jax.ShapeDtypeStruct((), jnp.int32), buf)[0].shape
+    rep = xla_of_function(report, state, leaves, _leaf(), [TensorType(member.dtype, shape)])
     return federated_aggregate(value, zero, acc, mrg, rep)
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -192,6 +193,10 @@ class Aggregate(Rule):
         """The dtype of the aggregation part's op over client outputs of type ``t``."""
         return t.dtype
 
+    def result_shape(self, agg: Aggregation, t: TensorType, n: int) -> tuple:
+        """The shape of the aggregation part's op over ``n`` client outputs of type ``t``."""
+        return t.shape
+
     def lower(self, at: _Site) -> _Lowered:
         return at.one(self.intrinsic, at.send(at.name))
 
@@ -313,6 +318,16 @@ class Gathering(Aggregate):
 
     def __init__(self):
         super().__init__("federated_aggregate")
+
+    def result_shape(self, agg, t, n):
+        """The op's primitive's abstract evaluation over the stacked values: the member's
+        shape for the order statistics, a stack of chosen members for the selections
+        (fed.krum)."""
+        prim = F.ops()[agg.fed_op].primitive
+        arg = jax.ShapeDtypeStruct((n, *t.shape), t.np_dtype)
+        attrs = dict(agg.attrs)
+        out = jax.eval_shape(lambda a: prim.bind(a, placement="clients", n=n, **attrs), arg)
+        return tuple(out.shape)
 
     def __str__(self):
         return f"{self.part}: {self.intrinsic} of every client's value"
@@ -658,8 +673,10 @@ class _Splitter:
             for agg in plan.aggregations:
                 operands = [by_name[n] for n in agg.inputs]
                 first = tensor(operands[0].type)
-                dtype = OP_RULES[F.ops()[agg.fed_op]].result_dtype(first)
-                out = Value(PlacedType(TensorType(dtype, first.shape), SERVER, True))
+                rule = OP_RULES[F.ops()[agg.fed_op]]
+                dtype = rule.result_dtype(first)
+                shape = rule.result_shape(agg, first, self.m.cardinality(self.clients))
+                out = Value(PlacedType(TensorType(dtype, shape), SERVER, True))
                 attrs = {"bitwidth": agg.bitwidth} if agg.bitwidth is not None else {}
                 attrs.update(agg.attrs)
                 region.ops.append(Op(agg.fed_op, operands, [out], attrs))

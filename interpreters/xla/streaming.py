@@ -11,8 +11,10 @@ stream as a loop over chunks of ``k`` members:
   afterwards (``y * 2``, ``jnp.abs(y)``: ``ELEMENTWISE``), and the reductions of those
   values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``,
   ``dp_sum``/``dp_mean``: clipped member by member, the noise added once at the end;
-  ``ddp_*``: ``streaming_ddp.py``): ``RULES`` maps each fed op class to what the
-  stream does with it, an accumulator object for a reduction (``accumulators.py``);
+  ``ddp_*``: ``streaming_ddp.py``; ``median``: exact, by passes over the chunks after
+  the stream's loop, ``streaming_order.py``): ``RULES`` maps each fed op class to what
+  the stream does with it, an accumulator object for a reduction (``accumulators.py``),
+  a :class:`streaming_order.ByPasses` for an order statistic;
 - each step slices ``k`` members out of the per-member operands, runs the map region
   ``jax.vmap``-ed over them (broadcast values go in unbatched, as the server's one copy)
   and folds the results into running accumulators: sums (in the accumulation dtype of
@@ -62,6 +64,7 @@ from fcir.ir import elementwise as E
 from fcir.ir.types import PlacedType, runtime_type
 
 from . import accumulators as A
+from . import streaming_order as _order
 from .interpreter import XlaInterpreter
 from .streaming_ddp import Distributed
 
@@ -71,10 +74,6 @@ __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", 
 # name no axis, so running them on one member's value means the same as on all.
 ELEMENTWISE = frozenset("jax." + n for n in E.ELEMENTWISE)
 
-_ORDER = (
-    "an order statistic needs every member's value at once, so it cannot stream k "
-    "members at a time: compile without clients_per_step to run it"
-)
 _NO_ACCUMULATOR = (
     "streaming has no accumulator for this reduction (interpreters/xla/streaming.py "
     "RULES): compile without clients_per_step to run it"
@@ -99,11 +98,6 @@ class StreamHead:
         return _plan_map(region, index, op, producer, users, results, cardinality)
 
 
-# The order statistics' family. A median needs every member's value at once, so it
-# cannot be folded k members at a time with one pass: refused until an accumulator that
-# selects over passes of the chunks takes this slot.
-ORDER_STATISTIC = F.Unsupported(_ORDER)
-
 # What a stream does with each fed op, keyed by op class: the entry is the behaviour
 # (tests/test_op_coverage.py reads this table). A reduction it does not name is refused
 # (the kind's default, declared here).
@@ -123,8 +117,9 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     # interpreters/xla/streaming_ddp.py: only the uint32 modular sum is carried.
     F.DdpSum: Distributed(mean=False),
     F.DdpMean: Distributed(mean=True),
-    F.Median: ORDER_STATISTIC,
-    F.TrimmedMean: ORDER_STATISTIC,
+    # Exact, by passes over the chunks after the stream's loop (streaming_order.py).
+    F.Median: _order.ByPasses(),
+    F.TrimmedMean: F.Unsupported(_order.TRIMMED),
     "reduction": F.Unsupported(_NO_ACCUMULATOR),
 }
 RULES = F.resolve(_OWN_RULES)
@@ -138,6 +133,11 @@ def _rule(op: Op):
 def _accumulator(op: Op) -> A.Accumulator | None:
     rule = _rule(op)
     return rule if isinstance(rule, A.Accumulator) else None
+
+
+def _by_passes(op: Op) -> _order.ByPasses | None:
+    rule = _rule(op)
+    return rule if isinstance(rule, _order.ByPasses) else None
 
 
 def _stream_head(op: Op) -> bool:
@@ -160,6 +160,7 @@ class Stream:
     # Member ops of earlier streams run again, chunk by chunk, before the map: the per-
     # member values this stream reads from them are recomputed instead of kept whole.
     prelude: list[Op] = dataclasses.field(default_factory=list)
+    ordered: list[Op] = dataclasses.field(default_factory=list)  # order statistics (ByPasses)
 
     @property
     def inputs(self) -> list[Value]:
@@ -177,7 +178,8 @@ class Stream:
 
     @property
     def outputs(self) -> list[Value]:
-        return [r for op in self.reductions for r in op.results] + self.materialized
+        reduced = [r for op in (*self.reductions, *self.ordered) for r in op.results]
+        return reduced + self.materialized
 
 
 def plan_region(region: Region, cardinality) -> list[Stream]:
@@ -269,6 +271,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
     tainted: set[Value] = set(map_op.results)
     absorbed: list[Op] = []
     reductions: list[Op] = []
+    ordered: list[Op] = []
     source: dict[Value, Value] = {}
 
     def member_operand(v: Value) -> bool:
@@ -304,7 +307,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
             group.update(op.results)
             tainted.update(op.results)
             continue
-        acc = _accumulator(op)
+        acc = _accumulator(op) or _by_passes(op)
         if (
             acc is not None
             and op.operands[0] in group
@@ -314,7 +317,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
             )
             and all(v not in tainted for v in acc.server_operands(op))
         ):
-            reductions.append(op)
+            (ordered if isinstance(acc, _order.ByPasses) else reductions).append(op)
         tainted.update(op.results)
 
     stream_ops = [map_op, *absorbed]
@@ -347,7 +350,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         for v in acc.server_operands(op):  # a DP key: read when the noise is added
             if v not in unbatched:
                 unbatched.append(v)
-    inside = set(absorbed) | set(reductions) | {map_op}
+    inside = set(absorbed) | set(reductions) | set(ordered) | {map_op}
     materialized = [
         v
         for op in stream_ops
@@ -364,6 +367,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         unbatched=unbatched,
         materialized=materialized,
         source=source,
+        ordered=ordered,
     )
 
 
@@ -416,7 +420,7 @@ class StreamingInterpreter(XlaInterpreter):
         position = {id(op): i for i, op in enumerate(region.ops)}
         in_stream = {}
         for s in streams:
-            for op in (s.map_op, *s.absorbed, *s.reductions):
+            for op in (s.map_op, *s.absorbed, *s.reductions, *s.ordered):
                 in_stream[id(op)] = s
         items: list = [op for op in region.ops if id(op) not in in_stream] + streams
         key = {id(it): position[id(it.map_op if isinstance(it, Stream) else it)] for it in items}
@@ -508,6 +512,7 @@ class StreamingInterpreter(XlaInterpreter):
             accs, bufs = self._stream_local(s, batched, unbatched, s.n)
             if self.mesh is not None:
                 bufs = [self.constrain(b, s.placement) for b in bufs]
+            bufs = self._ordered(s, batched, unbatched, s.n) + list(bufs)
         else:
             devices = mesh.shape[axis]
 
@@ -532,6 +537,7 @@ class StreamingInterpreter(XlaInterpreter):
                 check_vma=False,
             )(batched, unbatched)
             accs = [_accumulator(op).combine(op, acc) for op, acc in zip(s.reductions, partial)]
+            bufs = list(bufs)
         server = dict(zip(s.unbatched, unbatched))
         outs = []
         for op, a in zip(s.reductions, accs):
@@ -545,7 +551,12 @@ class StreamingInterpreter(XlaInterpreter):
         for op, acc in zip(s.reductions, accs):
             seeds.append(_seed(op, acc, cts[pos : pos + len(op.results)], s.n))
             pos += len(op.results)
-        buf_cts = cts[pos:]
+        if not all(_zero(c) for c in cts[pos : pos + len(s.ordered)]):
+            raise InterpreterError(
+                f"{s.ordered[0].name}: a streamed order statistic has no derivative here: "
+                "compile without clients_per_step to differentiate it"
+            )
+        buf_cts = cts[pos + len(s.ordered) :]
         mats = [j for j, c in enumerate(buf_cts) if not _zero(c) and _inexact(c.dtype)]
         buf_cts = [buf_cts[j] for j in mats]
         wanted = perturbed.value
@@ -594,7 +605,8 @@ class StreamingInterpreter(XlaInterpreter):
         return self.mesh
 
     def _mesh_axis(self, s: Stream, mesh) -> str | None:
-        if mesh is None or s.placement not in mesh.axis_names:
+        # An order statistic's passes count over every member: its stream runs unsharded.
+        if mesh is None or s.placement not in mesh.axis_names or s.ordered:
             return None
         return s.placement if s.n % mesh.shape[s.placement] == 0 else None
 
@@ -620,7 +632,10 @@ class StreamingInterpreter(XlaInterpreter):
         needed = list(
             dict.fromkeys(
                 v
-                for v in [*(u for op in s.reductions for u in op.operands), *s.materialized]
+                for v in [
+                    *(u for op in (*s.reductions, *s.ordered) for u in op.operands),
+                    *s.materialized,
+                ]
                 if v not in s.batched and v not in s.unbatched
             )
         )
@@ -662,6 +677,32 @@ class StreamingInterpreter(XlaInterpreter):
             return accs, new_bufs
 
         return _chunk_loop(n, k, step, (accs0, bufs0))
+
+    def _ordered(self, s: Stream, batched, unbatched, n: int) -> list:
+        """The stream's order statistics, each by passes over the chunks: every pass runs
+        the member ops again on each chunk (streaming_order.py), so no per-member value
+        is kept."""
+        if not s.ordered:
+            return []
+        k = min(self.k, n)
+        values = self._chunk_values(s, k)
+        chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
+        shapes = values(chunk_specs, unbatched, shapes_only=True)
+        outs = []
+        for op in s.ordered:
+            v = op.operands[0]
+
+            def over_chunks(step, acc0, v=v):
+                def chunk(acc, start, valid):
+                    b = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
+                    return step(acc, values(b, unbatched)[v], valid)
+
+                return _chunk_loop(n, k, chunk, acc0)
+
+            cls = F.ops()[op.name]
+            shape, dtype = shapes[v].shape[1:], shapes[v].dtype
+            outs.append(_by_passes(op).run(cls, op.attrs, n, shape, dtype, over_chunks))
+        return outs
 
     def _backward_local(self, s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, n):
         """The reverse loop over ``n`` local members: each chunk's values recomputed

@@ -181,13 +181,13 @@ def retype_result(op_name: str, new_type, k: int = 0):
     return mutate
 
 
-def reduction_cases(op: str, result_bad) -> list:
+def reduction_cases(op: str, result_bad, program: str = "flat") -> list:
     """C1-C3 of a reduction: arity, operand placement, result type."""
     return [
-        Case(op, "C1", "flat", add_operand(op, lambda m: param(m, 1)), "second operand"),
-        Case(op, "C1", "flat", add_result(op), "second result"),
-        Case(op, "C2", "flat", set_operand(op, 0, lambda m: param(m, 0)), "server operand"),
-        Case(op, "C3", "flat", retype_result(op, result_bad), f"result {result_bad}"),
+        Case(op, "C1", program, add_operand(op, lambda m: param(m, 1)), "second operand"),
+        Case(op, "C1", program, add_result(op), "second result"),
+        Case(op, "C2", program, set_operand(op, 0, lambda m: param(m, 0)), "server operand"),
+        Case(op, "C3", program, retype_result(op, result_bad), f"result {result_bad}"),
     ]
 
 
@@ -234,6 +234,19 @@ WM = "fed.weighted_mean"
 SS = "fed.secure_sum"
 MED = "fed.median"
 TM = "fed.trimmed_mean"
+KR = "fed.krum"
+BS = "fed.bulyan_select"
+GM = "fed.geometric_median"
+# The robust selections' results feed the program's results directly here, so that a
+# retyped result breaks only the op's own C3.
+ROBUST = """fcir.module @robust ir_version=1 placements=[clients:3]
+func @main(%0: f32[2]@server, %1: {f32[2]}@clients, %2: {i32[2]}@clients) -> (f32[2,2]@server, f32[3,2]@server, f32[2]@server) {
+  %3: f32[2,2]@server = fed.krum %1 {f=0, m=2}
+  %4: f32[3,2]@server = fed.bulyan_select %1 {f=0}
+  %5: f32[2]@server = fed.geometric_median %1 {eps=1e-06, iters=2}
+  return %3, %4, %5
+}
+"""
 
 PSUM_IN_MAP = """\
 fcir.module @psum_in_map ir_version=1 placements=[clients:3]
@@ -430,6 +443,19 @@ CASES = [
     Case(TM, "C5", "flat", set_attr(TM, "trim", 2), "trim 2 of 3 members drops all"),
     Case(TM, "C5", "flat", set_attr(TM, "trim", True), "trim bool"),
     Case(TM, "C5", "flat", set_attr(TM, "trim", _DELETE), "trim missing"),
+    *reduction_cases(KR, server(t("f32", 2)), ROBUST),
+    Case(KR, "C4", ROBUST, set_operand(KR, 0, lambda m: param(m, 2)), "i32 operand"),
+    Case(KR, "C5", ROBUST, set_attr(KR, "f", 1), "f 1 of 3 members leaves no neighbour"),
+    Case(KR, "C5", ROBUST, set_attr(KR, "f", -1), "f -1"),
+    Case(KR, "C6", ROBUST, set_attr(KR, "m", 0), "m 0"),
+    Case(KR, "C6", ROBUST, set_attr(KR, "m", 4), "m 4 of 3 members"),
+    *reduction_cases(BS, server(t("f32", 2, 2)), ROBUST),
+    Case(BS, "C4", ROBUST, set_operand(BS, 0, lambda m: param(m, 2)), "i32 operand"),
+    Case(BS, "C5", ROBUST, set_attr(BS, "f", 1), "f 1 needs 7 members, not 3"),
+    *reduction_cases(GM, server(t("f32", 3)), ROBUST),
+    Case(GM, "C4", ROBUST, set_operand(GM, 0, lambda m: param(m, 2)), "i32 operand"),
+    Case(GM, "C5", ROBUST, set_attr(GM, "iters", -1), "iters -1"),
+    Case(GM, "C6", ROBUST, set_attr(GM, "eps", 0.0), "eps 0"),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", 0), "bitwidth 0"),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", 33), "bitwidth 33 for i32"),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", True), "bitwidth bool"),

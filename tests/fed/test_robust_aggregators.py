@@ -1,0 +1,515 @@
+"""fcir.reduce_krum, reduce_multi_krum, reduce_bulyan and reduce_geometric_median: each
+against a plain numpy oracle written here, on every backend, through the production
+export and Flower's ServerApp aggregation, against Flower's own strategy functions on
+the same updates, and their gradients."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from fcir.interpreters import production, reference, xla
+from jax.test_util import check_grads
+
+import fcir
+
+N, F = 7, 1
+
+
+# --- the numpy oracles: loops over members, as the papers state them --------------------
+
+
+def _flat(tree_members: list[np.ndarray]) -> np.ndarray:
+    n = tree_members[0].shape[0]
+    return np.concatenate([leaf.reshape(n, -1) for leaf in tree_members], axis=1)
+
+
+def _scores(v: np.ndarray, f: int) -> np.ndarray:
+    n = len(v)
+    q = max(1, n - f - 2)
+    out = []
+    for i in range(n):
+        d = sorted(float(np.sum((v[i].astype(np.float64) - v[j]) ** 2)) for j in range(n) if j != i)
+        out.append(sum(d[:q]))
+    return np.asarray(out)
+
+
+def krum_oracle(v, f):
+    s = _scores(v, f)
+    return v[min(range(len(v)), key=lambda i: (s[i], i))]
+
+
+def multi_krum_oracle(v, f, m):
+    s = _scores(v, f)
+    best = sorted(range(len(v)), key=lambda i: (s[i], i))[:m]
+    return v[best].astype(np.float64).mean(axis=0)
+
+
+def bulyan_oracle(v, f):
+    left, chosen = list(range(len(v))), []
+    for _ in range(len(v) - 2 * f):
+        s = _scores(v[left], f)
+        k = min(range(len(left)), key=lambda i: (s[i], i))
+        chosen.append(left.pop(k))
+    sel = v[chosen].astype(np.float64)
+    beta = len(chosen) - 2 * f
+    med = np.median(sel, axis=0)
+    out = np.empty(sel.shape[1])
+    for c in range(sel.shape[1]):
+        vals = sorted(sel[:, c], key=lambda a: (abs(a - med[c]), a))[:beta]
+        out[c] = np.mean(vals)
+    return out
+
+
+def geomed_oracle(v, iters, eps):
+    v = v.astype(np.float64)
+    z = v.mean(axis=0)
+    for _ in range(iters):
+        w = np.array([1 / max(np.linalg.norm(x - z), eps) for x in v])
+        z = (w[:, None] * v).sum(axis=0) / w.sum()
+    return z
+
+
+def _split(flat: np.ndarray, like: dict) -> dict:
+    out, start = {}, 0
+    for k in sorted(like):
+        size = int(np.prod(like[k].shape[1:]))
+        out[k] = flat[start : start + size].reshape(like[k].shape[1:])
+        start += size
+    return out
+
+
+def updates(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = {"a": rng.normal(size=(n, 3, 2)), "b": rng.normal(size=(n, 4))}
+    x["b"][n - 1] += 25.0  # an outlier every rule should resist
+    return {k: v.astype(np.float32) for k, v in x.items()}
+
+
+def oracles(x, f=F, m=3, iters=6, eps=1e-6):
+    v = _flat([x[k] for k in sorted(x)])
+    return {
+        "krum": _split(krum_oracle(v, f), x),
+        "multi_krum": _split(multi_krum_oracle(v, f, m), x),
+        "bulyan": _split(bulyan_oracle(v, f), x),
+        "geomed": _split(geomed_oracle(v, iters, eps), x),
+    }
+
+
+def robust_program(n=N, f=F, m=3, iters=6, eps=1e-6):
+    @fcir.program(placements={"clients": n})
+    def robust(x):
+        return {
+            "krum": fcir.reduce_krum(x, f),
+            "multi_krum": fcir.reduce_multi_krum(x, f, m),
+            "bulyan": fcir.reduce_bulyan(x, f),
+            "geomed": fcir.reduce_geometric_median(x, iters, eps),
+        }
+
+    return robust
+
+
+def close(got, want, rtol=1e-5, atol=1e-5):
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(np.asarray(g), w, rtol=rtol, atol=atol), got, want
+    )
+
+
+# --- semantics on every backend -----------------------------------------------------------
+
+
+def test_every_backend_computes_the_numpy_oracles(tmp_path):
+    x = updates()
+    want = oracles(x)
+    f = robust_program()
+    module = fcir.capture(f, x)
+    plan = production.export(module)
+    plan.write(tmp_path / "b")
+    runs = {
+        "eager": f(x),
+        "jit": jax.jit(f)(x),
+        "reference": reference.run(module, x),
+        "xla": xla.compile(module)(x),
+        "production": production.run_bundle(tmp_path / "b", x),
+    }
+    for name, got in runs.items():
+        got = got if isinstance(got, dict) else jax.tree.unflatten(jax.tree.structure(want), got)
+        close(got, want)
+        # The selections pick members' values: bit for bit, not approximately.
+        np.testing.assert_array_equal(np.asarray(got["krum"]["b"]), want["krum"]["b"], name)
+        assert abs(float(np.max(got["geomed"]["b"]))) < 5  # the outlier is resisted
+
+
+def test_export_gathers_every_value_and_says_it_is_not_secure(tmp_path):
+    import json
+
+    from fcir.interpreters.production import splitting
+
+    for cls in (fcir.fed.Krum, fcir.fed.BulyanSelect, fcir.fed.GeometricMedian):
+        assert "every client's value" in str(splitting.OP_RULES[cls])
+        assert "not secure" in cls.__doc__.lower() or "Not secure" in cls.__doc__
+    x = updates()
+    production.export(fcir.capture(robust_program(), x)).write(tmp_path / "b")
+    aggs = json.loads((tmp_path / "b" / "manifest.json").read_text())["aggregations"]
+    assert sorted((a["fed_op"], a["intrinsic"]) for a in aggs) == [
+        ("fed.bulyan_select", "federated_aggregate"),
+        ("fed.geometric_median", "federated_aggregate"),
+        ("fed.krum", "federated_aggregate"),
+        ("fed.krum", "federated_aggregate"),
+    ]
+
+
+def test_streaming_refuses_them_with_the_kind_default():
+    from fcir.interpreters.xla import streaming
+
+    for cls in (fcir.fed.Krum, fcir.fed.BulyanSelect, fcir.fed.GeometricMedian):
+        assert isinstance(streaming.RULES[cls], fcir.fed.Unsupported)
+    x = updates()
+    module = fcir.capture(robust_program(), x)
+    with pytest.raises(fcir.FcirError, match="no accumulator"):
+        xla.compile(module, clients_per_step=2)(x)
+
+
+def test_the_flower_server_aggregate_is_the_oracle():
+    from fcir.interpreters.flower.app import runtime
+
+    v = _flat([updates()[k] for k in ("a", "b")])
+    cases = [
+        (fcir.fed.Krum, {"f": F, "m": 1}, krum_oracle(v, F)[None]),
+        (fcir.fed.Krum, {"f": F, "m": 3}, None),
+        (fcir.fed.BulyanSelect, {"f": F}, None),
+        (fcir.fed.GeometricMedian, {"iters": 6, "eps": 1e-6}, geomed_oracle(v, 6, 1e-6)),
+    ]
+    for cls, attrs, want in cases:
+        fn = runtime._server_aggregate(cls.server_aggregate_source())
+        got = jax.jit(lambda a, fn=fn, attrs=attrs: fn(a, **attrs))(v)
+        np.testing.assert_allclose(got, cls.reference(v, attrs), rtol=1e-5, atol=1e-6)
+        if want is not None:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_in_process_flower_round_aggregates_them(tmp_path):
+    pytest.importorskip("flwr")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fcir.interpreters import flower
+    from flowerlib import files, inprocess, rounds
+
+    n = rounds.NODES  # 3 nodes: f = 0 is all Krum and Bulyan allow
+
+    @fcir.program(placements={"clients": n})
+    def robust_round(w, x):
+        upd = fcir.map_fn(lambda w, x: {"w": w * jnp.mean(x), "x": x[:2]}, (fcir.broadcast(w), x))
+        return {
+            "krum": fcir.reduce_krum(upd, 0),
+            "multi": fcir.reduce_multi_krum(upd, 0, 2),
+            "bulyan": fcir.reduce_bulyan(upd, 0),
+            "geomed": fcir.reduce_geometric_median(upd, 4, 1e-6),
+        }
+
+    w = jnp.asarray([1.0, -2.0, 0.5], jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(n, 5)), jnp.float32)
+    module = fcir.capture(robust_round, w, x)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w)])
+    nodes = {}
+    for i in range(n):
+        np.savez(tmp_path / f"n{i}.npz", np.asarray(x[i]))
+        nodes[10 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
+    inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
+    got = files.read_outputs(tmp_path / "o.npz")
+    want = [np.asarray(v) for v in jax.tree.leaves(reference.run(module, w, x))]
+    assert len(got) == len(want)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
+
+
+# --- against Flower's own strategy functions --------------------------------------------
+
+
+def test_flower_strategies_agree_on_the_same_updates():
+    flwr_aggregate = pytest.importorskip("flwr.server.strategy.aggregate")
+    x = updates(n=9, seed=3)
+    f = 1
+    results = [([x["a"][i], x["b"][i]], 1) for i in range(9)]
+    prog = robust_program(n=9, f=f, m=4)
+    got = prog(x)
+    krum = flwr_aggregate.aggregate_krum(results, num_malicious=f, to_keep=0)
+    np.testing.assert_array_equal(got["krum"]["a"], krum[0])
+    np.testing.assert_array_equal(got["krum"]["b"], krum[1])
+    multi = flwr_aggregate.aggregate_krum(results, num_malicious=f, to_keep=4)
+    np.testing.assert_allclose(got["multi_krum"]["a"], multi[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["multi_krum"]["b"], multi[1], rtol=1e-5, atol=1e-6)
+    bulyan = flwr_aggregate.aggregate_bulyan(
+        list(results), f, flwr_aggregate.aggregate_krum, to_keep=0
+    )
+    np.testing.assert_allclose(got["bulyan"]["a"], bulyan[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["bulyan"]["b"], bulyan[1], rtol=1e-5, atol=1e-6)
+
+
+def test_flower_1_42_multikrum_selection_agrees():
+    mk = pytest.importorskip("flwr.serverapp.strategy.multikrum")
+    from flwr.app import Array, ArrayRecord, RecordDict
+
+    x = updates(n=8, seed=5)
+    contents = [
+        RecordDict({"arrays": ArrayRecord({"a": Array(x["a"][i]), "b": Array(x["b"][i])})})
+        for i in range(8)
+    ]
+    chosen = mk.select_multikrum(contents, 1, 3)
+    want = np.mean([np.asarray(c["arrays"]["b"].numpy()) for c in chosen], axis=0)
+    got = robust_program(n=8, f=1, m=3)(x)["multi_krum"]["b"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --- gradients ----------------------------------------------------------------------------
+
+
+def _one(name, n=N, **kw):
+    prog = robust_program(n=n, **kw)
+    return lambda a: prog({"a": a, "b": jnp.zeros((n, 4), a.dtype) + a[:, :1, 0]})[name]["a"]
+
+
+@pytest.mark.parametrize("name", ["krum", "multi_krum", "bulyan", "geomed"])
+def test_gradients_match_finite_differences(name):
+    a = jnp.asarray(np.random.default_rng(7).normal(size=(N, 3, 2)), jnp.float32)
+    check_grads(_one(name), (a,), order=1, modes=["fwd", "rev"], atol=2e-2, rtol=2e-2, eps=1e-3)
+
+
+def test_gradients_match_the_numpy_oracle_by_central_differences():
+    x = updates(seed=11)
+    v = _flat([x[k] for k in sorted(x)]).astype(np.float64)
+    prog = robust_program()
+    g = jax.grad(lambda x: sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(prog(x))))(x)
+    gv = _flat([np.asarray(g[k]) for k in sorted(g)])
+
+    def total(v):
+        xs = {k: _split_members(v, x)[k] for k in x}
+        return sum(
+            np.sum(np.sin(np.concatenate([o[k].ravel() for k in sorted(o)])))
+            for o in oracles(xs).values()
+        )
+
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        i, j = rng.integers(v.shape[0]), rng.integers(v.shape[1])
+        h = 1e-4
+        up, down = v.copy(), v.copy()
+        up[i, j] += h
+        down[i, j] -= h
+        fd = (total(up) - total(down)) / (2 * h)
+        np.testing.assert_allclose(gv[i, j], fd, rtol=2e-3, atol=2e-3)
+
+
+def _split_members(v, like):
+    out, start = {}, 0
+    for k in sorted(like):
+        size = int(np.prod(like[k].shape[1:]))
+        out[k] = v[:, start : start + size].reshape(like[k].shape)
+        start += size
+    return out
+
+
+def test_the_gradient_program_is_federated_and_runs_on_every_backend():
+    x = updates(seed=2)
+    prog = robust_program()
+    grad = jax.grad(lambda x: sum(jnp.sum(jnp.sin(leaf)) for leaf in jax.tree.leaves(prog(x))))
+    module = fcir.capture(grad, x)  # checks: no client-to-client op in the derivative
+    want = grad(x)
+    close(reference.run(module, x), want, rtol=1e-4, atol=1e-5)
+    close(xla.compile(module)(x), want, rtol=1e-4, atol=1e-5)
+
+
+def test_krum_gradient_reaches_only_the_chosen_member():
+    x = updates(seed=4)
+    prog = robust_program()
+    g = jax.grad(lambda x: jnp.sum(prog(x)["krum"]["b"]))(x)
+    v = _flat([x[k] for k in sorted(x)])
+    chosen = int(np.flatnonzero((v == krum_oracle(v, F)).all(axis=1))[0])
+    want = np.zeros_like(x["b"])
+    want[chosen] = 1.0
+    np.testing.assert_array_equal(np.asarray(g["b"]), want)
+    np.testing.assert_array_equal(np.asarray(g["a"]), np.zeros_like(x["a"]))
+
+
+def test_duplicate_members_share_the_chosen_members_gradient():
+    x = updates(seed=4)
+    v = _flat([x[k] for k in sorted(x)])
+    chosen = int(np.flatnonzero((v == krum_oracle(v, F)).all(axis=1))[0])
+    other = (chosen + 1) % N
+    for k in x:
+        x[k][other] = x[k][chosen]
+    g = jax.grad(lambda x: jnp.sum(robust_program()(x)["krum"]["b"]))(x)
+    assert np.asarray(g["b"])[[chosen, other]].tolist() == [[0.5] * 4, [0.5] * 4]
+
+
+def test_vmap_over_a_batch_of_rounds():
+    xs = [updates(seed=s) for s in (20, 21)]
+    batch = jax.tree.map(lambda *a: jnp.stack(a), *xs)
+    got = jax.vmap(robust_program())(batch)
+    for b, x in enumerate(xs):
+        close(jax.tree.map(lambda g, b=b: g[b], got), oracles(x))
+
+
+# --- constraints, tracing and checking ----------------------------------------------------
+
+
+def test_tracing_cites_the_numbered_constraints():
+    x = jnp.ones((4, 3))
+
+    def run(body, x=x):
+        return jax.make_jaxpr(fcir.program(placements={"clients": 4})(body))(x)
+
+    with pytest.raises(
+        fcir.IRTypeError, match=r"fed\.krum/C5: attribute 'f' must be an int >= 0 with n >= f \+ 3"
+    ):
+        run(lambda x: fcir.reduce_krum(x, 2))
+    with pytest.raises(fcir.IRTypeError, match=r"fed\.krum/C6: attribute 'm'"):
+        run(lambda x: fcir.reduce_multi_krum(x, 0, 5))
+    with pytest.raises(fcir.IRTypeError, match=r"fed\.bulyan_select/C5: .* n >= 4f \+ 3"):
+        run(lambda x: fcir.reduce_bulyan(x, 1))
+    with pytest.raises(fcir.IRTypeError, match=r"fed\.geometric_median/C6: attribute 'eps'"):
+        run(lambda x: fcir.reduce_geometric_median(x, 3, 0.0))
+    with pytest.raises(fcir.IRTypeError, match=r"fed\.krum/C4: operand must be a floating"):
+        run(lambda x: fcir.reduce_krum(x, 0), jnp.ones((4, 3), jnp.int32))
+    with pytest.raises(fcir.PlacementError, match="f must be an int"):
+        run(lambda x: fcir.reduce_krum(x, 1.0))
+
+
+def test_text_round_trip_and_privacy_and_traffic():
+    from fcir.report import traffic
+
+    x = updates()
+    module = fcir.capture(robust_program(), x)
+    text = module.to_text()
+    assert "fed.krum %" in text and "{f=1, m=3}" in text and "fed.bulyan_select" in text
+    assert fcir.parse(text).to_text() == text
+    per_member = (3 * 2 + 4) * 4
+    assert traffic.communication_bytes(module)["clients"]["aggregate"] == 4 * N * per_member
+
+    @fcir.program(placements={"clients": N}, private=True)
+    def leaky(x):
+        return fcir.reduce_krum(x, 1)
+
+    with pytest.raises(fcir.PrivacyError, match="privacy/C1: fed.krum releases"):
+        fcir.capture(leaky, x)
+
+
+def test_a_nan_member_is_never_chosen():
+    x = updates()
+    x["a"][2, 0, 0] = np.nan
+    got = robust_program()(x)
+    assert not np.isnan(np.asarray(got["krum"]["a"])).any()
+    assert not np.isnan(np.asarray(got["bulyan"]["a"])).any()
+    assert np.isnan(np.asarray(got["geomed"]["a"])).all()  # its norm is NaN: every weight
+
+
+# --- order statistics streamed (interpreters/xla/streaming_order.py) ----------------------
+
+
+def _order_program(n: int, trim: int):
+    @fcir.program(placements={"clients": n})
+    def robust(w, x):
+        upd = fcir.map_fn(lambda w, x: w * x + 1.0, (fcir.broadcast(w), x))
+        return fcir.reduce_median(upd), fcir.reduce_trimmed_mean(upd, trim=trim)
+
+    return robust
+
+
+def _hard_values(n: int, dtype=np.float32) -> np.ndarray:
+    rng = np.random.default_rng(n)
+    # Magnitudes over many binades, where the order of float adds shows in the bits.
+    x = rng.normal(size=(n, 4, 3)) * np.exp(3 * rng.normal(size=(n, 4, 3)))
+    x[:, 0, 0] = 1.5  # every member ties
+    x[:, 0, 1] = rng.integers(0, 2, n)  # two values, many ties
+    x[n - 1, 0, 2] = np.nan  # one NaN member: NaN out
+    x[:, 1, 0] = -0.0  # signed zeros rank equal
+    x[0, 1, 0] = 0.0
+    x[: min(2, n), 1, 1] = np.inf
+    return x.astype(dtype)
+
+
+def _median_program(n: int):
+    @fcir.program(placements={"clients": n})
+    def robust(w, x):
+        upd = fcir.map_fn(lambda w, x: w * x + 1.0, (fcir.broadcast(w), x))
+        return (fcir.reduce_median(upd),)
+
+    return robust
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6, 9, 10])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_streamed_median_equals_the_unstreamed_bit_for_bit(n, dtype):
+    x = _hard_values(n, dtype)
+    w = np.asarray(0.7, dtype)
+    module = fcir.capture(_median_program(n), w, x)
+    want = [np.asarray(v) for v in xla.compile(module)(w, x)]
+    for k in sorted({1, 2, 3, n}):
+        got = xla.compile(module, clients_per_step=k)(w, x)
+        for g, e in zip(got, want):
+            g = np.asarray(g)
+            assert g.dtype == e.dtype
+            np.testing.assert_array_equal(g.view(np.uint8), e.view(np.uint8), f"k={k}")
+    med = np.where(np.isnan(x).any(axis=0), np.nan, np.median(0.7 * x.astype(np.float32) + 1, 0))
+    np.testing.assert_allclose(want[0].astype(np.float32), med, rtol=5e-2 if n > 2 else 1e-2)
+
+
+@pytest.mark.parametrize("n, trim", [(5, 1), (6, 2), (6, 1), (9, 0), (10, 3), (33, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_order_statistic_passes_give_the_unstreamed_trimmed_mean_bits(n, trim, dtype):
+    from fcir.interpreters.xla.streaming import _chunk_loop
+    from fcir.interpreters.xla.streaming_order import OrderStatistic
+
+    from fcir.fed.trimmed_mean import l_estimate
+
+    x = _hard_values(n, dtype)
+    want = np.asarray(jax.jit(lambda x: l_estimate(x, n=n, trim=trim))(x))
+    for k in sorted({1, 3, n}):
+
+        def run(x, k=k):
+            def over_chunks(step, acc0):
+                def chunk(acc, start, valid):
+                    return step(acc, jax.lax.dynamic_slice_in_dim(x, start, k, 0), valid)
+
+                return _chunk_loop(n, k, chunk, acc0)
+
+            return OrderStatistic(n, trim, x.shape[1:], np.dtype(dtype)).run(over_chunks)
+
+        got = np.asarray(jax.jit(run)(x))
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), f"k={k}")
+
+
+def test_streaming_still_refuses_the_trimmed_mean():
+    x = _hard_values(5)
+    module = fcir.capture(_order_program(5, 1), np.float32(0.7), x)
+    with pytest.raises(fcir.UnsupportedError, match="streamed trimmed mean is not exact"):
+        xla.compile(module, clients_per_step=2)(np.float32(0.7), x)
+
+
+def test_a_streamed_order_statistic_refuses_a_derivative():
+    n = 5
+    x = _hard_values(n)[:, 2:]  # no NaN
+    module = fcir.capture(_median_program(n), np.float32(0.7), x)
+    run = xla.compile(module, clients_per_step=2)
+    with pytest.raises(fcir.FcirError, match="no derivative here"):
+        jax.grad(lambda w: run(w, x)[0].sum())(np.float32(0.7))
+
+
+def test_streamed_median_temp_memory_is_flat_in_the_cohort():
+    from fcir.interpreters.xla import streaming
+
+    assert callable(streaming.RULES[fcir.fed.Median].run)
+    temps = {}
+    for n in (64, 512):
+        x = jax.ShapeDtypeStruct((n, 256), jnp.float32)
+        module = fcir.capture(_median_program(n), jax.ShapeDtypeStruct((), jnp.float32), x)
+        run = xla.compile(module, clients_per_step=8)
+        args = (np.float32(1.0), np.zeros((n, 256), np.float32))
+        temps[n] = run.compiled(*args).memory_analysis().temp_size_in_bytes
+        whole = xla.compile(module).compiled(*args).memory_analysis().temp_size_in_bytes
+        assert whole >= n * 256 * 4  # unstreamed: the sorted cohort
+    print("streamed temp bytes", temps)
+    assert temps[512] <= 1.1 * temps[64] + 4096
