@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fcir import jaxcompat as jc
 from fcir.jaxcompat import ad, ad_util, core, dtypes
@@ -49,6 +50,7 @@ from fcir.jaxcompat import ad, ad_util, core, dtypes
 __all__ = [
     "def_jvp",
     "def_jvp_zero",
+    "broadcast_like",
     "def_transpose",
     "inexact",
     "is_symbolic_zero",
@@ -57,6 +59,7 @@ __all__ = [
     "linear_jvp",
     "member_map",
     "trace_region",
+    "typed_like",
     "typeof",
     "zero_cotangent",
     "zero_tangent",
@@ -114,6 +117,38 @@ def zero_cotangent(x):
 def zero_tangent(primal):
     """The symbolic zero tangent of ``primal``."""
     return ad_util.p2tz(primal)
+
+
+def typed_like(v, aval):
+    """``v`` resharded to ``aval``'s sharding where JAX would refuse it in ``aval``'s
+    place: on a mesh with ``Explicit`` axes a value's type carries its layout, and a
+    cotangent (or an operand mapped with a placed value) must have its primal's (JAX's
+    ``typematch``, the check behind "Expected cotangent type f32[8@clients,3] but got
+    f32[8,3]"). A rule's broadcast is typed from the server value alone, so its member
+    axis need not be laid out like the placed value the rule derives from. Anything
+    else, and every value traced without such a mesh, is returned as it is."""
+    have = core.typeof(v)
+    if core.typematch(have, aval, no_dtype_check=True):
+        return v
+    want = aval.sharding
+    if have.sharding.mesh.empty or want.mesh.empty:
+        return v
+    concrete = None if isinstance(v, core.Tracer) else getattr(v, "sharding", None)
+    if isinstance(concrete, NamedSharding) and isinstance(concrete.mesh, Mesh):
+        # Eager (a jax.Array on a concrete mesh): reshard there, with or without a
+        # jax.set_mesh around the call.
+        want = NamedSharding(concrete.mesh, want.spec)
+    return jax.sharding.reshard(v, want)
+
+
+def broadcast_like(v, like, placement: str, n: int):
+    """``fed_broadcast`` of server value ``v`` with its member axis laid out like the
+    placed value ``like`` (an array, a tracer or an aval): the broadcast a rule binds to
+    meet ``like`` member by member, or as ``like``'s cotangent."""
+    from fcir.fed.broadcast import broadcast_p
+
+    aval = like if isinstance(like, core.AbstractValue) else core.typeof(like)
+    return typed_like(broadcast_p.bind(v, placement=placement, n=n), aval)
 
 
 def inexact(dtype) -> bool:

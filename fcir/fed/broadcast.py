@@ -7,8 +7,9 @@ federated sum of the members' cotangents.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fcir import autodiff as AD
 from fcir import primitives as P
@@ -39,6 +40,22 @@ def _impl(x, *, placement, n):
     return jnp.broadcast_to(x[None], (n, *x.shape))
 
 
+def _eager_impl(x, *, placement, n):
+    """The impl run on concrete arrays (eager ``jax.grad``, whose rules bind this op
+    directly): typed as the abstract eval types it. ``jnp.broadcast_to`` alone leaves
+    the new member axis replicated where the abstract eval says it is split over an
+    ``Explicit`` axis, and JAX refuses such a value as the cotangent or vmapped operand
+    of a placed value ("Expected cotangent type f32[8@clients,3] but got f32[8,3]")."""
+    out = _impl(x, placement=placement, n=n)
+    axis = _explicit_member_axis(core.typeof(x), placement)
+    sharding = getattr(x, "sharding", None)
+    if axis is None or not isinstance(sharding, NamedSharding):
+        return out
+    spec = PartitionSpec(axis, *core.typeof(x).sharding.spec)
+    # The operand's own (concrete) mesh: no jax.set_mesh needed around the call.
+    return jax.sharding.reshard(out, NamedSharding(sharding.mesh, spec))
+
+
 def _abstract_eval(x, *, placement, n):
     return P.placed_aval(x, n, _explicit_member_axis(x, placement))
 
@@ -58,6 +75,7 @@ def _transpose(ct, x, *, placement, n):
 
 
 broadcast_p = P.define_primitive("fed_broadcast", _impl, _abstract_eval, _batch)
+broadcast_p.def_impl(_eager_impl)  # lowering keeps _impl: jax.jit's HLO, unchanged
 AD.def_jvp(broadcast_p, AD.linear_jvp(broadcast_p))
 AD.def_transpose(broadcast_p, _transpose)
 

@@ -15,7 +15,6 @@ from fcir import primitives as P
 from fcir.types import TensorType
 
 from .base import Reduction, mean_dtype
-from .broadcast import broadcast_p
 
 __all__ = ["Mean", "mean_p"]
 
@@ -30,7 +29,7 @@ def _transpose(ct, x, *, placement, n):
     if AD.is_symbolic_zero(ct):
         return [AD.zero_cotangent(x)]
     # Scale once on the server, then broadcast: jnp.mean's VJP computes ct / n too.
-    return [broadcast_p.bind(ct / n, placement=placement, n=n)]
+    return [AD.broadcast_like(ct / n, x.aval.to_ct_aval(), placement, n)]
 
 
 mean_p = P.define_reduction("fed_mean", _impl, result_dtype=P.mean_result_dtype, weak_type=True)

@@ -34,7 +34,6 @@ from fcir import primitives as P
 from fcir.types import TensorType
 
 from .base import Reduction, public
-from .broadcast import broadcast_p
 from .max import max_p
 from .min import min_p
 from .sum import sum_p
@@ -192,13 +191,15 @@ def _weighted_region():
 
 
 class _Fed:
-    """The fed primitives a derivative rule binds, at one placement."""
+    """The fed primitives a derivative rule binds, at one placement; its broadcasts are
+    laid out like ``x``, the placed operand they meet member by member."""
 
-    def __init__(self, placement: str, n: int):
+    def __init__(self, placement: str, n: int, x):
         self.kw = {"placement": placement, "n": n}
+        self.x = x
 
     def bcast(self, v):
-        return broadcast_p.bind(v, **self.kw)
+        return AD.broadcast_like(v, self.x, **self.kw)
 
     def map(self, builder, static, *placed):
         return AD.member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
@@ -255,7 +256,7 @@ def _trimmed_mean_jvp(primals, tangents, *, placement, n, trim):
     ans = trimmed_mean_p.bind(x, placement=placement, n=n, trim=trim)
     if AD.is_zero(t):
         return ans, AD.zero_tangent(ans)
-    f = _Fed(placement, n)
+    f = _Fed(placement, n, x)
     lo = order_statistic(f, x, trim, largest=False)
     hi = order_statistic(f, x, trim, largest=True)
     return ans, l_estimate_tangent(f, x, t, n, trim, lo, hi)
