@@ -50,7 +50,6 @@ from fcir.jaxcompat import ad, ad_util, core, dtypes
 __all__ = [
     "def_jvp",
     "def_jvp_zero",
-    "broadcast_like",
     "def_transpose",
     "inexact",
     "is_symbolic_zero",
@@ -139,16 +138,6 @@ def typed_like(v, aval):
         # jax.set_mesh around the call.
         want = NamedSharding(concrete.mesh, want.spec)
     return jax.sharding.reshard(v, want)
-
-
-def broadcast_like(v, like, placement: str, n: int):
-    """``fed_broadcast`` of server value ``v`` with its member axis laid out like the
-    placed value ``like`` (an array, a tracer or an aval): the broadcast a rule binds to
-    meet ``like`` member by member, or as ``like``'s cotangent."""
-    from fcir.fed.broadcast import broadcast_p
-
-    aval = like if isinstance(like, core.AbstractValue) else core.typeof(like)
-    return typed_like(broadcast_p.bind(v, placement=placement, n=n), aval)
 
 
 def inexact(dtype) -> bool:

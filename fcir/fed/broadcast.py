@@ -18,7 +18,7 @@ from fcir.types import PlacedType
 
 from .base import FedOp, arity
 
-__all__ = ["Broadcast", "broadcast_p"]
+__all__ = ["Broadcast", "broadcast_like", "broadcast_p"]
 
 
 def _explicit_member_axis(aval: core.ShapedArray, placement: str):
@@ -78,6 +78,14 @@ broadcast_p = P.define_primitive("fed_broadcast", _impl, _abstract_eval, _batch)
 broadcast_p.def_impl(_eager_impl)  # lowering keeps _impl: jax.jit's HLO, unchanged
 AD.def_jvp(broadcast_p, AD.linear_jvp(broadcast_p))
 AD.def_transpose(broadcast_p, _transpose)
+
+
+def broadcast_like(v, like, placement: str, n: int):
+    """``fed_broadcast`` of server value ``v`` with its member axis laid out like the
+    placed value ``like`` (an array, a tracer or an aval): the broadcast a derivative
+    rule binds to meet ``like`` member by member, or as ``like``'s cotangent."""
+    aval = like if isinstance(like, core.AbstractValue) else core.typeof(like)
+    return AD.typed_like(broadcast_p.bind(v, placement=placement, n=n), aval)
 
 
 class Broadcast(FedOp):

@@ -15,6 +15,7 @@ from fcir import primitives as P
 from fcir.types import TensorType
 
 from .base import Reduction, mean_dtype
+from .broadcast import broadcast_like
 
 __all__ = ["Mean", "mean_p"]
 
@@ -29,7 +30,7 @@ def _transpose(ct, x, *, placement, n):
     if AD.is_symbolic_zero(ct):
         return [AD.zero_cotangent(x)]
     # Scale once on the server, then broadcast: jnp.mean's VJP computes ct / n too.
-    return [AD.broadcast_like(ct / n, x.aval.to_ct_aval(), placement, n)]
+    return [broadcast_like(ct / n, x.aval.to_ct_aval(), placement, n)]
 
 
 mean_p = P.define_reduction("fed_mean", _impl, result_dtype=P.mean_result_dtype, weak_type=True)

@@ -20,6 +20,7 @@ from fcir import autodiff as AD
 from fcir import primitives as P
 
 from .base import Reduction
+from .broadcast import broadcast_like
 from .sum import sum_p
 
 __all__ = ["Min", "chooser_jvp", "min_p"]
@@ -49,7 +50,7 @@ def chooser_jvp(prim, primals, tangents, *, placement, n):
     # Same subgradient as lax._reduce_chooser_jvp_rule (jnp.min/jnp.max): average the
     # tangents of the members attaining the extremum. Everything per member happens in
     # fed_map regions; the division by the tie count happens on the server.
-    ans_at_members = AD.broadcast_like(ans, x, placement, n)
+    ans_at_members = broadcast_like(ans, x, placement, n)
     (ind,) = AD.member_map(_indicator_region, (np.dtype(dtype),), placement, n, x, ans_at_members)
     count = sum_p.bind(ind, placement=placement, n=n)
     (picked,) = AD.member_map(_masked_region, (), placement, n, g, ind)

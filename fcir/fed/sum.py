@@ -12,6 +12,7 @@ from fcir import primitives as P
 from fcir.types import TensorType, dtype_from_name, dtype_name
 
 from .base import Reduction
+from .broadcast import broadcast_like
 
 __all__ = ["Sum", "sum_p"]
 
@@ -20,7 +21,7 @@ def _transpose(ct, x, *, placement, n):
     assert AD.is_undefined_primal(x)
     if AD.is_symbolic_zero(ct):
         return [AD.zero_cotangent(x)]
-    return [AD.broadcast_like(ct, x.aval.to_ct_aval(), placement, n)]
+    return [broadcast_like(ct, x.aval.to_ct_aval(), placement, n)]
 
 
 def _impl(x, *, n):

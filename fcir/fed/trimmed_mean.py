@@ -34,6 +34,7 @@ from fcir import primitives as P
 from fcir.types import TensorType
 
 from .base import Reduction, public
+from .broadcast import broadcast_like
 from .max import max_p
 from .min import min_p
 from .sum import sum_p
@@ -199,7 +200,7 @@ class _Fed:
         self.x = x
 
     def bcast(self, v):
-        return AD.broadcast_like(v, self.x, **self.kw)
+        return broadcast_like(v, self.x, **self.kw)
 
     def map(self, builder, static, *placed):
         return AD.member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]

@@ -20,6 +20,7 @@ from fcir import primitives as P
 from fcir.types import TensorType, dtype_name
 
 from .base import FedOp, arity, mean_dtype
+from .broadcast import broadcast_like
 from .map import map_p
 from .sum import sum_p
 
@@ -116,7 +117,7 @@ def _jvp(primals, tangents, *, placement, n):
     # W = sum of the weights (in the result dtype, as the primal computes it).
     w_dt = w if w_aval.dtype == dt else AD.member_map(_cast_region, (dt,), placement, n, w)[0]
     total = sum_p.bind(w_dt, placement=placement, n=n)
-    y_at_members = AD.broadcast_like(y, x, placement, n)
+    y_at_members = broadcast_like(y, x, placement, n)
     ts = [t for t, has in ((dx, has_dx), (dw, has_dw)) if has]
     (num_members,) = AD.member_map(
         _weighted_tangent_region, (dt, has_dx, has_dw), placement, n, w, x, y_at_members, *ts
