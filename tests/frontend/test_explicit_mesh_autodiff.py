@@ -106,3 +106,19 @@ def test_grad_under_set_mesh_types_each_cotangent_like_its_primal(name, layout, 
     for g, v in zip(want, got):
         np.testing.assert_allclose(np.asarray(v), np.asarray(g), rtol=2e-5, atol=1e-6)
     assert jax.typeof(got[1]).sharding.spec == jax.typeof(placed).sharding.spec
+
+
+@on_8_devices
+def test_jit_of_client_data_on_the_mesh_outside_set_mesh_says_to_set_the_mesh():
+    fn = _round(REDUCTIONS["mean"], mapped=True)
+    w, x = _args()
+    mesh = _explicit_mesh()
+    placed = jax.device_put(x, NamedSharding(mesh, PartitionSpec("clients")))
+    with pytest.raises(fcir.PlacementError) as e:
+        jax.jit(fn)(w, placed)
+    message = str(e.value)
+    assert "with jax.set_mesh(mesh):" in message and "axis named 'clients'" in message
+    assert "add a mesh axis" not in message  # the mesh has one
+    with jax.set_mesh(mesh):  # what the message says to do
+        got = jax.jit(fn)(w, placed)
+    np.testing.assert_allclose(got, fn(w, x), rtol=1e-6, atol=1e-6)
