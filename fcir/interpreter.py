@@ -354,6 +354,34 @@ class Interpreter:
     def custom_vjp_call(self, op, *args):
         return self.run_region(op.regions[0], args)
 
+    @impl("jax.shard_map")
+    def shard_map(self, op: Op, *args):
+        """JAX's shard_map, its region run by this interpreter inside ``jax.shard_map``.
+
+        The region is typed per shard and its collectives (``psum`` over ``"model"``)
+        name mesh axes that only shard_map binds: traced on its own, as ``local`` traces
+        other regions, it fails with "unbound axis name". ``jax.shard_map`` traces it
+        with those axes bound, the shards' types and the manual mesh, as it did when
+        the program was captured, so it binds the same equation."""
+        mesh, in_specs, out_specs, check_vma, manual = (
+            A.decode(op.attrs[k], None)
+            for k in ("mesh", "in_specs", "out_specs", "check_vma", "newly_manual_axes")
+        )
+        region = op.regions[op.attrs["jaxpr"].index]
+
+        def body(*shards):
+            return tuple(self.run_region(region, list(shards)))
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=tuple(in_specs),
+            out_specs=tuple(out_specs),
+            axis_names=frozenset(manual),
+            check_vma=bool(check_vma),
+        )
+        return list(mapped(*args))
+
     def local(self, op: Op, *args):
         """Any ``jax.*`` op: bind its primitive with the params its attributes stand for."""
         prim = jax_primitive(op.name.removeprefix("jax."))

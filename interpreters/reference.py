@@ -55,6 +55,7 @@ class ReferenceInterpreter(Interpreter):
         if isinstance(module, Module) and not captured.checked(module):
             check(module)
             captured.mark_checked(module)
+        args, kwargs = jax.tree.map(_unsharded, (args, kwargs))
         return super().run(module, *args, intermediates=intermediates, **kwargs)
 
     @impl(F.Broadcast)
@@ -304,6 +305,21 @@ def _overrides_inside(cls, op: Op) -> bool:
         o.name.startswith("jax.") if names is None else o.name in names
         for sub in op.regions for _, o in walk(sub)
     )
+def _unsharded(x):
+    """An argument leaf split over a mesh with ``Explicit`` axes, replicated over that
+    mesh: its type says how it is split, and JAX refuses the oracle's per-member reads of
+    a member axis typed as split (``x[i]``: "ShardingTypeError: Use
+    .at[...].get(out_sharding=)"). Replicated, on the same mesh (inside ``jax.set_mesh``
+    eager ops refuse arrays on one device), each read is a plain slice; a layout never
+    changes a value."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.NamedSharding):
+        return x
+    if jax.sharding.AxisType.Explicit not in tuple(sharding.mesh.axis_types) or all(
+        e is None for e in sharding.spec
+    ):
+        return x
+    return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
 
 
 def _federated(op: Op) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fcir.errors import PlacementError
 from fcir.frontend import autodiff as AD
@@ -22,7 +22,7 @@ from fcir.jaxcompat import core
 
 from .base import FedOp, arity, public
 
-__all__ = ["Broadcast", "broadcast", "broadcast_p"]
+__all__ = ["Broadcast", "broadcast", "broadcast_like", "broadcast_p"]
 
 
 def _explicit_member_axis(aval: core.ShapedArray, placement: str):
@@ -44,6 +44,22 @@ def _impl(x, *, placement, n):
     return jnp.broadcast_to(x[None], (n, *x.shape))
 
 
+def _eager_impl(x, *, placement, n):
+    """The impl run on concrete arrays (eager ``jax.grad``, whose rules bind this op
+    directly): typed as the abstract eval types it. ``jnp.broadcast_to`` alone leaves
+    the new member axis replicated where the abstract eval says it is split over an
+    ``Explicit`` axis, and JAX refuses such a value as the cotangent or vmapped operand
+    of a placed value ("Expected cotangent type f32[8@clients,3] but got f32[8,3]")."""
+    out = _impl(x, placement=placement, n=n)
+    axis = _explicit_member_axis(core.typeof(x), placement)
+    sharding = getattr(x, "sharding", None)
+    if axis is None or not isinstance(sharding, NamedSharding):
+        return out
+    spec = PartitionSpec(axis, *core.typeof(x).sharding.spec)
+    # The operand's own (concrete) mesh: no jax.set_mesh needed around the call.
+    return jax.sharding.reshard(out, NamedSharding(sharding.mesh, spec))
+
+
 def _abstract_eval(x, *, placement, n):
     return P.placed_aval(x, n, _explicit_member_axis(x, placement))
 
@@ -54,7 +70,16 @@ def _batch(args, dims, *, placement, n):
 
 
 broadcast_p = P.define_primitive("fed_broadcast", _impl, _abstract_eval, _batch)
+broadcast_p.def_impl(_eager_impl)  # lowering keeps _impl: jax.jit's HLO, unchanged
 AD.def_jvp(broadcast_p, AD.linear_jvp(broadcast_p))
+
+
+def broadcast_like(v, like, placement: str, n: int):
+    """``fed_broadcast`` of server value ``v`` with its member axis laid out like the
+    placed value ``like`` (an array, a tracer or an aval): the broadcast a derivative
+    rule binds to meet ``like`` member by member, or as ``like``'s cotangent."""
+    aval = like if isinstance(like, core.AbstractValue) else core.typeof(like)
+    return AD.typed_like(broadcast_p.bind(v, placement=placement, n=n), aval)
 
 
 class Broadcast(FedOp):

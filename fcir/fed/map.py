@@ -83,12 +83,30 @@ def _map_abstract_eval(*avals, body, placement, n):
         raise PlacementError(
             f"fed.map over '{placement}': operands' member axes are sharded differently "
             f"({', '.join(map(str, member_axes))}); on a mesh with Explicit axes every "
-            f"operand's leading axis must be sharded alike: add a mesh axis named "
-            f"'{placement}' or reshard the operands"
+            f"operand's leading axis must be sharded alike: "
+            + _mixed_layout_advice(placement, member_axes, avals)
         )
     member_axis = member_axes[0] if member_axes else None
     mesh = avals[0].sharding.mesh if member_axis is not None else None
     return [P.placed_aval(a, n, member_axis, mesh) for a in body.out_avals], body.effects
+
+
+def _mixed_layout_advice(placement: str, member_axes: list, avals) -> str:
+    """What to do about operands laid out differently. When some operand is already
+    split over a mesh axis named ``placement`` (the mesh has it) and no mesh is in
+    context, what is missing is the context: fcir.broadcast and map_fn lay values out
+    over the mesh set by ``jax.set_mesh`` (an argument placed on the mesh by
+    ``device_put`` carries its layout, the broadcast model does not)."""
+    on_axis = any(a == placement or (isinstance(a, tuple) and placement in a) for a in member_axes)
+    if on_axis and jax.sharding.get_abstract_mesh().empty:
+        mesh = next(a.sharding.mesh for a in avals if not a.sharding.mesh.empty)
+        return (
+            f"the operands' mesh has an axis named '{placement}' but no mesh is in "
+            f"context, so the values fcir lays out (broadcasts, map results) are not on "
+            f"it: call the program inside `with jax.set_mesh(mesh):` (the mesh with axes "
+            f"{tuple(mesh.axis_names)}), or pass mesh= to fcir.program"
+        )
+    return f"add a mesh axis named '{placement}' or reshard the operands"
 
 
 def _map_batch(axis_data, args, dims, *, body, placement, n):

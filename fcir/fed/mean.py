@@ -16,7 +16,7 @@ from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_from_name, dtype_name
 
 from .base import Reduction, public
-from .broadcast import broadcast_p
+from .broadcast import broadcast_like
 
 __all__ = ["Mean", "mean_dtype", "mean_p", "reduce_mean"]
 
@@ -35,7 +35,7 @@ def _transpose(ct, x, *, placement, n):
     if AD.is_symbolic_zero(ct):
         return [AD.zero_cotangent(x)]
     # Scale once on the server, then broadcast: jnp.mean's VJP computes ct / n too.
-    return [broadcast_p.bind(ct / n, placement=placement, n=n)]
+    return [broadcast_like(ct / n, x.aval.to_ct_aval(), placement, n)]
 
 
 mean_p = P.define_reduction("fed_mean", _impl, result_dtype=P.mean_result_dtype, weak_type=True)

@@ -89,7 +89,7 @@ def _median_jvp(primals, tangents, *, placement, n):
     ans = median_p.bind(x, placement=placement, n=n)
     if AD.is_zero(t):
         return ans, AD.zero_tangent(ans)
-    f = _Fed(placement, n)
+    f = _Fed(placement, n, x)
     at = f.bcast(ans)
     lo = f.max(f.map(_where_region, ("<=", float(-np.inf)), x, at))
     hi = f.min(f.map(_where_region, (">=", float(np.inf)), x, at))

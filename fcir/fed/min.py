@@ -21,7 +21,7 @@ from fcir.frontend import primitives as P
 from fcir.frontend import program as api
 
 from .base import Reduction, public
-from .broadcast import broadcast_p
+from .broadcast import broadcast_like
 from .map import member_map
 from .sum import sum_p
 
@@ -52,7 +52,7 @@ def chooser_jvp(prim, primals, tangents, *, placement, n):
     # Same subgradient as lax._reduce_chooser_jvp_rule (jnp.min/jnp.max): average the
     # tangents of the members attaining the extremum. Everything per member happens in
     # fed_map regions; the division by the tie count happens on the server.
-    ans_at_members = broadcast_p.bind(ans, placement=placement, n=n)
+    ans_at_members = broadcast_like(ans, x, placement, n)
     (ind,) = member_map(_indicator_region, (np.dtype(dtype),), placement, n, x, ans_at_members)
     count = sum_p.bind(ind, placement=placement, n=n)
     (picked,) = member_map(_masked_region, (), placement, n, g, ind)

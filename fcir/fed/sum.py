@@ -13,7 +13,7 @@ from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_from_name, dtype_name
 
 from .base import Reduction, public
-from .broadcast import broadcast_p
+from .broadcast import broadcast_like, broadcast_p
 
 __all__ = ["Sum", "reduce_sum", "sum_p"]
 
@@ -22,7 +22,7 @@ def _transpose(ct, x, *, placement, n):
     assert AD.is_undefined_primal(x)
     if AD.is_symbolic_zero(ct):
         return [AD.zero_cotangent(x)]
-    return [broadcast_p.bind(ct, placement=placement, n=n)]
+    return [broadcast_like(ct, x.aval.to_ct_aval(), placement, n)]
 
 
 def _impl(x, *, n):

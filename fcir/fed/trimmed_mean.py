@@ -37,7 +37,7 @@ from fcir.frontend.sharding import gather_members
 from fcir.ir.types import TensorType, dtype_name
 
 from .base import Reduction, public
-from .broadcast import broadcast_p
+from .broadcast import broadcast_like
 from .map import member_map
 from .max import max_p
 from .min import min_p
@@ -212,13 +212,15 @@ def _weighted_region():
 
 
 class _Fed:
-    """The fed primitives a derivative rule binds, at one placement."""
+    """The fed primitives a derivative rule binds, at one placement; its broadcasts are
+    laid out like ``x``, the placed operand they meet member by member."""
 
-    def __init__(self, placement: str, n: int):
+    def __init__(self, placement: str, n: int, x):
         self.kw = {"placement": placement, "n": n}
+        self.x = x
 
     def bcast(self, v):
-        return broadcast_p.bind(v, **self.kw)
+        return broadcast_like(v, self.x, **self.kw)
 
     def map(self, builder, static, *placed):
         return member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
@@ -275,7 +277,7 @@ def _trimmed_mean_jvp(primals, tangents, *, placement, n, trim):
     ans = trimmed_mean_p.bind(x, placement=placement, n=n, trim=trim)
     if AD.is_zero(t):
         return ans, AD.zero_tangent(ans)
-    f = _Fed(placement, n)
+    f = _Fed(placement, n, x)
     lo = order_statistic(f, x, trim, largest=False)
     hi = order_statistic(f, x, trim, largest=True)
     return ans, l_estimate_tangent(f, x, t, n, trim, lo, hi)

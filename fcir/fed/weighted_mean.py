@@ -22,7 +22,7 @@ from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_name
 
 from .base import FedOp, arity, public
-from .broadcast import broadcast_p
+from .broadcast import broadcast_like
 from .map import map_p, member_map
 from .mean import mean_dtype
 from .sum import sum_p
@@ -120,7 +120,7 @@ def _jvp(primals, tangents, *, placement, n):
     # W = sum of the weights (in the result dtype, as the primal computes it).
     w_dt = w if w_aval.dtype == dt else member_map(_cast_region, (dt,), placement, n, w)[0]
     total = sum_p.bind(w_dt, placement=placement, n=n)
-    y_at_members = broadcast_p.bind(y, placement=placement, n=n)
+    y_at_members = broadcast_like(y, x, placement, n)
     ts = [t for t, has in ((dx, has_dx), (dw, has_dw)) if has]
     (num_members,) = member_map(
         _weighted_tangent_region, (dt, has_dx, has_dw), placement, n, w, x, y_at_members, *ts

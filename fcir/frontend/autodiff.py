@@ -38,7 +38,9 @@ helpers, ``linear_jvp`` and ``member_map``, the way a rule runs per-member work.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from fcir import jaxcompat as jc
 from fcir.jaxcompat import ad, ad_util, core, dtypes
@@ -53,6 +55,7 @@ __all__ = [
     "is_zero",
     "linear_jvp",
     "trace_region",
+    "typed_like",
     "typeof",
     "zero_cotangent",
     "zero_tangent",
@@ -110,6 +113,28 @@ def zero_cotangent(x):
 def zero_tangent(primal):
     """The symbolic zero tangent of ``primal``."""
     return ad_util.p2tz(primal)
+
+
+def typed_like(v, aval):
+    """``v`` resharded to ``aval``'s sharding where JAX would refuse it in ``aval``'s
+    place: on a mesh with ``Explicit`` axes a value's type carries its layout, and a
+    cotangent (or an operand mapped with a placed value) must have its primal's (JAX's
+    ``typematch``, the check behind "Expected cotangent type f32[8@clients,3] but got
+    f32[8,3]"). A rule's broadcast is typed from the server value alone, so its member
+    axis need not be laid out like the placed value the rule derives from. Anything
+    else, and every value traced without such a mesh, is returned as it is."""
+    have = core.typeof(v)
+    if core.typematch(have, aval, no_dtype_check=True):
+        return v
+    want = aval.sharding
+    if have.sharding.mesh.empty or want.mesh.empty:
+        return v
+    concrete = None if isinstance(v, core.Tracer) else getattr(v, "sharding", None)
+    if isinstance(concrete, NamedSharding) and isinstance(concrete.mesh, Mesh):
+        # Eager (a jax.Array on a concrete mesh): reshard there, with or without a
+        # jax.set_mesh around the call.
+        want = NamedSharding(concrete.mesh, want.spec)
+    return jax.sharding.reshard(v, want)
 
 
 def inexact(dtype) -> bool:

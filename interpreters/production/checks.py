@@ -13,6 +13,7 @@ from __future__ import annotations
 from fcir import fed as F
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, describe, value_numbering, walk
+from fcir.ir.attrs import Record
 from fcir.ir.check import verify
 from fcir.ir.control_flow import is_placed
 
@@ -27,6 +28,7 @@ UNSUPPORTED_DTYPE = "unsupported dtype"
 CLIENT_RESULT = "round result placed at the clients"
 ILL_TYPED = "ill-typed round"
 HOST_PRINT = "host print"
+MULTI_DEVICE = "layout over several devices"
 
 # Ops that call back into the Python host that runs them: a production runtime has none.
 _HOST_OPS = frozenset({"jax.debug_print"})
@@ -50,6 +52,16 @@ def check_structure(module: Module) -> None:
                 module, describe(module, path, op, names), HOST_PRINT,
                 "a production round runs without a Python host to print to; remove "
                 "jax.debug.print before exporting (reference and xla run it)",
+            )
+        devices = _mesh_devices(op.attrs.values())
+        if devices > 1:
+            raise fail(
+                module, describe(module, path, op, names), MULTI_DEVICE,
+                f"{op.name} spans a mesh of {devices} devices, and each part of a "
+                "production round runs on one device (a client's phone, a server task), "
+                "where a bundle exported with it cannot run. Write the round without it "
+                "(lay the round out over devices with xla.compile(module, mesh=mesh)) and "
+                "capture again; reference.run and xla.compile run the module as it is",
             )
         if op.name not in F.ops() or len(path) == 1:
             continue
@@ -95,6 +107,24 @@ def check_structure(module: Module) -> None:
             reason = PER_MEMBER_READ if "reads a value" in first.message else UNBROADCAST_FLOW
         more = f" (and {len(diags) - 1} more problem(s); run fcir check)" if len(diags) > 1 else ""
         raise fail(module, first.where, reason, first.message.replace("\n", " ") + more)
+
+
+def _mesh_devices(attrs) -> int:
+    """The most devices a concrete mesh among ``attrs`` spans (a shard_map's ``mesh``, a
+    sharding constraint's NamedSharding), 1 if none: what ``jax.export`` would fix as the
+    exported function's device count. Abstract meshes (a context mesh) name no devices."""
+    most = 1
+    for a in attrs:
+        if isinstance(a, tuple):
+            most = max(most, _mesh_devices(a))
+        elif isinstance(a, Record):
+            if a.type_name == "Mesh":
+                size = 1
+                for s in a.get("axis_sizes", ()):
+                    size *= int(s)
+                most = max(most, size)
+            most = max(most, _mesh_devices(v for _, v in a.fields))
+    return most
 
 
 def op_where(module: Module, path: tuple, op: Op, names: dict) -> str:

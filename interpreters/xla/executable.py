@@ -149,8 +149,20 @@ class Executable:
                     x = self.in_specs[i]
             elif self.mesh is not None and not self._on_mesh(x):
                 x = jax.device_put(x, default_sharding(v.type, self.mesh, self.module.cardinality))
+            elif self._context and self._relabelled(x):
+                # One of its own results returned outside jax.set_mesh (_on_auto_axes):
+                # back on the Explicit mesh, the same layout.
+                x = jax.device_put(x, NamedSharding(self.mesh, core.typeof(x).sharding.spec))
             out.append(x)
         return out
+
+    def _relabelled(self, x) -> bool:
+        """Whether ``x`` is typed on this mesh's axes with other axis types (``Auto``
+        where the mesh has ``Explicit``): JAX refuses to mix the two in one trace."""
+        mesh = core.typeof(x).sharding.mesh
+        if mesh.empty or mesh == self.mesh.abstract_mesh:
+            return False
+        return mesh.axis_names == self.mesh.axis_names and mesh.axis_sizes == self.mesh.axis_sizes
 
     def _on_mesh(self, x) -> bool:
         sh = getattr(x, "sharding", None)
@@ -222,9 +234,37 @@ class Executable:
             with _xla_errors(self.module, "run"):
                 raise error
         laid_out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), leaves)
+        # Read before entering the mesh: whether the caller set one.
+        retype = self._context and self._outside_mesh()
         with _xla_errors(self.module, "run"), _mesh_context(self.mesh if self._context else None):
             out = self._jitted(*laid_out)
+        if retype:
+            out = jax.tree.map(self._on_auto_axes, out)
         return out if self._rebuild is None else self._rebuild.unflatten(list(out))
+
+    @staticmethod
+    def _outside_mesh() -> bool:
+        """Whether this call has no mesh in context and no ``jax.jit`` around it.
+
+        On a mesh with Explicit axes the results are typed by it, and JAX differentiates
+        such values only inside ``jax.set_mesh``: outside, the cotangent of a loss built
+        from them is laid out over the mesh on one device ("Length of device assignment
+        1 is not equal to the size of the mesh 8", as for any JAX array placed on the
+        mesh). Under ``jax.jit`` the jit holds the mesh; inside ``jax.set_mesh`` the
+        types are the caller's."""
+        return jax.sharding.get_abstract_mesh().empty and not core.unsafe_am_i_under_a_jit()
+
+    @functools.cached_property
+    def _auto_mesh(self) -> Mesh:
+        """The executable's mesh with every axis ``Auto``: the same devices and layout,
+        types that do not name the mesh."""
+        auto = (jax.sharding.AxisType.Auto,) * len(self.mesh.axis_names)
+        return Mesh(self.mesh.devices, self.mesh.axis_names, axis_types=auto)
+
+    def _on_auto_axes(self, x):
+        """Result ``x`` as the same layout over :attr:`_auto_mesh` (a relabelling; its
+        transpose puts the cotangent back on the Explicit mesh for the backward pass)."""
+        return jax.device_put(x, NamedSharding(self._auto_mesh, core.typeof(x).sharding.spec))
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for ``args`` (arrays or ``ShapeDtypeStruct``s, and the
