@@ -29,32 +29,6 @@ from .krum import Krum, define_selection, flatten_members, int_arg, scores_numpy
 __all__ = ["BulyanSelect", "bulyan_select_p", "reduce_bulyan"]
 
 
-def _select(x, *, n, f):
-    import jax
-    import jax.numpy as jnp
-
-    flat = x.reshape(n, -1).astype(np.result_type(x.dtype, np.float32))
-    d = jax.lax.map(lambda row: jnp.sum(jnp.square(flat - row), axis=1), flat)
-    pos = jnp.arange(n)
-
-    def step(i, carry):
-        taken, order = carry
-        q = jnp.maximum(1, n - i - f - 2)
-        # Members already chosen are out of every row (inf sorts last) and unchoosable.
-        rows = jnp.sort(jnp.where(taken[None, :], jnp.inf, d), axis=1)
-        near = (pos >= 1) & (pos <= q)
-        scores = jnp.sum(jnp.where(near[None, :], rows, 0.0), axis=1)
-        # A NaN score ranks after every number, a chosen member after everything.
-        scores = jnp.where(taken, jnp.nan, jnp.where(jnp.isnan(scores), jnp.inf, scores))
-        best = jnp.argsort(scores, stable=True)[0]
-        return taken.at[best].set(True), order.at[i].set(best)
-
-    theta = n - 2 * f
-    init = (jnp.zeros(n, bool), jnp.zeros(theta, jnp.int32))
-    _, order = jax.lax.fori_loop(0, theta, step, init)
-    return jnp.take(x, order, axis=0)
-
-
 class BulyanSelect(Krum):
     """The ``theta = n - 2f`` members Bulyan chooses by repeated Krum, in the order
     chosen: ``{fN[s]}@child -> fN[n - 2f, s]``. Not secure: the aggregator sees every
@@ -124,7 +98,8 @@ class BulyanSelect(Krum):
         return x[chosen]
 
 
-bulyan_select_p = define_selection(BulyanSelect, lambda x, *, n, f: _select(x, n=n, f=f))
+# The Flower app's copy of the op (server_aggregate) is the op's one definition.
+bulyan_select_p = define_selection(BulyanSelect, lambda x, *, n, f: BulyanSelect.server_aggregate(x, f=f))
 
 
 def closest_mean(chosen, beta: int):

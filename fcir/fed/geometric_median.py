@@ -36,22 +36,6 @@ from .sum import sum_p
 __all__ = ["GeometricMedian", "geometric_median_p", "reduce_geometric_median"]
 
 
-def _weiszfeld(x, *, n, iters, eps):
-    import jax
-    import jax.numpy as jnp
-
-    del n
-    acc = np.result_type(x.dtype, np.float32)
-    flat = x.reshape(x.shape[0], -1).astype(acc)
-
-    def step(_, z):
-        w = 1 / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(flat - z), axis=1)), eps)
-        return jnp.sum(w[:, None] * flat, axis=0) / jnp.sum(w)
-
-    z = jax.lax.fori_loop(0, iters, step, jnp.mean(flat, axis=0))
-    return z.reshape(x.shape[1:]).astype(x.dtype)
-
-
 class GeometricMedian(Reduction):
     """``iters`` Weiszfeld steps from the mean: ``{fN[s]}@child -> fN[s]``. Not secure:
     the aggregator sees every value."""
@@ -127,8 +111,9 @@ def _abstract_eval(x, *, placement, n, **attrs):
 
 
 def _lower(x, *, placement, n, **attrs):
-    del placement
-    return _weiszfeld(x, n=n, **attrs)
+    # The Flower app's copy of the op (server_aggregate) is the op's one definition.
+    del placement, n
+    return GeometricMedian.server_aggregate(x, **attrs)
 
 
 geometric_median_p = P.define_primitive(

@@ -51,19 +51,6 @@ def _int_attr(v) -> bool:
 # --- the scores ---------------------------------------------------------------------------
 
 
-def scores_jnp(x, q):
-    """Krum scores over axis 0 of ``x`` (jnp): each row's sum of its ``q`` smallest
-    squared distances to the other rows, in ``x``'s accumulation dtype. The distance
-    matrix is built one row at a time (``lax.map``): n rows of n, never n * n * d."""
-    import jax
-    import jax.numpy as jnp
-
-    n = x.shape[0]
-    flat = x.reshape(n, -1).astype(np.result_type(x.dtype, np.float32))
-    d = jax.lax.map(lambda row: jnp.sum(jnp.square(flat - row), axis=1), flat)
-    return jnp.sum(jnp.sort(d, axis=1)[:, 1 : q + 1], axis=1)
-
-
 def scores_numpy(x: np.ndarray, q: int) -> np.ndarray:
     n = x.shape[0]
     flat = np.asarray(x).reshape(n, -1).astype(np.result_type(x.dtype, np.float32))
@@ -77,10 +64,9 @@ def neighbours(n: int, f: int) -> int:
 
 
 def _krum(x, *, n, f, m):
-    import jax.numpy as jnp
-
-    order = jnp.argsort(scores_jnp(x, neighbours(n, f)), stable=True)[:m]
-    return jnp.take(x, order, axis=0)
+    # The Flower app's copy of the op (server_aggregate) is the op's one definition.
+    del n
+    return Krum.server_aggregate(x, f=f, m=m)
 
 
 # --- the op -------------------------------------------------------------------------------
