@@ -132,21 +132,39 @@ JAX_INDEPENDENT_FOLDERS = ("checkpoint", "cli", "interpreters/flower")
 # Corpus programs that take a minute or more to compile or differentiate on this
 # machine's CPU: every test run on one of them (a parameter naming it) is ``slow``.
 SLOW_CORPUS_CASES = frozenset({"fedavg_transformer"})
+# The fast tier sweeps the corpus on these programs only, one per feature the sweeps
+# exercise (the plainest round, nested placements, a secure sum of ints, min/max, a
+# scan of rounds, the order statistics); a test run on any other corpus program is
+# ``slow``: the full run (CI) sweeps every program.
+FAST_CORPUS_CASES = frozenset(
+    {"fedsgd_linreg", "hierarchical_fedavg", "secure_histogram", "minmax_agg", "scan_rounds",
+     "robust_agg"}
+)
+
+
+def _corpus_names() -> frozenset[str]:
+    from corpus import CASES
+
+    return frozenset(c.name for c in CASES)
 
 
 def pytest_collection_modifyitems(config, items):
     """Marks the tests under ``JAX_INDEPENDENT_FOLDERS`` ``jax_independent``; marks
     ``slow`` the test that waits for a file's 8-device child (eight_devices.py: the child
-    compiles for minutes) and every test of a ``SLOW_CORPUS_CASES`` program."""
+    compiles for minutes), every test of a ``SLOW_CORPUS_CASES`` program, and every test
+    of a corpus program outside ``FAST_CORPUS_CASES``."""
     root = pathlib.Path(__file__).parent.resolve()
     folders = [tuple(f.split("/")) for f in JAX_INDEPENDENT_FOLDERS]
+    corpus = _corpus_names()
     for item in items:
         child = getattr(getattr(item, "module", None), "EIGHT_DEVICES", None)
         if child is not None and getattr(item, "originalname", None) == child.test:
             item.add_marker("slow")
         spec = getattr(item, "callspec", None)  # ids name cases: "x", "corpus:x", "x-slow"
-        if spec is not None and SLOW_CORPUS_CASES & set(re.split(r"[-:]", spec.id)):
-            item.add_marker("slow")
+        if spec is not None:
+            named = corpus & set(re.split(r"[-:\[\]]", spec.id))
+            if named & SLOW_CORPUS_CASES or (named and not named & FAST_CORPUS_CASES):
+                item.add_marker("slow")
         try:
             parts = pathlib.Path(item.path).resolve().relative_to(root).parts
         except ValueError:  # a test outside this folder (a scratch suite's)
