@@ -25,7 +25,7 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
 
 Local ops' result types and attributes, and the size of every value, are checked by
 ``fcir.ir.check_jax_ops`` (its docstring lists those constraints, its tests are in
-tests/test_soundness.py).
+tests/ir/test_check_local_types.py).
 
 A private module (``@fcir.program(..., private=True)``) also gets the leak check of
 ``fcir.privacy`` (``privacy/C1``-``C4``, raised as PrivacyError).

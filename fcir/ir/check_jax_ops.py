@@ -17,7 +17,7 @@ Results are cached per signature (op name, attributes, operand and region types)
 program of 1e5 ops with few distinct signatures costs 1e5 dictionary look-ups.
 
 Constraints (quoted in errors as ``local/C4: ...``; negative tests in
-tests/test_soundness.py):
+tests/ir/test_check_local_types.py):
 
 * ``local/C4``: an op's result types are those its primitive's abstract evaluation gives
   for its operand types and attributes (for ``fcir.constant``: its value's type).

@@ -191,7 +191,7 @@ def test_shape_dtype_struct_without_sharding_lands_on_the_first_local_device(tmp
 
 
 def test_target_dtype_differs_is_an_error_unless_cast(tmp_path):
-    # Issue 10 defect 12: a dtype change was a silent cast while a shape change is an error.
+    # A dtype change must not be a silent cast, as a shape change is an error.
     x = np.arange(4, dtype=np.float32)
     checkpoint.save(tmp_path / "c", {"st": {"x": x, "s": np.float32(1.5), "n": 3}})
 

@@ -474,3 +474,47 @@ def test_show_locations_prints_each_ops_source_line(files, capsys):
     assert code == 0 and 'loc("target.py:' in out
     code, out, _ = run_main(["show", f"{paths['py']}:fedavg"], capsys)
     assert code == 0 and "loc(" not in out
+
+
+# --- `fcir compile file.py:fn` on a file with future annotations and a dataclass --
+
+_DATACLASS_PROGRAM = '''\
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+import fcir
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Model:
+    # Unqualified string annotations: dataclasses resolves them in sys.modules[__module__].
+    w: Array
+    b: Array
+
+
+@fcir.program(placements={"clients": 3})
+def step(model: Model, x: Array) -> Model:
+    local = fcir.map_fn(lambda m, x: Model(m.w + x, m.b + 1.0), (fcir.broadcast(model), x))
+    return fcir.reduce_mean(local)
+
+
+EXAMPLE_ARGS = {"step": lambda: (Model(jnp.zeros(2), jnp.zeros(())), jnp.ones((3, 2)))}
+'''
+
+
+def test_cli_compiles_a_file_with_future_annotations_and_a_dataclass(tmp_path, capsys):
+    from fcir import cli
+
+    src = tmp_path / "dc_program.py"
+    src.write_text(_DATACLASS_PROGRAM)
+    code = cli.main(["compile", f"{src}:step", "--emit", "ir", "-o", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    text = next((tmp_path / "out").glob("*.fcir")).read_text()
+    assert "fed.mean" in text and "jax.add" in text

@@ -1,4 +1,5 @@
-"""Placed values through server control flow (issue 10, defects 1 and 2).
+"""Placed values through server control flow: client data used only in a loop, and
+placed values through cond, switch, scan and while.
 
 Every program here is one that ``jax.jit`` runs and that communicates only through fcir
 ops: it must capture, check, print/parse, and give jit's numbers on the reference
@@ -60,7 +61,7 @@ def assert_runs_everywhere(fn, *args):
     return module
 
 
-# --- defect 1: client data used only inside a server loop --------------------------------
+# --- client data used only inside a server loop is client data --------------------------
 
 
 @clients
@@ -71,7 +72,7 @@ def rounds(w, x):
     return jax.lax.scan(body, w, None, length=2)[0]
 
 
-def test_defect1_data_used_only_in_a_scan_is_client_data():
+def test_data_used_only_in_a_scan_is_client_data():
     m = assert_runs_everywhere(rounds, jnp.ones(2), _f(N, 2, 2))
     assert m.main.body.params[1].type == PlacedType(TensorType("f32", (2, 2)), "clients")
     (scan,) = [op for op in m.main.body.ops if op.name == "jax.scan"]
@@ -90,7 +91,7 @@ def silo_rounds(w, x):
     return fcir.reduce_mean(fcir.map_fn(silo, (fcir.broadcast(w), x)))
 
 
-def test_defect1_silo_body_keeps_client_data_at_the_clients():
+def test_a_silo_body_keeps_client_data_at_the_clients():
     args = _f(3), _f(2, 4, 6, 3)
     m = assert_runs_everywhere(silo_rounds, *args)
     assert str(m.main.body.params[1].type) == "{{f32[6,3]}@clients}@silos"
@@ -101,9 +102,9 @@ def test_defect1_silo_body_keeps_client_data_at_the_clients():
     assert "{{f32[2,6]}@clients}@silos" in stacked
 
 
-def test_defect1_client_data_typed_at_the_server_fails_check():
-    # The hole the defect left: a scan region parameter typed as client data fed by a
-    # server value, with no fed.broadcast. Hand-edited, it must not check.
+def test_a_scan_parameter_typed_client_data_fed_by_a_server_value_fails_check():
+    # A scan region parameter typed as client data fed by a server value, with no
+    # fed.broadcast: hand-edited, it must not check.
     text = fcir.capture(rounds, jnp.ones(2), _f(N, 2, 2)).to_text()
     bad = text.replace("%1: {f32[2,2]}@clients", "%1: f32[3,2,2]@server", 1)
     assert bad != text
@@ -112,7 +113,7 @@ def test_defect1_client_data_typed_at_the_server_fails_check():
         fcir.check(fcir.parse(bad))
 
 
-# --- defect 2: placed values through cond / switch / scan / while -------------------------
+# --- placed values through cond / switch / scan / while ----------------------------------
 
 
 @clients
@@ -177,7 +178,7 @@ def per_member_carry(x):
     return fcir.reduce_mean(u)
 
 
-def test_defect2_cond_chooses_the_aggregation():
+def test_cond_chooses_the_aggregation():
     x = jnp.arange(6.0).reshape(N, 2)
     assert_runs_everywhere(robust_or_mean, x, True)
     m = assert_runs_everywhere(robust_or_mean, x, False)
@@ -185,7 +186,7 @@ def test_defect2_cond_chooses_the_aggregation():
     assert [str(r.params[0].type) for r in cond.regions] == ["{f32[2]}@clients"] * 2
 
 
-def test_defect2_gradient_of_a_multi_round_scan():
+def test_gradient_of_a_multi_round_scan():
     assert_runs_everywhere(jax.grad(_loss(two_rounds)), W, X, Y)
     # Stacked per-round residuals, and cotangents of client data carried as client data.
     m = assert_runs_everywhere(jax.grad(_loss(tanh_rounds), (0, 1, 2)), W, X, Y)
@@ -210,7 +211,7 @@ def test_defect2_gradient_of_a_multi_round_scan():
     ids=["warm_up", "warm_up_grad", "second_exchange", "no_second_exchange",
          "second_exchange_grad", "fori", "while", "switch_max", "switch_sum", "carry"],
 )
-def test_defect2_rounds_under_control_flow(fn, args):
+def test_rounds_under_control_flow(fn, args):
     assert_runs_everywhere(fn, *args)
 
 

@@ -1,5 +1,6 @@
-"""Privacy leaks the check used to accept, and accounting that used to be unsound: each
-test is a realistic private program (or accountant call) that fcir got wrong before."""
+"""The privacy check rejects what would release client data not noised as accounted: a
+DP op without noise, a silo's unnoised sum of its clients, a DP op in a while loop;
+per-silo releases and a silo's own data still pass."""
 
 from __future__ import annotations
 
@@ -25,6 +26,26 @@ def private(fn, placements=HIER):
 
 def updates(w, x):
     return fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+
+
+# --- private programs: a DP op without noise is no DP op -------------------------------------
+
+
+@pytest.mark.parametrize("op", [fcir.dp_sum, fcir.dp_mean])
+def test_a_private_program_whose_dp_op_has_no_noise_is_rejected(op):
+    """Before: ``noise_multiplier=0`` passed the private check (the clipped sum of client
+    data reached the server un-noised) and only ``fcir.privacy.epsilon`` said inf."""
+
+    @fcir.program(placements={"clients": N}, private=True)
+    def round_(w, key, x):
+        upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+        return w + op(upd, 1.0, 0.0, key)
+
+    with pytest.raises(fcir.PrivacyError, match="privacy/C1: fed.dp_.* has noise_multiplier=0"):
+        fcir.capture(round_, jnp.zeros(3), jax.random.key(0), jnp.ones((N, 3)))
+    # without private=True it is a clipped sum, as documented
+    plain = fcir.program(placements={"clients": N})(round_.__wrapped__)
+    fcir.capture(plain, jnp.zeros(3), jax.random.key(0), jnp.ones((N, 3)))
 
 
 # --- hierarchical programs: a silo is a party above its clients --------------------------
@@ -142,100 +163,3 @@ def test_a_dp_op_in_a_while_loop_is_rejected_by_the_check_not_only_by_the_accoun
     m = fcir.capture(private(fixed, {"clients": N}), W, KEY, X)
     assert [(r.op, r.count) for r in fcir.privacy.releases(m)] == [("fed.dp_mean", 3)]
     assert "privacy/C6" in fcir.privacy.CONSTRAINTS
-
-
-# --- distributed DP: the noise accounted is the noise added -------------------------------
-
-
-def test_a_poisson_sampled_ddp_round_is_refused_since_only_sampled_clients_add_noise():
-    # Each client adds 1/n of the noise's variance; a round sampled at q sums about q*n
-    # shares. Before, epsilon at q=0.1 was the figure at q=1 (as if all n shares were in
-    # the sum), for a sum that carries about a tenth of that noise's variance.
-    def ddp_round(w, keys, x):
-        return w + fcir.ddp_mean(updates(w, x), 1.0, 1.0, keys, bits=16)
-
-    m = fcir.capture(private(ddp_round, {"clients": N}), W, jax.random.split(KEY, N), X)
-    everyone = fcir.privacy.epsilon(m, 10, 1e-5)
-    assert everyone > 0
-    with pytest.raises(fcir.PrivacyError, match=r"sampled at rate 0.1 .*sampling_rate=1.0"):
-        fcir.privacy.epsilon(m, 10, 1e-5, sampling_rate=0.1)
-    with pytest.raises(fcir.PrivacyError, match="sampled at rate 0.5"):
-        fcir.privacy.Budget(m, 1e-5, 50.0, sampling_rate=0.5)
-    assert fcir.privacy.Budget(m, 1e-5, 50.0).epsilon_after(10) == everyone
-
-    # Central DP's noise is the server's, whoever is sampled: amplified as before.
-    def dp_round(w, key, x):
-        return w + fcir.dp_mean(updates(w, x), 1.0, 1.0, key)
-
-    c = fcir.capture(private(dp_round, {"clients": N}), W, KEY, X)
-    assert fcir.privacy.epsilon(c, 10, 1e-5, sampling_rate=0.1) < fcir.privacy.epsilon(c, 10, 1e-5)
-
-
-# --- the Gaussian noise itself ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_noise_of_a_half_precision_leaf_has_gaussian_tails_beyond_three_sigma(dtype):
-    # jax.random.normal drawn in bf16 takes 128 values, all within 2.9 sigma (f16:
-    # 3.5): an output past the edge is possible only for the neighbour whose sum is
-    # clip_norm higher, a delta of 3% per release at noise multiplier 1. Now the noise
-    # is drawn in float32 and rounded once to the leaf's dtype.
-    from fcir.interpreters import reference, xla
-
-    def release(key, x):
-        return fcir.dp_sum(x, 1.0, 1.0, key)
-
-    x = jnp.zeros((N, 100_000), dtype)  # all-zero members: the release is the noise
-    m = fcir.capture(private(release, {"clients": N}), KEY, x)
-    for noise in (reference.run(m, KEY, x), xla.compile(m)(KEY, x)):
-        assert noise.dtype == dtype
-        noise = np.asarray(noise, np.float64)
-        # 100k draws of N(0, 1): max |n| below 3.9 has probability under 1e-4.
-        assert np.abs(noise).max() > 3.9
-        assert len(np.unique(noise)) > 1000
-        assert abs(noise.std() - 1.0) < 0.02
-
-
-# --- the budget ---------------------------------------------------------------------------
-
-
-def test_a_budget_names_a_bad_delta_or_sampling_rate_in_a_privacy_error():
-    # Before: a raw ValueError / TypeError from float() (and a state edited to
-    # delta="x" failed the same way on resume).
-    def dp_round(w, key, x):
-        return w + fcir.dp_mean(updates(w, x), 1.0, 1.0, key)
-
-    m = fcir.capture(private(dp_round, {"clients": N}), W, KEY, X)
-    for args, name in [
-        (("x", 1.0), "delta"),
-        ((None, 1.0), "delta"),
-        ((1e-5, 1.0, "a"), "sampling_rate"),
-    ]:
-        with pytest.raises(
-            fcir.PrivacyError, match=rf"^fcir.privacy.Budget: {name} must be a number"
-        ):
-            fcir.privacy.Budget(m, *args)
-    state = fcir.privacy.Budget(m, 1e-5, 50.0).state()
-    with pytest.raises(fcir.PrivacyError, match="delta must be a number"):
-        fcir.privacy.Budget.from_state(m, {**state, "delta": "x"})
-
-
-def test_a_flower_server_app_refuses_a_poisson_sampled_ddp_round_before_round_one():
-    # With fraction < 1 a private app samples Poisson; for a ddp round its progress line
-    # would otherwise claim every client's noise share. It now fails at start, saying why.
-    pytest.importorskip("flwr", reason="the ServerApp needs flwr")
-    import types
-
-    from fcir.interpreters.flower.app import runtime, server_app
-
-    def ddp_round(w, keys, x):
-        return w + fcir.ddp_mean(updates(w, x), 1.0, 1.0, keys, bits=16)
-
-    m = fcir.capture(private(ddp_round, {"clients": N}), W, jax.random.split(KEY, N), X)
-    plan = {"privacy": {"ir": m.to_text(), "delta": 1e-5}}
-    cfg = types.SimpleNamespace(fraction=0.5, poisson=True, clients=0, max_epsilon=None)
-    with pytest.raises(runtime.AppError, match=r"^Poisson sampling q=0.5: .*sampled at rate 0.5"):
-        server_app.Accounting(plan, cfg)
-    every = types.SimpleNamespace(fraction=1.0, poisson=False, clients=0, max_epsilon=None)
-    line = server_app.Accounting(plan, every).line(2)
-    assert line.startswith(f"epsilon={fcir.privacy.epsilon(m, 2, 1e-5):.4g} after 2 round(s)")
