@@ -1,8 +1,7 @@
 """The frontend: from a JAX function to a Module.
 
-- ``program``: the user-facing API (``fcir.program``, ``broadcast``, ``map_fn``, the
-  reductions) and its placement context;
-- ``ddp_functions``: ``fcir.ddp_sum`` / ``fcir.ddp_mean``;
+- ``program``: ``fcir.program`` and the placement context each fed op's public function
+  (in its ``fcir.fed`` module) reads;
 - ``primitives``: what the fed ops' JAX primitives share (their factories and helpers);
 - ``autodiff``: what their derivative rules share;
 - ``capture``: tracing a function and converting its jaxpr into a Module;

@@ -2,7 +2,7 @@
 layout, one layout for all.
 
 Two rewrites, applied to every region of a freshly converted module, that change no
-value (ir.md guarantee 1 holds on every JAX; tests/test_xla.py):
+value (ir.md guarantee 1 holds on every JAX; tests/interpreters/xla/test_xla.py):
 
 - **A scan's weakly typed scalar literals live in its body.** Capture names the
   constants it made from weakly typed scalar literals (a Python number, e.g. an
@@ -17,7 +17,7 @@ value (ir.md guarantee 1 holds on every JAX; tests/test_xla.py):
   before them), JAX 0.10.2 sums each right after the op that made it; capture moves
   each such sum there. Only the order of independent ops changes, never an operand, so
   no sum is associated differently; every other run of sums, and every other op,
-  keeps its captured place (JAX's own order: tests/test_xla.py compares the StableHLO
+  keeps its captured place (JAX's own order: tests/interpreters/xla/test_xla.py compares the StableHLO
   text of the non-gradient programs with ``jax.jit``'s).
 
 Both run in time linear in the module's size.

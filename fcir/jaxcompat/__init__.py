@@ -2,7 +2,7 @@
 or ``jax.extend``.
 
 Everything that differs between the supported JAX versions (0.10.2 to 0.12.x) lives here
-and nowhere else; tests/test_jax_boundary.py fails when another module imports JAX's
+and nowhere else; tests/jaxcompat/test_jax_boundary.py fails when another module imports JAX's
 internals. The rest of fcir imports the names below (``from fcir.jaxcompat import core,
 pe``) and the helper functions that paper over signature changes.
 

@@ -15,7 +15,7 @@ XLA flops) as the *running* JAX's ``jax.jit``. So while fcir captures (and only 
 They print the same under every JAX. Like JAX's own elementwise primitives they type
 their results with their operands' common sharding (under an Explicit-axes mesh a type
 carries it, and JAX's rules check it), and the splits they run are traced on that type
-(:func:`_key`; tests/test_xla_explicit_mesh.py). What they compute is the running JAX's own rule,
+(:func:`_key`; tests/interpreters/xla/test_xla_explicit_mesh.py). What they compute is the running JAX's own rule,
 split as JAX's partial evaluation splits it (:func:`_split`): their implementation, XLA
 lowering and batching run those very equations, so a compiled module runs the ops
 ``jax.jit`` of the same function runs, where it runs them, on the same values. (Under
@@ -42,7 +42,7 @@ Capture mode is a JAX config state included in JAX's trace context
 (:data:`CAPTURE_MODE`): JAX keys its tracing, JVP and linearization caches on that
 context, so a trace made while capturing never reuses one JAX made outside (with its
 own rules) and vice versa: capture's text does not depend on what JAX traced before
-(tests/test_golden_capture_mode.py).
+(tests/jaxcompat/test_golden_capture_mode.py).
 """
 
 from __future__ import annotations

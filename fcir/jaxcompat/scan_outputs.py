@@ -13,7 +13,7 @@ fcir's IR keeps 0.10.2's form on every JAX, and each backend lowers it as its JA
 - Capture (:func:`keeping_copies`): while fcir traces a program on JAX 0.12,
   ``_scan_linearize`` keeps its copies, as on 0.10.2. :data:`KEEP_COPIES` is a config
   state in JAX's trace context, so JAX's trace and linearization caches keep those
-  traces apart from the ones ``jax.jit`` makes outside capture (tests/test_scan_residuals.py).
+  traces apart from the ones ``jax.jit`` makes outside capture (tests/jaxcompat/test_scan_residuals.py).
 - XLA (:func:`bind_scan`): on JAX 0.12, a scan whose body returns one value as two
   stacked outputs is bound with it once, the result standing for both (what
   ``_scan_linearize`` binds there); on 0.10.2 it is bound as it is, as 0.10.2 does.

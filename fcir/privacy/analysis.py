@@ -314,7 +314,7 @@ class _Taint:
         return outs
 
 
-# What the leak check does with each fed op (tests/test_op_coverage.py reads RULES): a
+# What the leak check does with each fed op (tests/fed/test_op_coverage.py reads RULES): a
 # rule gives the taints of the op's results from its operands' (``_Taint.op``). A plain
 # reduction releases its operands' information to the placement above in the clear
 # (``_Taint.report`` makes that privacy/C1 on client data), a DP aggregate releases it

@@ -91,7 +91,7 @@ def _transfers(module: Module, region: Region, members: int, repeats: int):
                 yield from _transfers(module, sub, members, inner)
 
 
-# How each fed op communicates, by what it does (tests/test_op_coverage.py reads RULES):
+# How each fed op communicates, by what it does (tests/fed/test_op_coverage.py reads RULES):
 # a rule yields the op's Transfers, given how many members run it and how often.
 
 

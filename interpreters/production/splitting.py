@@ -337,7 +337,7 @@ _SUM = Summing("federated_sum")
 
 # What the split does with each fed op, keyed by op class: the entry is the op's
 # decomposition (what the clients compute, the intrinsic, what the server does after).
-# tests/test_op_coverage.py fails when a fed op has no entry here.
+# tests/fed/test_op_coverage.py fails when a fed op has no entry here.
 _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.Broadcast: Broadcasting(),
     F.Map: ClientWork(),

@@ -99,7 +99,7 @@ class StreamHead:
 
 
 # What a stream does with each fed op, keyed by op class: the entry is the behaviour
-# (tests/test_op_coverage.py reads this table). A reduction it does not name is refused
+# (tests/fed/test_op_coverage.py reads this table). A reduction it does not name is refused
 # (the kind's default, declared here).
 _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.Broadcast: StreamSource(),

@@ -37,7 +37,7 @@ __all__ = ["TRIMMED", "ByPasses", "OrderStatistic"]
 
 # Why streaming refuses fed.trimmed_mean for now: its band walk (more than two kept
 # values) gave a wrong sum inside streaming's chunk loops compiled at XLA backend
-# optimization level 0 (tests/test_xla_streaming.py's FAST options), though exact at the
+# optimization level 0 (tests/interpreters/xla/test_xla_streaming.py's FAST options), though exact at the
 # default level and on plain chunked arrays; the cause is not found yet.
 TRIMMED = (
     "a streamed trimmed mean is not exact under every XLA optimization level yet: "
