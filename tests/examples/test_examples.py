@@ -153,9 +153,13 @@ def test_both_digits_rounds_compile_from_the_command_line(tmp_path):
         fcir.check(fcir.parse((tmp_path / f"{fn}.fcir").read_text()))
 
 
-# --- examples/dp_flower_training.py (issue 20, item 4) -------------------------------------
+# --- examples/dp_flower_training.py: a Flower budget across a resume ----------------------
 
 
+# What it pins is Flower's and the budget's (rounds run, the resume, nothing left running),
+# not JAX's: the oldest-JAX leg runs the DP round itself elsewhere and leaves this one, a
+# Ray cluster that would start beside the newest leg's, to the newest JAX.
+@pytest.mark.jax_independent
 def test_dp_flower_example_stops_on_its_budget_and_the_resume_keeps_spending_it(capsys, tmp_path):
     """3 virtual nodes, rounds=6, max-epsilon between ε(3 rounds) and ε(4 rounds): the
     first run trains 2 rounds, the resumed run only round 3 (a fresh budget would run 3
