@@ -7,11 +7,16 @@ test_capture_errors.py, which runs on every JAX.)"""
 from __future__ import annotations
 
 import argparse
-import textwrap
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from user_programs import (
+    ARGS,
+    NUMPY_AT_THE_SERVER,
+    PY_IF_IN_A_CLIENT,
+    load,
+    write_program,
+)
 
 import fcir
 from fcir import cli
@@ -19,43 +24,12 @@ from fcir import cli
 N = 4
 
 
-def _program(tmp_path, body: str, name: str = "mine.py"):
-    """A user's file ``name`` with ``body`` after the imports; returns its path."""
-    path = tmp_path / name
-    path.write_text(
-        "import jax, jax.numpy as jnp\nimport numpy as np\nimport fcir\n\n" + textwrap.dedent(body)
-    )
-    return path
 
 
-def _load(path, name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_cli_errors_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, name)
 
 
-_ARGS = (jnp.zeros(3), jnp.ones((N, 5, 3)))
 
-_PY_IF_IN_A_CLIENT = """
-@fcir.program(placements={"clients": 4})
-def rnd(w, x):
-    def local(w, x):
-        if jnp.sum(x) > 0:
-            return w + 1
-        return w
-    return fcir.reduce_mean(fcir.map_fn(local, (fcir.broadcast(w), x)))
-"""
 
-_NUMPY_AT_THE_SERVER = """
-@fcir.program(placements={"clients": 4})
-def rnd(w, x):
-    w = np.tanh(w)
-    upd = fcir.map_fn(lambda w, x: w + x.mean(0), (fcir.broadcast(w), x))
-    return fcir.reduce_mean(upd)
-"""
 
 
 @fcir.program(placements={"clients": N})
@@ -147,11 +121,11 @@ def test_every_option_of_every_command_has_help():
 def test_ir_text_in_a_pb_file_says_it_is_text_and_to_rename_it(tmp_path, capsys):
     """Before: 'not a serialized fcir.v1.Module: Error parsing message', no word of why."""
     module = fcir.capture(
-        _load(
-            _program(tmp_path, _NUMPY_AT_THE_SERVER.replace("w = np.tanh(w)", "w = jnp.tanh(w)")),
+        load(
+            write_program(tmp_path, NUMPY_AT_THE_SERVER.replace("w = np.tanh(w)", "w = jnp.tanh(w)")),
             "rnd",
         ),
-        *_ARGS,
+        *ARGS,
     )
     (tmp_path / "r.pb").write_text(module.to_text())
     assert cli.main(["check", str(tmp_path / "r.pb")]) == 1
@@ -166,7 +140,7 @@ def test_a_target_naming_a_file_without_py_says_the_target_to_write(
     """Before: 'cannot import ...: No module named ...' and nothing more (the current
     directory is not on the fcir command's import path, so sub.rnd is not importable)."""
     (tmp_path / "sub").mkdir()
-    _program(tmp_path / "sub", _PY_IF_IN_A_CLIENT, "rnd.py")
+    write_program(tmp_path / "sub", PY_IF_IN_A_CLIENT, "rnd.py")
     monkeypatch.chdir(tmp_path)
     assert cli.main(["check", target]) == 1
     assert "did you mean sub/rnd.py:rnd?" in capsys.readouterr().err

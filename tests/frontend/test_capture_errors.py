@@ -3,13 +3,18 @@ user's line and say what to write instead."""
 
 from __future__ import annotations
 
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from fcir.interpreters import reference
+from user_programs import (
+    ARGS,
+    NUMPY_AT_THE_SERVER,
+    PY_IF_IN_A_CLIENT,
+    load,
+    write_program,
+)
 
 import fcir
 from fcir import cli
@@ -17,47 +22,16 @@ from fcir import cli
 N = 4
 
 
-def _program(tmp_path, body: str, name: str = "mine.py"):
-    """A user's file ``name`` with ``body`` after the imports; returns its path."""
-    path = tmp_path / name
-    path.write_text(
-        "import jax, jax.numpy as jnp\nimport numpy as np\nimport fcir\n\n" + textwrap.dedent(body)
-    )
-    return path
 
 
 def _line_of(path, text: str) -> int:
     return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
 
-def _load(path, name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_capture_errors_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, name)
 
 
-_ARGS = (jnp.zeros(3), jnp.ones((N, 5, 3)))
 
-_PY_IF_IN_A_CLIENT = """
-@fcir.program(placements={"clients": 4})
-def rnd(w, x):
-    def local(w, x):
-        if jnp.sum(x) > 0:
-            return w + 1
-        return w
-    return fcir.reduce_mean(fcir.map_fn(local, (fcir.broadcast(w), x)))
-"""
 
-_NUMPY_AT_THE_SERVER = """
-@fcir.program(placements={"clients": 4})
-def rnd(w, x):
-    w = np.tanh(w)
-    upd = fcir.map_fn(lambda w, x: w + x.mean(0), (fcir.broadcast(w), x))
-    return fcir.reduce_mean(upd)
-"""
 
 
 # --- first mistakes: plain-Python errors become FcirErrors that say what to do ---------------
@@ -125,9 +99,9 @@ def test_a_map_fn_body_that_returns_a_string_is_an_fcir_error():
 
 def test_a_python_if_in_a_map_fn_body_names_its_line_and_says_use_jnp_where(tmp_path):
     """Before: the advice was a server jax.lax.cond on an aggregate, and no line."""
-    path = _program(tmp_path, _PY_IF_IN_A_CLIENT)
+    path = write_program(tmp_path, PY_IF_IN_A_CLIENT)
     with pytest.raises(fcir.UnsupportedError) as e:
-        fcir.capture(_load(path, "rnd"), *_ARGS)
+        fcir.capture(load(path, "rnd"), *ARGS)
     msg = str(e.value)
     assert f"(at mine.py:{_line_of(path, 'if jnp.sum')})" in msg
     assert "a map_fn body (one member of 'clients')" in msg
@@ -136,9 +110,9 @@ def test_a_python_if_in_a_map_fn_body_names_its_line_and_says_use_jnp_where(tmp_
 
 def test_numpy_on_a_traced_value_says_use_jax_numpy_and_names_its_line(tmp_path):
     """Before: the message was the one for a Python `if` (branch with jax.lax.cond)."""
-    path = _program(tmp_path, _NUMPY_AT_THE_SERVER)
+    path = write_program(tmp_path, NUMPY_AT_THE_SERVER)
     with pytest.raises(fcir.UnsupportedError) as e:
-        fcir.capture(_load(path, "rnd"), *_ARGS)
+        fcir.capture(load(path, "rnd"), *ARGS)
     msg = str(e.value)
     assert f"(at mine.py:{_line_of(path, 'np.tanh')})" in msg
     assert "use jax.numpy" in msg
@@ -188,7 +162,7 @@ def test_a_cli_error_raised_while_tracing_names_the_users_line(
 ):
     """Before: `fcir check mine.py:rnd` printed the message alone; only --debug's
     traceback said where."""
-    path = _program(tmp_path, body)
+    path = write_program(tmp_path, body)
     assert cli.main(["check", f"{path}:rnd"]) == 1
     err = capsys.readouterr().err
     assert says in err
@@ -196,9 +170,9 @@ def test_a_cli_error_raised_while_tracing_names_the_users_line(
 
 
 def test_the_cli_names_the_line_once_when_the_message_has_it(tmp_path, capsys):
-    path = _program(
+    path = write_program(
         tmp_path,
-        _PY_IF_IN_A_CLIENT + 'EXAMPLE_ARGS = {"rnd": lambda: (jnp.zeros(3), '
+        PY_IF_IN_A_CLIENT + 'EXAMPLE_ARGS = {"rnd": lambda: (jnp.zeros(3), '
         "jnp.ones((4, 5, 3)))}\n",
     )
     assert cli.main(["compile", f"{path}:rnd", "--emit", "ir"]) == 1
