@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fcir.interpreters import reference, xla
-from hypothesis import HealthCheck, given, settings
+from hostile_ir import FUZZ, SUM
+from hypothesis import given
 from hypothesis import strategies as st
 
 import fcir
@@ -26,23 +27,8 @@ from fcir.ir.types import PlacedType, TensorType
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"
 
-FUZZ = settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-
 
 # --- shared ------------------------------------------------------------------------------
-
-SUM = """\
-fcir.module @p ir_version=1 placements=[clients:3]
-func @main(%0: {f32[4]}@clients) -> (f32[]@server) {
-  %1: f32[4]@server = fed.sum %0
-  %2: f32[]@server = jax.reduce_sum %1 {axes=[0], out_sharding=none}
-  return %2
-}
-"""
 
 
 # --- local op result types are derived, not trusted ------------------------------

@@ -8,7 +8,8 @@ import re
 
 import jax.numpy as jnp
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hostile_ir import FUZZ, SUM
+from hypothesis import given
 from hypothesis import strategies as st
 
 import fcir
@@ -20,23 +21,7 @@ from fcir.ir import is_name
 from fcir.ir.check import verify
 from fcir.report import dot, traffic
 
-FUZZ = settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-
-
 # --- shared ------------------------------------------------------------------------------
-
-SUM = """\
-fcir.module @p ir_version=1 placements=[clients:3]
-func @main(%0: {f32[4]}@clients) -> (f32[]@server) {
-  %1: f32[4]@server = fed.sum %0
-  %2: f32[]@server = jax.reduce_sum %1 {axes=[0], out_sharding=none}
-  return %2
-}
-"""
 
 
 def _round_trips(m: fcir.Module) -> None:
