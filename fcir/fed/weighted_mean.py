@@ -191,7 +191,7 @@ def reduce_weighted_mean(x, w):
     name, n = frame.child(what)
     leaves, tree = api._flatten(x)
     w_leaves, w_tree = api._flatten(w)
-    if len(w_leaves) == 1 and w_tree.num_leaves == 1 and tree.num_leaves != 1:
+    if len(w_leaves) == 1 and w_tree.num_nodes == 1 and w_tree != tree:  # one weight per member
         w_leaves = w_leaves * len(leaves)
     elif w_tree != tree:
         raise PlacementError(

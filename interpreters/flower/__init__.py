@@ -22,7 +22,20 @@ from fcir.ir import Module
 
 from .writer import RUN_CONFIG, write_app
 
-__all__ = ["RUN_CONFIG", "ExportError", "export"]
+__all__ = ["RUN_CONFIG", "Client", "ExportError", "Strategy", "export"]
+
+
+def __getattr__(name: str):
+    # Strategy and Client subclass and use flwr, which exporting an app does not need.
+    if name == "Strategy":
+        from .strategy import Strategy
+
+        return Strategy
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def export(

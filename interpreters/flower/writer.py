@@ -32,6 +32,7 @@ import numpy as np
 
 from fcir.errors import ExportError
 from fcir.frontend.loading import leaf_paths as paths
+from fcir.frontend.pytrees import leaf_names as leaf_names_of
 from fcir.ir.types import runtime_type
 from fcir.privacy.keys import key_arguments
 
@@ -208,6 +209,11 @@ def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, d
         _spec(runtime_type(v.type, module.cardinality), i, result_paths.get(i))
         for i, v in enumerate(results)
     ]
+    # The program's own names (dict keys, namedtuple fields) for the log lines and the
+    # metrics; a leaf without one is logged by its output position.
+    for spec, name in zip(outputs, leaf_names_of(module.main.result_structure, len(results))):
+        if not name.startswith("arr_"):
+            spec["name"] = name
     structure = module.main.result_structure
     order = structure.leaves() if structure is not None else list(range(len(results)))
     doc = {

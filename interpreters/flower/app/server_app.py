@@ -469,9 +469,10 @@ def main(grid, context) -> None:
         inputs = list(inputs)
         for i, o in cfg.state.items():
             inputs[i] = outputs[o]
-        metrics = " ".join(f"arr_{o}={_metric(outputs[o])}" for o in cfg.metrics)
+        names = training.output_names(plan)
+        metrics = " ".join(f"{names[o]}={_metric(outputs[o])}" for o in cfg.metrics)
         scalars = {
-            f"arr_{o}": float(np.asarray(outputs[o]).reshape(-1)[0])
+            names[o]: float(np.asarray(outputs[o]).reshape(-1)[0])
             for o in cfg.metrics
             if np.asarray(outputs[o]).size == 1
         }
