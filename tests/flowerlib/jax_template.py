@@ -90,16 +90,17 @@ def template_client() -> ClientApp:
         })
         return Message(content=content, reply_to=msg)
 
-    @app.evaluate()
-    def evaluate_(msg: Message, context: Context):
-        params = load_model((context.run_config["input-dim"],))
-        set_params(params, msg.content["arrays"].to_numpy_ndarrays())
-        _, _, X_test, y_test = load_data(context.node_config["partition-id"])
-        loss, n = evaluation(params, jax.grad(loss_fn), X_test, y_test)
-        content = RecordDict({"metrics": MetricRecord({"test_loss": float(loss), "num-examples": n})})
-        return Message(content=content, reply_to=msg)
-
+    app.evaluate()(template_evaluate)
     return app
+
+
+def template_evaluate(msg: Message, context: Context):
+    params = load_model((context.run_config["input-dim"],))
+    set_params(params, msg.content["arrays"].to_numpy_ndarrays())
+    _, _, X_test, y_test = load_data(context.node_config["partition-id"])
+    loss, n = evaluation(params, jax.grad(loss_fn), X_test, y_test)
+    content = RecordDict({"metrics": MetricRecord({"test_loss": float(loss), "num-examples": n})})
+    return Message(content=content, reply_to=msg)
 
 
 def template_server(strategy_fn=FedAvg, rounds_seen=None) -> ServerApp:
@@ -164,6 +165,10 @@ def fcir_client(module, evaluation=None) -> ClientApp:
     def train_(msg: Message, context: Context):
         X, y, _, _ = load_data(context.node_config["partition-id"])
         return work.train(msg, X, y)
+
+    if evaluation is None:  # the template's own evaluate stays
+        app.evaluate()(template_evaluate)
+        return app
 
     @app.evaluate()
     def evaluate_(msg: Message, context: Context):
