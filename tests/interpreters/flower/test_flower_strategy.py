@@ -14,9 +14,8 @@ from flowerlib import inprocess, jax_template
 
 pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
 
-from flwr.app import Context, RecordDict  # noqa: E402
-
 from fcir.interpreters import flower, reference, xla  # noqa: E402
+from flwr.app import Context, RecordDict  # noqa: E402
 
 
 def run_app(server, client, run_config=None):

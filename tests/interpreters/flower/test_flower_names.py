@@ -1,0 +1,51 @@
+"""An exported round's outputs carry the program's own names (dict keys, namedtuple
+fields) into the ServerApp's progress line, its metrics file and the MetricRecord in
+its context state; outputs without a name keep their position (``arr_4``,
+test_flower_app.py)."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flowerlib import inprocess
+
+import fcir
+
+pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install 'fcir[flower]')")
+
+from fcir.interpreters import flower  # noqa: E402
+
+
+@fcir.program(placements={"clients": 2}, client_data=("x",))
+def named_round(params, x):
+    def local(p, x):
+        new = {"w": p["w"] - 0.5 * jnp.mean(x, 0)}
+        return new, jnp.sum(new["w"] ** 2)
+
+    new, loss = fcir.map_fn(local, (fcir.broadcast(params), x))
+    return {"params": fcir.reduce_mean(new), "train_loss": fcir.reduce_mean(loss)}
+
+
+def test_an_exported_round_logs_and_records_its_metrics_by_the_program_s_names(tmp_path, capsys):
+    params = {"w": np.ones(2, np.float32)}
+    x = np.arange(2 * 3 * 2, dtype=np.float32).reshape(2, 3, 2) / 10
+    module = fcir.capture(named_round, params, x)
+    app = flower.export(module, tmp_path / "app", inputs=[params["w"]])
+    nodes = {}
+    for i in range(2):
+        np.savez(tmp_path / f"n{i}.npz", x[i])
+        nodes[11 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
+    metrics = tmp_path / "metrics.json"
+    grid = inprocess.run(app, nodes, {"rounds": 2, "state": "0=0", "metrics-file": str(metrics)})
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "[fcir] round" in line]
+    assert len(lines) == 2 and all(" train_loss=" in line for line in lines)
+    assert "arr_1=" not in out
+    saved = json.loads(metrics.read_text())
+    assert sorted(saved) == ["round", "train_loss"]
+    record = grid.context.state["fcir.metrics"]
+    assert np.allclose(record["train_loss"], saved["train_loss"])
+    assert saved["train_loss"][1] < saved["train_loss"][0]
