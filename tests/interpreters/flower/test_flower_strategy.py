@@ -135,3 +135,26 @@ def test_a_round_with_several_exchanges_is_refused_by_name():
     module = fcir.capture(two, jnp.ones(3), jnp.ones((2, 3)))
     with pytest.raises(fcir.ExportError, match=r"flower.Strategy: @two .* has 2 exchanges"):
         flower.Strategy(module)
+
+
+def test_a_sampled_fraction_aggregates_the_replies_that_came(captured):
+    """fraction_train=0.5 of 3 nodes with FedAvg's minimum of 2: the round (captured for
+    3 clients) aggregates the 2 replies, as the template's FedAvg would."""
+    import jax
+
+    module, _ = captured
+    seen = {}
+    server = jax_template.template_server(
+        lambda **kw: flower.Strategy(module, fraction_train=0.5, **kw), rounds_seen=seen
+    )
+    _, grid = run_app(server, jax_template.fcir_client(module), {"num-server-rounds": 1})
+    sampled = grid.sent[:2]  # round 1's train messages go first
+    assert len(set(sampled)) == 2
+    start = jax_template.load_model((3,))
+    trained = []
+    for node in sampled:
+        x, y, _, _ = jax_template.load_data(node - 101)
+        trained.append(jax_template.train(dict(start), jax.grad(jax_template.loss_fn), x, y)[0])
+    for got, key in zip(seen[1], ["b", "w"]):
+        want = np.mean([np.asarray(p[key]) for p in trained], axis=0)  # equal num-examples
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-6)
