@@ -41,6 +41,7 @@ def __getattr__(name: str):
 def export(
     module: Module, directory, *, inputs: list | None = None, device_runtime: str = "jax",
     device_targets=(),
+    evaluation: Module | None = None,
 ) -> pathlib.Path:
     """Writes the Flower app of ``module`` (one round) to ``directory``.
 
@@ -52,8 +53,12 @@ def export(
     ``device_runtime="iree"``: client work as IREE modules verified against XLA, one per
     ``device_targets`` entry (default the host's ``llvm-cpu``); nodes then need flwr,
     numpy and iree-base-runtime, not jax (docs/flower.md, "Devices without JAX").
+
+    ``evaluation``: a captured ``fcir.evaluation(program)``; the app runs it in Flower's
+    evaluate stage after each round (run config ``fraction-evaluate``, node config
+    ``eval-data-path``) and logs its metrics by name.
     """
     return write_app(
         module, directory, inputs=inputs, device_runtime=device_runtime,
-        device_targets=device_targets,
+        device_targets=device_targets, evaluation=evaluation,
     )

@@ -57,6 +57,7 @@ SOURCES = (
     "client_app.py",
     "training.py",
     "program.py",
+    "evaluation.py",
 )
 # Only in --device-runtime iree apps: the device side of production bundles' client work
 # (fcir.interpreters.production.iree_runtime), copied from production's folder.
@@ -236,6 +237,31 @@ def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, d
     return doc, artifacts
 
 
+def evaluation_plan(evaluation, doc: dict) -> tuple[dict, dict[str, bytes]]:
+    """plan.json's ``evaluate``: the evaluation's one exchange, its artifacts under
+    ``evaluate.``; its server inputs must be the round's first server inputs (the model
+    the round updates), type for type."""
+    plan, artifacts = build_plan(evaluation)
+    kinds = [s["kind"] for s in plan.get("steps", ())]
+    if "loop" in plan or kinds != ["server", "exchange", "server"]:
+        raise ExportError(
+            f"export --target flower: the evaluation @{evaluation.name} must be one exchange "
+            "(fcir.evaluation(program) captured)"
+        )
+    ours, theirs = plan["server_inputs"], doc["server_inputs"]
+    if [s["type"] for s in ours] != [s["type"] for s in theirs[: len(ours)]]:
+        raise ExportError(
+            f"export --target flower: the evaluation @{evaluation.name} takes server values "
+            f"({', '.join(s['type'] for s in ours)}) that are not @{doc['round']}'s first "
+            f"server inputs ({', '.join(s['type'] for s in theirs)}): evaluate the model the "
+            "round trains"
+        )
+    for step in plan["steps"]:
+        part = step.get("part") or step.get("client")
+        part["artifact"] = f"evaluate.{part['artifact']}"
+    return plan, {f"evaluate.{k}": v for k, v in artifacts.items()}
+
+
 def _privacy(module) -> dict | None:
     """plan.json's ``privacy``: the production manifest's entry for the round as written
     (every phase's DP ops compose into one round's epsilon), and what a dp_mean divides
@@ -359,8 +385,12 @@ def write_app(
     inputs: list | None = None,
     device_runtime: str = "jax",
     device_targets=(),
+    evaluation=None,
 ) -> pathlib.Path:
     """Writes the Flower app of ``module`` to ``directory`` atomically (see the module doc).
+
+    ``evaluation``: a captured ``fcir.evaluation(program)``, run in Flower's evaluate
+    stage after each round (app/evaluation.py).
 
     ``inputs``: the server's initial inputs (server leaves, in leaf order), embedded
     as ``inputs.json``; without them the run config ``inputs=FILE`` must name them.
@@ -371,6 +401,9 @@ def write_app(
         raise ExportError("--device-target goes with --device-runtime iree")
     iree = device_runtime == "iree"
     doc, artifacts = build_plan(module, list(device_targets) if iree else None, inputs)
+    if evaluation is not None:
+        doc["evaluate"], more = evaluation_plan(evaluation, doc)
+        artifacts.update(more)
     if inputs is not None:
         specs = doc["server_inputs"]
         if len(inputs) != len(specs):

@@ -49,3 +49,43 @@ def test_an_exported_round_logs_and_records_its_metrics_by_the_program_s_names(t
     record = grid.context.state["fcir.metrics"]
     assert np.allclose(record["train_loss"], saved["train_loss"])
     assert saved["train_loss"][1] < saved["train_loss"][0]
+
+
+def evaluate_member(params, x):
+    return {"test_loss": jnp.sum((params["w"] - jnp.mean(x, 0)) ** 2)}
+
+
+@fcir.program(placements={"clients": 2}, client_data=("x",), evaluate=evaluate_member)
+def evaluated_round(params, x):
+    return named_round.__wrapped__(params, x)
+
+
+def test_an_exported_round_runs_its_evaluation_in_flower_s_evaluate_stage(tmp_path, capsys):
+    """The program's evaluation after each round on the nodes' evaluation data, by name
+    on the progress line and in the metrics, the same as the evaluation program on the
+    reference backend for the round's outputs."""
+    from fcir.interpreters import reference
+
+    params = {"w": np.ones(2, np.float32)}
+    x = np.arange(12, dtype=np.float32).reshape(2, 3, 2) / 10
+    x_test = np.arange(16, dtype=np.float32).reshape(2, 4, 2)[:, ::-1] / 7
+    module = fcir.capture(evaluated_round, params, x)
+    ev = fcir.capture(fcir.evaluation(evaluated_round), params, x_test)
+    app = flower.export(module, tmp_path / "app", inputs=[params["w"]], evaluation=ev)
+    nodes = {}
+    for i in range(2):
+        np.savez(tmp_path / f"n{i}.npz", x[i])
+        np.savez(tmp_path / f"t{i}.npz", x_test[i])
+        nodes[11 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz"),
+                         "eval-data-path": str(tmp_path / f"t{i}.npz")}
+    metrics, out = tmp_path / "metrics.json", tmp_path / "out.npz"
+    inprocess.run(app, nodes, {"rounds": 2, "state": "0=0", "metrics-file": str(metrics),
+                               "output": str(out)})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "[fcir] round" in line]
+    assert all("evaluate: 2/2 clients replied test_loss=" in line for line in lines), lines
+    saved = json.loads(metrics.read_text())
+    assert sorted(saved) == ["round", "test_loss", "train_loss"]
+    with np.load(out) as f:
+        final = {"w": f["arr_0"]}
+    want = float(reference.run(ev, final, x_test)["test_loss"])
+    assert np.isclose(saved["test_loss"][1], want, rtol=1e-6)
