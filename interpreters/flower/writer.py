@@ -7,6 +7,7 @@ Layout of APPDIR::
         server_app.py        ServerApp: server parts, sampling, aggregation, checkpoints
         client_app.py        ClientApp: client work from its jax.export artifact
         runtime.py           shared by both: artifacts, arrays on the wire, aggregations
+        evaluation.py        Flower's evaluate stage, for a program with an evaluation
         plan.json            the round's phases: which part runs where, on which values;
                              for a round with DP ops, its privacy parameters
         artifacts.json       the parts' jax.export artifacts (base64, sha256)

@@ -1,6 +1,6 @@
 """Flower's evaluate stage for a program that declares an evaluation
-(``fcir.program(evaluate=fn)``; plan.json ``evaluate``, exported from
-``fcir.evaluation(program)``).
+(``program(evaluate=fn)``; plan.json ``evaluate``, exported from the captured
+``evaluation(program)``).
 
 After each round the ServerApp samples ``fraction-evaluate`` of the online nodes (at
 least ``min-evaluate-nodes``, at most all), sends them the round's new server values in

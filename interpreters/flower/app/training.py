@@ -33,8 +33,8 @@ def _outputs(plan: dict) -> list[dict]:
 
 def output_names(plan: dict) -> list[str]:
     """Each output's name in the log lines and metrics, in output-file order: the
-    program's own (``train_loss``, ``params.w``: fcir.frontend.pytrees.leaf_names, which
-    the export writes), else its position ``arr_<o>``."""
+    program's own (``train_loss``, ``params.w``: the pytree keys, which the export
+    writes), else its position ``arr_<o>``."""
     return [o.get("name", f"arr_{k}") for k, o in enumerate(_outputs(plan))]
 
 
