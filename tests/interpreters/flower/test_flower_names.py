@@ -89,3 +89,27 @@ def test_an_exported_round_runs_its_evaluation_in_flower_s_evaluate_stage(tmp_pa
         final = {"w": f["arr_0"]}
     want = float(reference.run(ev, final, x_test)["test_loss"])
     assert np.isclose(saved["test_loss"][1], want, rtol=1e-6)
+
+
+def test_fcir_export_takes_the_evaluation_the_program_declares(tmp_path, capsys):
+    import textwrap
+
+    from fcir.cli import main
+
+    (tmp_path / "r.py").write_text(textwrap.dedent("""
+        import jax.numpy as jnp
+        import fcir
+
+        def ev(w, x):
+            return {"test_loss": jnp.sum((w - jnp.mean(x, 0)) ** 2)}
+
+        @fcir.program(placements={"clients": 2}, client_data=("x",), evaluate=ev)
+        def r(w, x):
+            return {"w": fcir.reduce_mean(fcir.map_fn(lambda w, x: w - jnp.mean(x, 0),
+                                                      (fcir.broadcast(w), x)))}
+    """))
+    assert main(["export", "--target", "flower", f"{tmp_path / 'r.py'}:r", "--args", "f32[2]",
+                 "f32[2,3,2]", "-o", str(tmp_path / "app")]) == 0, capsys.readouterr().err
+    plan = json.loads((tmp_path / "app/fcir_app/plan.json").read_text())
+    assert [o["name"] for o in plan["evaluate"]["outputs"]] == ["test_loss"]
+    assert [s["shape"] for s in plan["evaluate"]["client_inputs"]] == [[3, 2]]
