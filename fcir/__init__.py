@@ -15,6 +15,7 @@ from fcir.errors import (
     VersionError,
 )
 from fcir.frontend.capture import capture
+from fcir.frontend.evaluation import evaluation
 from fcir.frontend.program import program
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import IR_VERSION, Module

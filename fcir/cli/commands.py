@@ -55,7 +55,12 @@ def _write_outputs(outputs, path: str | None) -> None:
     import jax
     import numpy as np
 
-    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(outputs)]
+    from fcir.frontend.pytrees import leaf_names
+    from fcir.ir.types import structure_of
+
+    flat, treedef = jax.tree_util.tree_flatten(outputs)
+    leaves = [np.asarray(x) for x in flat]
+    names = leaf_names(structure_of(treedef), len(leaves))
     if path:
         np.savez(path, *leaves)
         print(f"wrote {len(leaves)} output array(s) to {path}")
@@ -64,7 +69,8 @@ def _write_outputs(outputs, path: str | None) -> None:
         flat = x.reshape(-1)
         preview = np.array2string(flat[:6], precision=6, separator=", ")
         more = " ..." if flat.size > 6 else ""
-        print(f"arr_{i}: {x.dtype}{list(x.shape)} {preview}{more}")
+        named = f"  ({names[i]})" if names[i] != f"arr_{i}" else ""  # the program's own name
+        print(f"arr_{i}: {x.dtype}{list(x.shape)} {preview}{more}{named}")
 
 
 def _unflatten_args(module, leaves):

@@ -191,7 +191,9 @@ def reduce_weighted_mean(x, w):
     name, n = frame.child(what)
     leaves, tree = api._flatten(x)
     w_leaves, w_tree = api._flatten(w)
-    if len(w_leaves) == 1 and w_tree.num_leaves == 1 and tree.num_leaves != 1:
+    # One weight per member for every leaf: a lone weight array (also for a one-leaf
+    # pytree of values, {'loss': x}), or any one-leaf weight for several leaves.
+    if len(w_leaves) == 1 and w_tree != tree and (w_tree.num_nodes == 1 or tree.num_leaves != 1):
         w_leaves = w_leaves * len(leaves)
     elif w_tree != tree:
         raise PlacementError(

@@ -127,6 +127,7 @@ def program(
     mesh=None,
     private: bool = False,
     client_data=None,
+    evaluate: Callable | None = None,
 ) -> Callable[[Callable], Callable]:
     """Declares a federated program's placements, outermost first.
 
@@ -144,6 +145,13 @@ def program(
     argument as client data: a server model passed to ``map_fn`` without
     ``fcir.broadcast`` (silently client data when its leading axis happens to equal the
     cohort size).
+
+    ``evaluate=fn`` declares the program's federated evaluation, as Flower's evaluate
+    stage runs it: ``fn(params, x, y) -> {"test_loss": ...}`` is one client's metrics
+    (scalars, named by the dict's keys) on the server's values and that client's data;
+    its arguments named in ``client_data`` are the client's data, the others server
+    values. ``fcir.evaluation(program)`` is the program that computes them over every
+    member, weighted by each member's number of examples.
     """
     if fn is not None or placements is None:
         raise PlacementError(
@@ -162,6 +170,18 @@ def program(
         raise PlacementError(
             f"fcir.program: client_data must name arguments, e.g. client_data=('x', 'y'), "
             f"got {client_data!r}"
+        )
+
+    if evaluate is not None and not callable(evaluate):
+        raise PlacementError(
+            f"fcir.program: evaluate must be a function (server values, one client's data) "
+            f"-> {{name: metric}}, got {evaluate!r}"
+        )
+    if evaluate is not None and client_data is None:
+        raise PlacementError(
+            "fcir.program(evaluate=...): declare which arguments are client data "
+            "(client_data=('x', 'y')), so that the evaluation knows which of its arguments "
+            "each client holds"
         )
 
     def decorate(fn: Callable) -> Callable:
@@ -187,6 +207,7 @@ def program(
         run.fcir_placements = spec
         run.fcir_private = private
         run.fcir_client_data = declared
+        run.fcir_evaluate = evaluate
         return run
 
     return decorate

@@ -184,3 +184,39 @@ def _expected_arguments(structure: Structure | None, captured) -> str:
     if structure is not None and structure.kind == "tuple":
         return f"{len(structure.children)} positional"
     return "its arguments positionally"
+
+
+def leaf_names(structure: Structure | None, n: int) -> list[str]:
+    """A name for each of ``n`` flat leaves, from the pytree's own keys: dict keys and
+    namedtuple fields joined by dots (``{"params": {"w": ..}, "train_loss": ..}`` gives
+    ``params.w`` and ``train_loss``). The position in the outermost tuple (a function's
+    several results or arguments) is left out where the rest of the name is unique;
+    list and inner tuple positions are kept as numbers. A leaf with no key on its path
+    (``(params, loss)``'s ``loss``) is named by its flat position, ``arr_<i>``, as the
+    ``.npz`` files name it."""
+    parts: list[list[str] | None] = [None] * n
+    top_tuple = structure is not None and structure.kind in ("tuple", "list")
+
+    def walk(s: Structure, prefix: list[str]) -> None:
+        if s.kind == "leaf":
+            if 0 <= s.leaf < n:
+                parts[s.leaf] = prefix
+            return
+        for i, child in enumerate(s.children):
+            keyed = s.kind in ("dict", "namedtuple", "custom") and i < len(s.names)
+            walk(child, [*prefix, s.names[i] if keyed else str(i)])
+
+    if structure is not None:
+        walk(structure, [])
+
+    def keyed(p: list[str] | None) -> bool:
+        return bool(p) and any(not x.isdigit() for x in p)
+
+    short = [p[1:] if top_tuple and keyed(p) and keyed(p[1:]) else p for p in parts]
+    names = []
+    for i, (p, s) in enumerate(zip(parts, short)):
+        if not keyed(p):
+            names.append(f"arr_{i}")
+        else:
+            names.append(".".join(s if short.count(s) == 1 else p))
+    return names

@@ -22,12 +22,26 @@ from fcir.ir import Module
 
 from .writer import RUN_CONFIG, write_app
 
-__all__ = ["RUN_CONFIG", "ExportError", "export"]
+__all__ = ["RUN_CONFIG", "Client", "ExportError", "Strategy", "export"]
+
+
+def __getattr__(name: str):
+    # Strategy and Client subclass and use flwr, which exporting an app does not need.
+    if name == "Strategy":
+        from .strategy import Strategy
+
+        return Strategy
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def export(
     module: Module, directory, *, inputs: list | None = None, device_runtime: str = "jax",
     device_targets=(),
+    evaluation: Module | None = None,
 ) -> pathlib.Path:
     """Writes the Flower app of ``module`` (one round) to ``directory``.
 
@@ -39,8 +53,12 @@ def export(
     ``device_runtime="iree"``: client work as IREE modules verified against XLA, one per
     ``device_targets`` entry (default the host's ``llvm-cpu``); nodes then need flwr,
     numpy and iree-base-runtime, not jax (docs/flower.md, "Devices without JAX").
+
+    ``evaluation``: a captured ``fcir.evaluation(program)``; the app runs it in Flower's
+    evaluate stage after each round (run config ``fraction-evaluate``, node config
+    ``eval-data-path``) and logs its metrics by name.
     """
     return write_app(
         module, directory, inputs=inputs, device_runtime=device_runtime,
-        device_targets=device_targets,
+        device_targets=device_targets, evaluation=evaluation,
     )

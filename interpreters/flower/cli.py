@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fcir.errors import FcirError
 from fcir.frontend.capture import capture
+from fcir.frontend.evaluation import evaluation
 from fcir.frontend.loading import is_ir_file, load_inputs, load_module, load_python_target
 
 from . import export
@@ -22,11 +23,39 @@ def cmd_export_flower(module, a) -> int:
         raise FcirError("--aggregate-with is for --target production; a Flower app aggregates itself")
     out = export(
         module, a.output, inputs=inputs, device_runtime=a.device_runtime,
-        device_targets=a.device_target or (),
+        device_targets=a.device_target or (), evaluation=declared_evaluation(a.IN, a.args),
     )
     print(f"@{module.name}: wrote Flower app to {out}")
     print(f"run it: {run_hint(out)}")
     return 0
+
+
+def declared_evaluation(target: str, arg_specs):
+    """The evaluation a Python target's program declares (``fcir.program(evaluate=fn)``),
+    captured on the round's own arguments of the same names (its data shapes are the
+    training data's); None for an IR file or a program without one."""
+    import inspect
+
+    if is_ir_file(target):
+        return None
+    fn, args = load_python_target(target, arg_specs)
+    evaluate = getattr(fn, "fcir_evaluate", None)
+    if evaluate is None:
+        return None
+
+    def positional(f):
+        return [p.name for p in inspect.signature(f).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    names, wanted = positional(fn), positional(evaluate)
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise FcirError(
+            f"export --target flower: the evaluation {evaluate.__name__}({', '.join(wanted)}) "
+            f"takes {', '.join(missing)}, which {fn.__name__}({', '.join(names)}) does not: "
+            "name the evaluation's arguments as the round's"
+        )
+    return capture(evaluation(fn), *[args[names.index(n)] for n in wanted])
 
 
 def run_hint(appdir) -> str:

@@ -7,6 +7,7 @@ Layout of APPDIR::
         server_app.py        ServerApp: server parts, sampling, aggregation, checkpoints
         client_app.py        ClientApp: client work from its jax.export artifact
         runtime.py           shared by both: artifacts, arrays on the wire, aggregations
+        evaluation.py        Flower's evaluate stage, for a program with an evaluation
         plan.json            the round's phases: which part runs where, on which values;
                              for a round with DP ops, its privacy parameters
         artifacts.json       the parts' jax.export artifacts (base64, sha256)
@@ -32,6 +33,7 @@ import numpy as np
 
 from fcir.errors import ExportError
 from fcir.frontend.loading import leaf_paths as paths
+from fcir.frontend.pytrees import leaf_names as leaf_names_of
 from fcir.ir.types import runtime_type
 from fcir.privacy.keys import key_arguments
 
@@ -56,6 +58,7 @@ SOURCES = (
     "client_app.py",
     "training.py",
     "program.py",
+    "evaluation.py",
 )
 # Only in --device-runtime iree apps: the device side of production bundles' client work
 # (fcir.interpreters.production.iree_runtime), copied from production's folder.
@@ -208,6 +211,11 @@ def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, d
         _spec(runtime_type(v.type, module.cardinality), i, result_paths.get(i))
         for i, v in enumerate(results)
     ]
+    # The program's own names (dict keys, namedtuple fields) for the log lines and the
+    # metrics; a leaf without one is logged by its output position.
+    for spec, name in zip(outputs, leaf_names_of(module.main.result_structure, len(results))):
+        if not name.startswith("arr_"):
+            spec["name"] = name
     structure = module.main.result_structure
     order = structure.leaves() if structure is not None else list(range(len(results)))
     doc = {
@@ -228,6 +236,31 @@ def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, d
     if privacy is not None:
         doc["privacy"] = privacy
     return doc, artifacts
+
+
+def evaluation_plan(evaluation, doc: dict) -> tuple[dict, dict[str, bytes]]:
+    """plan.json's ``evaluate``: the evaluation's one exchange, its artifacts under
+    ``evaluate.``; its server inputs must be the round's first server inputs (the model
+    the round updates), type for type."""
+    plan, artifacts = build_plan(evaluation)
+    kinds = [s["kind"] for s in plan.get("steps", ())]
+    if "loop" in plan or kinds != ["server", "exchange", "server"]:
+        raise ExportError(
+            f"export --target flower: the evaluation @{evaluation.name} must be one exchange "
+            "(fcir.evaluation(program) captured)"
+        )
+    ours, theirs = plan["server_inputs"], doc["server_inputs"]
+    if [s["type"] for s in ours] != [s["type"] for s in theirs[: len(ours)]]:
+        raise ExportError(
+            f"export --target flower: the evaluation @{evaluation.name} takes server values "
+            f"({', '.join(s['type'] for s in ours)}) that are not @{doc['round']}'s first "
+            f"server inputs ({', '.join(s['type'] for s in theirs)}): evaluate the model the "
+            "round trains"
+        )
+    for step in plan["steps"]:
+        part = step.get("part") or step.get("client")
+        part["artifact"] = f"evaluate.{part['artifact']}"
+    return plan, {f"evaluate.{k}": v for k, v in artifacts.items()}
 
 
 def _privacy(module) -> dict | None:
@@ -353,8 +386,12 @@ def write_app(
     inputs: list | None = None,
     device_runtime: str = "jax",
     device_targets=(),
+    evaluation=None,
 ) -> pathlib.Path:
     """Writes the Flower app of ``module`` to ``directory`` atomically (see the module doc).
+
+    ``evaluation``: a captured ``fcir.evaluation(program)``, run in Flower's evaluate
+    stage after each round (app/evaluation.py).
 
     ``inputs``: the server's initial inputs (server leaves, in leaf order), embedded
     as ``inputs.json``; without them the run config ``inputs=FILE`` must name them.
@@ -365,6 +402,9 @@ def write_app(
         raise ExportError("--device-target goes with --device-runtime iree")
     iree = device_runtime == "iree"
     doc, artifacts = build_plan(module, list(device_targets) if iree else None, inputs)
+    if evaluation is not None:
+        doc["evaluate"], more = evaluation_plan(evaluation, doc)
+        artifacts.update(more)
     if inputs is not None:
         specs = doc["server_inputs"]
         if len(inputs) != len(specs):

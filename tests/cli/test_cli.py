@@ -518,3 +518,24 @@ def test_cli_compiles_a_file_with_future_annotations_and_a_dataclass(tmp_path, c
     assert code == 0, err
     text = next((tmp_path / "out").glob("*.fcir")).read_text()
     assert "fed.mean" in text and "jax.add" in text
+
+
+def test_run_prints_each_output_with_the_program_s_name(tmp_path, capsys):
+    (tmp_path / "named.py").write_text(textwrap.dedent("""
+        import fcir
+
+        @fcir.program(placements={"clients": 2})
+        def named(w, x):
+            m = fcir.reduce_mean(fcir.map_fn(lambda w, x: w * x, (fcir.broadcast(w), x)))
+            return {"params": {"w": m}, "train_loss": (m * m).sum()}, m
+    """))
+    np.savez(tmp_path / "in.npz", np.ones(2, np.float32), np.ones((2, 2), np.float32))
+    code, out, err = run_main(
+        ["run", f"{tmp_path / 'named.py'}:named", "--args", "f32[2]", "f32[2,2]",
+         "--inputs", str(tmp_path / "in.npz")], capsys
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("arr_0: float32[2]") and lines[0].endswith("(params.w)")
+    assert lines[1].endswith("(train_loss)")
+    assert lines[2].startswith("arr_2: float32[2]") and "(" not in lines[2]

@@ -17,7 +17,7 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
-from . import runtime
+from . import evaluation, runtime
 
 app = ClientApp()
 
@@ -221,3 +221,9 @@ def secure(msg: Message, context) -> Message:
         metrics[f"dtype:{name}"] = str(np.asarray(by_name[name][1]).dtype)
     res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(chunks), num_examples=1, metrics=metrics)
     return Message(compat.fitres_to_recorddict(res, keep_input=False), reply_to=msg)
+
+
+@app.evaluate("fcir")
+def evaluate(msg: Message, context) -> Message:
+    """Flower's evaluate stage: the program's evaluation on the node's evaluation data."""
+    return evaluation.client(msg, context, runtime.load_leaves)

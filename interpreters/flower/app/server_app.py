@@ -41,7 +41,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import ServerApp
 
-from . import program, runtime, secagg, training
+from . import evaluation, program, runtime, secagg, training
 from .runtime import AppError
 
 app = ServerApp()
@@ -469,12 +469,17 @@ def main(grid, context) -> None:
         inputs = list(inputs)
         for i, o in cfg.state.items():
             inputs[i] = outputs[o]
-        metrics = " ".join(f"arr_{o}={_metric(outputs[o])}" for o in cfg.metrics)
+        names = training.output_names(plan)
+        metrics = " ".join(f"{names[o]}={_metric(outputs[o])}" for o in cfg.metrics)
         scalars = {
-            f"arr_{o}": float(np.asarray(outputs[o]).reshape(-1)[0])
+            names[o]: float(np.asarray(outputs[o]).reshape(-1)[0])
             for o in cfg.metrics
             if np.asarray(outputs[o]).size == 1
         }
+        evaluated = ""
+        if "evaluate" in plan:  # Flower's evaluate stage, on the next round's model
+            more, evaluated = evaluation.run(grid, context.run_config, plan, inputs, rnd, cfg.timeout)
+            scalars.update(more)
         record_metrics(context, history, rnd, scalars)
         if accounting.budget is not None:
             accounting.budget.spend()
@@ -484,7 +489,7 @@ def main(grid, context) -> None:
         print(
             f"[fcir] round {rnd}/{cfg.rounds}: {who}, sent {stats['sent']} B, received {stats['received']} B, "
             f"{time.perf_counter() - start:.1f} s "
-            + " ".join(x for x in (metrics, accounting.line(rnd)) if x),
+            + " ".join(x for x in (metrics, evaluated, accounting.line(rnd)) if x),
             flush=True,
         )
         if ckpt is not None:

@@ -31,6 +31,13 @@ def _outputs(plan: dict) -> list[dict]:
     return [plan["outputs"][j] for j in plan["output_order"]]
 
 
+def output_names(plan: dict) -> list[str]:
+    """Each output's name in the log lines and metrics, in output-file order: the
+    program's own (``train_loss``, ``params.w``: the pytree keys, which the export
+    writes), else its position ``arr_<o>``."""
+    return [o.get("name", f"arr_{k}") for k, o in enumerate(_outputs(plan))]
+
+
 def infer(plan: dict) -> dict[int, int]:
     """Server input position -> output position, for every server input whose pytree
     path and type an output has."""

@@ -1,0 +1,218 @@
+"""``fcir.interpreters.flower.Strategy``: a captured round as a Flower strategy.
+
+A Flower user keeps the ServerApp they have and swaps the strategy::
+
+    strategy = flower.Strategy(module, evaluation=fcir.capture(fcir.evaluation(rnd), ...))
+    result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=3,
+                            evaluate_fn=global_evaluate)
+
+It is Flower's ``FedAvg`` (sampling with ``fraction_train`` / ``min_train_nodes`` /
+``min_available_nodes``, the ``arrays`` / ``metrics`` / ``config`` records, the
+consistency checks on replies, Flower's log lines and its "Final results") with the
+round's own server work in place of the weighted average: ``configure_train`` runs the
+round's server part before the exchange on the global arrays and sends what it
+broadcasts; each ClientApp runs the round's client work (``flower.Client``) and replies
+with its client outputs and ``num-examples``; ``aggregate_train`` runs the round's
+aggregations (fcir's, e.g. ``reduce_weighted_mean``) and server part after them. The
+outputs that feed the round's server inputs become the next global arrays; the other
+scalar outputs are the round's metrics, by the program's own names (``train_loss``).
+
+With ``evaluation`` (a captured ``fcir.evaluation(program)``), Flower's evaluate stage
+runs it the same way; without, Flower's own evaluate stage runs the user's
+``@app.evaluate`` and averages its metrics by ``num-examples``, as FedAvg does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore import log
+
+from fcir.errors import ExportError
+from fcir.ir import Module
+
+from .app import runtime, training
+from .parts import RoundParts
+
+__all__ = ["Strategy"]
+
+
+class Strategy(FedAvg):
+    """Flower's FedAvg with ``module``'s round (one exchange) as the server's work.
+
+    ``evaluation``: a captured ``fcir.evaluation(program)`` for the evaluate stage, or
+    None (the user's ``@app.evaluate``). ``state``: ``{server input position: output
+    position}``, which outputs become the next round's global arrays; default: the
+    outputs at the server inputs' pytree paths, else the first outputs of the server
+    inputs' types, in order. The other arguments are FedAvg's, with its defaults."""
+
+    def __init__(
+        self,
+        module: Module,
+        *,
+        evaluation: Module | None = None,
+        state: dict[int, int] | None = None,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = "num-examples",
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+    ) -> None:
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+        )
+        self.parts = RoundParts(module, "flower.Strategy")
+        self.evaluation = None if evaluation is None else RoundParts(evaluation, "flower.Strategy(evaluation=...)")
+        self.state = self._state(state)
+        # The global arrays of each round as the user keyed them, and the round's named
+        # outputs (all of them, also those that are not metrics).
+        self._keys: list[str] = []
+        self._global: dict[int, list[np.ndarray]] = {}
+        self.outputs: dict[int, dict[str, np.ndarray]] = {}
+
+    def _state(self, given) -> dict[int, int]:
+        parts = self.parts
+        if given is not None:
+            return {int(i): int(o) for i, o in given.items()}
+        mapping = training.infer(parts.plan)
+        used = set(mapping.values())
+        for i, s in enumerate(parts.server_inputs):
+            if i in mapping:
+                continue
+            o = next(
+                (o for o, out in enumerate(parts.outputs)
+                 if o not in used and training._same_type(s, out)),
+                None,
+            )
+            if o is None:
+                raise ExportError(
+                    f"flower.Strategy: no output of @{parts.module.name} has the type of its "
+                    f"server input {i} ({s['type']}, {s.get('path', '')}), so the round "
+                    "cannot update the global arrays: return the new model from the round, "
+                    "or give state={input: output}"
+                )
+            mapping[i] = o
+            used.add(o)
+        return dict(sorted(mapping.items()))
+
+    def summary(self) -> None:
+        """Flower's summary, after the round's name and its outputs."""
+        p = self.parts
+        log(INFO, "\t├──> fcir round @%s (%s)", p.module.name, p.plan.get("signature", ""))
+        kept = ", ".join(p.output_names[o] for o in self.state.values())
+        metrics = ", ".join(self._metric_names()) or "none"
+        log(INFO, "\t│\t├──Global arrays from outputs: %s", kept)
+        log(INFO, "\t│\t└──Metrics: %s", metrics)
+        if self.evaluation is not None:
+            log(INFO, "\t├──> fcir evaluation @%s: %s", self.evaluation.module.name,
+                ", ".join(self.evaluation.output_names))
+        super().summary()
+
+    def _metric_names(self) -> list[str]:
+        state = set(self.state.values())
+        return [
+            n for o, (n, s) in enumerate(zip(self.parts.output_names, self.parts.outputs))
+            if o not in state and int(np.prod(s["shape"])) == 1
+        ]
+
+    # --- training -------------------------------------------------------------------
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        leaves = self._leaves(arrays)
+        self._global[server_round] = leaves
+        sent = runtime.to_record(self.parts.send(leaves))
+        return super().configure_train(server_round, sent, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        valid, _ = self._check_and_log_replies(list(replies), is_train=True)
+        if not valid:
+            return None, None
+        leaves = self._global.pop(server_round)
+        outs = self.parts.finish(leaves, [self._client_outputs(m) for m in _in_node_order(valid)])
+        self.outputs[server_round] = dict(zip(self.parts.output_names, outs))
+        new = list(leaves)
+        for i, o in self.state.items():
+            new[i] = outs[o]
+        arrays = ArrayRecord({k: Array(np.asarray(x)) for k, x in zip(self._keys, new)})
+        state = set(self.state.values())
+        metrics = {
+            name: _number(x)
+            for o, (name, x) in enumerate(zip(self.parts.output_names, outs))
+            if o not in state and np.asarray(x).size == 1
+        }
+        return arrays, MetricRecord(metrics)
+
+    # --- evaluation -----------------------------------------------------------------
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        if self.evaluation is None:
+            return super().configure_evaluate(server_round, arrays, config, grid)
+        leaves = self._leaves(arrays)
+        self._global[-server_round] = leaves
+        sent = runtime.to_record(self.evaluation.send(leaves))
+        messages = super().configure_evaluate(server_round, sent, config, grid)
+        return messages
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        if self.evaluation is None:
+            return super().aggregate_evaluate(server_round, replies)
+        valid, _ = self._check_and_log_replies(list(replies), is_train=False)
+        leaves = self._global.pop(-server_round, None)
+        if not valid or leaves is None:
+            return None
+        outs = self.evaluation.finish(
+            leaves, [self._client_outputs(m) for m in _in_node_order(valid)]
+        )
+        return MetricRecord(
+            {n: _number(x) for n, x in zip(self.evaluation.output_names, outs)
+             if np.asarray(x).size == 1}
+        )
+
+    # --- records ----------------------------------------------------------------------
+
+    def _leaves(self, arrays: ArrayRecord) -> list[np.ndarray]:
+        """The global arrays as the round's server inputs, in the record's order."""
+        if not self._keys:
+            self._keys = list(arrays.keys())
+        return [runtime.from_array(a) for a in arrays.values()]
+
+    def _client_outputs(self, reply: Message) -> dict:
+        record = reply.content.array_records.get(self.arrayrecord_key)
+        if record is None:
+            record = next(iter(reply.content.array_records.values()))
+        return runtime.from_record(record)
+
+
+def _in_node_order(replies: list[Message]) -> list[Message]:
+    # Floating-point sums depend on their order: aggregate in node order, not in the
+    # order the replies happened to arrive.
+    return sorted(replies, key=lambda m: m.metadata.src_node_id)
+
+
+def _number(x) -> float | int:
+    x = np.asarray(x).reshape(-1)[0]
+    return int(x) if np.issubdtype(x.dtype, np.integer) else float(x)
+
