@@ -1,0 +1,279 @@
+"""``fcir.Population``: many clients on the host, a cohort of them sampled each round.
+
+```python
+import numpy as np
+import fcir
+
+# 100 clients with 3 to 7 examples each: padded to 7, ``counts`` says how many are real.
+rng = np.random.default_rng(0)
+clients = [(rng.normal(size=(n, 2)).astype(np.float32),) for n in rng.integers(3, 8, 100)]
+population = fcir.Population.from_clients(clients)
+cohorts = population.uniform(10, seed=0)          # 10 clients a round, without replacement
+# or population.poisson(0.1, seed=0): each client at rate 0.1, padded to a fixed size
+data, counts = cohorts.gather(0)                  # round 0's cohort (numpy)
+assert data[0].shape == (cohorts.size, 7, 2) and counts.shape == (cohorts.size,)
+```
+
+The population's data stay on the host as numpy arrays with the clients on the leading
+axis (``N``) and each client's examples padded to one length; ``counts`` (``f32[N]``)
+holds each client's number of real examples. A round's cohort always has the same
+shape, ``cohorts.size`` members, so one compiled round serves every round:
+
+- ``uniform(k)``: ``k`` distinct clients drawn uniformly without replacement;
+  ``cohorts.size == k``, ``cohorts.sampling_rate == k / N``.
+- ``poisson(q)``: each client independently with probability ``q``; the cohort is
+  padded to ``cohorts.size`` members (by default the smallest size that a round passes
+  with probability below ``1e-9``; a round that draws more raises PopulationError rather
+  than drop clients). A padding member has all-zero data and count 0: the round masks
+  it by its count (e.g. ``fcir.reduce_weighted_mean(updates, counts)``, or a mask
+  ``jnp.arange(m) < count`` over its examples, which gives a zero update).
+  ``cohorts.sampling_rate == q``.
+
+Which clients a round takes is a function of ``(seed, round)`` alone (numpy's
+``default_rng([seed, round])``), so a run is reproducible and can be resumed at any
+round. The privacy accountant takes the sampling through ``sampling_rate``::
+
+    fcir.privacy.epsilon(module, rounds, delta, sampling_rate=cohorts.sampling_rate)
+
+which is amplification by Poisson subsampling: exact for ``poisson(q)`` cohorts. For
+``uniform(k)`` cohorts it is the usual approximation (q = k/N), not a proven bound:
+fixed-size sampling is not what the accountant's add-or-remove-one analysis covers, so
+train private rounds on Poisson cohorts (``cohorts.accounted`` says which).
+
+Running rounds over the cohorts is a backend's job:
+``fcir.interpreters.xla.simulate(round_fn, state, cohorts, rounds)``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from fcir.errors import PopulationError
+
+__all__ = ["Cohorts", "Population"]
+
+# A Poisson cohort's default size: exceeded in a round with probability below this.
+OVERFLOW = 1e-9
+
+
+def _leaves(tree):
+    """Leaves of a pytree of numpy-convertible arrays, without importing JAX here."""
+    if isinstance(tree, dict):
+        return [leaf for k in sorted(tree) for leaf in _leaves(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for x in tree for leaf in _leaves(x)]
+    return [tree]
+
+
+def _map(fn, tree):
+    """``fn`` on every leaf, keeping dicts, lists, tuples and NamedTuples."""
+    if isinstance(tree, dict):
+        return type(tree)((k, _map(fn, tree[k])) for k in sorted(tree))  # as _leaves
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map(fn, x) for x in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map(fn, x) for x in tree)
+    return fn(tree)
+
+
+def _count(who: str, name: str, value, low: int, high: int | None = None) -> int:
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    if not ok or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise PopulationError(f"{who}: {name} must be an int {bound}, got {value!r}")
+    return int(value)
+
+
+class Population:
+    """``N`` clients' data on the host: a pytree of numpy arrays, clients on axis 0.
+
+    ``counts`` (length ``N``, default: every client 1) is each client's number of real
+    examples: the weight of its update and the length of its mask.
+    """
+
+    def __init__(self, data, counts=None):
+        leaves = [np.asarray(x) for x in _leaves(data)]
+        if not leaves:
+            raise PopulationError("fcir.Population: data has no arrays")
+        n = leaves[0].shape[0] if leaves[0].ndim else None
+        if n is None or any(x.ndim == 0 or x.shape[0] != n for x in leaves):
+            shapes = [x.shape for x in leaves]
+            raise PopulationError(
+                f"fcir.Population: every array needs the clients on its leading axis, one "
+                f"length for all; got shapes {shapes}"
+            )
+        if n == 0:
+            raise PopulationError("fcir.Population: no clients (leading axis of length 0)")
+        self.data = _map(np.asarray, data)
+        counts = np.ones(n) if counts is None else np.asarray(counts)
+        if counts.shape != (n,) or not np.all(np.isfinite(counts)) or np.any(counts < 0):
+            raise PopulationError(
+                f"fcir.Population: counts must be {n} finite numbers >= 0 (one per client), "
+                f"got shape {counts.shape}"
+            )
+        self.counts = counts.astype(np.float32)
+
+    @classmethod
+    def from_clients(cls, clients) -> Population:
+        """A population from a list of per-client pytrees of one structure whose leaves
+        have the client's examples on axis 0, of different lengths: each leaf is padded
+        with zeros to the longest, and ``counts`` is each client's length (axis 0 of
+        its first leaf)."""
+        clients = list(clients)
+        if not clients:
+            raise PopulationError("fcir.Population.from_clients: no clients")
+        per_client = [[np.asarray(x) for x in _leaves(c)] for c in clients]
+        width = len(per_client[0])
+        if width == 0 or any(len(c) != width for c in per_client):
+            raise PopulationError(
+                "fcir.Population.from_clients: every client needs the same structure of "
+                "arrays (and at least one)"
+            )
+        counts = np.array([c[0].shape[0] if c[0].ndim else 0 for c in per_client])
+        stacked = []
+        for j in range(width):
+            col = [c[j] for c in per_client]
+            if any(x.ndim == 0 or x.shape[0] != counts[i] for i, x in enumerate(col)):
+                raise PopulationError(
+                    f"fcir.Population.from_clients: leaf {j} of some client does not have "
+                    "that client's examples on axis 0 (as many as its first leaf)"
+                )
+            if len({(x.shape[1:], x.dtype) for x in col}) != 1:
+                raise PopulationError(
+                    f"fcir.Population.from_clients: leaf {j} differs between clients in "
+                    "shape past axis 0 or in dtype"
+                )
+            out = np.zeros((len(col), int(counts.max()), *col[0].shape[1:]), col[0].dtype)
+            for i, x in enumerate(col):
+                out[i, : len(x)] = x
+            stacked.append(out)
+        it = iter(stacked)
+        return cls(_map(lambda _: next(it), clients[0]), counts)
+
+    @property
+    def size(self) -> int:
+        """``N``, the number of clients."""
+        return len(self.counts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in _leaves(self.data)) + self.counts.nbytes
+
+    def __repr__(self) -> str:
+        return f"<fcir.Population of {self.size} clients, {self.nbytes / 2**20:.1f} MiB>"
+
+    def uniform(self, k: int, seed: int = 0) -> Cohorts:
+        """Cohorts of ``k`` distinct clients, drawn uniformly without replacement."""
+        k = _count("fcir.Population.uniform", "k", k, 1, self.size)
+        return Cohorts(self, "uniform", k, k / self.size, _seed(seed))
+
+    def poisson(self, q: float, seed: int = 0, max_size: int | None = None) -> Cohorts:
+        """Cohorts of each client taken independently with probability ``q``, padded to
+        ``max_size`` members (default: exceeded with probability below 1e-9 a round)."""
+        ok = isinstance(q, numbers.Real) and not isinstance(q, bool) and 0 < q <= 1
+        if not ok:
+            raise PopulationError(f"fcir.Population.poisson: q must be in (0, 1], got {q!r}")
+        if max_size is None:
+            max_size = _binomial_quantile(self.size, float(q), OVERFLOW)
+        max_size = _count("fcir.Population.poisson", "max_size", max_size, 1, self.size)
+        return Cohorts(self, "poisson", max_size, float(q), _seed(seed))
+
+
+def _seed(seed) -> int:
+    return _count("fcir.Population", "seed", seed, 0)
+
+
+def _binomial_quantile(n: int, q: float, tail: float) -> int:
+    """The smallest ``m`` with P(Binomial(n, q) > m) < ``tail`` (at least 1)."""
+    if q >= 1.0:
+        return n
+    ks = np.arange(n + 1)
+    logpmf = (
+        np.array([math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) for k in ks])
+        + ks * math.log(q)
+        + (n - ks) * math.log1p(-q)
+    )
+    pmf = np.exp(logpmf)
+    above = np.cumsum(pmf[::-1])[::-1]  # above[m] = P(X >= m)
+    for m in range(n + 1):
+        if m == n or above[m + 1] < tail:
+            return max(1, m)
+    return n
+
+
+class Cohorts:
+    """How a :class:`Population`'s cohorts are sampled, round by round (from
+    ``Population.uniform`` / ``Population.poisson``)."""
+
+    def __init__(self, population: Population, kind: str, size: int, rate: float, seed: int):
+        self.population = population
+        self.kind = kind
+        self.size = size  # the cohort's fixed number of members (padding included)
+        self.sampling_rate = rate  # k/N or q: what the accountant takes
+        self.seed = seed
+
+    @property
+    def accounted(self) -> str:
+        """How ``sampling_rate`` stands for this sampling in ``fcir.privacy.epsilon``:
+        ``"exact"`` (Poisson) or ``"approximate"`` (fixed-size uniform, q = k/N)."""
+        return "exact" if self.kind == "poisson" else "approximate"
+
+    def __repr__(self) -> str:
+        how = f"k={self.size}" if self.kind == "uniform" else f"q={self.sampling_rate:g}"
+        return (
+            f"<fcir.Cohorts {self.kind} {how} of {self.population.size} clients, "
+            f"size {self.size}, seed {self.seed}>"
+        )
+
+    def indices(self, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """Round ``r``'s cohort: (``int32[size]`` client indices, ``bool[size]`` real
+        member). Padding members (Poisson only, at the end) have index ``N``."""
+        r = _count("fcir.Cohorts.indices", "round", r, 0)
+        n = self.population.size
+        rng = np.random.default_rng([self.seed, r])
+        if self.kind == "uniform":
+            chosen = np.sort(rng.choice(n, self.size, replace=False))
+        else:
+            chosen = np.flatnonzero(rng.random(n) < self.sampling_rate)
+            if len(chosen) > self.size:
+                raise PopulationError(
+                    f"fcir.Cohorts: round {r} sampled {len(chosen)} clients at rate "
+                    f"{self.sampling_rate:g}, more than the cohort's fixed size "
+                    f"{self.size}; pass a larger max_size to Population.poisson (dropping "
+                    "clients would change the sampling the accountant assumes)"
+                )
+        idx = np.full(self.size, n, np.int32)
+        idx[: len(chosen)] = chosen
+        valid = np.zeros(self.size, bool)
+        valid[: len(chosen)] = True
+        return idx, valid
+
+    def plan(self, first: int, rounds: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rounds ``first .. first + rounds - 1``: stacked :meth:`indices`."""
+        pairs = [self.indices(first + i) for i in range(rounds)]
+        idx = np.stack([p[0] for p in pairs]) if pairs else np.zeros((0, self.size), np.int32)
+        valid = np.stack([p[1] for p in pairs]) if pairs else np.zeros((0, self.size), bool)
+        return idx, valid
+
+    def gather(self, r: int):
+        """Round ``r``'s cohort as numpy: (data with ``size`` members on axis 0, counts
+        ``f32[size]``); padding members are zeros with count 0."""
+        idx, valid = self.indices(r)
+        return self.take(idx, valid)
+
+    def take(self, idx: np.ndarray, valid: np.ndarray):
+        """The members ``idx`` (with ``valid``) of the population, as :meth:`gather`."""
+        real = idx[valid]
+        k = len(real)
+
+        def one(x):
+            out = np.zeros((self.size, *x.shape[1:]), x.dtype)
+            out[:k] = x[real]
+            return out
+
+        counts = np.zeros(self.size, np.float32)
+        counts[:k] = self.population.counts[real]
+        return _map(one, self.population.data), counts
