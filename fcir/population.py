@@ -31,14 +31,13 @@ shape, ``cohorts.size`` members, so one compiled round serves every round:
 
 Which clients a round takes is a function of ``(seed, round)`` alone (numpy's
 ``default_rng([seed, round])``), so a run is reproducible and can be resumed at any
-round. The privacy accountant takes the sampling through ``sampling_rate``::
-
-    fcir.privacy.epsilon(module, rounds, delta, sampling_rate=cohorts.sampling_rate)
-
-which is amplification by Poisson subsampling: exact for ``poisson(q)`` cohorts. For
-``uniform(k)`` cohorts it is the usual approximation (q = k/N), not a proven bound:
-fixed-size sampling is not what the accountant's add-or-remove-one analysis covers, so
-train private rounds on Poisson cohorts (``cohorts.accounted`` says which).
+round. The privacy accountant knows the sampling: ``cohorts.epsilon(module, rounds,
+delta)`` and ``cohorts.budget(module, delta, max_epsilon)`` are ``fcir.privacy.epsilon``
+and ``fcir.privacy.Budget`` at ``sampling_rate=q``, amplification by Poisson
+subsampling, which is exact for ``poisson(q)`` cohorts. ``uniform(k)`` cohorts are
+accounted only with ``approximate=True``, at q = k/N as if Poisson (the usual
+approximation, not a proven bound: fixed-size sampling is not what the accountant's
+add-or-remove-one analysis covers); train private rounds on Poisson cohorts.
 
 Running rounds over the cohorts is a backend's job:
 ``fcir.interpreters.xla.simulate(round_fn, state, cohorts, rounds)``.
@@ -49,9 +48,11 @@ from __future__ import annotations
 import math
 import numbers
 
+import jax
 import numpy as np
 
-from fcir.errors import PopulationError
+from fcir import privacy
+from fcir.errors import PopulationError, PrivacyError
 
 __all__ = ["Cohorts", "Population"]
 
@@ -215,11 +216,33 @@ class Cohorts:
         self.sampling_rate = rate  # k/N or q: what the accountant takes
         self.seed = seed
 
-    @property
-    def accounted(self) -> str:
-        """How ``sampling_rate`` stands for this sampling in ``fcir.privacy.epsilon``:
-        ``"exact"`` (Poisson) or ``"approximate"`` (fixed-size uniform, q = k/N)."""
-        return "exact" if self.kind == "poisson" else "approximate"
+    def privacy_sampling_rate(self, approximate: bool = False) -> float:
+        """The rate ``fcir.privacy`` accounts these cohorts' rounds at: ``q`` for Poisson
+        cohorts. Uniform cohorts of ``k`` have no add-or-remove-one bound in the
+        accountant; ``approximate=True`` takes ``k / N`` as if Poisson (the usual
+        approximation), else a PrivacyError."""
+        if self.kind == "uniform" and not approximate:
+            raise PrivacyError(
+                f"fcir.Cohorts: uniform cohorts of {self.size} of {self.population.size} "
+                "clients (fixed size, without replacement) are not what the accountant's "
+                "add-or-remove-one analysis of subsampling covers; sample Poisson cohorts "
+                f"(Population.poisson({self.sampling_rate:g})) for an exact bound, or pass "
+                f"approximate=True to account q = k/N = {self.sampling_rate:g} as if Poisson"
+            )
+        return self.sampling_rate
+
+    def epsilon(self, module, rounds: int, delta: float, *, approximate: bool = False,
+                accountant: str = "rdp") -> float:
+        """ε of ``rounds`` rounds of the private round ``module`` over these cohorts:
+        ``fcir.privacy.epsilon`` at :meth:`privacy_sampling_rate`."""
+        rate = self.privacy_sampling_rate(approximate)
+        return privacy.epsilon(module, rounds, delta, rate, accountant=accountant)
+
+    def budget(self, module, delta: float, max_epsilon: float, *, approximate: bool = False,
+               accountant: str = "rdp") -> privacy.Budget:
+        """A ``fcir.privacy.Budget`` of ``module``'s rounds over these cohorts."""
+        rate = self.privacy_sampling_rate(approximate)
+        return privacy.Budget(module, delta, max_epsilon, rate, accountant=accountant)
 
     def __repr__(self) -> str:
         how = f"k={self.size}" if self.kind == "uniform" else f"q={self.sampling_rate:g}"
@@ -257,6 +280,15 @@ class Cohorts:
         idx = np.stack([p[0] for p in pairs]) if pairs else np.zeros((0, self.size), np.int32)
         valid = np.stack([p[1] for p in pairs]) if pairs else np.zeros((0, self.size), bool)
         return idx, valid
+
+    def specs(self):
+        """A cohort's shapes and dtypes, as :meth:`gather` returns it:
+        ``jax.ShapeDtypeStruct`` pytrees (data, counts), for ``fcir.capture``."""
+
+        def one(x):
+            return jax.ShapeDtypeStruct((self.size, *x.shape[1:]), x.dtype)
+
+        return _map(one, self.population.data), jax.ShapeDtypeStruct((self.size,), np.float32)
 
     def gather(self, r: int):
         """Round ``r``'s cohort as numpy: (data with ``size`` members on axis 0, counts

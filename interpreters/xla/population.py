@@ -160,8 +160,7 @@ def _executable(round_fn, state, cohorts, key, first, mesh, clients_per_step) ->
     if isinstance(round_fn, Module):
         module = round_fn
     elif callable(round_fn):
-        example = _args(state, cohorts.gather(first), key, first)
-        module = capture(round_fn, *example)
+        module = capture(round_fn, *_args(state, cohorts.specs(), key, first))
     else:
         raise PopulationError(
             f"xla.simulate: round_fn must be an @fcir.program function, an fcir.Module or "
@@ -191,13 +190,7 @@ def _traced(exe: Executable):
 
 def _has_metrics(call, state, cohorts, key, first) -> bool:
     """Whether the round returns ``(state, metrics)`` rather than the state alone."""
-    example = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-        _args(state, cohorts.gather(first), None, first),
-    )
-    if key is not None:
-        example = (*example, _round_key(key, first))
-    out = jax.eval_shape(call, *example)
+    out = jax.eval_shape(call, *_args(state, cohorts.specs(), key, first))
     want = jax.tree.structure(state)
     if jax.tree.structure(out) == want:
         return False
@@ -216,21 +209,25 @@ def _split(out, has_metrics):
 # -- the host loop ----------------------------------------------------------------------
 
 
-def _put(exe: Executable, cohort):
-    """The cohort on the executable's devices (default layout on its mesh)."""
+def _put(exe: Executable, cohort, state_leaves: int):
+    """The cohort on the executable's devices; on a mesh, laid out as the executable
+    lays out its arguments (members along the placement's mesh axis)."""
     if exe.mesh is None:
         return jax.device_put(cohort)
-    return cohort  # the executable lays numpy arguments out on its mesh itself
+    leaves, treedef = jax.tree.flatten(cohort)
+    specs = exe.in_specs[state_leaves : state_leaves + len(leaves)]
+    return treedef.unflatten([jax.device_put(x, s.sharding) for x, s in zip(leaves, specs)])
 
 
 def _host_loop(exe, state, cohorts, rounds, key, first, has_metrics, callback):
     metrics = []
-    ready = _put(exe, cohorts.gather(first))
+    n = len(jax.tree.leaves(state))
+    ready = _put(exe, cohorts.gather(first), n)
     for i in range(rounds):
         r = first + i
         out = exe(*_args(state, ready, key, r))  # dispatched; runs while the host goes on
         if i + 1 < rounds:
-            ready = _put(exe, cohorts.gather(r + 1))  # the next cohort, meanwhile
+            ready = _put(exe, cohorts.gather(r + 1), n)  # the next cohort, meanwhile
         out = jax.block_until_ready(out)  # at most this round's and the next cohort held
         state, m = _split(out, has_metrics)
         if has_metrics:
