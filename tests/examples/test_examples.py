@@ -153,6 +153,28 @@ def test_both_digits_rounds_compile_from_the_command_line(tmp_path):
         fcir.check(fcir.parse((tmp_path / f"{fn}.fcir").read_text()))
 
 
+def test_digits_trains_a_population_ten_times_the_cohort_with_epsilon_at_q(tmp_path, capsys):
+    """--clients 100 --cohort 10: Poisson cohorts at q = 0.1 of a fixed size; the loss
+    is the sampled clients' mean (padding members train to nothing) and ε is the
+    accountant's at q, below ε with every client every round."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    digits = load("dp_fedavg_digits")
+    curves = digits.main(["--clients", "100", "--cohort", "10", "--rounds", "2",
+                          "--output", str(tmp_path / "p.png")])  # fmt: skip
+    assert len(curves["fedavg"]) == 2 and "ddp_16" not in curves
+    cohorts = fcir.Population(np.zeros((100, 1))).poisson(0.1)
+    _, private = digits.make_rounds(cohorts.size, 0.5, 4.0)
+    model, key, clients = digits.make_example_args(cohorts.size)
+    module = fcir.capture(private, model, key, clients)
+    want = [fcir.privacy.epsilon(module, r, 1e-5, sampling_rate=0.1) for r in (1, 2)]
+    assert curves["epsilon"] == pytest.approx(want, rel=1e-12)
+    assert want[-1] < fcir.privacy.epsilon(module, 2, 1e-5) / 2
+    losses = [float(line.split("(loss ")[1].split(")")[0])
+              for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert len(losses) == 2 and all(0.05 < x < 5 for x in losses), losses
+
+
 # --- examples/dp_flower_training.py: a Flower budget across a resume ----------------------
 
 
