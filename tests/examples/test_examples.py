@@ -46,6 +46,15 @@ def test_training_example_runs_and_the_loss_goes_down(name, capsys):
     assert lines[3].startswith("3 rounds in ") and "communicated" in lines[3]
 
 
+def test_fedavg_over_a_population_samples_a_cohort_each_round(capsys):
+    """--population 40 --clients 4: each round trains a sampled cohort of 4 (xla.simulate),
+    and the loss goes down."""
+    losses = load("fedavg").main(["--rounds", "3", "--clients", "4", "--population", "40"])
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("round 3/3 | loss ") and "cohort of 4 from 40" in lines[2]
+
+
 def test_secure_histogram_sums_exactly(capsys):
     example = load("secure_histogram")
     hist = example.main(ANALYTICS["secure_histogram"][1])
