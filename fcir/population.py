@@ -60,26 +60,6 @@ __all__ = ["Cohorts", "Population"]
 OVERFLOW = 1e-9
 
 
-def _leaves(tree):
-    """Leaves of a pytree of numpy-convertible arrays, without importing JAX here."""
-    if isinstance(tree, dict):
-        return [leaf for k in sorted(tree) for leaf in _leaves(tree[k])]
-    if isinstance(tree, (list, tuple)):
-        return [leaf for x in tree for leaf in _leaves(x)]
-    return [tree]
-
-
-def _map(fn, tree):
-    """``fn`` on every leaf, keeping dicts, lists, tuples and NamedTuples."""
-    if isinstance(tree, dict):
-        return type(tree)((k, _map(fn, tree[k])) for k in sorted(tree))  # as _leaves
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_map(fn, x) for x in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map(fn, x) for x in tree)
-    return fn(tree)
-
-
 def _count(who: str, name: str, value, low: int, high: int | None = None) -> int:
     ok = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
     if not ok or value < low or (high is not None and value > high):
@@ -96,7 +76,7 @@ class Population:
     """
 
     def __init__(self, data, counts=None):
-        leaves = [np.asarray(x) for x in _leaves(data)]
+        leaves = [np.asarray(x) for x in jax.tree.leaves(data)]
         if not leaves:
             raise PopulationError("fcir.Population: data has no arrays")
         n = leaves[0].shape[0] if leaves[0].ndim else None
@@ -108,7 +88,7 @@ class Population:
             )
         if n == 0:
             raise PopulationError("fcir.Population: no clients (leading axis of length 0)")
-        self.data = _map(np.asarray, data)
+        self.data = jax.tree.map(np.asarray, data)
         counts = np.ones(n) if counts is None else np.asarray(counts)
         if counts.shape != (n,) or not np.all(np.isfinite(counts)) or np.any(counts < 0):
             raise PopulationError(
@@ -126,16 +106,17 @@ class Population:
         clients = list(clients)
         if not clients:
             raise PopulationError("fcir.Population.from_clients: no clients")
-        per_client = [[np.asarray(x) for x in _leaves(c)] for c in clients]
-        width = len(per_client[0])
-        if width == 0 or any(len(c) != width for c in per_client):
+        flat = [jax.tree.flatten(c) for c in clients]
+        treedef = flat[0][1]
+        if treedef.num_leaves == 0 or any(t != treedef for _, t in flat):
             raise PopulationError(
                 "fcir.Population.from_clients: every client needs the same structure of "
                 "arrays (and at least one)"
             )
+        per_client = [[np.asarray(x) for x in leaves] for leaves, _ in flat]
         counts = np.array([c[0].shape[0] if c[0].ndim else 0 for c in per_client])
         stacked = []
-        for j in range(width):
+        for j in range(treedef.num_leaves):
             col = [c[j] for c in per_client]
             if any(x.ndim == 0 or x.shape[0] != counts[i] for i, x in enumerate(col)):
                 raise PopulationError(
@@ -151,8 +132,7 @@ class Population:
             for i, x in enumerate(col):
                 out[i, : len(x)] = x
             stacked.append(out)
-        it = iter(stacked)
-        return cls(_map(lambda _: next(it), clients[0]), counts)
+        return cls(treedef.unflatten(stacked), counts)
 
     @property
     def size(self) -> int:
@@ -161,7 +141,7 @@ class Population:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in _leaves(self.data)) + self.counts.nbytes
+        return sum(x.nbytes for x in jax.tree.leaves(self.data)) + self.counts.nbytes
 
     def __repr__(self) -> str:
         return f"<fcir.Population of {self.size} clients, {self.nbytes / 2**20:.1f} MiB>"
@@ -288,7 +268,7 @@ class Cohorts:
         def one(x):
             return jax.ShapeDtypeStruct((self.size, *x.shape[1:]), x.dtype)
 
-        return _map(one, self.population.data), jax.ShapeDtypeStruct((self.size,), np.float32)
+        return jax.tree.map(one, self.population.data), jax.ShapeDtypeStruct((self.size,), np.float32)
 
     def gather(self, r: int):
         """Round ``r``'s cohort as numpy: (data with ``size`` members on axis 0, counts
@@ -308,4 +288,4 @@ class Cohorts:
 
         counts = np.zeros(self.size, np.float32)
         counts[:k] = self.population.counts[real]
-        return _map(one, self.population.data), counts
+        return jax.tree.map(one, self.population.data), counts
