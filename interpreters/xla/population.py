@@ -36,8 +36,7 @@ mesh, clients_per_step)``), or an ``fcir.Module`` of that signature, or an
 
 Two loops, one result (the same cohorts and keys; ``loop=`` picks, ``"auto"`` by size):
 
-- ``"device"``: the population is put on the device once (with one zero client more
-  for the padding members) and all the rounds run in one compiled ``lax.scan``; each
+- ``"device"``: the population is put on the device once and all the rounds run in one compiled ``lax.scan``; each
   step gathers its cohort on the device from the cohorts' indices, sampled beforehand on
   the host. One dispatch for the whole run. ``"auto"`` picks it when the population
   takes at most a quarter of the device's memory (1 GiB where JAX does not say, as on
@@ -243,12 +242,7 @@ def _host_loop(exe, state, cohorts, rounds, key, first, has_metrics, callback):
 
 def _device_loop(exe, call, state, cohorts, rounds, key, first, has_metrics):
     pop = cohorts.population
-    # One zero client more, at index N: where the padding members' indices point.
-    data = jax.tree.map(
-        lambda x: jnp.concatenate([jnp.asarray(x), jnp.zeros((1, *x.shape[1:]), x.dtype)]),
-        pop.data,
-    )
-    counts = jnp.asarray(np.concatenate([pop.counts, np.zeros(1, np.float32)]))
+    data, counts = jax.device_put((pop.data, pop.counts))
     idx, _ = cohorts.plan(first, rounds)
     rs = np.arange(first, first + rounds, dtype=np.int32)
     return _scan(exe, call, has_metrics, key is not None)(state, data, counts, idx, rs, key)
@@ -271,7 +265,9 @@ def _make_scan(call, has_metrics: bool, keyed: bool):
     def run(state, data, counts, idx, rs, key):
         def step(s, xs):
             i, r = xs
-            cohort = (jax.tree.map(lambda x: x[i], data), counts[i])
+            # Padding members' index N is past the end: their rows are filled with zeros.
+            cohort = jax.tree.map(lambda x: jnp.take(x, i, 0, mode="fill", fill_value=0),
+                                  (data, counts))
             out = call(*_args(s, cohort, key if keyed else None, r))
             s, m = _split(out, has_metrics)
             return s, m

@@ -46,7 +46,11 @@ def make_round(size, metrics=False):
     def step(w, data, counts):
         deltas = fcir.map_fn(client_mean, (fcir.broadcast(w), data, counts))
         new = w + 0.5 * fcir.reduce_weighted_mean(deltas, counts)
-        return (new, fcir.reduce_sum(counts)) if metrics else new
+        if not metrics:
+            return new
+        # Unmasked: the padding's data count here unless they are zeros.
+        everything = fcir.reduce_sum(fcir.map_fn(lambda d: jnp.sum(d["x"]), data))
+        return new, (fcir.reduce_sum(counts), everything)
 
     return step
 
@@ -155,16 +159,18 @@ def test_counts_weight_unequal_clients_and_padding_members_count_nothing(populat
     of client means, i.e. half the mean over all of the cohort's real examples."""
     cohorts = population.poisson(Q, seed=5)
     step = make_round(cohorts.size, metrics=True)
-    for loop in ("host", "device"):
-        w, (totals) = xla.simulate(step, jnp.zeros(2), cohorts, 3, loop=loop)
-        idx, valid = cohorts.plan(0, 3)
-        assert (~valid).any(), "the test needs padding members"
-        want_totals = [population.counts[i[v]].sum() for i, v in zip(idx, valid)]
-        np.testing.assert_allclose(np.asarray(totals), want_totals)
-    first, _ = xla.simulate(step, jnp.zeros(2), cohorts, 1, loop="host")
+    idx, valid = cohorts.plan(0, 3)
+    assert (~valid).any(), "the test needs padding members"
     real = idx[0][valid[0]]
     rows = np.concatenate([population.data["x"][i, : int(population.counts[i])] for i in real])
-    np.testing.assert_allclose(np.asarray(first), 0.5 * rows.mean(0), rtol=1e-5)
+    for loop in ("host", "device"):
+        _, (totals, sums) = xla.simulate(step, jnp.zeros(2), cohorts, 3, loop=loop)
+        want = [population.counts[i[v]].sum() for i, v in zip(idx, valid)]
+        np.testing.assert_allclose(np.asarray(totals), want)
+        want = [population.data["x"][i[v]].sum() for i, v in zip(idx, valid)]
+        np.testing.assert_allclose(np.asarray(sums), want, rtol=1e-5, atol=1e-5)
+        first, _ = xla.simulate(step, jnp.zeros(2), cohorts, 1, loop=loop)
+        np.testing.assert_allclose(np.asarray(first), 0.5 * rows.mean(0), rtol=1e-5)
 
 
 def test_keyed_rounds_get_the_round_number_folded_into_the_key(population):
@@ -189,9 +195,9 @@ def test_keyed_rounds_get_the_round_number_folded_into_the_key(population):
 def test_metrics_are_stacked_per_round_and_streaming_runs_the_same_cohorts(population):
     cohorts = population.uniform(K, seed=0)
     step = make_round(K, metrics=True)
-    w, totals = xla.simulate(step, jnp.zeros(2), cohorts, 3, loop="host")
+    w, (totals, _) = xla.simulate(step, jnp.zeros(2), cohorts, 3, loop="host")
     assert totals.shape == (3,)
-    streamed, totals2 = xla.simulate(step, jnp.zeros(2), cohorts, 3, clients_per_step=2)
+    streamed, (totals2, _) = xla.simulate(step, jnp.zeros(2), cohorts, 3, clients_per_step=2)
     np.testing.assert_array_equal(np.asarray(totals2), np.asarray(totals))
     np.testing.assert_allclose(np.asarray(streamed), np.asarray(w), rtol=1e-6)
 
