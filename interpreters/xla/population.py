@@ -178,10 +178,12 @@ def _executable(round_fn, state, cohorts, key, first, mesh, clients_per_step) ->
 def _traced(exe: Executable):
     """The executable as a function to call under a JAX trace (inside ``lax.scan``):
     its jitted program, results rebuilt into the program's pytree."""
-    rebuild = exe._rebuild  # noqa: SLF001  same package: the executable's own parts
+    # The executable's own parts (same package), not the executable: the loops cached
+    # per executable (weakly keyed) must not keep it alive.
+    jitted, rebuild = exe._jitted, exe._rebuild  # noqa: SLF001
 
     def call(*args):
-        out = exe._jitted(*args)  # noqa: SLF001
+        out = jitted(*args)
         return out if rebuild is None else rebuild.unflatten(list(out))
 
     return call
