@@ -171,18 +171,13 @@ def _binomial_quantile(n: int, q: float, tail: float) -> int:
     """The smallest ``m`` with P(Binomial(n, q) > m) < ``tail`` (at least 1)."""
     if q >= 1.0:
         return n
-    ks = np.arange(n + 1)
-    logpmf = (
-        np.array([math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) for k in ks])
-        + ks * math.log(q)
-        + (n - ks) * math.log1p(-q)
-    )
-    pmf = np.exp(logpmf)
-    above = np.cumsum(pmf[::-1])[::-1]  # above[m] = P(X >= m)
-    for m in range(n + 1):
-        if m == n or above[m + 1] < tail:
-            return max(1, m)
-    return n
+    k = np.arange(n, dtype=np.float64)
+    # log pmf(k + 1) - log pmf(k) = log((n - k) / (k + 1)) + log(q / (1 - q))
+    steps = np.log((n - k) / (k + 1)) + math.log(q) - math.log1p(-q)
+    logpmf = n * math.log1p(-q) + np.concatenate([[0.0], np.cumsum(steps)])
+    above = np.cumsum(np.exp(logpmf)[::-1])[::-1]  # above[m] = P(X >= m)
+    small = np.flatnonzero(np.append(above[1:], 0.0) < tail)  # P(X > m) < tail
+    return max(1, int(small[0]))
 
 
 class Cohorts:

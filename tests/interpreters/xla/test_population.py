@@ -6,6 +6,8 @@ takes the sampling rate."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +92,11 @@ def test_poisson_cohorts_take_each_client_at_rate_q_padded_to_a_fixed_size(popul
     assert abs(sizes.mean() - Q * N) < 0.2 and abs(sizes.var() - N * Q * (1 - Q)) < 0.6
     hits = np.bincount(idx[valid], minlength=N)
     assert np.abs(hits - 3000 * Q).max() < 5 * np.sqrt(3000 * Q)
+    # The default size: the smallest that a round passes with probability below 1e-9.
+    def over(m):
+        return sum(math.comb(N, j) * Q**j * (1 - Q) ** (N - j) for j in range(m + 1, N + 1))
+
+    assert over(cohorts.size) < 1e-9 <= over(cohorts.size - 1)
     again = population.poisson(Q, seed=1)
     np.testing.assert_array_equal(again.plan(10, 4)[0], cohorts.plan(10, 4)[0])
 
@@ -152,6 +159,26 @@ def test_the_host_loop_is_the_round_by_hand_bitwise_and_the_device_loop_agrees(
     half, _ = xla.simulate(uniform_exe, w0, cohorts, 2, loop="host")
     rest, _ = xla.simulate(uniform_exe, half, cohorts, 2, first_round=2, loop="host")
     np.testing.assert_array_equal(np.asarray(rest), want)
+
+
+def test_the_device_loop_runs_every_round_in_one_program_without_the_host(
+    population, uniform_exe, monkeypatch
+):
+    cohorts = population.uniform(K, seed=3)
+    want, _ = xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 3, loop="device")
+
+    def host_side(*args):
+        raise AssertionError("the device loop gathered or dispatched a round on the host")
+
+    monkeypatch.setattr(Cohorts, "gather", host_side)
+    monkeypatch.setattr(type(uniform_exe), "__call__", host_side)
+    got, _ = xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 3, loop="device")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    (run,) = xpop._SCANS[uniform_exe].values()  # one compiled loop, reused
+    idx, _ = cohorts.plan(0, 3)
+    text = str(jax.make_jaxpr(run)(jnp.zeros(2), population.data, population.counts, idx,
+                                   np.arange(3, dtype=np.int32), None))  # fmt: skip
+    assert text.count(" scan[") == 1 and "length=3" in text
 
 
 def test_counts_weight_unequal_clients_and_padding_members_count_nothing(population):
