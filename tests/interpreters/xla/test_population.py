@@ -7,6 +7,7 @@ takes the sampling rate."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -300,3 +301,12 @@ def test_uniform_cohorts_are_accounted_only_as_an_acknowledged_approximation(
         cohorts.epsilon(private_module, 10, 1e-5)
     eps = cohorts.epsilon(private_module, 10, 1e-5, approximate=True)
     assert eps == fcir.privacy.epsilon(private_module, 10, 1e-5, sampling_rate=K / N)
+
+
+# -- the modules' own examples ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [fcir.population, xpop], ids=["population", "simulate"])
+def test_the_docstring_examples_run(module):
+    (code,) = re.findall(r"^```python\n(.*?)^```", module.__doc__, re.S | re.M)
+    exec(compile(code, f"{module.__name__} docstring", "exec"), {"__name__": "__doc__"})
