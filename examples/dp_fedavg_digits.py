@@ -26,6 +26,16 @@ as the central run's after every round: the curves compare accuracy at equal pri
 With ``--max-epsilon E`` a ``fcir.privacy.Budget`` of the private round is spent
 each round, and training stops before the round that would pass ε = E.
 
+With ``--cohort K`` the clients are a population (``fcir.Population``) from which each
+round samples a cohort, every client independently at rate q = K / ``--clients``
+(Poisson sampling, padded to a fixed number of members with zero data that train to a
+zero update); the accountant amplifies ε by that sampling (``cohorts.epsilon``), and
+the server divides the cohort's sum by K, the expected cohort (distributed DP, whose
+noise is shared among the members, is not run then). A population ten times the
+cohort::
+
+    python examples/dp_fedavg_digits.py --clients 500 --cohort 50 --rounds 40
+
 Each round prints test accuracy and ε; at the end one PNG shows both::
 
     pip install -e ".[examples]"
@@ -104,13 +114,14 @@ def local_update(model, x, y, mask):
     return jax.tree.map(lambda a, b: a - b, new, model), losses[-1]
 
 
-def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float):
+def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float,
+                server_lr: float = SERVER_LR):
     @fcir.program(placements={"clients": num_clients})
     def fedavg_round(model, client_data):
         """FedAvg: the new model and the mean client loss."""
         updates, losses = fcir.map_fn(local_update, (fcir.broadcast(model), *client_data))
         mean = fcir.reduce_mean(updates)
-        new = jax.tree.map(lambda p, u: p + SERVER_LR * u, model, mean)
+        new = jax.tree.map(lambda p, u: p + server_lr * u, model, mean)
         return new, fcir.reduce_mean(losses)
 
     @fcir.program(placements={"clients": num_clients}, private=True)
@@ -118,7 +129,7 @@ def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float):
         """DP-FedAvg: the new model only (a plain mean of the losses would leak)."""
         updates, _ = fcir.map_fn(local_update, (fcir.broadcast(model), *client_data))
         mean = fcir.dp_mean(updates, clip_norm, noise_multiplier, key)
-        return jax.tree.map(lambda p, u: p + SERVER_LR * u, model, mean)
+        return jax.tree.map(lambda p, u: p + server_lr * u, model, mean)
 
     return fedavg_round, dp_fedavg_round
 
@@ -231,17 +242,38 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-epsilon", type=float, default=None,
                         help="stop before the round whose ε would pass this")
-    parser.add_argument("--ddp-bits", type=int, nargs="*", default=[16, 20],
-                        help="secure-sum widths of the distributed DP runs (none: skip)")
+    parser.add_argument("--ddp-bits", type=int, nargs="*", default=None,
+                        help="secure-sum widths of the distributed DP runs (none: skip; "
+                        "default 16 20, none with --cohort)")
+    parser.add_argument("--cohort", type=int, default=None,
+                        help="clients expected per round, Poisson-sampled from --clients "
+                        "(default: every client every round)")
     parser.add_argument("--output", default="dp_fedavg_digits.png", help="the PNG to write")
     args = parser.parse_args(argv)
+    if args.cohort is not None and args.ddp_bits:
+        parser.error("--ddp-bits with --cohort: a sampled round of fcir.ddp_mean sums only "
+                     "the cohort's noise shares, which no ε bounds")
+    if args.ddp_bits is None:
+        args.ddp_bits = [16, 20] if args.cohort is None else []
 
     start = time.perf_counter()
     clients, (x_test, y_test) = load_clients(args.clients, args.alpha, args.seed)
-    plain, private = make_rounds(args.clients, args.clip_norm, args.noise_multiplier)
+    cohorts, members, server_lr = None, args.clients, SERVER_LR
+    if args.cohort is not None:
+        if not 0 < args.cohort <= args.clients:
+            parser.error(f"--cohort must be in [1, --clients={args.clients}]")
+        # The clients' data stay on the host; each round takes a fixed-size cohort.
+        counts = np.asarray(clients[2]).sum(1)
+        population = fcir.Population(tuple(np.asarray(c) for c in clients), counts)
+        cohorts = population.poisson(args.cohort / args.clients, seed=args.seed)
+        # The means over cohorts.size members, padding's zero updates included, times
+        # size / K: the cohort's sum over the expected cohort, as DP-FedAvg's estimator.
+        members, server_lr = cohorts.size, SERVER_LR * cohorts.size / args.cohort
+    plain, private = make_rounds(members, args.clip_norm, args.noise_multiplier, server_lr)
     model, key = init_model(), jax.random.key(args.seed)
     # Capturing the private round runs the leak check; the accountant reads its DP op.
-    module = fcir.capture(private, model, key, clients)
+    example = clients if cohorts is None else cohorts.specs()[0]
+    module = fcir.capture(private, model, key, example)
     run_plain, run_private = jax.jit(plain), jax.jit(private)
 
     ddp_runs = {}  # bits -> [jitted round, module, model, accuracies, epsilons, z]
@@ -252,7 +284,9 @@ def main(argv: list[str] | None = None) -> dict:
         ddp_runs[bits] = [jax.jit(rnd), ddp_module, model, [], [], z]
 
     budget = None
-    if args.max_epsilon is not None:
+    if args.max_epsilon is not None and cohorts is not None:
+        budget = cohorts.budget(module, args.delta, args.max_epsilon)
+    elif args.max_epsilon is not None:
         budget = fcir.privacy.Budget(module, args.delta, args.max_epsilon)
 
     fedavg_acc, dp_acc, eps = [], [], []
@@ -264,11 +298,18 @@ def main(argv: list[str] | None = None) -> dict:
             break
         if budget is not None:
             budget.spend()
-        m_plain, loss = run_plain(m_plain, clients)
-        m_dp = run_private(m_dp, jax.random.fold_in(key, r), clients)
+        data = clients
+        if cohorts is not None:  # round r's cohort: gathered on the host, put on the device
+            idx, sampled = cohorts.indices(r)
+            data = jax.device_put(cohorts.take(idx, sampled)[0])
+        m_plain, loss = run_plain(m_plain, data)
+        m_dp = run_private(m_dp, jax.random.fold_in(key, r), data)
+        if cohorts is not None:  # the mean loss of the sampled clients (padding's is 0)
+            loss = loss * cohorts.size / max(int(sampled.sum()), 1)
         fedavg_acc.append(accuracy(m_plain, x_test, y_test))
         dp_acc.append(accuracy(m_dp, x_test, y_test))
-        eps.append(fcir.privacy.epsilon(module, r, args.delta))
+        eps.append(fcir.privacy.epsilon(module, r, args.delta) if cohorts is None
+                   else cohorts.epsilon(module, r, args.delta))
         line = (
             f"round {r}/{args.rounds} | FedAvg acc {fedavg_acc[-1]:.3f} "
             f"(loss {float(loss):.3f}) | DP-FedAvg acc {dp_acc[-1]:.3f} | "

@@ -22,6 +22,11 @@ or give the argument types explicitly::
 Run a few rounds and watch the loss go down::
 
     python examples/fedavg.py --rounds 8 --clients 8
+
+or sample a cohort of ``--clients`` each round from a population of 1,000 clients
+(``fcir.Population``), the rounds run by ``xla.simulate`` (docs/population.md)::
+
+    python examples/fedavg.py --rounds 8 --clients 8 --population 1000
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fcir.interpreters import xla
 
 import fcir
 
@@ -104,7 +110,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--clients", type=int, default=NUM_CLIENTS)
+    parser.add_argument("--population", type=int, default=None,
+                        help="clients in all, of which each round samples --clients")
     args = parser.parse_args(argv)
+    if args.population is not None:
+        return population_main(args)
 
     model, client_data = make_example_args(args.clients)
     # An fcir program is an ordinary JAX function: jax.jit compiles the whole round.
@@ -114,6 +124,25 @@ def main(argv: list[str] | None = None) -> list[float]:
         model, loss = run_round(model, client_data)
         losses.append(float(loss))
         print(f"round {r}/{args.rounds} | loss {losses[-1]:.4f}")
+    return losses
+
+
+def population_main(args) -> list[float]:
+    """``--rounds`` rounds over cohorts of ``--clients`` from ``--population`` clients."""
+    model, client_data = make_example_args(args.population)
+    population = fcir.Population(tuple(np.asarray(d) for d in client_data))  # on the host
+    cohorts = population.uniform(args.clients, seed=0)
+    fedavg = make_round(cohorts.size)
+    losses = []
+
+    def report(r, model, loss):
+        losses.append(float(loss))
+        print(f"round {r + 1}/{args.rounds} | loss {losses[-1]:.4f} | cohort of "
+              f"{cohorts.size} from {population.size} clients")
+
+    # Every client has the same number of examples: the round ignores the counts.
+    xla.simulate(lambda m, data, counts: fedavg(m, data), model, cohorts, args.rounds,
+                 loop="host", callback=report)  # fmt: skip
     return losses
 
 

@@ -10,6 +10,7 @@ from fcir.errors import (
     IRTypeError,
     ParseError,
     PlacementError,
+    PopulationError,
     PrivacyError,
     UnsupportedError,
     VersionError,
@@ -21,6 +22,7 @@ from fcir.interpreter import Interpreter, impl
 from fcir.ir import IR_VERSION, Module
 from fcir.ir.check import check, verify
 from fcir.ir.text import parse
+from fcir.population import Cohorts, Population
 from fcir.version import __version__
 
 # The user-facing functions the fed op modules define (``@fcir.fed.public``:

@@ -50,6 +50,10 @@ class InterpreterError(FcirError):
     """Running a module failed at an op (bad arguments, or an op's runtime condition)."""
 
 
+class PopulationError(FcirError):
+    """A population, its cohorts' sampling, or a simulation over them is malformed."""
+
+
 # Packages whose frames are never the user's line: fcir (its backends import as
 # fcir.interpreters), JAX, and numpy (np.mean(x) of a traced x fails in numpy's code).
 _NOT_USER = ("fcir", "jax", "jaxlib", "numpy")

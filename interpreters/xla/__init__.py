@@ -10,6 +10,7 @@
     exe.as_text("stablehlo"); exe.as_text("hlo"); exe.as_text("optimized_hlo")
     report = exe.cost()                       # XLA cost analysis + per-round report
     print(xla.format_cost(report))
+    state, metrics = xla.simulate(round_fn, state, cohorts, rounds)  # over a population
 
 How it works, and why it is short: the base :class:`fcir.Interpreter` gives every op
 its JAX meaning by binding the op's primitive. Run under ``jax.jit`` tracing, it
@@ -44,6 +45,7 @@ from .build import compile
 from .cost import cost_report, format_cost
 from .executable import Executable, default_sharding, placement_spec, trace_count
 from .interpreter import XlaInterpreter
+from .population import device_budget, simulate
 
 __all__ = [
     "Executable",
@@ -51,7 +53,9 @@ __all__ = [
     "compile",
     "cost_report",
     "default_sharding",
+    "device_budget",
     "format_cost",
     "placement_spec",
+    "simulate",
     "trace_count",
 ]

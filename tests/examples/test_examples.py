@@ -46,6 +46,15 @@ def test_training_example_runs_and_the_loss_goes_down(name, capsys):
     assert lines[3].startswith("3 rounds in ") and "communicated" in lines[3]
 
 
+def test_fedavg_over_a_population_samples_a_cohort_each_round(capsys):
+    """--population 40 --clients 4: each round trains a sampled cohort of 4 (xla.simulate),
+    and the loss goes down."""
+    losses = load("fedavg").main(["--rounds", "3", "--clients", "4", "--population", "40"])
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("round 3/3 | loss ") and "cohort of 4 from 40" in lines[2]
+
+
 def test_secure_histogram_sums_exactly(capsys):
     example = load("secure_histogram")
     hist = example.main(ANALYTICS["secure_histogram"][1])
@@ -151,6 +160,28 @@ def test_both_digits_rounds_compile_from_the_command_line(tmp_path):
         target = f"{EXAMPLES / 'dp_fedavg_digits'}.py:{fn}"
         assert cli.main(["compile", target, "--emit", "ir", "-o", str(tmp_path)]) == 0
         fcir.check(fcir.parse((tmp_path / f"{fn}.fcir").read_text()))
+
+
+def test_digits_trains_a_population_ten_times_the_cohort_with_epsilon_at_q(tmp_path, capsys):
+    """--clients 100 --cohort 10: Poisson cohorts at q = 0.1 of a fixed size; the loss
+    is the sampled clients' mean (padding members train to nothing) and ε is the
+    accountant's at q, below ε with every client every round."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("matplotlib")
+    digits = load("dp_fedavg_digits")
+    curves = digits.main(["--clients", "100", "--cohort", "10", "--rounds", "2",
+                          "--output", str(tmp_path / "p.png")])  # fmt: skip
+    assert len(curves["fedavg"]) == 2 and "ddp_16" not in curves
+    cohorts = fcir.Population(np.zeros((100, 1))).poisson(0.1)
+    _, private = digits.make_rounds(cohorts.size, 0.5, 4.0)
+    model, key, clients = digits.make_example_args(cohorts.size)
+    module = fcir.capture(private, model, key, clients)
+    want = [fcir.privacy.epsilon(module, r, 1e-5, sampling_rate=0.1) for r in (1, 2)]
+    assert curves["epsilon"] == pytest.approx(want, rel=1e-12)
+    assert want[-1] < fcir.privacy.epsilon(module, 2, 1e-5) / 2
+    losses = [float(line.split("(loss ")[1].split(")")[0])
+              for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    assert len(losses) == 2 and all(0.05 < x < 5 for x in losses), losses
 
 
 # --- examples/dp_flower_training.py: a Flower budget across a resume ----------------------
