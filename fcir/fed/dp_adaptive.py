@@ -1,0 +1,160 @@
+"""``fcir.dp_mean_adaptive``: a DP mean whose clip norm follows a quantile of the
+members' update norms (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private
+Learning with Adaptive Clipping", NeurIPS 2021).
+
+No op of its own: the function composes ops every backend already runs, so the
+reference and XLA interpreters, streaming (``clients_per_step``), the production
+export and Flower run it unchanged, and the leak check and the accountant see two
+ordinary central DP releases:
+
+1. ``fed.broadcast`` sends the current clip ``C`` (a server value, the program's state:
+   an input and an output of the round) to the members;
+2. a ``fed.map`` computes, per member, its update divided by ``C`` and its bit
+   ``b_i - 1/2`` with ``b_i = [norm <= C]``;
+3. ``fed.dp_mean`` of the divided updates with ``clip_norm`` 1 and noise multiplier
+   ``z_update`` (below), times ``C`` at the server: the update clipped to ``C``, noised
+   with std ``z_update * C``, divided by ``n``, as the paper's DP-FedAvg computes it;
+4. ``fed.dp_sum`` of the centred bits with ``clip_norm`` 1/2 and noise multiplier
+   ``2 * count_stddev``: ``sum(b_i) - n/2`` plus noise of std ``count_stddev``
+   (the paper's ``sigma_b``). The noised fraction ``b = sum / n + 1/2`` moves the
+   clip geometrically: ``C' = C * exp(-learning_rate * (b - target_quantile))``.
+
+Centring the bits halves their sensitivity (adding or removing a client moves the sum
+by at most 1/2), so the count release is a Gaussian mechanism with noise multiplier
+``2 * count_stddev``. Composed with the update's, one client's two releases are one
+Gaussian mechanism with ``1/z^2 = 1/z_update^2 + 1/(2 count_stddev)^2``; the function
+picks ``z_update = (z^-2 - (2 count_stddev)^-2)^(-1/2)`` so that this is the declared
+``noise_multiplier`` z (the paper's Theorem 1), and ``fcir.privacy.epsilon`` of the
+round is the ε of one Gaussian mechanism with z. The new clip is computed from a DP
+release and server state only, so the leak check lets it through; a clip moved by an
+un-noised count (``fcir.reduce_mean`` of the bits) is ``privacy/C1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fcir.errors import PlacementError
+from fcir.frontend import primitives as P
+from fcir.frontend import program as api
+
+from .base import public
+from .broadcast import broadcast
+from .dp_mean import dp_mean_p
+from .dp_sum import dp_release, dp_sum_p
+from .map import map_fn
+
+__all__ = ["default_count_stddev", "dp_mean_adaptive", "update_noise_multiplier"]
+
+WHAT = "fcir.dp_mean_adaptive"
+
+
+def default_count_stddev(n: int) -> float:
+    """The paper's choice of the count noise ``sigma_b``: ``n / 20`` for ``n`` clients
+    per round (Andrew et al. 2021, Section 3)."""
+    return n / 20.0
+
+
+def update_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:
+    """The update's noise multiplier ``(z^-2 - (2 sigma_b)^-2)^(-1/2)`` that, composed
+    with the count release (noise multiplier ``2 sigma_b``), makes one Gaussian
+    mechanism with ``noise_multiplier`` z. A PlacementError when ``2 sigma_b <= z``:
+    the count alone would then cost at least the whole budget."""
+    z, zb = float(noise_multiplier), 2.0 * float(count_stddev)
+    if not zb > z:
+        raise PlacementError(
+            f"{WHAT}: noise_multiplier={z:g} needs count_stddev > {z / 2:g} (the count "
+            f"release's noise multiplier 2*count_stddev={zb:g} must exceed it, or the "
+            "count alone spends the whole budget); pass a larger count_stddev (the paper "
+            "uses clients/20) or a smaller noise_multiplier"
+        )
+    return 1.0 / math.sqrt(z**-2 - zb**-2)
+
+
+def _static(name: str, value, low: float, high: float) -> float:
+    """A Python number in ``[low, high]`` (the function's hyperparameters are attributes
+    of the round, not traced values)."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not (low <= float(value) <= high):
+        raise PlacementError(
+            f"{WHAT}: {name} must be a Python number in [{low:g}, {high:g}], got {value!r}"
+        )
+    return float(value)
+
+
+def _member(c, *leaves):
+    """One member: its leaves divided by the clip ``c``, and ``[norm <= c] - 1/2``."""
+    acc = jnp.promote_types(c.dtype, jnp.float32)
+    sq = P.pairwise_sum(
+        jnp.stack([P.pairwise_sum(jnp.square(leaf.astype(acc)).reshape(-1)) for leaf in leaves])
+    )
+    # A NaN norm compares False: such a member counts as above the clip (dp_mean
+    # already makes its update zero).
+    bit = (jnp.sqrt(sq) <= c.astype(acc)).astype(c.dtype) - jnp.asarray(0.5, c.dtype)
+    inv = 1.0 / c.astype(acc)
+    return [(leaf.astype(acc) * inv).astype(leaf.dtype) for leaf in leaves], bit
+
+
+@public
+def dp_mean_adaptive(
+    x,
+    clip,
+    noise_multiplier,
+    key,
+    *,
+    target_quantile=0.5,
+    learning_rate=0.2,
+    count_stddev=None,
+):
+    """DP mean with adaptive clipping: ``(mean, new_clip)`` for a placed pytree ``x``.
+
+    ``clip`` is the current clip norm, a float scalar at the server; carry it between
+    rounds as the program's state (return ``new_clip`` and feed it back), so it is
+    checkpointed, streamed and exported like a model. Each member's update is clipped
+    to ``clip`` and the members' mean released with Gaussian noise; each member also
+    contributes the bit "my update's L2 norm is at most ``clip``", whose noised count
+    (std ``count_stddev``, default ``clients / 20``) moves the clip towards the
+    ``target_quantile`` of the norms: ``new_clip = clip * exp(-learning_rate *
+    (fraction - target_quantile))``.
+
+    ``noise_multiplier`` is the round's total z: the update gets the larger
+    ``update_noise_multiplier(z, count_stddev)`` so that the two releases together
+    cost what one Gaussian mechanism with z costs (``fcir.privacy.epsilon`` reports
+    that). The releases draw from ``jax.random.fold_in(key, 0)`` (update) and
+    ``fold_in(key, 1)`` (count). Andrew et al., NeurIPS 2021; docs/privacy.md.
+    """
+    frame = api._current(WHAT)
+    name, n = frame.child(WHAT)
+    z = api._dp_static(WHAT, "noise_multiplier", noise_multiplier, 0.0, True)
+    gamma = _static("target_quantile", target_quantile, 0.0, 1.0)
+    eta = _static("learning_rate", learning_rate, 0.0, math.inf)
+    sigma_b = default_count_stddev(n) if count_stddev is None else count_stddev
+    sigma_b = api._dp_static(WHAT, "count_stddev", sigma_b, 0.0, True)
+    z_update = update_noise_multiplier(z, sigma_b)
+
+    clip = jnp.asarray(clip)
+    if clip.shape != () or not jnp.issubdtype(clip.dtype, jnp.floating):
+        raise PlacementError(
+            f"{WHAT}: clip must be a float scalar at the server (the current clip norm), "
+            f"got {clip.dtype}{list(clip.shape)}"
+        )
+    leaves, tree = api._flatten(x)
+    if not leaves:
+        raise PlacementError(f"{WHAT}: x has no array leaves")
+    api._check_placed(leaves, name, n, WHAT)
+    for leaf in leaves:
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise PlacementError(f"{WHAT}: x's leaves must be floating point, got {leaf.dtype}")
+
+    divided, bits = map_fn(_member, (broadcast(clip), *leaves))
+    unit = dp_release(dp_mean_p, WHAT, divided, 1.0, z_update, jax.random.fold_in(key, 0))
+    mean = [u * clip.astype(u.dtype) for u in unit]
+    # clip_norm 1/2 with noise multiplier 2*sigma_b: noise of std sigma_b on the count.
+    (count,) = dp_release(dp_sum_p, WHAT, [bits], 0.5, 2.0 * sigma_b, jax.random.fold_in(key, 1))
+    fraction = count / n + 0.5
+    new_clip = clip * jnp.exp(-eta * (fraction - gamma)).astype(clip.dtype)
+    return jax.tree_util.tree_unflatten(tree, mean), new_clip
