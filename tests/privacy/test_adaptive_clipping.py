@@ -124,6 +124,18 @@ def test_clip_trajectory_and_epsilon_match_the_paper(module):
     for rounds in (1, ROUNDS, 100):
         eps = fcir.privacy.epsilon(module, rounds, DELTA)
         assert eps == pytest.approx(rdp_gaussian_epsilon(Z, rounds, DELTA), rel=1e-6)
+
+    # Poisson-sampled rounds: the round's two releases merge into one Gaussian with z.
+    @fcir.program(placements={"clients": N}, private=True)
+    def fixed_clip(w, key, xa):
+        return w + fcir.dp_mean(
+            fcir.map_fn(lambda w, a: a - w, (fcir.broadcast(w), xa)), 1.0, Z, key
+        )
+
+    w, _, xa, _ = _data()
+    plain = fcir.capture(fixed_clip, w["a"], KEY, xa)
+    sampled = fcir.privacy.epsilon(module, 50, DELTA, sampling_rate=0.2)
+    assert sampled == pytest.approx(fcir.privacy.epsilon(plain, 50, DELTA, 0.2), rel=1e-9)
     # The two releases the accountant reads: the update's and the count's.
     rels = fcir.privacy.releases(module)
     assert [(r.op, r.clip_norm) for r in rels] == [("fed.dp_mean", 1.0), ("fed.dp_sum", 0.5)]
@@ -174,3 +186,17 @@ def test_bad_hyperparameters_are_refused_while_tracing(kwargs, match):
 
     with pytest.raises(fcir.PlacementError, match=match):
         fcir.capture(bad, jnp.float32(1.0), KEY, jnp.ones((N, 2), jnp.float32))
+
+
+def test_the_digits_example_adapts_its_clip_at_the_float_mode_s_epsilon(tmp_path):
+    pytest.importorskip("sklearn")
+    from examples_testing import load
+
+    curves = load("dp_fedavg_digits").main(
+        ["--rounds", "2", "--ddp-bits", "--mode", "adaptive", "--output", str(tmp_path / "a.png")]
+    )
+    assert len(curves["dp_fedavg"]) == 2 and len(curves["clip"]) == 2
+    assert 0.5 != curves["clip"][0] != curves["clip"][1]  # --clip-norm 0.5 is the first clip
+    # The example's z = 4 in total, as in --mode float.
+    want = [rdp_gaussian_epsilon(4.0, r, 1e-5) for r in (1, 2)]
+    np.testing.assert_allclose(curves["epsilon"], want, rtol=1e-6)

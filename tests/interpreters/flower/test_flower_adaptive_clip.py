@@ -42,11 +42,13 @@ def test_the_bundle_and_a_flower_run_carry_the_reference_clip(tmp_path):
     assert float(got[1]) == pytest.approx(float(want[1]), rel=1e-6)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
 
-    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(clip),
-                                                           np.asarray(r0), KEY])
+    app = flower.export(
+        module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(clip), np.asarray(r0), KEY]
+    )
     privacy = rounds.plan_of(app)["privacy"]
     assert [(r["op"], r["clip_norm"]) for r in privacy["releases"]] == [
-        ("fed.dp_mean", 1.0), ("fed.dp_sum", 0.5)
+        ("fed.dp_mean", 1.0),
+        ("fed.dp_sum", 0.5),
     ]
     assert privacy["epsilon_per_round"] == fcir.privacy.epsilon(module, 1, 1e-5)
     nodes = files.write_nodes(tmp_path, [[x[i]] for i in range(N)], 10)
