@@ -125,6 +125,11 @@ def test_clip_trajectory_and_epsilon_match_the_paper(module):
         eps = fcir.privacy.epsilon(module, rounds, DELTA)
         assert eps == pytest.approx(rdp_gaussian_epsilon(Z, rounds, DELTA), rel=1e-6)
 
+    # The round's IR (no op of its own) round-trips through text and protobuf, and the
+    # accountant reads the same releases from either.
+    for again in (fcir.parse(module.to_text()), fcir.Module.deserialize(module.serialize())):
+        assert again.to_text() == module.to_text()
+        assert fcir.privacy.releases(again) == fcir.privacy.releases(module)
     # Poisson-sampled rounds: the round's two releases merge into one Gaussian with z.
     @fcir.program(placements={"clients": N}, private=True)
     def fixed_clip(w, key, xa):
