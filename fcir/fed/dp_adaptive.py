@@ -41,16 +41,22 @@ import numpy as np
 from fcir.errors import PlacementError
 from fcir.frontend import primitives as P
 from fcir.frontend import program as api
+from fcir.mechanisms import ddgauss
 
 from .base import public
 from .broadcast import broadcast
+from .ddp_mean import ddp_mean_p
+from .ddp_sum import ddp_release, ddp_sum_p
 from .dp_mean import dp_mean_p
 from .dp_sum import dp_release, dp_sum_p
 from .map import map_fn
 
-__all__ = ["default_count_stddev", "dp_mean_adaptive", "update_noise_multiplier"]
-
-WHAT = "fcir.dp_mean_adaptive"
+__all__ = [
+    "ddp_mean_adaptive",
+    "default_count_stddev",
+    "dp_mean_adaptive",
+    "update_noise_multiplier",
+]
 
 
 def default_count_stddev(n: int) -> float:
@@ -59,7 +65,9 @@ def default_count_stddev(n: int) -> float:
     return n / 20.0
 
 
-def update_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:
+def update_noise_multiplier(
+    noise_multiplier: float, count_stddev: float, what: str = "fcir.dp_mean_adaptive"
+) -> float:
     """The update's noise multiplier ``(z^-2 - (2 sigma_b)^-2)^(-1/2)`` that, composed
     with the count release (noise multiplier ``2 sigma_b``), makes one Gaussian
     mechanism with ``noise_multiplier`` z. A PlacementError when ``2 sigma_b <= z``:
@@ -67,7 +75,7 @@ def update_noise_multiplier(noise_multiplier: float, count_stddev: float) -> flo
     z, zb = float(noise_multiplier), 2.0 * float(count_stddev)
     if not zb > z:
         raise PlacementError(
-            f"{WHAT}: noise_multiplier={z:g} needs count_stddev > {z / 2:g} (the count "
+            f"{what}: noise_multiplier={z:g} needs count_stddev > {z / 2:g} (the count "
             f"release's noise multiplier 2*count_stddev={zb:g} must exceed it, or the "
             "count alone spends the whole budget); pass a larger count_stddev (the paper "
             "uses clients/20) or a smaller noise_multiplier"
@@ -75,13 +83,13 @@ def update_noise_multiplier(noise_multiplier: float, count_stddev: float) -> flo
     return 1.0 / math.sqrt(z**-2 - zb**-2)
 
 
-def _static(name: str, value, low: float, high: float) -> float:
+def _static(what: str, name: str, value, low: float, high: float) -> float:
     """A Python number in ``[low, high]`` (the function's hyperparameters are attributes
     of the round, not traced values)."""
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
     if not ok or not (low <= float(value) <= high):
         raise PlacementError(
-            f"{WHAT}: {name} must be a Python number in [{low:g}, {high:g}], got {value!r}"
+            f"{what}: {name} must be a Python number in [{low:g}, {high:g}], got {value!r}"
         )
     return float(value)
 
@@ -97,6 +105,42 @@ def _member(c, *leaves):
     bit = (jnp.sqrt(sq) <= c.astype(acc)).astype(c.dtype) - jnp.asarray(0.5, c.dtype)
     inv = 1.0 / c.astype(acc)
     return [(leaf.astype(acc) * inv).astype(leaf.dtype) for leaf in leaves], bit
+
+
+def _adaptive(what, x, clip, noise_multiplier, gamma, eta, count_stddev, release):
+    """The shared body: checks, the member map, the two releases through ``release(name,
+    values, clip_norm, z_accounted, index)``, the clip's update."""
+    frame = api._current(what)
+    name, n = frame.child(what)
+    z = api._dp_static(what, "noise_multiplier", noise_multiplier, 0.0, True)
+    gamma = _static(what, "target_quantile", gamma, 0.0, 1.0)
+    eta = _static(what, "learning_rate", eta, 0.0, math.inf)
+    sigma_b = default_count_stddev(n) if count_stddev is None else count_stddev
+    sigma_b = api._dp_static(what, "count_stddev", sigma_b, 0.0, True)
+    z_update = update_noise_multiplier(z, sigma_b, what)
+
+    clip = jnp.asarray(clip)
+    if clip.shape != () or not jnp.issubdtype(clip.dtype, jnp.floating):
+        raise PlacementError(
+            f"{what}: clip must be a float scalar at the server (the current clip norm), "
+            f"got {clip.dtype}{list(clip.shape)}"
+        )
+    leaves, tree = api._flatten(x)
+    if not leaves:
+        raise PlacementError(f"{what}: x has no array leaves")
+    api._check_placed(leaves, name, n, what)
+    for leaf in leaves:
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise PlacementError(f"{what}: x's leaves must be floating point, got {leaf.dtype}")
+
+    divided, bits = map_fn(_member, (broadcast(clip), *leaves))
+    unit = release(divided, 1.0, z_update, 0)
+    mean = [u * clip.astype(u.dtype) for u in unit]
+    # clip_norm 1/2 with noise multiplier 2*sigma_b: noise of std sigma_b on the count.
+    (count,) = release([bits], 0.5, 2.0 * sigma_b, 1)
+    fraction = count / n + 0.5
+    new_clip = clip * jnp.exp(-eta * (fraction - gamma)).astype(clip.dtype)
+    return jax.tree_util.tree_unflatten(tree, mean), new_clip
 
 
 @public
@@ -127,34 +171,49 @@ def dp_mean_adaptive(
     that). The releases draw from ``jax.random.fold_in(key, 0)`` (update) and
     ``fold_in(key, 1)`` (count). Andrew et al., NeurIPS 2021; docs/privacy.md.
     """
-    frame = api._current(WHAT)
-    name, n = frame.child(WHAT)
-    z = api._dp_static(WHAT, "noise_multiplier", noise_multiplier, 0.0, True)
-    gamma = _static("target_quantile", target_quantile, 0.0, 1.0)
-    eta = _static("learning_rate", learning_rate, 0.0, math.inf)
-    sigma_b = default_count_stddev(n) if count_stddev is None else count_stddev
-    sigma_b = api._dp_static(WHAT, "count_stddev", sigma_b, 0.0, True)
-    z_update = update_noise_multiplier(z, sigma_b)
+    what = "fcir.dp_mean_adaptive"
 
-    clip = jnp.asarray(clip)
-    if clip.shape != () or not jnp.issubdtype(clip.dtype, jnp.floating):
-        raise PlacementError(
-            f"{WHAT}: clip must be a float scalar at the server (the current clip norm), "
-            f"got {clip.dtype}{list(clip.shape)}"
-        )
-    leaves, tree = api._flatten(x)
-    if not leaves:
-        raise PlacementError(f"{WHAT}: x has no array leaves")
-    api._check_placed(leaves, name, n, WHAT)
-    for leaf in leaves:
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            raise PlacementError(f"{WHAT}: x's leaves must be floating point, got {leaf.dtype}")
+    def release(values, clip_norm, z, i):
+        prim = dp_mean_p if i == 0 else dp_sum_p
+        return dp_release(prim, what, values, clip_norm, z, jax.random.fold_in(key, i))
 
-    divided, bits = map_fn(_member, (broadcast(clip), *leaves))
-    unit = dp_release(dp_mean_p, WHAT, divided, 1.0, z_update, jax.random.fold_in(key, 0))
-    mean = [u * clip.astype(u.dtype) for u in unit]
-    # clip_norm 1/2 with noise multiplier 2*sigma_b: noise of std sigma_b on the count.
-    (count,) = dp_release(dp_sum_p, WHAT, [bits], 0.5, 2.0 * sigma_b, jax.random.fold_in(key, 1))
-    fraction = count / n + 0.5
-    new_clip = clip * jnp.exp(-eta * (fraction - gamma)).astype(clip.dtype)
-    return jax.tree_util.tree_unflatten(tree, mean), new_clip
+    return _adaptive(
+        what, x, clip, noise_multiplier, target_quantile, learning_rate, count_stddev, release
+    )
+
+
+@public
+def ddp_mean_adaptive(
+    x,
+    clip,
+    noise_multiplier,
+    keys,
+    *,
+    bits=20,
+    target_quantile=0.5,
+    learning_rate=0.2,
+    count_stddev=None,
+):
+    """``fcir.dp_mean_adaptive`` through distributed DP: ``(mean, new_clip)``.
+
+    The update and the count are released by ``fcir.ddp_mean`` / ``fcir.ddp_sum``
+    (``keys``: one PRNG key per member, client data; the releases draw from
+    ``fold_in(k, 0)`` and ``fold_in(k, 1)`` of each member's key), each with the noise
+    multiplier that ``fcir.privacy`` accounts as the central one
+    (``fcir.mechanisms.ddgauss.noise_multiplier_for``: the rounding's share of the
+    sensitivity taken into account), so the round's ε is again that of one Gaussian
+    mechanism with ``noise_multiplier``. The count's sum is modulo ``2**bits`` like the
+    update's."""
+    what = "fcir.ddp_mean_adaptive"
+    _, n = api._current(what).child(what)
+
+    def release(values, clip_norm, z, i):
+        prim = ddp_mean_p if i == 0 else ddp_sum_p
+        dim = ddgauss.member_dim(np.shape(v)[1:] for v in values)
+        z = ddgauss.noise_multiplier_for(z, dim, n, clip_norm, bits)
+        member_keys = map_fn(lambda k: jax.random.fold_in(k, i), keys)
+        return ddp_release(prim, what, values, clip_norm, z, member_keys, bits)
+
+    return _adaptive(
+        what, x, clip, noise_multiplier, target_quantile, learning_rate, count_stddev, release
+    )

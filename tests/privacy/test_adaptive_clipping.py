@@ -130,6 +130,7 @@ def test_clip_trajectory_and_epsilon_match_the_paper(module):
     for again in (fcir.parse(module.to_text()), fcir.Module.deserialize(module.serialize())):
         assert again.to_text() == module.to_text()
         assert fcir.privacy.releases(again) == fcir.privacy.releases(module)
+
     # Poisson-sampled rounds: the round's two releases merge into one Gaussian with z.
     @fcir.program(placements={"clients": N}, private=True)
     def fixed_clip(w, key, xa):
@@ -205,3 +206,34 @@ def test_the_digits_example_adapts_its_clip_at_the_float_mode_s_epsilon(tmp_path
     # The example's z = 4 in total, as in --mode float.
     want = [rdp_gaussian_epsilon(4.0, r, 1e-5) for r in (1, 2)]
     np.testing.assert_allclose(curves["epsilon"], want, rtol=1e-6)
+
+
+def test_distributed_adaptive_clipping_is_accounted_at_the_declared_z():
+    """fcir.ddp_mean_adaptive: both releases calibrated so the accountant's noise
+    multipliers compose to Z (ε at most, and within 1e-6 of, the Gaussian's); streamed
+    as unstreamed; the clip moves."""
+
+    @fcir.program(placements={"clients": N}, private=True)
+    def ddp_round(w, clip, keys, xa):
+        upd = fcir.map_fn(lambda w, a: a - w, (fcir.broadcast(w), xa))
+        mean, clip = fcir.ddp_mean_adaptive(
+            upd, clip, Z, keys, bits=16, target_quantile=GAMMA, count_stddev=SIGMA_B
+        )
+        return w + mean, clip
+
+    w, clip, xa, _ = _data()
+    args = (w["a"], clip, jax.random.split(KEY, N), xa)
+    module = fcir.capture(ddp_round, *args)
+    rels = fcir.privacy.releases(module)
+    assert [(r.op, r.clip_norm) for r in rels] == [("fed.ddp_mean", 1.0), ("fed.ddp_sum", 0.5)]
+    accounted = sum(r.accounted_noise_multiplier**-2 for r in rels) ** -0.5
+    assert accounted == pytest.approx(Z, rel=1e-8) and accounted >= Z
+    for rounds in (1, 100):
+        eps = fcir.privacy.epsilon(module, rounds, DELTA)
+        want = rdp_gaussian_epsilon(Z, rounds, DELTA)
+        assert eps <= want and eps == pytest.approx(want, rel=1e-6)
+    got = xla.compile(module)(*args)
+    streamed = xla.compile(module, clients_per_step=3)(*args)
+    assert float(got[1]) != float(clip)
+    np.testing.assert_array_equal(np.asarray(streamed[1]), np.asarray(got[1]))
+    np.testing.assert_allclose(streamed[0], got[0], rtol=1e-6, atol=1e-7)
