@@ -28,6 +28,10 @@ picks ``z_update = (z^-2 - (2 count_stddev)^-2)^(-1/2)`` so that this is the dec
 round is the ε of one Gaussian mechanism with z. The new clip is computed from a DP
 release and server state only, so the leak check lets it through; a clip moved by an
 un-noised count (``fcir.reduce_mean`` of the bits) is ``privacy/C1``.
+
+``fcir.ddp_mean_adaptive`` is the same through distributed DP (``fed.ddp_mean`` and
+``fed.ddp_sum``), each release's noise multiplier calibrated to be accounted as the
+central one's.
 """
 
 from __future__ import annotations
@@ -108,8 +112,9 @@ def _member(c, *leaves):
 
 
 def _adaptive(what, x, clip, noise_multiplier, gamma, eta, count_stddev, release):
-    """The shared body: checks, the member map, the two releases through ``release(name,
-    values, clip_norm, z_accounted, index)``, the clip's update."""
+    """The shared body: checks, the member map, the two releases through
+    ``release(values, clip_norm, z_accounted, i)`` (``i`` 0 the update, 1 the count; the
+    noise multiplier the accountant must count), the clip's update."""
     frame = api._current(what)
     name, n = frame.child(what)
     z = api._dp_static(what, "noise_multiplier", noise_multiplier, 0.0, True)
