@@ -23,6 +23,13 @@ sees an un-noised value. Its noise multiplier is calibrated
 (``fcir.mechanisms.ddgauss.noise_multiplier_for``) so that ``fcir.privacy.epsilon`` gives the same ε
 as the central run's after every round: the curves compare accuracy at equal privacy.
 
+``--mode adaptive`` trains the central run with adaptive clipping instead
+(``fcir.dp_mean_adaptive``, Andrew et al. 2021): ``--clip-norm`` is only the first
+round's clip; each client also reports the noised bit "my update's norm is at most the
+clip", and the server moves the clip toward the ``--target-quantile`` of the update
+norms. The round's noise multiplier stays ``--noise-multiplier`` in total (the update
+gets a larger one, the count the rest), so ε per round is the float mode's.
+
 With ``--max-epsilon E`` a ``fcir.privacy.Budget`` of the private round is spent
 each round, and training stops before the round that would pass ε = E.
 
@@ -134,6 +141,22 @@ def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float,
     return fedavg_round, dp_fedavg_round
 
 
+def make_adaptive_round(num_clients: int, noise_multiplier: float, target_quantile: float,
+                        clip_learning_rate: float, count_stddev: float | None,
+                        server_lr: float = SERVER_LR):
+    @fcir.program(placements={"clients": num_clients}, private=True)
+    def adaptive_fedavg_round(model, clip, key, client_data):
+        """DP-FedAvg with adaptive clipping: the clip is state, ``(model, clip)`` in and out."""
+        updates, _ = fcir.map_fn(local_update, (fcir.broadcast(model), *client_data))
+        mean, clip = fcir.dp_mean_adaptive(
+            updates, clip, noise_multiplier, key, target_quantile=target_quantile,
+            learning_rate=clip_learning_rate, count_stddev=count_stddev,
+        )
+        return jax.tree.map(lambda p, u: p + server_lr * u, model, mean), clip
+
+    return adaptive_fedavg_round
+
+
 def make_ddp_round(num_clients: int, clip_norm: float, noise_multiplier: float, bits: int):
     @fcir.program(placements={"clients": num_clients}, private=True)
     def ddp_fedavg_round(model, keys, client_data):
@@ -187,7 +210,7 @@ ddp_fedavg_round = make_ddp_round(NUM_CLIENTS, 0.5, 4.0, 16)
 
 
 def figure(fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float, num_clients: int,
-           ddp: dict | None = None):
+           ddp: dict | None = None, mode: str = "float"):
     """The two panels (accuracy, ε) as a matplotlib Figure. ``ddp``: bits -> (accuracy
     per round, ε per round, noise multiplier)."""
     import matplotlib
@@ -199,7 +222,8 @@ def figure(fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float, num_c
     rounds = np.arange(1, len(fedavg_acc) + 1)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     a1.plot(rounds, fedavg_acc, "o-", ms=3, label="FedAvg")
-    a1.plot(rounds, dp_acc, "s-", ms=3, label=f"DP-FedAvg, central (z={noise_multiplier:g})")
+    central = "central, adaptive clip" if mode == "adaptive" else "central"
+    a1.plot(rounds, dp_acc, "s-", ms=3, label=f"DP-FedAvg, {central} (z={noise_multiplier:g})")
     for i, (bits, (acc, _, z)) in enumerate(sorted((ddp or {}).items())):
         a1.plot(rounds, acc, "^v"[i % 2] + "-", ms=3,
                 label=f"DP-FedAvg, distributed, {bits} bits (z={z:.3g})")
@@ -222,10 +246,10 @@ def figure(fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float, num_c
 
 
 def plot(path: str, fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: float,
-         num_clients: int, ddp: dict | None = None) -> None:
+         num_clients: int, ddp: dict | None = None, mode: str = "float") -> None:
     import matplotlib.pyplot as plt
 
-    fig = figure(fedavg_acc, dp_acc, eps, delta, noise_multiplier, num_clients, ddp)
+    fig = figure(fedavg_acc, dp_acc, eps, delta, noise_multiplier, num_clients, ddp, mode)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -248,11 +272,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cohort", type=int, default=None,
                         help="clients expected per round, Poisson-sampled from --clients "
                         "(default: every client every round)")
+    parser.add_argument("--mode", choices=["float", "adaptive"], default="float",
+                        help="the central run's mechanism: fcir.dp_mean at --clip-norm (float) "
+                        "or fcir.dp_mean_adaptive starting from --clip-norm (adaptive)")
+    parser.add_argument("--target-quantile", type=float, default=0.5,
+                        help="adaptive: the quantile of update norms the clip moves to")
+    parser.add_argument("--clip-learning-rate", type=float, default=0.2,
+                        help="adaptive: the clip's geometric step")
+    parser.add_argument("--count-stddev", type=float, default=None,
+                        help="adaptive: the noise std of the clients' count (default clients/20)")
     parser.add_argument("--output", default="dp_fedavg_digits.png", help="the PNG to write")
     args = parser.parse_args(argv)
     if args.cohort is not None and args.ddp_bits:
         parser.error("--ddp-bits with --cohort: a sampled round of fcir.ddp_mean sums only "
                      "the cohort's noise shares, which no ε bounds")
+    if args.cohort is not None and args.mode == "adaptive":
+        parser.error("--mode adaptive with --cohort: a cohort's padding members would "
+                     "count as clients under the clip and bias its quantile")
     if args.ddp_bits is None:
         args.ddp_bits = [16, 20] if args.cohort is None else []
 
@@ -271,9 +307,15 @@ def main(argv: list[str] | None = None) -> dict:
         members, server_lr = cohorts.size, SERVER_LR * cohorts.size / args.cohort
     plain, private = make_rounds(members, args.clip_norm, args.noise_multiplier, server_lr)
     model, key = init_model(), jax.random.key(args.seed)
-    # Capturing the private round runs the leak check; the accountant reads its DP op.
+    adaptive = args.mode == "adaptive"
+    clip = jnp.float32(args.clip_norm)  # adaptive: the clip is the round's state
+    if adaptive:
+        private = make_adaptive_round(members, args.noise_multiplier, args.target_quantile,
+                                      args.clip_learning_rate, args.count_stddev, server_lr)
+    # Capturing the private round runs the leak check; the accountant reads its DP ops.
     example = clients if cohorts is None else cohorts.specs()[0]
-    module = fcir.capture(private, model, key, example)
+    state = (model, clip) if adaptive else (model,)
+    module = fcir.capture(private, *state, key, example)
     run_plain, run_private = jax.jit(plain), jax.jit(private)
 
     ddp_runs = {}  # bits -> [jitted round, module, model, accuracies, epsilons, z]
@@ -289,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.max_epsilon is not None:
         budget = fcir.privacy.Budget(module, args.delta, args.max_epsilon)
 
-    fedavg_acc, dp_acc, eps = [], [], []
+    fedavg_acc, dp_acc, eps, clips = [], [], [], []
     m_plain = m_dp = model
     for r in range(1, args.rounds + 1):
         if budget is not None and not budget.can_spend():
@@ -303,7 +345,11 @@ def main(argv: list[str] | None = None) -> dict:
             idx, sampled = cohorts.indices(r)
             data = jax.device_put(cohorts.take(idx, sampled)[0])
         m_plain, loss = run_plain(m_plain, data)
-        m_dp = run_private(m_dp, jax.random.fold_in(key, r), data)
+        if adaptive:
+            m_dp, clip = run_private(m_dp, clip, jax.random.fold_in(key, r), data)
+            clips.append(float(clip))
+        else:
+            m_dp = run_private(m_dp, jax.random.fold_in(key, r), data)
         if cohorts is not None:  # the mean loss of the sampled clients (padding's is 0)
             loss = loss * cohorts.size / max(int(sampled.sum()), 1)
         fedavg_acc.append(accuracy(m_plain, x_test, y_test))
@@ -315,6 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"(loss {float(loss):.3f}) | DP-FedAvg acc {dp_acc[-1]:.3f} | "
             f"ε {eps[-1]:.2f} at δ={args.delta:g}"
         )
+        if adaptive:
+            line += f" | next clip {clips[-1]:.3f}"
         for bits, run in ddp_runs.items():
             run[2] = run[0](run[2], round_keys(key, r, args.clients), clients)
             run[3].append(accuracy(run[2], x_test, y_test))
@@ -323,9 +371,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(line)
     ddp = {bits: (run[3], run[4], run[5]) for bits, run in ddp_runs.items()}
     plot(args.output, fedavg_acc, dp_acc, eps, args.delta, args.noise_multiplier, args.clients,
-         ddp)
+         ddp, args.mode)
     print(f"wrote {args.output} ({time.perf_counter() - start:.1f} s)")
     return {"fedavg": fedavg_acc, "dp_fedavg": dp_acc, "epsilon": eps,
+            **({"clip": clips} if adaptive else {}),
             **{f"ddp_{bits}": acc for bits, (acc, _, _) in ddp.items()},
             **{f"ddp_{bits}_epsilon": e for bits, (_, e, _) in ddp.items()}}
 
