@@ -12,8 +12,8 @@ stream as a loop over chunks of ``k`` members:
   under ``jax.set_mesh`` pass a member's value through: ``LAYOUT``), and the reductions of those
   values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``,
   ``dp_sum``/``dp_mean``: clipped member by member, the noise added once at the end;
-  ``ddp_*``: ``streaming_ddp.py``; ``median``: exact, by passes over the chunks after
-  the stream's loop, ``streaming_order.py``): ``RULES`` maps each fed op class to what
+  ``ddp_*``: ``streaming_ddp.py``; ``median``, ``trimmed_mean``: exact, by passes over
+  the chunks after the stream's loop, ``streaming_order.py``): ``RULES`` maps each fed op class to what
   the stream does with it, an accumulator object for a reduction (``accumulators.py``),
   a :class:`streaming_order.ByPasses` for an order statistic;
 - each step slices ``k`` members out of the per-member operands, runs the map region
@@ -127,7 +127,7 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.DdpMean: Distributed(mean=True),
     # Exact, by passes over the chunks after the stream's loop (streaming_order.py).
     F.Median: _order.ByPasses(),
-    F.TrimmedMean: F.Unsupported(_order.TRIMMED),
+    F.TrimmedMean: _order.ByPasses(),
     "reduction": F.Unsupported(_NO_ACCUMULATOR),
 }
 RULES = F.resolve(_OWN_RULES)

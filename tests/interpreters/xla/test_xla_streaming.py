@@ -60,14 +60,14 @@ def budgets(module, full: bool = True) -> tuple[int, ...]:
     return tuple(dict.fromkeys([1, *(ragged[:1] if full else []), n]))
 
 
-def run_budgets(module, args, ks):
+def run_budgets(module, args, ks, options=FAST):
     """(unchunked outputs, [outputs with k for k in ks]), compiled together once."""
 
     def all_budgets(*a):
         plain = XlaInterpreter().run(module, *a)
         return plain, [StreamingInterpreter(clients_per_step=k).run(module, *a) for k in ks]
 
-    return jax.jit(all_budgets).lower(*args).compile(FAST)(*args)
+    return jax.jit(all_budgets).lower(*args).compile(options)(*args)
 
 
 def _bits(x):
@@ -139,6 +139,13 @@ def test_corpus_program_streams_like_unchunked(name):
 # masked last chunk): k = 1 and k = cohort are the same loop without a mask and the
 # same code without a loop, both covered by every forward program above.
 ALL_BUDGETS_GRADIENTS = {"fedsgd_linreg", "minmax_agg"}
+# Gradients of order statistics pick members by equality with the selected value (the
+# members at the median share its cotangent), so a member's value must come out with
+# the same bits wherever the program computes it. At XLA backend optimization level 0
+# it does not: there the unchunked program's own gradient of robust_agg is 0.03 off
+# jax.jit's (a member fused into two readers, computed differently), and a chunked one
+# finds no member at the median (NaN). Compiled with XLA's defaults, as users do.
+DEFAULT_OPTIONS_GRADIENTS = {"robust_agg"}
 
 
 @in_main_process
@@ -153,7 +160,8 @@ def test_corpus_gradient_streams_like_unchunked(name):
     ks = budgets(module)
     if name not in ALL_BUDGETS_GRADIENTS:
         ks = ks[1:-1] or ks
-    want, outs = run_budgets(module, args, ks)
+    options = None if name in DEFAULT_OPTIONS_GRADIENTS else FAST
+    want, outs = run_budgets(module, args, ks, options)
     for k, got in zip(ks, outs):
         assert_streamed_equal(got, want, exact=False, what=f"grad {name} k={k}", tol=GRAD_TOL)
 
