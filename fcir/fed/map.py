@@ -51,7 +51,7 @@ from fcir.jaxcompat import (
 from .base import FedOp, public
 from .broadcast import broadcast_p
 
-__all__ = ["Map", "map_fn", "map_p", "member_map", "member_slices"]
+__all__ = ["Map", "map_fn", "map_p", "member_map", "member_slices", "mixed_layout_error"]
 
 Zero = ad_util.Zero
 _is_zero = AD.is_zero
@@ -80,15 +80,22 @@ def _map_abstract_eval(*avals, body, placement, n):
         member_axes.append(aval.sharding.spec[0] if aval.sharding.spec else None)
     # Outputs' member axes are sharded like the operands' (vmap's rule for Explicit axes).
     if len(set(member_axes)) > 1:
-        raise PlacementError(
-            f"fed.map over '{placement}': operands' member axes are sharded differently "
-            f"({', '.join(map(str, member_axes))}); on a mesh with Explicit axes every "
-            f"operand's leading axis must be sharded alike: "
-            + _mixed_layout_advice(placement, member_axes, avals)
-        )
+        raise mixed_layout_error(placement, member_axes, avals)
     member_axis = member_axes[0] if member_axes else None
     mesh = avals[0].sharding.mesh if member_axis is not None else None
     return [P.placed_aval(a, n, member_axis, mesh) for a in body.out_avals], body.effects
+
+
+def mixed_layout_error(placement: str, member_axes: list, avals) -> PlacementError:
+    """The error for a map whose operands' member axes (``member_axes``, one per operand:
+    a mesh axis name or None) are sharded differently; also raised by the streaming
+    backend, which sees the same operands before it slices them."""
+    return PlacementError(
+        f"fed.map over '{placement}': operands' member axes are sharded differently "
+        f"({', '.join(map(str, member_axes))}); on a mesh with Explicit axes every "
+        f"operand's leading axis must be sharded alike: "
+        + _mixed_layout_advice(placement, member_axes, avals)
+    )
 
 
 def _mixed_layout_advice(placement: str, member_axes: list, avals) -> str:

@@ -9,7 +9,8 @@ the identity (FedProx's anchor: ``stop_gradient(fcir.broadcast(w))``).
 
 ``LAYOUT``: ops that only change where a value lives. Under a mesh the frontend adds
 them to placed values, which stay placed (capture, ``local/C2``); their params carry
-the whole value's sharding, so a stream does not run them a chunk at a time.
+the whole value's sharding, so a stream does not run them a chunk at a time: it reads
+through them (one member's value has no member axis to lay out).
 
 ``PER_MEMBER`` is both: what keeps a placed value placed.
 """

@@ -35,6 +35,12 @@ does not split that way (a tangent read twice: JAX 0.10.2's forward-over-forward
 capture traces the program again with the running JAX's own rules
 (:func:`make_jaxpr`), whose text is then JAX's.
 
+Known limit (issue 32 item 7, tests/interpreters/xla/test_xla_lstm_bitwise.py): JAX
+0.10.2's rule reads ``g`` twice, so ``jax.jit``'s backward pass adds the cotangent of
+``tanh``'s input in two pieces, ``(other + u) + u*ans``, where that input has another
+use (an LSTM's cell state); ``tanh_cotangent`` gives one piece, ``other + (u + u*ans)``,
+and the last bit can differ. Under JAX 0.12 the rule reads ``g`` once: bitwise.
+
 A ``custom_jvp_call`` with unknown inputs is inlined while capturing, as JAX 0.10.2's
 partial evaluation does (see :func:`_inline_custom_jvp_call`).
 

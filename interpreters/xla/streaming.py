@@ -8,11 +8,12 @@ a FedAvg round holds one model copy per client before the mean. With
 stream as a loop over chunks of ``k`` members:
 
 - a stream is one ``fed.map``, the per-member elementwise ops applied to its results
-  afterwards (``y * 2``, ``jnp.abs(y)``: ``ELEMENTWISE``), and the reductions of those
+  afterwards (``y * 2``, ``jnp.abs(y)``: ``ELEMENTWISE``; the layout ops capture adds
+  under ``jax.set_mesh`` pass a member's value through: ``LAYOUT``), and the reductions of those
   values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``,
   ``dp_sum``/``dp_mean``: clipped member by member, the noise added once at the end;
-  ``ddp_*``: ``streaming_ddp.py``; ``median``: exact, by passes over the chunks after
-  the stream's loop, ``streaming_order.py``): ``RULES`` maps each fed op class to what
+  ``ddp_*``: ``streaming_ddp.py``; ``median``, ``trimmed_mean``: exact, by passes over
+  the chunks after the stream's loop, ``streaming_order.py``): ``RULES`` maps each fed op class to what
   the stream does with it, an accumulator object for a reduction (``accumulators.py``),
   a :class:`streaming_order.ByPasses` for an order statistic;
 - each step slices ``k`` members out of the per-member operands, runs the map region
@@ -58,6 +59,7 @@ from jax.sharding import PartitionSpec
 
 from fcir import fed as F
 from fcir.errors import InterpreterError
+from fcir.fed.map import mixed_layout_error
 from fcir.frontend import primitives as P
 from fcir.ir import Op, Region, Value
 from fcir.ir import elementwise as E
@@ -73,6 +75,12 @@ __all__ = ["ELEMENTWISE", "Stream", "StreamingInterpreter", "members_per_step", 
 # Ops applied member by member to values placed at the map's placement: their params
 # name no axis, so running them on one member's value means the same as on all.
 ELEMENTWISE = frozenset("jax." + n for n in E.ELEMENTWISE)
+# Ops that only say where a placed value lives (capture adds them under ``jax.set_mesh``:
+# a constraint on every map operand and result). A stream reads through them: a member
+# has no member axis to lay out, so per member they are the identity, and the stream's
+# own loop lays out the members (shard_map over the placement's axis). A value one of
+# them defines that is needed whole afterwards gets the op applied to the whole buffer.
+LAYOUT = frozenset("jax." + n for n in E.LAYOUT)
 
 _NO_ACCUMULATOR = (
     "streaming has no accumulator for this reduction (interpreters/xla/streaming.py "
@@ -119,7 +127,7 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.DdpMean: Distributed(mean=True),
     # Exact, by passes over the chunks after the stream's loop (streaming_order.py).
     F.Median: _order.ByPasses(),
-    F.TrimmedMean: F.Unsupported(_order.TRIMMED),
+    F.TrimmedMean: _order.ByPasses(),
     "reduction": F.Unsupported(_NO_ACCUMULATOR),
 }
 RULES = F.resolve(_OWN_RULES)
@@ -250,6 +258,11 @@ def _recompute_member_values(region: Region, streams: list[Stream], users, resul
 
 def _broadcast_source(v: Value, placement: str, producer) -> Value | None:
     op = producer.get(v)
+    # A broadcast value laid out (``reshard`` of ``fcir.broadcast(w)``) is still the
+    # server's one copy to every member.
+    while op is not None and op.name in LAYOUT and _placed_at(v, placement):
+        v = op.operands[0]
+        op = producer.get(v)
     rule = None if op is None else _rule(op)
     return rule(op, placement) if isinstance(rule, StreamSource) else None
 
@@ -297,7 +310,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         if not touches:
             continue
         if (
-            op.name in ELEMENTWISE
+            (op.name in ELEMENTWISE or op.name in LAYOUT)
             and not op.regions
             and all(_placed_at(r, placement) for r in op.results)
             and any(v in group for v in op.operands)
@@ -478,8 +491,17 @@ class StreamingInterpreter(XlaInterpreter):
         mesh = self._stream_mesh(s)
         axis = self._mesh_axis(s, mesh)
         if axis is None:
+            _check_member_layouts(s, env)
             batched = [_unshard_members(x) for x in batched]
-        return self._differentiable(s, mesh, axis)(batched, unbatched)
+        outs = self._differentiable(s, mesh, axis)(batched, unbatched)
+        # A materialized value a layout op defines: that op on the whole buffer, so it
+        # lives where the program put it (per member the stream passed it through).
+        laid_out = {r: op for op in s.absorbed if op.name in LAYOUT for r in op.results}
+        first = len(outs) - len(s.materialized)
+        for i, v in enumerate(s.materialized, first):
+            if v in laid_out:
+                outs[i] = self.run_op(laid_out[v], [outs[i]])[0]
+        return outs
 
     def _differentiable(self, s: Stream, mesh, axis):
         """The stream as a function of its inputs whose reverse-mode derivative is a
@@ -623,6 +645,8 @@ class StreamingInterpreter(XlaInterpreter):
                 vals = [env[v] for v in op.operands]
                 if _stream_head(op):
                     outs = inner.run_region(op.regions[0], vals)
+                elif op.name in LAYOUT:
+                    outs = vals  # one member's value: nothing to lay out
                 else:
                     outs = inner.run_op(op, vals)
                 env.update(zip(op.results, outs))
@@ -788,17 +812,48 @@ def _chunk_loop(n: int, k: int, step, state, *, differentiable: bool = False):
     return state
 
 
-def _unshard_members(x):
-    """``x`` with its member axis not explicitly sharded: a chunk is a dynamic slice of
-    it, which JAX refuses on an Explicit-sharded axis (``jax.set_mesh`` with Explicit
-    axes, when the loop does not run under shard_map)."""
+def _explicit_member_axis(x):
+    """The mesh axis (or axes) ``x``'s member axis is Explicit-sharded over, or None."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
     if not spec or spec[0] is None or getattr(sharding.mesh, "empty", True):
-        return x
+        return None
     if all(t != jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types):
+        return None
+    return spec[0]
+
+
+def _check_member_layouts(s: Stream, env: dict) -> None:
+    """The unstreamed map's layout check (``fcir.fed.map``), for a stream run without a
+    mesh context: a broadcast operand is unsharded there, so beside client data
+    Explicit-sharded over the mesh its member axis is laid out differently, and the
+    unstreamed program is refused with a PlacementError saying what to do. The stream
+    never binds the map to its whole operands, so it checks them here, alike."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return
+    axes, avals = [], []
+    for v in s.map_op.operands:
+        x = env.get(s.source[v]) if v in s.source else env.get(v)
+        if x is None:  # recomputed in this stream's prelude
+            continue
+        axes.append(None if v in s.source else _explicit_member_axis(x))
+        avals.append(jax.typeof(x))
+    if len(set(axes)) > 1:
+        raise mixed_layout_error(s.placement, axes, avals)
+
+
+def _unshard_members(x):
+    """``x`` with its member axis not explicitly sharded: a chunk is a dynamic slice of
+    it, which JAX refuses on an Explicit-sharded axis (``jax.set_mesh`` with Explicit
+    axes, or client data placed on such a mesh, when the loop does not run under
+    shard_map)."""
+    if _explicit_member_axis(x) is None:
         return x
-    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(None, *spec[1:]))
+    sharding = jax.typeof(x).sharding
+    spec = PartitionSpec(None, *sharding.spec[1:])
+    if jax.sharding.get_abstract_mesh().empty:  # no mesh in context: name x's own
+        spec = jax.sharding.NamedSharding(sharding.mesh, spec)
+    return jax.sharding.reshard(x, spec)
 
 
 # --- the backward loop's cotangents -----------------------------------------------------

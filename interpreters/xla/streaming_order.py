@@ -21,6 +21,13 @@ member is kept): ``init`` / ``step`` / ``combine`` per pass, ``advance`` between
    is bit for bit the unstreamed one. Passes: the number of distinct kept values, so a
    trimmed mean that keeps many members costs many passes; the median none.
 
+The walk starts at the position of the members below ``s[trim]``: the bisection's own
+count when it last raised the lower threshold. A separate count of ``key < lo`` (as
+before) came out wrong compiled at XLA backend optimization level 0, on both JAX
+versions: a member whose key equals ``lo`` was counted below it, and the walk then
+dropped the largest kept value (root cause inside XLA not isolated; the bisection's
+``<=`` counts and the walk's ``>`` agree with the values).
+
 Not differentiable here: a cotangent reaching a streamed order statistic is an
 InterpreterError (compile without ``clients_per_step`` to differentiate it).
 """
@@ -33,16 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["TRIMMED", "ByPasses", "OrderStatistic"]
-
-# Why streaming refuses fed.trimmed_mean for now: its band walk (more than two kept
-# values) gave a wrong sum inside streaming's chunk loops compiled at XLA backend
-# optimization level 0 (tests/interpreters/xla/test_xla_streaming.py's FAST options), though exact at the
-# default level and on plain chunked arrays; the cause is not found yet.
-TRIMMED = (
-    "a streamed trimmed mean is not exact under every XLA optimization level yet: "
-    "compile without clients_per_step to run it (fed.median streams)"
-)
+__all__ = ["ByPasses", "OrderStatistic"]
 
 
 def _key_dtypes(dtype) -> tuple:
@@ -150,8 +148,8 @@ class OrderStatistic:
         top = jnp.full(self.shape, np.iinfo(u).max, u)
         zero_u = jnp.zeros(self.shape, u)
         zero_i = jnp.zeros(self.shape, jnp.int32)
-        # Phases: 0 bisection (``bits`` passes), 1 count the members below s[trim],
-        # 2 walk the kept band's distinct values, 3 done.
+        # Phases: 0 bisection (``bits`` passes), 2 walk the kept band's distinct values,
+        # 3 done.
         walk = self.kept > 2
 
         def mids(st):
@@ -164,16 +162,10 @@ class OrderStatistic:
 
             def step(acc, x, valid):
                 c1, c2, nan = self.bisect_step(mid, acc[:3], x, valid)
-                key = to_key(x, self.dtype)
-                ok = jnp.ones(key.shape[:1], bool) if valid is None else valid
-                ok = ok.reshape(ok.shape + (1,) * len(self.shape))
-                below = acc[3] + jnp.sum(ok & (key < st["lo1"][None]), axis=0, dtype=jnp.int32)
-                m, c = self.next_step(st["cur"], acc[4:], x, valid)
-                return c1, c2, nan, below, m, c
+                m, c = self.next_step(st["cur"], acc[3:], x, valid)
+                return c1, c2, nan, m, c
 
-            c1, c2, nan, below, m, count = over_chunks(
-                step, (zero_i, zero_i, zero_i, zero_i, *self.next_init())
-            )
+            c1, c2, nan, m, count = over_chunks(step, (zero_i, zero_i, zero_i, *self.next_init()))
             phase = st["phase"]
             out = dict(st)
             # phase 0: one bisection step on both thresholds
@@ -184,11 +176,16 @@ class OrderStatistic:
             out["lo2"] = jnp.where(bis & ~up2, mid[1] + 1, st["lo2"])
             out["hi2"] = jnp.where(bis & up2, mid[1], st["hi2"])
             out["nan"] = jnp.where(bis, nan, st["nan"])
-            # phase 1: start just below s[trim] (no member's key is 0: that is a NaN's
-            # bits, keyed largest), at the position of the members below it
-            first = phase == 1
-            out["cur"] = jnp.where(first, st["lo1"] - jnp.ones_like(st["lo1"]), st["cur"])
-            out["pos"] = jnp.where(first, below, st["pos"])
+            # The members below s[trim]: count(key <= mid) when lo1 was last raised to
+            # mid + 1 (no member's key is 0, a NaN's bits keyed largest, so it is). A
+            # count of key < lo1 in a pass of its own came out wrong at XLA optimization
+            # level 0 (an equal key counted below) and is not needed.
+            out["below"] = jnp.where(bis & ~up1, c1, st["below"])
+            # After the last bisection step the walk starts just below s[trim], at the
+            # position of the members below it.
+            first = bis & (st["i"] + 1 >= bits)
+            out["cur"] = jnp.where(first, out["lo1"] - jnp.ones_like(st["lo1"]), st["cur"])
+            out["pos"] = jnp.where(first, out["below"], st["pos"])
             # phase 2: add the next distinct value as often as it is kept
             pos = st["pos"]
             active = (phase == 2) & (pos < end)
@@ -202,8 +199,8 @@ class OrderStatistic:
             done_walk = jnp.all(out["pos"] >= end)
             out["phase"] = jnp.where(
                 bis,
-                jnp.where(st["i"] + 1 < bits, 0, 1 if walk else 3),
-                jnp.where(first, 2, jnp.where(done_walk, 3, phase)),
+                jnp.where(st["i"] + 1 < bits, 0, 2 if walk else 3),
+                jnp.where(done_walk, 3, phase),
             )
             out["i"] = st["i"] + 1
             return out
@@ -216,6 +213,7 @@ class OrderStatistic:
             "lo2": zero_u,
             "hi2": top,
             "nan": zero_i,
+            "below": zero_i,
             "cur": zero_u,
             "pos": zero_i,
             "total": jnp.zeros(self.shape, acc_dt),
@@ -244,7 +242,8 @@ def _add_times(total, v, times):
 
 
 class ByPasses:
-    """Streaming's family for the order statistics (its table entry for ``fed.median``):
+    """Streaming's family for the order statistics (its table entry for ``fed.median``
+    and ``fed.trimmed_mean``):
     not an :class:`~.accumulators.Accumulator`, which folds each chunk once, but passes
     over the chunks after the stream's loop, each recomputing the chunk's values."""
 

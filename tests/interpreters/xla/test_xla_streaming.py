@@ -30,6 +30,8 @@ from fcir.interpreters import reference, xla
 from fcir.interpreters.xla import budget
 from fcir.interpreters.xla.interpreter import XlaInterpreter
 from fcir.interpreters.xla.streaming import StreamingInterpreter, plan_region
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PSpec
 
 import fcir
 from fcir.errors import FcirError
@@ -58,14 +60,14 @@ def budgets(module, full: bool = True) -> tuple[int, ...]:
     return tuple(dict.fromkeys([1, *(ragged[:1] if full else []), n]))
 
 
-def run_budgets(module, args, ks):
+def run_budgets(module, args, ks, options=FAST):
     """(unchunked outputs, [outputs with k for k in ks]), compiled together once."""
 
     def all_budgets(*a):
         plain = XlaInterpreter().run(module, *a)
         return plain, [StreamingInterpreter(clients_per_step=k).run(module, *a) for k in ks]
 
-    return jax.jit(all_budgets).lower(*args).compile(FAST)(*args)
+    return jax.jit(all_budgets).lower(*args).compile(options)(*args)
 
 
 def _bits(x):
@@ -137,6 +139,13 @@ def test_corpus_program_streams_like_unchunked(name):
 # masked last chunk): k = 1 and k = cohort are the same loop without a mask and the
 # same code without a loop, both covered by every forward program above.
 ALL_BUDGETS_GRADIENTS = {"fedsgd_linreg", "minmax_agg"}
+# Gradients of order statistics pick members by equality with the selected value (the
+# members at the median share its cotangent), so a member's value must come out with
+# the same bits wherever the program computes it. At XLA backend optimization level 0
+# it does not: there the unchunked program's own gradient of robust_agg is 0.03 off
+# jax.jit's (a member fused into two readers, computed differently), and a chunked one
+# finds no member at the median (NaN). Compiled with XLA's defaults, as users do.
+DEFAULT_OPTIONS_GRADIENTS = {"robust_agg"}
 
 
 @in_main_process
@@ -151,7 +160,8 @@ def test_corpus_gradient_streams_like_unchunked(name):
     ks = budgets(module)
     if name not in ALL_BUDGETS_GRADIENTS:
         ks = ks[1:-1] or ks
-    want, outs = run_budgets(module, args, ks)
+    options = None if name in DEFAULT_OPTIONS_GRADIENTS else FAST
+    want, outs = run_budgets(module, args, ks, options)
     for k, got in zip(ks, outs):
         assert_streamed_equal(got, want, exact=False, what=f"grad {name} k={k}", tol=GRAD_TOL)
 
@@ -364,7 +374,7 @@ def test_cli_run_and_compile_take_a_budget(tmp_path, capsys):
 def test_on_8_simulated_devices():
     out = EIGHT_DEVICES.result()
     # The mesh tests ran there (none skipped: the process really had 8 devices).
-    assert out.count("PASSED") == 4, out[-2000:]
+    assert out.count("PASSED") == 7, out[-2000:]
 
 
 @on_8_devices
@@ -470,3 +480,71 @@ def test_mesh_every_stage_runs_under_set_mesh(axis_type, tmp_path):
             for k in (None, 2):
                 got = xla.compile(hmodule, m, clients_per_step=k)(*hargs)
                 assert_streamed_equal(got, hwant, exact=False, what=f"hierarchical {k}")
+
+
+def _fedavg_round(n: int):
+    """A forward FedAvg round: each member takes one gradient step on the model."""
+
+    @fcir.program(placements={"clients": n})
+    def round_(w, x):
+        def client(w, x):
+            return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+
+        return fcir.reduce_mean(fcir.map_fn(client, (fcir.broadcast(w), x)))
+
+    return round_
+
+
+@on_8_devices
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_mesh_streaming_memory_under_set_mesh_does_not_grow_with_the_cohort(axis_type):
+    """Captured and compiled inside ``jax.set_mesh`` from sharded ShapeDtypeStructs
+    (issue 32 item 6): the layout ops capture puts around the map (the broadcast's, the
+    results') are read through, so the mean is a running sum and the model is not
+    broadcast to every member; XLA's temporaries were 6.7x for 8x the members."""
+    at = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=(at,))
+
+    def temp(n):
+        w = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, PSpec()))
+        x = jax.ShapeDtypeStruct(
+            (n, 4, 8), jnp.float32, sharding=NamedSharding(mesh, PSpec("clients"))
+        )
+        with jax.set_mesh(mesh):
+            exe = xla.compile(fcir.capture(_fedavg_round(n), w, x), mesh, clients_per_step=2)
+            return budget.memory_stats(exe.compiled())["temp_bytes"]
+
+    assert temp(512) == temp(64)
+
+
+@on_8_devices
+def test_mesh_explicit_client_data_without_set_mesh_streams_or_says_to_set_the_mesh():
+    """Client data placed on an Explicit mesh, compiled without a mesh or set_mesh: the
+    streamed program refuses a broadcast model beside it as the unstreamed one does
+    (a PlacementError naming ``jax.set_mesh``, not JAX's PartitionSpec message), and runs
+    a map of the client data alone as the unstreamed one does."""
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(0)
+    w, x = (
+        rng.normal(size=(8, 8)).astype(np.float32),
+        rng.normal(size=(16, 4, 8)).astype(np.float32),
+    )
+    placed = jax.device_put(x, NamedSharding(mesh, PSpec("clients")))
+    module = fcir.capture(_fedavg_round(16), w, x)
+    with pytest.raises(fcir.PlacementError) as want:
+        xla.compile(module)(w, placed)
+    for k in (2, 3):
+        with pytest.raises(fcir.PlacementError) as got:
+            xla.compile(module, clients_per_step=k)(w, placed)
+        assert str(got.value) == str(want.value) and "jax.set_mesh(mesh)" in str(got.value)
+    only_data = fcir.capture(
+        fcir.program(placements={"clients": 16})(
+            lambda x: fcir.reduce_mean(fcir.map_fn(lambda x: jnp.tanh(x) * 2, (x,)))
+        ),
+        x,
+    )
+    plain = xla.compile(only_data)(placed)
+    for k in (2, 3):
+        assert_streamed_equal(
+            xla.compile(only_data, clients_per_step=k)(placed), plain, exact=False, what=f"k={k}"
+        )
