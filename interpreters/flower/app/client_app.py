@@ -1,7 +1,10 @@
 """The ClientApp: one client's work of the round, from its jax.export artifact.
 
-Messages of type ``train.fcir`` carry, in the ``fcir`` ConfigRecord, which exchange of
-the round they belong to, and in the ``values`` ArrayRecord what the server sends. The
+Messages of type ``train.fcir`` follow Flower's layout: ``arrays`` (an ArrayRecord:
+what the server sends), ``config`` (``server-round``) and fcir's own ConfigRecord
+``fcir`` (``step``: which exchange of the round; ``client-state``). The reply holds
+``arrays`` (the client outputs), ``metrics`` (``num-examples``) and ``fcir``
+(``partition-id``, which orders the server's sums). The
 client reads its data from the ``.npz`` its node config names (``data-path``: leaves
 ``arr_0``, ``arr_1``, ... in the order of the round's flattened client arguments, one
 client's slice) and replies with its client outputs. Every message starts a fresh
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import flwr.compat.common.recorddict_compat as compat
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
@@ -148,15 +151,29 @@ def _round_of(path) -> int | None:
         return None
 
 
-def compute(step_index: int, values: dict, context, rnd: int = 0, state_config=None) -> dict:
+def num_examples(leaves: list) -> int:
+    """The node's example count, the ``num-examples`` Flower weighs replies by: the
+    rows of its first client input that has any (1 when none has)."""
+    for x in leaves:
+        if np.ndim(x) > 0:
+            return int(np.shape(x)[0])
+    return 1
+
+
+def compute(
+    step_index: int, values: dict, context, rnd: int = 0, state_config=None, info=None
+) -> dict:
     """The client work of exchange ``step_index`` on the node's data and the values the
     server sent: ``"group/name" -> array`` of the client outputs. With per-client state
     (``state_config``: what the server sent), the state the node kept replaces the
     initial value of each carry at the clients, and the exchange that computes its new
-    value saves it as the state after round ``rnd`` (never sent)."""
+    value saves it as the state after round ``rnd`` (never sent). ``info``, when
+    given, gets the node's ``num-examples``."""
     plan = runtime.plan()
     step = plan["steps"][step_index]
     leaves = client_data(context)
+    if info is not None:
+        info["num-examples"] = num_examples(leaves)
     specs = plan["client_inputs"]
     node_state = None
     if plan.get("loop", {}).get("client_state"):
@@ -190,11 +207,18 @@ def compute(step_index: int, values: dict, context, rnd: int = 0, state_config=N
 @app.train("fcir")
 def work(msg: Message, context) -> Message:
     config = msg.content["fcir"]
+    info = {}
     outputs = compute(
-        int(config["step"]), runtime.from_record(msg.content["values"]), context,
-        int(config.get("round", 0)), config.get("client-state"),
+        int(config["step"]), runtime.from_record(msg.content["arrays"]), context,
+        int(msg.content["config"].get("server-round", 0)), config.get("client-state"), info,
     )
-    content = RecordDict({"values": runtime.to_record(outputs), "fcir": ConfigRecord({"partition": partition(context)})})
+    content = RecordDict(
+        {
+            "arrays": runtime.to_record(outputs),
+            "metrics": MetricRecord({"num-examples": info["num-examples"]}),
+            "fcir": ConfigRecord({"partition-id": partition(context)}),
+        }
+    )
     return Message(content, reply_to=msg)
 
 

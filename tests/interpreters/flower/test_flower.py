@@ -117,8 +117,8 @@ def test_training_resumes_after_the_superlink_is_killed(dep, tmp_path):
     state = ",".join(f"{i}={i}" for i in range(n_state))
     ckpt = tmp_path / "ckpt"
     config = (
-        f'rounds=3 state="{state}" checkpoint-dir="{ckpt}" output="{tmp_path}/out.npz" '
-        "min-clients=2"
+        f'num-server-rounds=3 state="{state}" checkpoint-dir="{ckpt}" output="{tmp_path}/out.npz" '
+        "min-train-nodes=2"
     )
     proc = deployment.launch(dep, app, config)
     try:
@@ -239,7 +239,7 @@ def test_one_round_over_tls_with_a_generated_localhost_ca(tmp_path):
             urllib.request.urlopen(f"http://{d.address}/health", timeout=5).close()
         with pytest.raises(OSError):  # an unknown CA is not trusted
             urllib.request.urlopen(f"https://{d.address}/health", timeout=5).close()
-        proc = d.run(app, f'output="{tmp_path}/out.npz" min-clients=2', timeout=300)
+        proc = d.run(app, f'output="{tmp_path}/out.npz" min-train-nodes=2', timeout=300)
         assert proc.returncode == 0 and "2/2 clients replied" in proc.stdout, proc.stdout[-3000:]
     got = _outputs(tmp_path / "out.npz")
     assert [g.tobytes() for g in got] == [

@@ -38,7 +38,7 @@ def test_simulation_runs_rounds_bit_for_bit_as_run_bundle_and_stops_everything(f
     (test_flower.py), and no SuperLink, flwr-simulation or Ray process is left."""
     r, app, data = fedavg
     out = tmp_path / "out.npz"
-    proc = _simulate(app, data, f'rounds=2 output="{out}"', tmp_path / "sim")
+    proc = _simulate(app, data, f'num-server-rounds=2 output="{out}"', tmp_path / "sim")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("3/3 clients replied") == 2, proc.stdout[-3000:]
     assert "finished:completed" in proc.stdout
@@ -86,7 +86,7 @@ def test_sigterm_stops_the_simulation_and_everything_it_started(fedavg, tmp_path
 
     _, app, data = fedavg
     root = tmp_path / "sim"
-    cmd = simulation.command(app, data, "rounds=50", root)
+    cmd = simulation.command(app, data, "num-server-rounds=50", root)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
