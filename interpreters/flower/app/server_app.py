@@ -491,10 +491,33 @@ def record_metrics(context, history, rnd: int, metrics: dict) -> None:
     context.state["fcir.metrics"] = MetricRecord(history.record())
 
 
+def ray_first(timeout: float) -> None:
+    """On Flower's Simulation Engine, waits until Ray has started before JAX does.
+
+    There the ServerApp runs in a thread of the ``flwr-simulation`` process, which
+    starts Ray next to it: ``ray.init`` spawns Ray's processes with a ``preexec_fn``,
+    that is through ``fork``, and once JAX's runtime runs its threads a fork warns
+    (``os.fork() ... JAX is multithreaded, so this will likely lead to a deadlock``)
+    and can deadlock. So nothing here starts JAX's runtime until Ray is up (or
+    ``timeout`` passed: Ray failing to start is Flower's error to report)."""
+    import sys
+
+    if os.path.basename(sys.argv[0] if sys.argv else "") != "flwr-simulation":
+        return
+    try:
+        import ray
+    except ImportError:
+        return
+    deadline = time.monotonic() + timeout
+    while not ray.is_initialized() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 @app.main()
 def main(grid, context) -> None:
     plan = runtime.plan()
     cfg = Config(dict(context.run_config), plan)
+    ray_first(cfg.timeout)
     inputs = initial_inputs(cfg, plan)
     if cfg.state_note:
         print(f"[fcir] {cfg.state_note}", flush=True)
