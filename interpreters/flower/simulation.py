@@ -193,7 +193,7 @@ def simulate(
         # where the command was started instead, as with Flower's own local simulation.
         config = f'{config} output="{pathlib.Path.cwd() / "final_model.npz"}"'.strip()
     if data is not None:
-        config = f'data-dir="{data_dir(data, nodes)}" {run_config}'.strip()
+        config = f'data-dir="{data_dir(data, nodes)}" {config}'.strip()
     federation_config = (
         f"num-supernodes={nodes} client-resources-num-cpus=1 init-args-num-cpus={actors}"
     )

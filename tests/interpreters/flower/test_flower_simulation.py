@@ -49,6 +49,7 @@ def test_simulation_runs_rounds_bit_for_bit_as_run_bundle_and_stops_everything(f
     for noise in ("os.fork()", "Warning:", "default simulated SuperNodes", "simulation-config",
                   "Manually terminating"):
         assert noise not in said, said[-3000:]
+    assert f"to {out}\n" in proc.stdout, proc.stdout[-3000:]
     outs = rounds.bundle_rounds(r, tmp_path / "b", 2)
     assert [g.tobytes() for g in files.read_outputs(out)] == [o.tobytes() for o in outs]
     assert _started_under(tmp_path / "sim") == []
