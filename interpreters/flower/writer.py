@@ -56,6 +56,7 @@ SOURCES = (
     "client_app.py",
     "training.py",
     "program.py",
+    "partitions.py",
 )
 # Only in --device-runtime iree apps: the device side of production bundles' client work
 # (fcir.interpreters.production.iree_runtime), copied from production's folder.
@@ -81,6 +82,14 @@ RUN_CONFIG = {
     "data-dir": "",
     "metrics-file": "",
     "max-epsilon": "",  # none: no privacy budget
+    # A data set each node partitions as flwr-datasets does (client_app.partition_data).
+    "dataset": "",
+    "dataset-fields": "",
+    "partitioner": "iid",
+    "partition-by": "label",
+    "alpha": 0.5,
+    "num-classes-per-partition": 2,
+    "partition-seed": 42,
 }
 
 

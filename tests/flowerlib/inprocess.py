@@ -88,12 +88,12 @@ def run(
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = run_id, 1, 0  # as flwr-serverapp
     app = load_app(appdir)
     grid = Grid(app, node_configs, silent, lost)
-    for c in grid.contexts.values():
-        c.run_id = run_id
     context = Context(
         run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
         run_config={**RUN_CONFIG, **run_config},
     )
+    for c in grid.contexts.values():  # a ClientApp sees the run's config too, as in Flower
+        c.run_id, c.run_config = run_id, dict(context.run_config)
     grid.context = context  # the ServerApp's context (its state after the run)
     # In a directory of its own, as flwr-serverapp: the default output (final_model.npz)
     # is written to the working directory.

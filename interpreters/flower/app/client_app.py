@@ -25,11 +25,18 @@ from . import runtime
 app = ClientApp()
 
 
-def client_data(context) -> list:
+def client_data(context, info=None) -> list:
+    """The node's client inputs: its partition of run config ``dataset`` (below), or the
+    ``.npz`` of node config ``data-path`` (else run config ``data-dir``). ``info``, when
+    given, gets the node's ``num-examples``."""
     plan = runtime.plan()
     specs = plan["client_inputs"]
     if not specs:
+        if info is not None:
+            info["num-examples"] = 1
         return []
+    if str(context.run_config.get("dataset", "") or ""):
+        return partition_data(context, plan, info)
     path = context.node_config.get("data-path")
     what = "data-path"
     if not path:
@@ -42,7 +49,67 @@ def client_data(context) -> list:
         )
     # "{round}" in data-path names the round, so one SuperNode can serve several apps.
     path = str(path).replace("{round}", plan["round"])
-    return runtime.load_leaves(path, specs, f"node {context.node_id} {what}")
+    leaves = runtime.load_leaves(path, specs, f"node {context.node_id} {what}")
+    if info is not None:
+        info["num-examples"] = num_examples(leaves)
+    return leaves
+
+
+def partition_data(context, plan: dict, info=None) -> list:
+    """The node's partition of run config ``dataset`` (an ``.npz`` of named arrays, one
+    leading example axis), as flwr-datasets' partitioner ``partitioner`` (``iid``,
+    ``dirichlet``, ``pathological``; ``partition-by``, ``alpha``,
+    ``num-classes-per-partition``, ``partition-seed``) splits it into node config
+    ``num-partitions`` partitions; this node's is ``partition-id``. Run config
+    ``dataset-fields`` names the array for each client input in order (``mask``: 1 for an
+    example, 0 for padding), each zero-padded to the input's rows; ``num-examples`` is the
+    partition's size before padding. Every node draws the same partitioning (one seed)."""
+    import pathlib
+
+    from . import partitions
+
+    rc, nc = context.run_config, context.node_config
+    what = f"node {context.node_id} dataset"
+    pid = partition(context)
+    try:
+        n = int(nc.get("num-partitions", -1))
+    except (TypeError, ValueError):
+        n = -1
+    if pid < 0 or n < 1 or pid >= n:
+        raise runtime.AppError(
+            f"{what}: run config dataset needs node config partition-id and num-partitions "
+            f"(0 <= partition-id < num-partitions; got {pid}, {n}): the Simulation Engine "
+            "and fcir flower up set both"
+        )
+    fields = [f.strip() for f in str(rc.get("dataset-fields", "")).split(",") if f.strip()]
+    specs = plan["client_inputs"]
+    if len(fields) != len(specs):
+        raise runtime.AppError(
+            f"{what}: run config dataset-fields={rc.get('dataset-fields', '')!r} names "
+            f"{len(fields)} array(s); @{plan['round']} takes {len(specs)} client input(s) "
+            f"({', '.join(s['type'] for s in specs)}): name one per input, in order"
+        )
+    path = str(rc["dataset"])
+    if not pathlib.Path(path).is_file():
+        raise runtime.AppError(f"{what}: no such file: {path}")
+    with np.load(path) as f:
+        dataset = {k: f[k] for k in f.files}
+    try:
+        p = partitions.make(
+            str(rc.get("partitioner", "iid")), n,
+            partition_by=str(rc.get("partition-by", "label")),
+            alpha=float(rc.get("alpha", 0.5)),
+            num_classes_per_partition=int(rc.get("num-classes-per-partition", 2)),
+            seed=int(rc.get("partition-seed", 42)),
+        )
+        p.dataset = dataset
+        part = p.load_partition(pid)
+        leaves = partitions.pad(part, fields, specs, f"{what} partition {pid} of {n}")
+    except ValueError as e:
+        raise runtime.AppError(f"{what}: {e}") from None
+    if info is not None:
+        info["num-examples"] = partitions._num_rows(part)
+    return leaves
 
 
 def data_dir_path(context, plan: dict) -> str | None:
@@ -171,9 +238,7 @@ def compute(
     given, gets the node's ``num-examples``."""
     plan = runtime.plan()
     step = plan["steps"][step_index]
-    leaves = client_data(context)
-    if info is not None:
-        info["num-examples"] = num_examples(leaves)
+    leaves = client_data(context, info)
     specs = plan["client_inputs"]
     node_state = None
     if plan.get("loop", {}).get("client_state"):
