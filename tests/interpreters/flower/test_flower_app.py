@@ -116,11 +116,12 @@ def test_app_directory_layout_and_cli(fedavg, tmp_path):
     files = sorted(p.relative_to(app).as_posix() for p in app.rglob("*") if p.is_file())
     assert files == [
         "fcir_app/__init__.py", "fcir_app/artifacts.json", "fcir_app/client_app.py",
-        "fcir_app/inputs.json", "fcir_app/plan.json", "fcir_app/program.py", "fcir_app/runtime.py",
-        "fcir_app/secagg.py", "fcir_app/server_app.py", "fcir_app/training.py", "pyproject.toml",
+        "fcir_app/inputs.json", "fcir_app/partitions.py", "fcir_app/plan.json",
+        "fcir_app/program.py", "fcir_app/runtime.py", "fcir_app/secagg.py",
+        "fcir_app/server_app.py", "fcir_app/training.py", "pyproject.toml",
     ]
     # The ClientApp side never imports fcir: a device installs jax and flwr only.
-    for name in ("client_app.py", "runtime.py", "secagg.py", "training.py", "program.py"):
+    for name in ("client_app.py", "runtime.py", "secagg.py", "training.py", "program.py", "partitions.py"):
         assert "fcir." not in (app / "fcir_app" / name).read_text().replace("fcir.raw", "")
     np.savez(tmp_path / "in.npz", *r.server_leaves)
     src = tmp_path / "round.fcir"
