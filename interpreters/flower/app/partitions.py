@@ -5,7 +5,7 @@ objects, which pulls in ``datasets`` and pyarrow; these have its partitioners' n
 parameters and semantics on a dict of numpy arrays (one leading example axis), offline.
 This file is copied into every exported app (fcir_app/partitions.py), where a node
 loads its partition of run config ``dataset`` (client_app.client_data); it imports
-only numpy. ``fcir.interpreters.flower.data`` exports the same classes.
+only numpy. fcir's ``interpreters.flower.data`` module exports the same classes.
 """
 
 from __future__ import annotations
