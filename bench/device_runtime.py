@@ -240,7 +240,7 @@ def per_call(apps, step, values, data_leaves, n: int) -> dict:
 def run_round(dep, app, out) -> tuple[float, float | None]:
     start = time.perf_counter()
     proc = subprocess.run(
-        dep.run_command(app, f'rounds=1 output="{out}"'),
+        dep.run_command(app, f'num-server-rounds=1 output="{out}"'),
         env=env_for(dep.cli_home),
         capture_output=True,
         text=True,

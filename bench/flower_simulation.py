@@ -72,10 +72,10 @@ def main() -> None:
     try:
         for k in range(a.reps):
             out = root / f"sim{k}.npz"
-            sim.append(simulate(app, data, f'rounds=3 output="{out}"', root / f"sim{k}"))
+            sim.append(simulate(app, data, f'num-server-rounds=3 output="{out}"', root / f"sim{k}"))
             out2 = root / f"dep{k}.npz"
             t = time.perf_counter()
-            proc = dep.run(app, f'rounds=3 output="{out2}"', timeout=600)
+            proc = dep.run(app, f'num-server-rounds=3 output="{out2}"', timeout=600)
             dep_t.append(time.perf_counter() - t)
             if proc.returncode != 0 or not out2.exists():
                 raise SystemExit(proc.stdout[-3000:])

@@ -9,7 +9,7 @@ it past ``--max-epsilon``.
 
 The training runs twice, as an interrupted job would: first ``--first-rounds`` rounds
 with ``checkpoint-dir`` (each round's checkpoint keeps the budget spent), then the
-same run again with ``rounds=--rounds``. The second run resumes after the first's last
+same run again with ``num-server-rounds=--rounds``. The second run resumes after the first's last
 round *and* its ε: it runs only the rounds the budget has left, not a fresh budget's.
 
 The round releases the clients' mean update through ``fcir.dp_mean`` (central DP: the
@@ -146,12 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called")
     logs = []
     for label, rounds in (("first run", args.first_rounds), ("resumed run", args.rounds)):
-        print(f"--- {label}: rounds={rounds} ---", flush=True)
+        print(f"--- {label}: num-server-rounds={rounds} ---", flush=True)
         result = simulate(
             app,
             args.nodes,
             work / "data",
-            f"rounds={rounds} {common}",
+            f"num-server-rounds={rounds} {common}",
             actors=args.actors,
             root=work / f"sim{len(logs)}",
             echo=sys.stdout,

@@ -5,7 +5,7 @@
     from fcir.interpreters import flower
 
     flower.export(module, "app/", inputs=server_leaves)   # ExportError if not exportable
-    # then: flwr run app/ FEDERATION --run-config 'rounds=3 output="/abs/out.npz"'
+    # then: flwr run app/ local --stream --run-config 'num-server-rounds=3'
 
 The app's ServerApp runs the round's server parts (jax.export artifacts of the
 production split), samples SuperNodes, aggregates their replies and checkpoints the

@@ -9,6 +9,7 @@ from fcir.frontend.evaluation import evaluation
 from fcir.frontend.loading import is_ir_file, load_inputs, load_module, load_python_target
 
 from . import export
+from .app import runtime as app_runtime
 from .app import training
 from .data import split_arguments
 from .local import Deployment, _bin, env_for, flwr_run
@@ -27,6 +28,11 @@ def cmd_export_flower(module, a) -> int:
     )
     print(f"@{module.name}: wrote Flower app to {out}")
     print(f"run it: {run_hint(out)}")
+    print(
+        "(with the FLWR_HOME 'fcir flower up' prints, whose SuperLink connection is 'local'; "
+        "the final outputs go to final_model.npz in the ServerApp's working directory, or "
+        "to run config output=\"/abs/out.npz\")"
+    )
     return 0
 
 
@@ -68,12 +74,14 @@ def run_hint(appdir) -> str:
     plan = json.loads((pathlib.Path(appdir) / APP_PACKAGE / "plan.json").read_text())
     mapping = training.infer(plan)
     if "loop" in plan:  # the program's own loop runs the rounds
-        config = 'output="/abs/out.npz"'
+        config = ""
     elif mapping and training.fixed_key(plan, mapping) is None:
-        config = f'rounds=3 state=\"{training.text(mapping)}\" output=\"/abs/out.npz\"'
+        config = f' --run-config \'num-server-rounds=3 state="{training.text(mapping)}"\''
     else:
-        config = 'rounds=1 output=\"/abs/out.npz\"'
-    return f"flwr run {appdir} FEDERATION --stream --run-config '{config}'"
+        config = " --run-config 'num-server-rounds=1'"
+    # flwr 1.42: flwr run [APP] [SUPERLINK]: `local` is the SuperLink connection that
+    # `fcir flower up` writes in its FLWR_HOME's config.toml.
+    return f"flwr run {appdir} local --stream{config}"
 
 
 def register(subparsers) -> None:
@@ -119,15 +127,21 @@ def register(subparsers) -> None:
     run = sub.add_parser(
         "run",
         help="flwr run an exported app and exit non-zero when its ServerApp fails",
-        description="Run an exported app with 'flwr run APP FEDERATION --stream' (FLWR_HOME "
+        description="Run an exported app with 'flwr run APP SUPERLINK --stream' (FLWR_HOME "
         "names the SuperLink, as 'fcir flower up' prints it), stream its log, then ask the "
         "SuperLink how the run ended: exit 0 when it completed, 1 with the ServerApp's "
         "error when it failed (flwr run itself exits 0 either way).",
         epilog="Example: FLWR_HOME=/tmp/fcir-flower-x/home-cli fcir flower run app/ "
-        "--run-config 'rounds=3 output=\"/abs/out.npz\"'",
+        "--run-config 'num-server-rounds=3 output=\"/abs/out.npz\"'",
     )
     run.add_argument("app", metavar="APP", help="the exported app directory")
-    run.add_argument("--federation", default="local", help="the federation (default: local)")
+    run.add_argument(
+        "--superlink",
+        "--federation",  # its name before flwr 1.42 called the argument a SuperLink connection
+        dest="superlink",
+        default="local",
+        help="the SuperLink connection in FLWR_HOME's config.toml (default: local)",
+    )
     run.add_argument("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
     run.set_defaults(func=cmd_run)
 
@@ -141,7 +155,7 @@ def register(subparsers) -> None:
         "for bit those of the same run on a deployment. Exits 1 with the ServerApp's "
         "error when it fails, and stops every process it started.",
         epilog="Example: fcir flower simulate app/ --nodes 3 --data parts/ --run-config "
-        "'rounds=3 output=\"/abs/out.npz\"'",
+        "'num-server-rounds=3 output=\"/abs/out.npz\"'",
     )
     sim.add_argument("app", metavar="APP", help="the exported app directory")
     sim.add_argument("--nodes", type=int, required=True, help="number of virtual SuperNodes")
@@ -244,7 +258,7 @@ def cmd_up(a) -> int:
                   "SuperNode elsewhere passes it as --root-certificates)")
         print("Run an exported app (one progress line per round) with:")
         print(f"  FLWR_HOME={home} fcir flower run APPDIR "
-              "--run-config 'rounds=1 output=\"/abs/out.npz\"'")
+              "--run-config 'num-server-rounds=1 output=\"/abs/out.npz\"'")
         print(f"  (or FLWR_HOME={home} flwr run APPDIR local --stream ..., which exits 0 "
               "even when the ServerApp fails: see flwr ls local)")
         print("Ctrl-C (or SIGTERM, SIGHUP) stops every process started here.", flush=True)
@@ -268,8 +282,19 @@ def cmd_up(a) -> int:
     return 0
 
 
+def refuse_renamed_keys(run_config: str) -> None:
+    """An old run config name in ``--run-config`` (``rounds=3``) is refused naming
+    Flower's, before flwr run refuses it as a key pyproject.toml does not declare."""
+    import re
+
+    keys = re.findall(r"(?:^|\s)([A-Za-z][\w-]*)\s*=", run_config or "")
+    old = app_runtime.renamed(keys)
+    if old:
+        raise FcirError("; ".join(old) + ": rename it in --run-config")
+
+
 def cmd_run(a) -> int:
-    """``flwr run APPDIR FEDERATION --stream``, then the run's status from the SuperLink:
+    """``flwr run APPDIR SUPERLINK --stream``, then the run's status from the SuperLink:
     exit 1 with the ServerApp's error when it failed."""
     import os
     import sys
@@ -280,10 +305,11 @@ def cmd_run(a) -> int:
             "'fcir flower up' prints)"
         )
     env = env_for(os.environ["FLWR_HOME"])
-    cmd = [_bin("flwr"), "run", str(a.app), a.federation, "--stream"]
+    refuse_renamed_keys(a.run_config)
+    cmd = [_bin("flwr"), "run", str(a.app), a.superlink, "--stream"]
     if a.run_config:
         cmd += ["--run-config", a.run_config]
-    result = flwr_run(cmd, env, a.federation, echo=sys.stdout)
+    result = flwr_run(cmd, env, a.superlink, echo=sys.stdout)
     if not result.ok:
         raise FcirError(f"run {result.run_id} failed: {result.failure()}")
     print(f"[fcir] run {result.run_id} {result.status}", flush=True)
@@ -295,6 +321,7 @@ def cmd_simulate(a) -> int:
 
     if a.actors is not None and a.actors < 1:
         raise FcirError("fcir flower simulate: --actors must be at least 1")
+    refuse_renamed_keys(a.run_config)
 
     def stop(signum, frame):
         raise _Stop(signum)

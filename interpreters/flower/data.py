@@ -24,13 +24,21 @@ arguments have one shape for every client, so partitions of different sizes go t
 from __future__ import annotations
 
 import pathlib
-import warnings
 
 import jax
 import numpy as np
 
 from fcir.errors import FcirError
 from fcir.ir.types import SERVER, PlacedType
+
+# The partitioners live in the app package, which nodes run without fcir.
+from .app.partitions import (
+    DirichletPartitioner,
+    IidPartitioner,
+    Partitioner,
+    PathologicalPartitioner,
+    _num_rows,
+)
 
 SERVER_FILE = "server_inputs.npz"
 
@@ -74,149 +82,15 @@ def split_arguments(module, args, directory) -> tuple[pathlib.Path, list[pathlib
     return server_path, nodes
 
 
-# --- partitioners (flwr_datasets.partitioner's names and semantics) ------------------------
 
-
-def _num_rows(dataset: dict) -> int:
-    sizes = {len(np.asarray(v)) for v in dataset.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"the data set's arrays differ in length: {sorted(sizes)}")
-    return sizes.pop()
-
-
-class Partitioner:
-    """A data set (``dict`` of arrays with one leading example axis) split into
-    ``num_partitions`` partitions; ``load_partition(i)`` is partition i as such a dict."""
-
-    def __init__(self, num_partitions: int):
-        if num_partitions < 1:
-            raise ValueError("The number of partitions needs to be greater than zero.")
-        self._num_partitions = num_partitions
-        self._dataset: dict | None = None
-        self._indices: list[np.ndarray] | None = None
-
-    @property
-    def num_partitions(self) -> int:
-        return self._num_partitions
-
-    @property
-    def dataset(self) -> dict:
-        if self._dataset is None:
-            raise AttributeError("no data set assigned: set partitioner.dataset = {...} first")
-        return self._dataset
-
-    @dataset.setter
-    def dataset(self, value: dict) -> None:
-        if self._dataset is not None:
-            raise ValueError("the data set can be assigned only once")
-        value = {k: np.asarray(v) for k, v in dict(value).items()}
-        if _num_rows(value) < self._num_partitions:
-            raise ValueError(
-                "The number of partitions needs to be smaller than the number of samples in "
-                "the dataset."
-            )
-        self._dataset = value
-
-    def is_dataset_assigned(self) -> bool:
-        return self._dataset is not None
-
-    def partition_indices(self) -> list[np.ndarray]:
-        """The example indices of every partition (computed once)."""
-        if self._indices is None:
-            self._indices = self._split(_num_rows(self.dataset))
-        return self._indices
-
-    def load_partition(self, partition_id: int) -> dict:
-        idx = self.partition_indices()[partition_id]
-        return {k: v[idx] for k, v in self.dataset.items()}
-
-    def _split(self, rows: int) -> list[np.ndarray]:
-        raise NotImplementedError
-
-
-class IidPartitioner(Partitioner):
-    """Contiguous shards of (near) equal size, as flwr-datasets' IidPartitioner takes
-    them (``Dataset.shard(num_partitions, i, contiguous=True)``): shuffle the data set
-    first (flwr-datasets' FederatedDataset does, with seed 42) for IID partitions."""
-
-    def _split(self, rows: int) -> list[np.ndarray]:
-        return np.array_split(np.arange(rows), self._num_partitions)
-
-
-class DirichletPartitioner(Partitioner):
-    """Label-skewed partitions (Yurochkin et al., 2019), as flwr-datasets'
-    DirichletPartitioner: for each label (in order of first appearance), the fractions of its examples
-    that go to each partition are drawn from Dirichlet(``alpha``) and the examples split
-    at those cumulative fractions; with ``self_balancing``, a partition already holding
-    more than the mean number of examples gets none of the later labels (the others'
-    fractions renormalized). The draw is repeated (up to 10 more times, with a warning)
-    until every partition has at least ``min_partition_size`` examples; then, with
-    ``shuffle``, each partition's examples are shuffled. One ``numpy`` Generator seeded
-    by ``seed`` draws everything. Smaller alpha: more skew."""
-
-    def __init__(
-        self,
-        num_partitions: int,
-        partition_by: str,
-        alpha,
-        min_partition_size: int = 10,
-        self_balancing: bool = True,
-        shuffle: bool = True,
-        seed: int | None = 42,
-    ):
-        super().__init__(num_partitions)
-        a = np.asarray(alpha, dtype=float).reshape(-1)
-        if a.size == 1:
-            a = np.repeat(a, num_partitions)
-        if a.size != num_partitions:
-            raise ValueError("alpha needs one value, or one per partition")
-        if not (a > 0).all():
-            raise ValueError(f"Alpha values should be strictly greater than zero, got {a}")
-        self._alpha = a
-        self._partition_by = partition_by
-        self._min_partition_size = min_partition_size
-        self._self_balancing = self_balancing
-        self._shuffle = shuffle
-        self._rng = np.random.default_rng(seed)
-
-    def _split(self, rows: int) -> list[np.ndarray]:
-        if self._partition_by not in self.dataset:
-            raise ValueError(f"the data set has no array {self._partition_by!r} to partition by")
-        labels = self.dataset[self._partition_by]
-        # Labels in order of first appearance, as Dataset.unique gives them.
-        _, first = np.unique(labels, return_index=True)
-        classes = labels[np.sort(first)]
-        mean = rows / self._num_partitions
-        for attempt in range(11):
-            parts: list[list[int]] = [[] for _ in range(self._num_partitions)]
-            for k in classes:
-                members = np.nonzero(labels == k)[0]
-                p = self._rng.dirichlet(self._alpha)
-                if self._self_balancing:
-                    full = np.array([len(q) > mean for q in parts])
-                    p = np.where(full, 0.0, p)
-                    p = p / p.sum()
-                cuts = (np.cumsum(p) * len(members)).astype(int)[:-1]
-                for q, chunk in zip(parts, np.split(members, cuts)):
-                    q.extend(chunk.tolist())
-            smallest = min(len(q) for q in parts)
-            if smallest >= self._min_partition_size:
-                break
-            if attempt == 10:
-                raise ValueError(
-                    f"no partitioning with min_partition_size={self._min_partition_size} after "
-                    "11 draws: raise alpha or lower min_partition_size"
-                )
-            warnings.warn(
-                f"min_partition_size={self._min_partition_size} not met (smallest partition: "
-                f"{smallest}); drawing again",
-                stacklevel=2,
-            )
-        out = [np.asarray(q, dtype=np.int64) for q in parts]
-        if self._shuffle:
-            for q in out:
-                self._rng.shuffle(q)
-        return out
+__all__ = [
+    "DirichletPartitioner",
+    "IidPartitioner",
+    "Partitioner",
+    "PathologicalPartitioner",
+    "pad_partitions",
+    "split_arguments",
+]
 
 
 def pad_partitions(partitions: list[dict], size: int | None = None) -> dict:

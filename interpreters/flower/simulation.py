@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import signal
 import sys
 import tempfile
@@ -41,7 +42,33 @@ RAY_DEFAULTS = {
     "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.05",
     "RAY_DEDUP_LOGS": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray's FutureWarning about a future default for accelerator env vars (no GPU here).
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
 }
+
+# Lines of a simulation's log that say nothing to an fcir user: Flower's notes on its
+# default federation size (--nodes sets it) with the flwr command that would change
+# it, and its shutdown of the actors.
+QUIET = (
+    re.compile(r"default simulated SuperNodes changed from"),
+    re.compile(r"To change federation size, use the following command"),
+    re.compile(r"\sflwr federation simulation-config "),
+    re.compile(r"Manually terminating ClientAppActor"),
+)
+
+
+class Quiet:
+    """``echo`` without the lines QUIET matches."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def write(self, line: str) -> None:
+        if not any(p.search(line) for p in QUIET):
+            self.out.write(line)
+
+    def flush(self) -> None:
+        self.out.flush()
 
 
 class SimulationLink(Deployment):
@@ -161,8 +188,12 @@ def simulate(
     if not (app / "pyproject.toml").is_file():
         raise FcirError(f"{app} is not an app directory (no pyproject.toml): export one first")
     config = run_config
+    if not re.search(r"(?:^|\s)output\s*=", run_config or ""):
+        # The ServerApp runs in the temporary SuperLink's directory: the final model goes
+        # where the command was started instead, as with Flower's own local simulation.
+        config = f'{config} output="{pathlib.Path.cwd() / "final_model.npz"}"'.strip()
     if data is not None:
-        config = f'data-dir="{data_dir(data, nodes)}" {run_config}'.strip()
+        config = f'data-dir="{data_dir(data, nodes)}" {config}'.strip()
     federation_config = (
         f"num-supernodes={nodes} client-resources-num-cpus=1 init-args-num-cpus={actors}"
     )
@@ -181,6 +212,7 @@ def simulate(
         ]
         if config:
             cmd += ["--run-config", config]
+        echo = None if echo is None else Quiet(echo)
         return flwr_run(cmd, env_for(link.cli_home), FEDERATION, echo=echo, timeout=timeout)
     finally:
         link.stop()

@@ -59,27 +59,40 @@ SOURCES = (
     "training.py",
     "program.py",
     "evaluation.py",
+    "partitions.py",
 )
 # Only in --device-runtime iree apps: the device side of production bundles' client work
 # (fcir.interpreters.production.iree_runtime), copied from production's folder.
 IREE_SOURCES = ("iree_runtime.py",)
 
 # Run config keys and their defaults (flwr run --run-config overrides only declared keys).
+# Flower's FedAvg keys with its defaults (fraction-*, min-*-nodes), then fcir's own.
 RUN_CONFIG = {
-    "rounds": 1,
+    "num-server-rounds": 1,
+    "fraction-train": 1.0,
+    "fraction-evaluate": 1.0,
+    "min-train-nodes": 2,
+    "min-evaluate-nodes": 2,
+    "min-available-nodes": 2,
     "output": "",
     "inputs": "",
     "state": "",
     "metrics": "",
     "checkpoint-dir": "",
-    "fraction": 1.0,
     "clients": 0,
-    "min-clients": 1,
     "timeout": 600.0,
     "secagg": True,
     "data-dir": "",
     "metrics-file": "",
     "max-epsilon": "",  # none: no privacy budget
+    # A data set each node partitions as flwr-datasets does (client_app.partition_data).
+    "dataset": "",
+    "dataset-fields": "",
+    "partitioner": "iid",
+    "partition-by": "label",
+    "alpha": 0.5,
+    "num-classes-per-partition": 2,
+    "partition-seed": 42,
 }
 
 
@@ -332,8 +345,9 @@ def _pyproject(name: str, device_runtime: str = "jax") -> str:
 
     config = "\n".join(f'"{k}" = {value(v)}' for k, v in RUN_CONFIG.items())
     return f"""# A Flower app exported by fcir (fcir export --target flower). Run it with
-#   flwr run . FEDERATION --run-config 'rounds=3 output="/abs/out.npz"'
-# (with rounds > 1, outputs feed the server inputs of the same pytree path and type,
+#   flwr run . SUPERLINK --stream --run-config 'num-server-rounds=3'
+# (the final outputs go to final_model.npz, or to output="/abs/out.npz"; with
+# num-server-rounds > 1, outputs feed the server inputs of the same pytree path and type,
 # or name the mapping with state="I=O,...": see docs/flower.md, Run config)
 [build-system]
 requires = ["hatchling"]

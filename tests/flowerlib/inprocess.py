@@ -8,11 +8,13 @@ SuperNode makes it), and a node listed in ``silent`` never answers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import itertools
 import pathlib
 import sys
+import tempfile
 import types
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -47,6 +49,7 @@ class Grid:
         self.silent = set(silent)
         self.lost = lost or {}  # node -> rounds whose reply is lost after the client ran
         self.sent: list[int] = []
+        self.exchanged: list[tuple[Message, Message]] = []  # (message, reply) as delivered
 
     def get_node_ids(self):
         return list(self.contexts)
@@ -66,7 +69,8 @@ class Grid:
             except Exception as e:  # noqa: BLE001  (the SuperNode turns it into an error reply)
                 reply = Message(Error(code=2, reason=f"{type(e)}:<'{e}'>"), reply_to=msg)
             assert reply.metadata.src_node_id == node  # a reply comes from its addressee
-            if node in self.lost and int(msg.content["fcir"]["round"]) in self.lost[node]:
+            self.exchanged.append((msg, reply))
+            if node in self.lost and int(msg.content["config"]["server-round"]) in self.lost[node]:
                 continue
             replies.append(reply)
         return replies
@@ -84,12 +88,27 @@ def run(
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = run_id, 1, 0  # as flwr-serverapp
     app = load_app(appdir)
     grid = Grid(app, node_configs, silent, lost)
-    for c in grid.contexts.values():
-        c.run_id = run_id
     context = Context(
         run_id=run_id, node_id=0, node_config={}, state=RecordDict(),
         run_config={**RUN_CONFIG, **run_config},
     )
+    for c in grid.contexts.values():  # a ClientApp sees the run's config too, as in Flower
+        c.run_id, c.run_config = run_id, dict(context.run_config)
     grid.context = context  # the ServerApp's context (its state after the run)
-    app.server.main(grid, context)
+    # In a directory of its own, as flwr-serverapp: the default output (final_model.npz)
+    # is written to the working directory.
+    with tempfile.TemporaryDirectory() as cwd, contextlib.chdir(cwd):
+        app.server.main(grid, context)
+        grid.cwd_files = sorted(p.name for p in pathlib.Path(cwd).iterdir())  # what it left there
+        grid.final_model = _read(pathlib.Path(cwd) / "final_model.npz")
     return grid
+
+
+def _read(path) -> list | None:
+    """The arrays of an .npz in arr_i order, None when there is no such file."""
+    import numpy as np
+
+    if not path.exists():
+        return None
+    with np.load(path) as f:
+        return [f[f"arr_{i}"] for i in range(len(f.files))]

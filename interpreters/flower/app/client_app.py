@@ -1,7 +1,10 @@
 """The ClientApp: one client's work of the round, from its jax.export artifact.
 
-Messages of type ``train.fcir`` carry, in the ``fcir`` ConfigRecord, which exchange of
-the round they belong to, and in the ``values`` ArrayRecord what the server sends. The
+Messages of type ``train.fcir`` follow Flower's layout: ``arrays`` (an ArrayRecord:
+what the server sends), ``config`` (``server-round``) and fcir's own ConfigRecord
+``fcir`` (``step``: which exchange of the round; ``client-state``). The reply holds
+``arrays`` (the client outputs), ``metrics`` (``num-examples``) and ``fcir``
+(``partition-id``, which orders the server's sums). The
 client reads its data from the ``.npz`` its node config names (``data-path``: leaves
 ``arr_0``, ``arr_1``, ... in the order of the round's flattened client arguments, one
 client's slice) and replies with its client outputs. Every message starts a fresh
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import flwr.compat.common.recorddict_compat as compat
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
@@ -22,11 +25,18 @@ from . import evaluation, runtime
 app = ClientApp()
 
 
-def client_data(context) -> list:
+def client_data(context, info=None) -> list:
+    """The node's client inputs: its partition of run config ``dataset`` (below), or the
+    ``.npz`` of node config ``data-path`` (else run config ``data-dir``). ``info``, when
+    given, gets the node's ``num-examples``."""
     plan = runtime.plan()
     specs = plan["client_inputs"]
     if not specs:
+        if info is not None:
+            info["num-examples"] = 1
         return []
+    if str(context.run_config.get("dataset", "") or ""):
+        return partition_data(context, plan, info)
     path = context.node_config.get("data-path")
     what = "data-path"
     if not path:
@@ -39,7 +49,67 @@ def client_data(context) -> list:
         )
     # "{round}" in data-path names the round, so one SuperNode can serve several apps.
     path = str(path).replace("{round}", plan["round"])
-    return runtime.load_leaves(path, specs, f"node {context.node_id} {what}")
+    leaves = runtime.load_leaves(path, specs, f"node {context.node_id} {what}")
+    if info is not None:
+        info["num-examples"] = num_examples(leaves)
+    return leaves
+
+
+def partition_data(context, plan: dict, info=None) -> list:
+    """The node's partition of run config ``dataset`` (an ``.npz`` of named arrays, one
+    leading example axis), as flwr-datasets' partitioner ``partitioner`` (``iid``,
+    ``dirichlet``, ``pathological``; ``partition-by``, ``alpha``,
+    ``num-classes-per-partition``, ``partition-seed``) splits it into node config
+    ``num-partitions`` partitions; this node's is ``partition-id``. Run config
+    ``dataset-fields`` names the array for each client input in order (``mask``: 1 for an
+    example, 0 for padding), each zero-padded to the input's rows; ``num-examples`` is the
+    partition's size before padding. Every node draws the same partitioning (one seed)."""
+    import pathlib
+
+    from . import partitions
+
+    rc, nc = context.run_config, context.node_config
+    what = f"node {context.node_id} dataset"
+    pid = partition(context)
+    try:
+        n = int(nc.get("num-partitions", -1))
+    except (TypeError, ValueError):
+        n = -1
+    if pid < 0 or n < 1 or pid >= n:
+        raise runtime.AppError(
+            f"{what}: run config dataset needs node config partition-id and num-partitions "
+            f"(0 <= partition-id < num-partitions; got {pid}, {n}): the Simulation Engine "
+            "and fcir flower up set both"
+        )
+    fields = [f.strip() for f in str(rc.get("dataset-fields", "")).split(",") if f.strip()]
+    specs = plan["client_inputs"]
+    if len(fields) != len(specs):
+        raise runtime.AppError(
+            f"{what}: run config dataset-fields={rc.get('dataset-fields', '')!r} names "
+            f"{len(fields)} array(s); @{plan['round']} takes {len(specs)} client input(s) "
+            f"({', '.join(s['type'] for s in specs)}): name one per input, in order"
+        )
+    path = str(rc["dataset"])
+    if not pathlib.Path(path).is_file():
+        raise runtime.AppError(f"{what}: no such file: {path}")
+    with np.load(path) as f:
+        dataset = {k: f[k] for k in f.files}
+    try:
+        p = partitions.make(
+            str(rc.get("partitioner", "iid")), n,
+            partition_by=str(rc.get("partition-by", "label")),
+            alpha=float(rc.get("alpha", 0.5)),
+            num_classes_per_partition=int(rc.get("num-classes-per-partition", 2)),
+            seed=int(rc.get("partition-seed", 42)),
+        )
+        p.dataset = dataset
+        part = p.load_partition(pid)
+        leaves = partitions.pad(part, fields, specs, f"{what} partition {pid} of {n}")
+    except ValueError as e:
+        raise runtime.AppError(f"{what}: {e}") from None
+    if info is not None:
+        info["num-examples"] = partitions._num_rows(part)
+    return leaves
 
 
 def data_dir_path(context, plan: dict) -> str | None:
@@ -148,15 +218,27 @@ def _round_of(path) -> int | None:
         return None
 
 
-def compute(step_index: int, values: dict, context, rnd: int = 0, state_config=None) -> dict:
+def num_examples(leaves: list) -> int:
+    """The node's example count, the ``num-examples`` Flower weighs replies by: the
+    rows of its first client input that has any (1 when none has)."""
+    for x in leaves:
+        if np.ndim(x) > 0:
+            return int(np.shape(x)[0])
+    return 1
+
+
+def compute(
+    step_index: int, values: dict, context, rnd: int = 0, state_config=None, info=None
+) -> dict:
     """The client work of exchange ``step_index`` on the node's data and the values the
     server sent: ``"group/name" -> array`` of the client outputs. With per-client state
     (``state_config``: what the server sent), the state the node kept replaces the
     initial value of each carry at the clients, and the exchange that computes its new
-    value saves it as the state after round ``rnd`` (never sent)."""
+    value saves it as the state after round ``rnd`` (never sent). ``info``, when
+    given, gets the node's ``num-examples``."""
     plan = runtime.plan()
     step = plan["steps"][step_index]
-    leaves = client_data(context)
+    leaves = client_data(context, info)
     specs = plan["client_inputs"]
     node_state = None
     if plan.get("loop", {}).get("client_state"):
@@ -190,11 +272,18 @@ def compute(step_index: int, values: dict, context, rnd: int = 0, state_config=N
 @app.train("fcir")
 def work(msg: Message, context) -> Message:
     config = msg.content["fcir"]
+    info = {}
     outputs = compute(
-        int(config["step"]), runtime.from_record(msg.content["values"]), context,
-        int(config.get("round", 0)), config.get("client-state"),
+        int(config["step"]), runtime.from_record(msg.content["arrays"]), context,
+        int(msg.content["config"].get("server-round", 0)), config.get("client-state"), info,
     )
-    content = RecordDict({"values": runtime.to_record(outputs), "fcir": ConfigRecord({"partition": partition(context)})})
+    content = RecordDict(
+        {
+            "arrays": runtime.to_record(outputs),
+            "metrics": MetricRecord({"num-examples": info["num-examples"]}),
+            "fcir": ConfigRecord({"partition-id": partition(context)}),
+        }
+    )
     return Message(content, reply_to=msg)
 
 

@@ -14,30 +14,17 @@ returns the metrics by the program's names.
 
 from __future__ import annotations
 
-import math
-import random
-
 import numpy as np
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from . import runtime, training
 
 
-def sample(grid, run_config, rnd: int) -> list[int]:
-    nodes = sorted(grid.get_node_ids())
-    fraction = float(run_config.get("fraction-evaluate", 1.0))
-    if fraction <= 0 or not nodes:
-        return []
-    least = int(run_config.get("min-evaluate-nodes", 1))
-    want = min(len(nodes), max(math.floor(fraction * len(nodes)), least, 1))
-    return sorted(random.Random(-rnd).sample(nodes, want))
-
-
-def run(grid, run_config, plan: dict, inputs: list, rnd: int, timeout: float) -> tuple[dict, str]:
-    """The evaluation of the server values ``inputs`` (the next round's): (metrics by
-    name, the progress line's words)."""
+def run(grid, nodes: list[int], plan: dict, inputs: list, rnd: int, timeout: float) -> tuple[dict, str]:
+    """The evaluation of the server values ``inputs`` (the next round's) on ``nodes``
+    (the ServerApp samples them, as for training): (metrics by name, the progress
+    line's words)."""
     ev = plan["evaluate"]
-    nodes = sample(grid, run_config, rnd)
     if not nodes:
         return {}, ""
     prepare, exchange, result = ev["steps"]

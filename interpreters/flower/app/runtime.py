@@ -37,6 +37,31 @@ class AppError(RuntimeError):
     """The app, its data or its configuration is wrong; the message says what to fix."""
 
 
+# fcir's earlier run config names -> Flower's (its FedAvg's), which the app now takes.
+RENAMED_RUN_CONFIG = {
+    "rounds": "num-server-rounds",
+    "fraction": "fraction-train",
+    "min-clients": "min-train-nodes",
+}
+
+
+def renamed(keys) -> list[str]:
+    """One sentence per old run config name among ``keys``, naming Flower's."""
+    return [
+        f"run config {k} is now {RENAMED_RUN_CONFIG[k]} (Flower's name)"
+        for k in keys
+        if k in RENAMED_RUN_CONFIG
+    ]
+
+
+def refuse_renamed(run_config) -> None:
+    """Refuses a run config that uses an old name (``flwr run`` refuses keys that
+    pyproject.toml does not declare; an in-process run gets this message)."""
+    old = renamed(run_config)
+    if old:
+        raise AppError("; ".join(old) + ": rename it in --run-config")
+
+
 @functools.cache
 def plan() -> dict:
     return json.loads((HERE / PLAN_FILE).read_text())

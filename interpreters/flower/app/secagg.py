@@ -80,7 +80,7 @@ def _check_count(nodes: list[int], rnd: int) -> None:
     if not MIN_CLIENTS <= len(nodes) <= MAX_CLIENTS:
         raise AppError(
             f"round {rnd}: a secure sum on SecAgg+ needs {MIN_CLIENTS}..{MAX_CLIENTS} sampled "
-            f"clients, got {len(nodes)}: sample more (min-clients={MIN_CLIENTS}) or run "
+            f"clients, got {len(nodes)}: sample more (min-train-nodes={MIN_CLIENTS}) or run "
             "with --run-config 'secagg=false' (secure sums summed by the ServerApp)"
         )
 

@@ -1,21 +1,31 @@
 """The ServerApp: the round's server parts, participation, aggregation and training loop.
 
-Run config (declared in pyproject.toml, overridden with ``flwr run --run-config``):
+Run config (declared in pyproject.toml, overridden with ``flwr run --run-config``);
+the sampling keys are Flower's FedAvg's, with its defaults and meanings:
 
-``rounds=N``            run the round N times (default 1)
+``num-server-rounds=N`` run the round N times (default 1)
+``fraction-train=F``    sample ``max(int(F * online nodes), min-train-nodes)`` nodes
+                        for each exchange (default 1.0)
+``min-train-nodes=M``   at least M nodes sampled (default 2); fewer than M replies fail
+                        the round (fcir's addition: Flower would aggregate them)
+``min-available-nodes=A``  wait (up to ``timeout``) until max(A, the sample size) nodes
+                        are online (default 2)
+``fraction-evaluate=F``, ``min-evaluate-nodes=M``
+                        the same for an evaluate stage (defaults 1.0 and 2)
 ``inputs=FILE``         the server's inputs, an ``.npz`` in ``fcir run-plan --inputs``
                         layout with the server leaves only; default: the app's inputs.json
-``output=FILE``         where to write the final outputs (``fcir run-plan -o`` layout)
+``output=FILE``         where to write the final outputs (``fcir run-plan -o`` layout);
+                        default ``final_model.npz``, relative paths from the ServerApp's
+                        working directory; ``none``: not written
 ``state="I=O,..."``     after each round, output ``arr_O`` becomes server input ``arr_I``
                         for the next (positions in the output and inputs files); default
-                        with rounds > 1: outputs of a server input's pytree path and type
-                        (printed), refused when there are none; ``none``: no mapping
+                        with several rounds: outputs of a server input's pytree path and
+                        type (printed), refused when there are none; ``none``: no mapping
 ``metrics="O,..."``     outputs logged each round (default: every scalar output that is
                         not state)
 ``checkpoint-dir=DIR``  save the server inputs of the next round after each round with
                         fcir.checkpoint; a run started again resumes from the newest one
-``fraction=F``, ``clients=K``, ``min-clients=M``
-                        sample K nodes (or a fraction F of the online ones), at least M
+``clients=K``           sample exactly K nodes instead (fcir's; 0: by fraction-train)
 ``timeout=T``           seconds to wait for the replies of one exchange
 ``secagg=true|false``   secure sums through Flower's SecAgg+ (default), or summed by
                         the ServerApp in the clear (fewer round trips; same result)
@@ -24,9 +34,19 @@ Run config (declared in pyproject.toml, overridden with ``flwr run --run-config`
                         round that would take cumulative epsilon past E, writes the
                         outputs of the rounds that ran, and checkpoints the budget spent
 
+fcir's earlier names (``rounds``, ``fraction``, ``min-clients``) are refused, naming
+Flower's (runtime.RENAMED_RUN_CONFIG).
+
 Aggregations run over the clients that replied (an error reply or no reply within
-``timeout`` leaves a client out); fewer than ``min-clients`` replies fail the round
+``timeout`` leaves a client out); fewer than ``min-train-nodes`` replies fail the round
 before anything of it is saved.
+
+Messages (a plain exchange) follow Flower's layout: the server sends ``arrays`` (an
+ArrayRecord of the values the clients need, keyed ``group/name``), ``config`` (a
+ConfigRecord with ``server-round``) and ``fcir`` (a ConfigRecord: ``step``, the
+exchange of the round, and ``client-state`` for a program with per-client state); a
+client replies with ``arrays`` (its client outputs, keyed ``group/name``), ``metrics``
+(a MetricRecord with ``num-examples``) and ``fcir`` (a ConfigRecord: ``partition-id``).
 """
 
 from __future__ import annotations
@@ -63,13 +83,17 @@ class Config:
             except (KeyError, TypeError, ValueError):
                 raise AppError(f"run config {key}={rc.get(key)!r}: expected {kind.__name__}") from None
 
-        self.rounds = get("rounds", int)
-        self.output = get("output", str)
+        runtime.refuse_renamed(rc)
+        self.rounds = get("num-server-rounds", int)
+        self.output = output_path(get("output", str))
         self.inputs = get("inputs", str)
         self.checkpoint_dir = get("checkpoint-dir", str)
-        self.fraction = get("fraction", float)
+        self.fraction = get("fraction-train", float)
+        self.fraction_evaluate = get("fraction-evaluate", float)
         self.clients = get("clients", int)
-        self.min_clients = max(1, get("min-clients", int))
+        self.min_clients = get("min-train-nodes", int)
+        self.min_evaluate = get("min-evaluate-nodes", int)
+        self.min_available = get("min-available-nodes", int)
         self.timeout = get("timeout", float)
         self.secagg = get("secagg", boolean)
         self.metrics_file = get("metrics-file", str)
@@ -79,7 +103,7 @@ class Config:
                 if get("state", str).strip() or self.rounds != 1:
                     raise training.StateError(
                         f"@{plan['round']} runs its own {plan['loop']['kind']} of rounds: "
-                        "run config rounds and state do not apply"
+                        "run config num-server-rounds and state do not apply"
                     )
                 self.state, self.state_note = {}, ""
             else:
@@ -99,7 +123,7 @@ class Config:
             raise AppError(
                 f"run config max-epsilon: @{plan['round']} runs its own "
                 f"{plan['loop']['kind']} of rounds, which a budget cannot cut short: export "
-                "the round and run it with rounds=N max-epsilon=E"
+                "the round and run it with num-server-rounds=N max-epsilon=E"
             )
         if self.private and self.rounds > 1:
             fixed_keys(plan, self.state)
@@ -115,7 +139,30 @@ class Config:
                 o for o, s in enumerate(outs) if o not in used and math.prod(s["shape"]) == 1
             ]
         if self.rounds < 1 or not 0 < self.fraction <= 1 or self.timeout <= 0:
-            raise AppError("run config: rounds >= 1, 0 < fraction <= 1 and timeout > 0")
+            raise AppError(
+                "run config: num-server-rounds >= 1, 0 < fraction-train <= 1 and timeout > 0"
+            )
+        if not 0 <= self.fraction_evaluate <= 1:
+            raise AppError("run config: 0 <= fraction-evaluate <= 1")
+        if min(self.min_clients, self.min_evaluate, self.min_available, self.clients) < 0:
+            raise AppError(
+                "run config: min-train-nodes, min-evaluate-nodes, min-available-nodes and "
+                "clients are >= 0"
+            )
+
+
+def output_path(value: str) -> str:
+    """Run config ``output``: where the final outputs go, "" when nowhere (``none``).
+    The default, Flower's template's ``final_model`` name, and any relative path are
+    taken from the ServerApp's working directory (the line that says it was written
+    gives the absolute path)."""
+    value = value.strip()
+    if value.lower() == "none":
+        return ""
+    return os.path.abspath(value or FINAL_MODEL)
+
+
+FINAL_MODEL = "final_model.npz"
 
 
 def fixed_keys(plan: dict, state: dict[int, int]) -> None:
@@ -134,7 +181,7 @@ def fixed_keys(plan: dict, state: dict[int, int]) -> None:
             "the rounds would release the same noise, which their epsilon does not "
             "allow. Make the round number state and fold it into the key "
             "((model, r, key, data) -> (model, r + 1) with jax.random.fold_in(key, r), "
-            "as examples/dp_flower_training.py does), or run rounds=1 per run with a "
+            "as examples/dp_flower_training.py does), or run num-server-rounds=1 per run with a "
             "fresh key"
         )
 
@@ -168,26 +215,38 @@ def initial_inputs(cfg: Config, plan: dict) -> list:
     return [runtime.check_leaf(x, s, f"inputs.json arr_{i}") for i, (x, s) in enumerate(zip(embedded, specs))]
 
 
-def sample(grid, cfg: Config, rnd: int) -> list[int]:
-    """The nodes of round ``rnd``: waits up to ``timeout`` for ``min-clients`` online."""
+def sample(grid, cfg: Config, rnd: int, stage: str = "train") -> list[int]:
+    """The nodes of round ``rnd``'s ``stage`` ("train" or "evaluate"), as Flower's
+    FedAvg samples them: ``max(int(fraction * online), minimum)`` nodes (or ``clients``
+    nodes), once ``max(min-available-nodes, that size)`` are online, waiting up to
+    ``timeout`` for them (Flower waits forever). Seeded by the round, so a run is
+    repeatable; a private app's fraction sample is Poisson (see Config)."""
+    fraction, least = (
+        (cfg.fraction_evaluate, cfg.min_evaluate) if stage == "evaluate" else (cfg.fraction, cfg.min_clients)
+    )
     deadline = time.monotonic() + cfg.timeout
     while True:
         nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= cfg.min_clients:
+        want = cfg.clients if cfg.clients > 0 else max(int(fraction * len(nodes)), least)
+        if cfg.poisson and stage == "train":
+            want = least
+        need = max(cfg.min_available, want)
+        if len(nodes) >= need:
             break
         if time.monotonic() > deadline:
             raise AppError(
                 f"round {rnd}: {len(nodes)} node(s) online after {cfg.timeout:g} s, "
-                f"min-clients={cfg.min_clients}: start more SuperNodes or lower min-clients"
+                f"{need} needed (min-available-nodes={cfg.min_available}, "
+                f"{'min-evaluate-nodes' if stage == 'evaluate' else 'min-train-nodes'}={least}"
+                f"{f', clients={cfg.clients}' if cfg.clients > 0 else ''}): start more "
+                "SuperNodes or lower them"
             )
         time.sleep(1.0)
-    if cfg.poisson:  # each online node independently with probability fraction, once a round
+    if cfg.poisson and stage == "train":  # each online node independently with probability fraction, once a round
         if rnd not in cfg.sampled:
             cfg.sampled[rnd] = [n for n in nodes if _SECRET.random() < cfg.fraction]
         return sorted(cfg.sampled[rnd])
-    want = cfg.clients if cfg.clients > 0 else math.ceil(cfg.fraction * len(nodes))
-    want = min(len(nodes), max(want, cfg.min_clients))
-    return sorted(random.Random(rnd).sample(nodes, want))
+    return sorted(random.Random(rnd).sample(nodes, min(want, len(nodes))))
 
 
 _SECRET = random.SystemRandom()
@@ -304,7 +363,7 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
         why = "; ".join(errors) + (f"; {silent} did not answer in {cfg.timeout:g} s" if silent > 0 else "")
         raise AppError(
             f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, "
-            f"min-clients={cfg.min_clients}: {why.strip('; ')}"
+            f"min-train-nodes={cfg.min_clients}: {why.strip('; ')}"
         )
     if aggregations:
         results.update(runtime.aggregate(aggregations, replies))
@@ -333,8 +392,9 @@ def plain_exchange(
     for node in nodes:
         content = RecordDict(
             {
-                "values": record,
-                "fcir": ConfigRecord({"step": step_index, "round": rnd, **(extra or {})}),
+                "arrays": record,
+                "config": ConfigRecord({"server-round": rnd}),
+                "fcir": ConfigRecord({"step": step_index, **(extra or {})}),
             }
         )
         messages.append(Message(content, dst_node_id=node, message_type="train.fcir"))
@@ -344,12 +404,12 @@ def plain_exchange(
         if reply.has_error():
             errors.append(f"node {node}: {reply.error.reason}")
             continue
-        record = reply.content["values"]
+        record = reply.content["arrays"]
         stats["received"] += runtime.record_bytes(record)
         out = {}
         for key, x in runtime.from_record(record).items():
             out[key.partition("/")[2]] = x
-        replies.append(((int(reply.content["fcir"]["partition"]), node), out))
+        replies.append(((int(reply.content["fcir"]["partition-id"]), node), out))
     return replies, errors
 
 
@@ -431,10 +491,33 @@ def record_metrics(context, history, rnd: int, metrics: dict) -> None:
     context.state["fcir.metrics"] = MetricRecord(history.record())
 
 
+def ray_first(timeout: float) -> None:
+    """On Flower's Simulation Engine, waits until Ray has started before JAX does.
+
+    There the ServerApp runs in a thread of the ``flwr-simulation`` process, which
+    starts Ray next to it: ``ray.init`` spawns Ray's processes with a ``preexec_fn``,
+    that is through ``fork``, and once JAX's runtime runs its threads a fork warns
+    (``os.fork() ... JAX is multithreaded, so this will likely lead to a deadlock``)
+    and can deadlock. So nothing here starts JAX's runtime until Ray is up (or
+    ``timeout`` passed: Ray failing to start is Flower's error to report)."""
+    import sys
+
+    if os.path.basename(sys.argv[0] if sys.argv else "") != "flwr-simulation":
+        return
+    try:
+        import ray
+    except ImportError:
+        return
+    deadline = time.monotonic() + timeout
+    while not ray.is_initialized() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 @app.main()
 def main(grid, context) -> None:
     plan = runtime.plan()
     cfg = Config(dict(context.run_config), plan)
+    ray_first(cfg.timeout)
     inputs = initial_inputs(cfg, plan)
     if cfg.state_note:
         print(f"[fcir] {cfg.state_note}", flush=True)
@@ -477,8 +560,9 @@ def main(grid, context) -> None:
             if np.asarray(outputs[o]).size == 1
         }
         evaluated = ""
-        if "evaluate" in plan:  # Flower's evaluate stage, on the next round's model
-            more, evaluated = evaluation.run(grid, context.run_config, plan, inputs, rnd, cfg.timeout)
+        if "evaluate" in plan and cfg.fraction_evaluate > 0:  # Flower's evaluate stage, on the next round's model
+            nodes = sample(grid, cfg, rnd, stage="evaluate")
+            more, evaluated = evaluation.run(grid, nodes, plan, inputs, rnd, cfg.timeout)
             scalars.update(more)
         record_metrics(context, history, rnd, scalars)
         if accounting.budget is not None:

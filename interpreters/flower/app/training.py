@@ -98,7 +98,7 @@ def refusal(plan: dict, rounds: int) -> str:
     else:
         hint = "no output has the type of a server input"
     return (
-        f"rounds={rounds} without a state mapping would run round 1 {rounds} times on the same "
+        f"num-server-rounds={rounds} without a state mapping would run round 1 {rounds} times on the same "
         f"inputs, and no output of @{plan['round']} has a server input's pytree path and "
         f'type; {hint} (state="I=O,..."), or state="{NONE}" to repeat the round on purpose'
     )

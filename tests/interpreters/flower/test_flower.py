@@ -117,8 +117,8 @@ def test_training_resumes_after_the_superlink_is_killed(dep, tmp_path):
     state = ",".join(f"{i}={i}" for i in range(n_state))
     ckpt = tmp_path / "ckpt"
     config = (
-        f'rounds=3 state="{state}" checkpoint-dir="{ckpt}" output="{tmp_path}/out.npz" '
-        "min-clients=2"
+        f'num-server-rounds=3 state="{state}" checkpoint-dir="{ckpt}" output="{tmp_path}/out.npz" '
+        "min-train-nodes=2"
     )
     proc = deployment.launch(dep, app, config)
     try:
@@ -239,7 +239,7 @@ def test_one_round_over_tls_with_a_generated_localhost_ca(tmp_path):
             urllib.request.urlopen(f"http://{d.address}/health", timeout=5).close()
         with pytest.raises(OSError):  # an unknown CA is not trusted
             urllib.request.urlopen(f"https://{d.address}/health", timeout=5).close()
-        proc = d.run(app, f'output="{tmp_path}/out.npz" min-clients=2', timeout=300)
+        proc = d.run(app, f'output="{tmp_path}/out.npz" min-train-nodes=2', timeout=300)
         assert proc.returncode == 0 and "2/2 clients replied" in proc.stdout, proc.stdout[-3000:]
     got = _outputs(tmp_path / "out.npz")
     assert [g.tobytes() for g in got] == [
@@ -310,3 +310,58 @@ def test_per_client_state_survives_a_supernode_restart_mid_run(dep, tmp_path):
     got = _outputs(out)
     assert [(g.dtype, g.shape) for g in got] == [(np.dtype("float32"), w.shape) for w in want[:3]]
     assert_trees_match(got, [np.asarray(w) for w in want[:3]], rtol=1e-5, atol=1e-6)
+
+
+def _documented_commands() -> list[str]:
+    """The commands of docs/flower.md's first code block, as a user types them."""
+    text = (pathlib.Path(__file__).parents[3] / "docs" / "flower.md").read_text()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def test_the_documented_commands_run_and_write_final_model_npz(dep, tmp_path, monkeypatch):
+    """docs/flower.md's quickstart as written: `fcir flower data`, `fcir export`, then
+    `flwr run app/ local --stream --run-config '...'` (flwr 1.42: APP, then the
+    SuperLink connection) on the shared deployment (its nodes get parts/node<i>.npz, as
+    `fcir flower up --data parts/` would give them). The final outputs land in
+    final_model.npz in the ServerApp's working directory, equal to the same app run
+    in-process on the same data."""
+    import os
+    import re
+    import shlex
+    import shutil
+    import subprocess
+
+    from fcir.interpreters.flower.local import _bin
+    from flowerlib import files, inprocess
+
+    from fcir.cli import main
+
+    repo = pathlib.Path(__file__).parents[3]
+    commands = _documented_commands()
+    data, export, up, run = (next(c for c in commands if c.startswith(p)) for p in (
+        "fcir flower data", "fcir export", "fcir flower up", "FLWR_HOME="))
+    assert up.startswith("fcir flower up --nodes 3 --data parts/")  # what `dep` stands for
+    monkeypatch.chdir(tmp_path)
+    for line in (data, export):
+        argv = shlex.split(line.replace("examples/", f"{repo}/examples/"))[1:]
+        assert main(argv) == 0, line
+    name = "fedavg_round"
+    for i in range(NODES):
+        shutil.copy(tmp_path / "parts" / f"node{i}.npz", deployment.node_data(dep.root.parent, i, name))
+    home, argv = run.split(" ", 1)
+    assert home == "FLWR_HOME=dep/home-cli" and argv.startswith("flwr run app/ local --stream")
+    env = {**os.environ, "FLWR_HOME": str(dep.cli_home)}
+    argv = shlex.split(argv)
+    argv[0] = _bin("flwr")  # this venv's
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and log.count("3/3 clients replied") == 3, log[-3000:]
+    (written,) = re.findall(r"wrote \d+ output array\(s\) to (\S+)", log)
+    assert pathlib.Path(written) == dep.root / "home-superlink" / "final_model.npz", written
+    config = dict(kv.split("=", 1) for kv in shlex.split(argv[argv.index("--run-config") + 1]))
+    nodes = {101 + i: {"partition-id": i, "data-path": str(tmp_path / "parts" / f"node{i}.npz")}
+             for i in range(NODES)}
+    grid = inprocess.run(tmp_path / "app", nodes, config)
+    got = files.read_outputs(written)
+    assert [g.tobytes() for g in got] == [w.tobytes() for w in grid.final_model]

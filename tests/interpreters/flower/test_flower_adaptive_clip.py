@@ -52,7 +52,7 @@ def test_the_bundle_and_a_flower_run_carry_the_reference_clip(tmp_path):
     ]
     assert privacy["epsilon_per_round"] == fcir.privacy.epsilon(module, 1, 1e-5)
     nodes = files.write_nodes(tmp_path, [[x[i]] for i in range(N)], 10)
-    inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz"), "rounds": 3})
+    inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz"), "num-server-rounds": 3})
     out = files.read_outputs(tmp_path / "o.npz")
     state = (w, clip, r0)
     clips = []

@@ -44,14 +44,18 @@ def test_silent_and_failing_clients_are_left_out_down_to_the_minimum(fedavg, tmp
         e.tobytes() for e in rounds.bundle_outputs(two, tmp_path / "b")
     ]
     assert_trees_match(files.read_outputs(out), rounds.reference_outputs(two), rtol=1e-5, atol=1e-5)
-    # Below min-clients the round fails, names each failure, and writes nothing.
+    # Below min-train-nodes the round fails, names each failure, and writes nothing.
     bad = dict(nodes)
     bad[103] = {**nodes[103], "data-path": str(tmp_path / "nowhere.npz")}
     out2 = tmp_path / "out2.npz"
-    with pytest.raises(RuntimeError, match=r"2 of 3 sampled clients replied, min-clients=3.*"
+    with pytest.raises(RuntimeError, match=r"2 of 3 sampled clients replied, min-train-nodes=3.*"
                        r"node 103 data-path: no such file"):
-        inprocess.run(app, bad, {"output": str(out2), "min-clients": 3})
+        inprocess.run(app, bad, {"output": str(out2), "min-train-nodes": 3})
     assert not out2.exists()
+
+
+# Flower's defaults wait for 2 nodes: a run on one node says it wants one.
+ONE_NODE = {"min-train-nodes": 1, "min-available-nodes": 1}
 
 
 def test_bad_client_data_is_a_clear_error(fedavg, tmp_path):
@@ -68,14 +72,22 @@ def test_bad_client_data_is_a_clear_error(fedavg, tmp_path):
         np.savez(path, *data)
         bad = {101: {"partition-id": 0, "data-path": str(path)}}
         with pytest.raises(RuntimeError, match="0 of 1 sampled") as e:
-            inprocess.run(app, bad, {"output": str(tmp_path / "o.npz")})
+            inprocess.run(app, bad, {"output": str(tmp_path / "o.npz"), **ONE_NODE})
         assert why in str(e.value), name
 
 
 def test_sampling_takes_a_count_or_a_fraction_with_a_minimum(fedavg, tmp_path):
     _, app, nodes = fedavg
-    for config, want in (({"clients": 2}, 2), ({"fraction": 0.3}, 1), ({"fraction": 0.3, "min-clients": 2}, 2)):
-        grid = inprocess.run(app, nodes, {"rounds": 2, **config})
+    # Flower's FedAvg: max(int(fraction-train * online), min-train-nodes), the minimum 2
+    # by default; int() rounds 0.7 * 3 down to 2.
+    cases = (
+        ({"clients": 2}, 2),
+        ({"fraction-train": 0.3}, 2),
+        ({"fraction-train": 0.3, "min-train-nodes": 1}, 1),
+        ({"fraction-train": 0.7, "min-train-nodes": 1}, 2),
+    )
+    for config, want in cases:
+        grid = inprocess.run(app, nodes, {"num-server-rounds": 2, **config})
         assert len(grid.sent) == 2 * want, config
         assert set(grid.sent) <= set(nodes)
 
@@ -86,9 +98,9 @@ def test_training_maps_state_and_resumes_from_its_checkpoint(fedavg, tmp_path):
     state = ",".join(f"{i}={i}" for i in range(n))
     ckpt = tmp_path / "ckpt"
     base = {"state": state, "checkpoint-dir": str(ckpt), "output": str(tmp_path / "o.npz")}
-    inprocess.run(app, nodes, {**base, "rounds": 2})
+    inprocess.run(app, nodes, {**base, "num-server-rounds": 2})
     assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["1", "2"]
-    grid = inprocess.run(app, nodes, {**base, "rounds": 3})  # resumes: one round more
+    grid = inprocess.run(app, nodes, {**base, "num-server-rounds": 3})  # resumes: one round more
     assert len(grid.sent) == rounds.NODES
     outs = rounds.bundle_rounds(r, tmp_path / "b", 3)
     got = files.read_outputs(tmp_path / "o.npz")
@@ -104,13 +116,13 @@ def test_app_directory_layout_and_cli(fedavg, tmp_path):
     files = sorted(p.relative_to(app).as_posix() for p in app.rglob("*") if p.is_file())
     assert files == [
         "fcir_app/__init__.py", "fcir_app/artifacts.json", "fcir_app/client_app.py",
-        "fcir_app/evaluation.py",
-        "fcir_app/inputs.json", "fcir_app/plan.json", "fcir_app/program.py", "fcir_app/runtime.py",
-        "fcir_app/secagg.py", "fcir_app/server_app.py", "fcir_app/training.py", "pyproject.toml",
+        "fcir_app/evaluation.py", "fcir_app/inputs.json", "fcir_app/partitions.py",
+        "fcir_app/plan.json", "fcir_app/program.py", "fcir_app/runtime.py", "fcir_app/secagg.py",
+        "fcir_app/server_app.py", "fcir_app/training.py", "pyproject.toml",
     ]
     # The ClientApp side never imports fcir: a device installs jax and flwr only.
     for name in ("client_app.py", "runtime.py", "secagg.py", "training.py", "program.py",
-                 "evaluation.py"):
+                 "evaluation.py", "partitions.py"):
         assert "fcir." not in (app / "fcir_app" / name).read_text().replace("fcir.raw", "")
     np.savez(tmp_path / "in.npz", *r.server_leaves)
     src = tmp_path / "round.fcir"
@@ -257,11 +269,11 @@ def test_rounds_without_state_map_outputs_of_the_same_pytree_path_and_say_so(fed
     explicit mapping does, and the mapping used is printed."""
     r, app, nodes = fedavg
     n = len(r.server_leaves)
-    inprocess.run(app, nodes, {"rounds": 2, "output": str(tmp_path / "inferred.npz")})
+    inprocess.run(app, nodes, {"num-server-rounds": 2, "output": str(tmp_path / "inferred.npz")})
     said = capsys.readouterr().out
     explicit = ",".join(f"{i}={i}" for i in range(n))
     assert f"state {explicit} inferred from pytree paths: 0=0 ([0]" in said, said
-    inprocess.run(app, nodes, {"rounds": 2, "state": explicit, "output": str(tmp_path / "explicit.npz")})
+    inprocess.run(app, nodes, {"num-server-rounds": 2, "state": explicit, "output": str(tmp_path / "explicit.npz")})
     inferred = files.read_outputs(tmp_path / "inferred.npz")
     given = files.read_outputs(tmp_path / "explicit.npz")
     assert [g.tobytes() for g in inferred] == [g.tobytes() for g in given]
@@ -285,14 +297,14 @@ def test_rounds_without_state_and_no_path_match_are_refused_naming_the_candidate
     for i in range(rounds.NODES):
         np.savez(tmp_path / f"n{i}.npz", np.asarray(x[i]))
         nodes[10 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
-    with pytest.raises(RuntimeError, match=r"rounds=2 without a state mapping would run round 1 2 times") as e:
-        inprocess.run(app, nodes, {"rounds": 2, "output": str(tmp_path / "o.npz")})
+    with pytest.raises(RuntimeError, match=r"num-server-rounds=2 without a state mapping would run round 1 2 times") as e:
+        inprocess.run(app, nodes, {"num-server-rounds": 2, "output": str(tmp_path / "o.npz")})
     assert "output arr_0 ['model'] (f32[4]) could feed server input arr_0 [0]" in str(e.value)
     assert 'state="0=0"' in str(e.value) and 'state="none"' in str(e.value)
     assert not (tmp_path / "o.npz").exists()
     # One round needs no mapping; state="none" repeats the round on purpose.
-    inprocess.run(app, nodes, {"rounds": 1})
-    grid = inprocess.run(app, nodes, {"rounds": 2, "state": "none"})
+    inprocess.run(app, nodes, {"num-server-rounds": 1})
+    grid = inprocess.run(app, nodes, {"num-server-rounds": 2, "state": "none"})
     assert len(grid.sent) == 2 * rounds.NODES
 
 
@@ -306,12 +318,14 @@ def test_export_hint_names_the_inferred_state(fedavg, tmp_path, capsys):
     assert main(["export", "--target", "flower", str(src), "-o", str(tmp_path / "app"),
                  "--inputs", str(tmp_path / "in.npz")]) == 0
     state = ",".join(f"{i}={i}" for i in range(len(r.server_leaves)))
-    assert f"--run-config 'rounds=3 state=\"{state}\" output=" in capsys.readouterr().out
+    hint = capsys.readouterr().out
+    assert f"local --stream --run-config 'num-server-rounds=3 state=\"{state}\"'" in hint
+    assert "final_model.npz" in hint
 
 
 def test_a_resumed_run_with_no_round_left_writes_outputs_in_their_declared_shapes(fedavg, tmp_path):
     r, app, nodes = fedavg
-    base = {"checkpoint-dir": str(tmp_path / "ckpt"), "rounds": 2}
+    base = {"checkpoint-dir": str(tmp_path / "ckpt"), "num-server-rounds": 2}
     inprocess.run(app, nodes, {**base, "output": str(tmp_path / "a.npz")})
     grid = inprocess.run(app, nodes, {**base, "output": str(tmp_path / "b.npz")})
     assert grid.sent == []  # nothing left to run
@@ -332,8 +346,8 @@ def test_per_round_metrics_go_to_the_progress_line_a_metric_record_and_a_file(fe
     r, app, nodes = fedavg
     metrics = tmp_path / "metrics.json"
     base = {"metrics-file": str(metrics), "checkpoint-dir": str(tmp_path / "ckpt")}
-    inprocess.run(app, nodes, {**base, "rounds": 2})
-    grid = inprocess.run(app, nodes, {**base, "rounds": 3})
+    inprocess.run(app, nodes, {**base, "num-server-rounds": 2})
+    grid = inprocess.run(app, nodes, {**base, "num-server-rounds": 3})
     printed = [float(x) for x in re.findall(r"arr_4=([0-9.]+)", capsys.readouterr().out)]
     saved = json.loads(metrics.read_text())
     assert saved["round"] == [1, 2, 3] and len(saved["arr_4"]) == 3
@@ -343,3 +357,47 @@ def test_per_round_metrics_go_to_the_progress_line_a_metric_record_and_a_file(fe
     assert list(record["round"]) == [1, 2, 3] and np.allclose(record["arr_4"], saved["arr_4"])
     assert main(["flower", "plot", str(metrics), "-o", str(tmp_path / "loss.png")]) == 0
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_messages_follow_flowers_layout(fedavg, tmp_path):
+    """What a Flower user's own code reads: the server sends ``arrays`` and ``config``
+    (``server-round``), a client replies with ``arrays`` and ``metrics``
+    (``num-examples``: its rows); fcir's own keys sit in the ``fcir`` records."""
+    r, app, nodes = fedavg
+    grid = inprocess.run(app, nodes, {"num-server-rounds": 2, "output": str(tmp_path / "o.npz")})
+    assert len(grid.exchanged) == 2 * rounds.NODES
+    rows = r.node_leaves(rounds.plan_of(app), 0)[0].shape[0]
+    for k, (msg, reply) in enumerate(grid.exchanged):
+        assert set(msg.content.keys()) == {"arrays", "config", "fcir"}
+        assert msg.content["config"]["server-round"] == 1 + k // rounds.NODES
+        assert msg.content["fcir"]["step"] == 1  # the exchange between the two server parts
+        assert set(reply.content.keys()) == {"arrays", "metrics", "fcir"}
+        assert dict(reply.content["metrics"]) == {"num-examples": rows}
+        assert reply.content["fcir"]["partition-id"] == nodes[msg.metadata.dst_node_id]["partition-id"]
+        assert len(reply.content["arrays"]) > 0
+
+
+def test_old_run_config_names_are_refused_naming_flowers(fedavg, tmp_path, capsys):
+    from fcir.cli import main
+
+    _, app, nodes = fedavg
+    for old, new in (("rounds", "num-server-rounds"), ("fraction", "fraction-train"),
+                     ("min-clients", "min-train-nodes")):
+        with pytest.raises(RuntimeError, match=f"run config {old} is now {new}"):
+            inprocess.run(app, nodes, {old: 1})
+    # The commands refuse them before flwr run does (as a key pyproject.toml lacks).
+    argv = ["flower", "simulate", str(app), "--nodes", "3", "--run-config", 'rounds=3 output="x"']
+    assert main(argv) == 1
+    assert "run config rounds is now num-server-rounds" in capsys.readouterr().err
+
+
+def test_the_final_outputs_go_to_final_model_npz_unless_output_says_otherwise(fedavg, tmp_path):
+    r, app, nodes = fedavg
+    grid = inprocess.run(app, nodes, {})  # in the ServerApp's working directory
+    assert grid.cwd_files == ["final_model.npz"]
+    want = rounds.bundle_outputs(r, tmp_path / "b")
+    assert [x.tobytes() for x in grid.final_model] == [x.tobytes() for x in want]
+    grid = inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
+    assert grid.final_model is None and (tmp_path / "o.npz").exists()
+    grid = inprocess.run(app, nodes, {"output": "none"})
+    assert grid.final_model is None and grid.cwd_files == []

@@ -79,6 +79,6 @@ def test_without_secagg_the_server_still_only_sees_noised_residues(tmp_path, mon
     assert len(grid.sent) == N
     assert np.array_equal(_out(tmp_path / "b.npz"), np.asarray(reference.run(module, *args)))
     for reply in replies:
-        (vals,) = grid.app.server.runtime.from_record(reply.content["values"]).values()
+        (vals,) = grid.app.server.runtime.from_record(reply.content["arrays"]).values()
         assert vals.dtype == np.uint32 and int(vals.max()) < 2**BITS
         assert vals.shape == (4,)  # D = 4: one residue per rotated coordinate

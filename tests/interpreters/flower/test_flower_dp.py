@@ -53,7 +53,7 @@ def recording(monkeypatch):
 
 
 def _payload(msg) -> int:
-    return sum(len(a.data) for a in msg.content["values"].values())
+    return sum(len(a.data) for a in msg.content["arrays"].values())
 
 
 def _nodes(tmp_path, *client_arrays) -> dict:
@@ -91,7 +91,7 @@ def test_private_fedavg_clips_on_the_device_and_noises_in_server_result(tmp_path
     # the clip norm exactly (up to rounding).
     norms = {}
     for reply in grid.replies:
-        leaves = grid.app.server.runtime.from_record(reply.content["values"])  # the app's decoder
+        leaves = grid.app.server.runtime.from_record(reply.content["arrays"])  # the app's decoder
         sq = sum(float(np.sum(np.square(a.astype(np.float64)))) for a in leaves.values())
         norms[reply.metadata.src_node_id] = np.sqrt(sq)
     assert sorted(norms) == sorted(nodes)
@@ -171,11 +171,11 @@ def test_progress_lines_state_cumulative_epsilon_for_the_sampling_used(tmp_path,
 
     def lines(config):
         capsys.readouterr()
-        grid = inprocess.run(app, nodes, {"rounds": 3, **config})
+        grid = inprocess.run(app, nodes, {"num-server-rounds": 3, **config})
         out = capsys.readouterr().out
         return grid, re.findall(r"epsilon=(\S+) after (\d) round\(s\) \(delta=1e-05, ([^)]*)\)", out)
 
-    grid, got = lines({"fraction": 0.5})
+    grid, got = lines({"fraction-train": 0.5})
     assert [(e, int(r)) for e, r, _ in got] == [
         (f"{fcir.privacy.epsilon(module, r, 1e-5, sampling_rate=0.5):.4g}", r) for r in (1, 2, 3)
     ]
@@ -210,16 +210,16 @@ def _between(module, k: int) -> float:
 
 
 def test_max_epsilon_stops_before_the_round_that_would_pass_it(tmp_path, capsys):
-    """rounds=6 max-epsilon between epsilon(3 rounds) and epsilon(4 rounds): the app runs
+    """num-server-rounds=6 max-epsilon between epsilon(3 rounds) and epsilon(4 rounds): the app runs
     3 rounds, says why it stops before round 4, and writes the 3 rounds' outputs."""
     import re
 
     app, nodes, module = _budget_app(tmp_path)
     cap = _between(module, 3)
-    inprocess.run(app, nodes, {"rounds": 3, "output": str(tmp_path / "three.npz")})
+    inprocess.run(app, nodes, {"num-server-rounds": 3, "output": str(tmp_path / "three.npz")})
     capsys.readouterr()
     out = str(tmp_path / "budget.npz")
-    inprocess.run(app, nodes, {"rounds": 6, "max-epsilon": cap, "output": out})
+    inprocess.run(app, nodes, {"num-server-rounds": 6, "max-epsilon": cap, "output": out})
     text = capsys.readouterr().out
     assert re.findall(r"round (\d)/6:", text) == ["1", "2", "3"]
     eps3, eps4 = (fcir.privacy.epsilon(module, r, 1e-5) for r in (3, 4))
@@ -232,12 +232,12 @@ def test_max_epsilon_stops_before_the_round_that_would_pass_it(tmp_path, capsys)
     ]
     # A budget that round 1 already passes: nothing to write, a clear error.
     with pytest.raises(Exception, match="stopping before round 1.*raise max-epsilon") as e:
-        inprocess.run(app, nodes, {"rounds": 2, "max-epsilon": eps3 / 1e3})
+        inprocess.run(app, nodes, {"num-server-rounds": 2, "max-epsilon": eps3 / 1e3})
     assert type(e.value).__name__ == "AppError"
 
 
 def test_a_resumed_run_keeps_spending_the_checkpointed_budget(tmp_path, capsys):
-    """Two rounds checkpointed with their budget, then rounds=6 again: the resumed run
+    """Two rounds checkpointed with their budget, then num-server-rounds=6 again: the resumed run
     counts the 2 rounds spent, so it runs round 3 only (from zero it would run 3 more),
     and its outputs are the uninterrupted 3-round run's."""
     import json
@@ -249,25 +249,25 @@ def test_a_resumed_run_keeps_spending_the_checkpointed_budget(tmp_path, capsys):
     cap = _between(module, 3)
     ckpt = tmp_path / "ckpt"
     base = {"max-epsilon": cap, "checkpoint-dir": str(ckpt)}
-    inprocess.run(app, nodes, {**base, "rounds": 2})
+    inprocess.run(app, nodes, {**base, "num-server-rounds": 2})
     manager = CheckpointManager(ckpt)
     saved = json.loads(str(manager.restore(manager.latest_step())["meta"]["budget"]))
     assert saved["rounds"] == 2 and saved["max_epsilon"] == cap
     assert saved["epsilon"] == pytest.approx(fcir.privacy.epsilon(module, 2, 1e-5))
     capsys.readouterr()
     out = str(tmp_path / "resumed.npz")
-    inprocess.run(app, nodes, {**base, "rounds": 6, "output": out})
+    inprocess.run(app, nodes, {**base, "num-server-rounds": 6, "output": out})
     text = capsys.readouterr().out
     assert "resuming after round 2" in text
     assert re.findall(r"round (\d)/6:", text) == ["3"]
     assert "stopping before round 4" in text and "ran 3 round(s)" in text
-    inprocess.run(app, nodes, {"rounds": 3, "output": str(tmp_path / "three.npz")})
+    inprocess.run(app, nodes, {"num-server-rounds": 3, "output": str(tmp_path / "three.npz")})
     assert [a.tobytes() for a in files.read_outputs(out)] == [
         a.tobytes() for a in files.read_outputs(tmp_path / "three.npz")
     ]
     # Resumed at another sampling rate, the saved rounds' epsilon would not compose.
     with pytest.raises(Exception, match="resume with the same fraction") as e:
-        inprocess.run(app, nodes, {**base, "rounds": 6, "fraction": 0.5})
+        inprocess.run(app, nodes, {**base, "num-server-rounds": 6, "fraction-train": 0.5})
     assert type(e.value).__name__ == "AppError"
 
 
@@ -281,10 +281,10 @@ def test_max_epsilon_on_an_app_without_dp_ops_is_a_clear_error(tmp_path):
         nodes[101 + i] = {"partition-id": i, "data-path": str(tmp_path / f"p{i}.npz")}
     # The app's own AppError (its runtime module is loaded from the app directory).
     with pytest.raises(Exception, match="max-epsilon=8: .* no DP ops .*drop max-epsilon") as e:
-        inprocess.run(app, nodes, {"rounds": 2, "max-epsilon": 8.0})
+        inprocess.run(app, nodes, {"num-server-rounds": 2, "max-epsilon": 8.0})
     assert type(e.value).__name__ == "AppError"
     with pytest.raises(Exception, match="max-epsilon='lots': expected a finite number > 0"):
-        inprocess.run(app, nodes, {"rounds": 2, "max-epsilon": "lots"})
+        inprocess.run(app, nodes, {"num-server-rounds": 2, "max-epsilon": "lots"})
 
 
 def test_max_epsilon_on_a_training_program_loop_is_a_clear_error(tmp_path):

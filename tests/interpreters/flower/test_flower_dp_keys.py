@@ -64,16 +64,16 @@ def test_a_key_no_state_feeds_is_refused_before_round_1_naming_the_release(tmp_p
     with pytest.raises(
         Exception, match="fed.dp_mean \\(clip_norm=0.5, noise_multiplier=1.1\\)"
     ) as e:
-        inprocess.run(app, nodes, {"rounds": 3})
+        inprocess.run(app, nodes, {"num-server-rounds": 3})
     assert type(e.value).__name__ == "AppError"
     assert "its key is the same every round" in str(e.value)
-    assert "jax.random.fold_in(key, r)" in str(e.value) and "rounds=1" in str(e.value)
+    assert "jax.random.fold_in(key, r)" in str(e.value) and "num-server-rounds=1" in str(e.value)
     assert counting.SENT == []  # before round 1: nothing reached a client
-    # fcir export's "run it:" hint suggests one round, not the refused rounds=3.
-    assert "--run-config 'rounds=1 " in run_hint(app)
+    # fcir export's "run it:" hint suggests one round, not the refused num-server-rounds=3.
+    assert run_hint(app).endswith("--run-config 'num-server-rounds=1'")
     # state="none" repeats the round on purpose: the same noise again, refused too.
     with pytest.raises(Exception, match="same every round"):
-        inprocess.run(app, nodes, {"rounds": 2, "state": "none"})
+        inprocess.run(app, nodes, {"num-server-rounds": 2, "state": "none"})
 
 
 def test_the_same_round_with_rounds_1_runs(tmp_path, counting):
@@ -96,12 +96,12 @@ def test_a_round_folding_its_state_fed_counter_draws_fresh_noise_each_round(tmp_
     module = fcir.capture(drift, w, r, KEY, x)
     app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(r), KEY])
     assert rounds.plan_of(app)["privacy"]["keys"][0]["arguments"] == [1, 2]
-    assert '--run-config \'rounds=3 state="0=0,1=1" ' in run_hint(app)
+    assert run_hint(app).endswith('--run-config \'num-server-rounds=3 state="0=0,1=1"\'')
     nodes = files.write_nodes(tmp_path, [[x[i]] for i in range(N)], 10)
     ws = [np.asarray(w)]
     for k in (1, 2, 3):  # deterministic runs: w after k rounds
         out = str(tmp_path / f"o{k}.npz")
-        inprocess.run(app, nodes, {"rounds": k, "output": out})
+        inprocess.run(app, nodes, {"num-server-rounds": k, "output": out})
         got_w, got_r = files.read_outputs(out)
         assert int(got_r) == k
         ws.append(got_w)
@@ -143,14 +143,14 @@ def _ddp_app(tmp_path, program):
 def test_a_ddp_round_whose_client_keys_no_state_changes_is_refused(tmp_path, counting):
     _, app, nodes, _ = _ddp_app(tmp_path, ddp_unfolded)
     with pytest.raises(Exception, match="fed.ddp_mean .*its key is the same every round") as e:
-        inprocess.run(app, nodes, {"rounds": 2, "state": "0=0"})  # w feeds w
+        inprocess.run(app, nodes, {"num-server-rounds": 2, "state": "0=0"})  # w feeds w
     assert type(e.value).__name__ == "AppError" and counting.SENT == []
 
 
 def test_a_ddp_round_folding_a_state_fed_counter_runs_several_rounds(tmp_path):
     module, app, nodes, (w, r, seeds, x) = _ddp_app(tmp_path, ddp_folded)
     out = str(tmp_path / "o.npz")
-    inprocess.run(app, nodes, {"rounds": 2, "output": out})
+    inprocess.run(app, nodes, {"num-server-rounds": 2, "output": out})
     for _ in range(2):
         w, r = reference.run(module, w, r, seeds, x)
     got = files.read_outputs(out)

@@ -554,7 +554,7 @@ def test_real_supernodes_without_jax_run_the_app(name, tmp_path):
             log.close()
         out = tmp_path / "out.npz"
         p = subprocess.run(
-            dep.run_command(app, f'rounds=1 output="{out}"'),
+            dep.run_command(app, f'num-server-rounds=1 output="{out}"'),
             env=env_for(dep.cli_home),
             capture_output=True,
             text=True,

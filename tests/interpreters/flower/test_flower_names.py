@@ -39,7 +39,7 @@ def test_an_exported_round_logs_and_records_its_metrics_by_the_program_s_names(t
         np.savez(tmp_path / f"n{i}.npz", x[i])
         nodes[11 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz")}
     metrics = tmp_path / "metrics.json"
-    grid = inprocess.run(app, nodes, {"rounds": 2, "state": "0=0", "metrics-file": str(metrics)})
+    grid = inprocess.run(app, nodes, {"num-server-rounds": 2, "state": "0=0", "metrics-file": str(metrics)})
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "[fcir] round" in line]
     assert len(lines) == 2 and all(" train_loss=" in line for line in lines)
@@ -79,7 +79,7 @@ def test_an_exported_round_runs_its_evaluation_in_flower_s_evaluate_stage(tmp_pa
         nodes[11 + i] = {"partition-id": i, "data-path": str(tmp_path / f"n{i}.npz"),
                          "eval-data-path": str(tmp_path / f"t{i}.npz")}
     metrics, out = tmp_path / "metrics.json", tmp_path / "out.npz"
-    inprocess.run(app, nodes, {"rounds": 2, "state": "0=0", "metrics-file": str(metrics),
+    inprocess.run(app, nodes, {"num-server-rounds": 2, "state": "0=0", "metrics-file": str(metrics),
                                "output": str(out)})
     lines = [line for line in capsys.readouterr().out.splitlines() if "[fcir] round" in line]
     assert all("evaluate: 2/2 clients replied test_loss=" in line for line in lines), lines

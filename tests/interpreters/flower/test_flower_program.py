@@ -68,10 +68,10 @@ def test_a_scan_of_rounds_runs_one_flower_round_per_iteration_and_resumes(tmp_pa
         g.tobytes() for g in got
     ]
     with pytest.raises(RuntimeError, match="runs its own scan of rounds"):
-        inprocess.run(app, nodes, {"rounds": 3})
+        inprocess.run(app, nodes, {"num-server-rounds": 3})
     from fcir.interpreters.flower.cli import run_hint
 
-    assert run_hint(app).endswith("--run-config 'output=\"/abs/out.npz\"'")  # no rounds/state
+    assert run_hint(app).endswith("local --stream")  # no num-server-rounds/state
 
 
 def test_a_reverse_scan_with_server_xs_and_two_exchanges_per_iteration(tmp_path):
@@ -216,7 +216,8 @@ def test_a_node_that_missed_rounds_goes_on_from_the_last_round_it_took_part_in(t
     example, args, module = _scaffold()
     app = flower.export(module, tmp_path / "app", inputs=[np.asarray(a) for a in args[:2]])
     nodes = _state_nodes(tmp_path, args)
-    inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz"), "clients": 2}, lost={40: {2}})
+    config = {"output": str(tmp_path / "o.npz"), "clients": 2, "min-train-nodes": 1}
+    inprocess.run(app, nodes, config, lost={40: {2}})
     # The ServerApp's sampling (server_app.sample): seeded by the round number.
     ids = sorted(nodes)
     sampled = [

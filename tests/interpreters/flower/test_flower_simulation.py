@@ -21,9 +21,9 @@ def fedavg(tmp_path_factory):
     return simulation.stage("fedavg_mlp", root / "app", root / "data")
 
 
-def _simulate(app, data, config, root):
+def _simulate(app, data, config, root, cwd=None):
     cmd = simulation.command(app, data, config, root)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 def _started_under(root) -> list[int]:
@@ -37,11 +37,19 @@ def test_simulation_runs_rounds_bit_for_bit_as_run_bundle_and_stops_everything(f
     equal two rounds of run_bundle bit for bit, as the deployment does
     (test_flower.py), and no SuperLink, flwr-simulation or Ray process is left."""
     r, app, data = fedavg
-    out = tmp_path / "out.npz"
-    proc = _simulate(app, data, f'rounds=2 output="{out}"', tmp_path / "sim")
+    # No output: final_model.npz in the directory the command was started in.
+    proc = _simulate(app, data, "num-server-rounds=2", tmp_path / "sim", cwd=tmp_path)
+    out = tmp_path / "final_model.npz"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("3/3 clients replied") == 2, proc.stdout[-3000:]
     assert "finished:completed" in proc.stdout
+    # Quiet: no fork after JAX started (the ServerApp waits for Ray), no Python
+    # warnings, none of Flower's notes that do not apply (--nodes sets the size).
+    said = proc.stdout + proc.stderr
+    for noise in ("os.fork()", "Warning:", "default simulated SuperNodes", "simulation-config",
+                  "Manually terminating"):
+        assert noise not in said, said[-3000:]
+    assert f"to {out}\n" in proc.stdout, proc.stdout[-3000:]
     outs = rounds.bundle_rounds(r, tmp_path / "b", 2)
     assert [g.tobytes() for g in files.read_outputs(out)] == [o.tobytes() for o in outs]
     assert _started_under(tmp_path / "sim") == []
@@ -86,7 +94,7 @@ def test_sigterm_stops_the_simulation_and_everything_it_started(fedavg, tmp_path
 
     _, app, data = fedavg
     root = tmp_path / "sim"
-    cmd = simulation.command(app, data, "rounds=50", root)
+    cmd = simulation.command(app, data, "num-server-rounds=50", root)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
