@@ -23,7 +23,6 @@ import time
 from importlib import metadata
 
 import cifar  # bench/, the script's own folder
-import numpy as np
 import torch
 import torch.nn.functional as F
 from pfl.aggregate.simulate import SimulatedBackend

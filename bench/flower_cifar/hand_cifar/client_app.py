@@ -21,5 +21,6 @@ def train(msg: Message, context) -> Message:
     delta, loss = local_update(params, x, y)
     out = {k: np.asarray(v) for k, v in delta.items()}
     out["loss"] = np.asarray(loss)
-    return Message(RecordDict({"update": ArrayRecord({k: Array(v) for k, v in out.items()})}),
-                   reply_to=msg)
+    return Message(
+        RecordDict({"update": ArrayRecord({k: Array(v) for k, v in out.items()})}), reply_to=msg
+    )

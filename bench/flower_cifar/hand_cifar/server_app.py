@@ -31,6 +31,8 @@ def main(grid, context) -> None:
         updates = [{k: v.numpy() for k, v in r.content["update"].items()} for r in replies]
         mean = {k: np.mean([u[k] for u in updates], axis=0) for k in (*params, "loss")}
         params = {k: params[k] + mean[k] for k in params}
-        print(f"[hand] round {rnd}/{cfg['rounds']}: {len(replies)}/{len(cohort)} clients "
-              f"replied, {time.perf_counter() - start:.3f} s loss={float(mean['loss']):.6f}",
-              flush=True)
+        print(
+            f"[hand] round {rnd}/{cfg['rounds']}: {len(replies)}/{len(cohort)} clients "
+            f"replied, {time.perf_counter() - start:.3f} s loss={float(mean['loss']):.6f}",
+            flush=True,
+        )
