@@ -159,7 +159,7 @@ class FlowerRun:
 
     def sample(self) -> float:
         rounds = 1 + self.cfg["rounds"]
-        config = f"rounds={rounds} clients={self.cfg['cohort']}"
+        config = f"num-server-rounds={rounds} clients={self.cfg['cohort']}"
         self.runs += 1
         cmd = [sys.executable, "-m", "fcir.cli", "flower", "simulate", str(self.app),
                "--nodes", str(self.cfg["clients"]), "--data", str(self.data),

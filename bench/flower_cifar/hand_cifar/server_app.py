@@ -18,7 +18,7 @@ app = ServerApp()
 def main(grid, context) -> None:
     cfg = context.run_config
     params = init_params(int(cfg["seed"]))
-    for rnd in range(1, int(cfg["rounds"]) + 1):
+    for rnd in range(1, int(cfg["num-server-rounds"]) + 1):
         start = time.perf_counter()
         nodes = sorted(grid.get_node_ids())
         cohort = random.Random(rnd).sample(nodes, min(int(cfg["clients"]), len(nodes)))
@@ -32,7 +32,7 @@ def main(grid, context) -> None:
         mean = {k: np.mean([u[k] for u in updates], axis=0) for k in (*params, "loss")}
         params = {k: params[k] + mean[k] for k in params}
         print(
-            f"[hand] round {rnd}/{cfg['rounds']}: {len(replies)}/{len(cohort)} clients "
+            f"[hand] round {rnd}/{cfg['num-server-rounds']}: {len(replies)}/{len(cohort)} clients "
             f"replied, {time.perf_counter() - start:.3f} s loss={float(mean['loss']):.6f}",
             flush=True,
         )
