@@ -188,8 +188,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("slow")
         spec = getattr(item, "callspec", None)  # ids name cases: "x", "corpus:x", "x-slow"
         if spec is not None:
-            named = corpus & set(re.split(r"[-:\[\]]", spec.id))
-            if named & SLOW_CORPUS_CASES or (named and not named & FAST_CORPUS_CASES):
+            tokens = set(re.split(r"[-:\[\]]", spec.id))
+            named = corpus & tokens
+            # The old IR fixtures' ids: "ir_v1_jax0.10.2/x" or ".../x_grad"; the fast
+            # tier keeps every fixture but the SLOW_CORPUS_CASES ones.
+            fixtures = {t.rpartition("/")[2].removesuffix("_grad") for t in tokens if "/" in t}
+            if (named | fixtures) & SLOW_CORPUS_CASES or (
+                named and not named & FAST_CORPUS_CASES
+            ):
                 item.add_marker("slow")
         try:
             parts = pathlib.Path(item.path).resolve().relative_to(root).parts
