@@ -103,10 +103,34 @@ def _full_run(config) -> bool:
     )
 
 
+def _xdist_worker(config) -> bool:
+    """Whether this process is a pytest-xdist worker (``-n N``): it collects every test
+    but runs only those the controller sends it."""
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hooks: absent without it
+def pytest_configure_node(node):
+    """Tells each xdist worker the distribution mode (a worker's own is "no")."""
+    node.workerinput["fcir_dist"] = node.config.getoption("dist")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Under ``-n N`` the controller gathers the goldens each worker compared (sent by
+    the worker's ``pytest_sessionfinish``) to decide which no test compared."""
+    _USED.update(getattr(node, "workeroutput", {}).get("fcir_used_goldens", ()))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """A full run fails on golden files no test compared (with --update-goldens it
-    removes them). ``--collect-only`` compares nothing, so it never fails on them."""
+    removes them). ``--collect-only`` compares nothing, so it never fails on them.
+    Under ``-n N`` each worker compared only some goldens: it hands them to the
+    controller, which decides with all of them."""
     if session.config.option.collectonly:
+        return
+    if _xdist_worker(session.config):
+        session.config.workeroutput["fcir_used_goldens"] = sorted(_USED)
         return
     if not _full_run(session.config) or not GOLDEN_DIR.exists() or session.testsfailed:
         return
@@ -164,8 +188,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("slow")
         spec = getattr(item, "callspec", None)  # ids name cases: "x", "corpus:x", "x-slow"
         if spec is not None:
-            named = corpus & set(re.split(r"[-:\[\]]", spec.id))
-            if named & SLOW_CORPUS_CASES or (named and not named & FAST_CORPUS_CASES):
+            tokens = set(re.split(r"[-:\[\]]", spec.id))
+            named = corpus & tokens
+            # The old IR fixtures' ids: "ir_v1_jax0.10.2/x" or ".../x_grad"; the fast
+            # tier keeps every fixture but the SLOW_CORPUS_CASES ones.
+            fixtures = {t.rpartition("/")[2].removesuffix("_grad") for t in tokens if "/" in t}
+            if (named | fixtures) & SLOW_CORPUS_CASES or (
+                named and not named & FAST_CORPUS_CASES
+            ):
                 item.add_marker("slow")
         try:
             parts = pathlib.Path(item.path).resolve().relative_to(root).parts
@@ -187,10 +217,35 @@ def pytest_collection_finish(session):
         selected = getattr(item, "originalname", None) == getattr(child, "test", None)
         if child is not None and selected and child not in children:
             children.append(child)
-    if children:
+    if not children:
+        return
+    if _xdist_worker(session.config):
+        # A worker collects every file but runs only those sent to it; started here,
+        # each child would run in every worker. Under --dist loadfile (the README's
+        # test command) one worker runs all of a file: its child starts with the first
+        # test of the file there, still ahead of the test that waits for it; under
+        # other modes that test starts it (Child.result).
+        if session.config.workerinput.get("fcir_dist") == "loadfile":
+            _ON_FIRST_TEST.update((c.path, c) for c in children)
+        return
+    from eight_devices import start_in_background
+
+    start_in_background(children)
+
+
+_ON_FIRST_TEST: dict = {}  # under xdist: file path -> its 8-device child, not yet started
+
+
+def pytest_runtest_setup(item):
+    """Under xdist, starts a file's 8-device child at the first of its tests this worker
+    runs (see pytest_collection_finish)."""
+    if not _ON_FIRST_TEST:
+        return
+    child = getattr(getattr(item, "module", None), "EIGHT_DEVICES", None)
+    if child is not None and _ON_FIRST_TEST.pop(child.path, None) is not None:
         from eight_devices import start_in_background
 
-        start_in_background(children)
+        start_in_background([child])
 
 
 def pytest_unconfigure(config):

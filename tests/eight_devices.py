@@ -12,7 +12,10 @@ started by conftest.py as soon as collection ends (``start_in_background``): a c
 spends its minutes compiling, mostly on one core, while this process runs the rest of the
 suite on the other; its test then only collects the outcome. They run one at a time (each
 holds the compiled programs of 8 devices), at this process's priority: below it, on a
-machine loaded by others, a child waited for by its test got next to no CPU.
+machine loaded by others, a child waited for by its test got next to no CPU. Under
+pytest-xdist (``-n N --dist loadfile``) a worker starts a child when it runs the first
+test of the child's file instead (conftest.py), so up to N children run at once, one
+per worker.
 """
 
 from __future__ import annotations

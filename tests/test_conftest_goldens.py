@@ -42,3 +42,17 @@ def test_collect_only_exits_0_while_a_full_run_fails_on_unused_goldens(tmp_path)
     run = _pytest(tests, "-q")
     assert run.returncode == 1, run.stdout + run.stderr
     assert "unused golden files (no test compares them): stale.fcir" in run.stdout
+
+
+def test_under_xdist_the_controller_counts_every_workers_goldens(tmp_path):
+    """With -n 2 each worker compares some goldens; the controller fails on the one
+    no worker compared, not on those another worker did."""
+    tests = _suite(tmp_path)
+    (tests / "golden" / "other.fcir").write_text("c\n")
+    (tests / "test_two.py").write_text("def test_compares(golden):\n    golden('other', 'c\\n')\n")
+    run = _pytest(tests, "-q", "-n", "2", "--dist", "loadfile")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "unused golden files (no test compares them): stale.fcir\n" in run.stdout, run.stdout
+    (tests / "golden" / "stale.fcir").unlink()
+    run = _pytest(tests, "-q", "-n", "2", "--dist", "loadfile")
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -1,7 +1,8 @@
 """eight_devices.Child and its start in conftest.py, run on a scratch suite (copies of
 both) whose child needs no JAX: the child starts in the background as soon as
-collection ends; its test fails with the child's output when a test there fails; a
-deselected waiting test starts no child."""
+collection ends (under pytest-xdist, once, on the worker that runs its file); its test
+fails with the child's output when a test there fails; a deselected waiting test starts
+no child."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def test_on_8_simulated_devices():
 def test_in_the_child():
     if not INSIDE:
         pytest.skip("runs in the 8-device process")
-    MARK.write_text("")
+    with MARK.open("a") as f:  # one line per child run
+        f.write("started\\n")
     assert "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
     assert os.environ.get("FAIL") != "1", "told to fail"
 '''
@@ -95,3 +97,16 @@ def test_a_deselected_waiting_test_starts_no_child(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 passed, 1 skipped, 1 deselected" in run.stdout, run.stdout
     assert not (tests / "child-started").exists()
+
+
+def test_under_xdist_the_child_starts_once_ahead_of_its_test(tmp_path):
+    """Every xdist worker collects every file; only the worker that runs the child's
+    file starts it, at that file's first test, before the test waiting for it."""
+    tests = _suite(tmp_path)
+    # Another file keeps the second worker busy long enough to start a child of its own
+    # if it wrongly did.
+    (tests / "test_other.py").write_text("import time\n\ndef test_busy():\n    time.sleep(4)\n")
+    run = _pytest(tests, "-n", "2", "--dist", "loadfile", WAIT="1")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "3 passed, 1 skipped" in run.stdout, run.stdout
+    assert (tests / "child-started").read_text() == "started\n"

@@ -252,6 +252,7 @@ def test_missing_credentials_are_an_error_and_never_a_local_folder(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # waits out the capped retries (~11 s)
 def test_an_unreachable_endpoint_is_a_checkpoint_error(tmp_path, monkeypatch):
     from ckpt_testing import free_port
 

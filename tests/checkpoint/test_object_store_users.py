@@ -74,6 +74,7 @@ def test_refused_credentials_are_an_error_that_says_so_quickly(monkeypatch):
         assert time.monotonic() - started < 30  # a refusal is not retried
 
 
+@pytest.mark.slow  # waits out the capped retries (~11 s)
 def test_an_unreachable_endpoint_is_an_error_that_says_so(monkeypatch):
     from ckpt_testing import free_port
 

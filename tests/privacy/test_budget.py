@@ -92,6 +92,7 @@ def test_bad_parameters_are_privacy_errors(kw):
         fcir.privacy.Budget(_module(), 1e-5, 10.0).spend(rounds=-1)
 
 
+@pytest.mark.slow  # runs the digits example end to end (docs/contributing.md: examples are slow)
 def test_the_digits_example_stops_before_the_round_that_would_pass_max_epsilon(tmp_path, capsys):
     from examples_testing import load
 

@@ -701,6 +701,7 @@ def test_noise_multiplier_for_matches_central_epsilon(bits):
         ddp.noise_multiplier_for(4.0, 2**16, 50, 0.5, 7)
 
 
+@pytest.mark.slow  # runs the digits example end to end (docs/contributing.md: examples are slow)
 def test_example_trains_distributed_dp_at_the_central_epsilon(tmp_path):
     from examples_testing import load
 

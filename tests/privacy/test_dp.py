@@ -364,6 +364,7 @@ def test_production_clips_at_clients_sums_and_adds_noise_at_the_server(tmp_path)
         np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # runs the digits example end to end (docs/contributing.md: examples are slow)
 def test_example_trains_on_digits_and_draws_its_picture(tmp_path, capsys):
     from examples_testing import load
 

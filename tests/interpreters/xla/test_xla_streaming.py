@@ -294,6 +294,7 @@ def training(n: int):
     return fcir.capture(round_, *args), args
 
 
+@pytest.mark.slow  # compiles the round at three cohort/step sizes
 def test_streaming_memory_depends_on_k_not_on_the_cohort():
     """XLA's own memory analysis: with k = 1 the temporaries are the same for 16 and 64
     members, and they grow with k (bench/streaming.py has the unchunked contrast)."""
@@ -305,6 +306,7 @@ def test_streaming_memory_depends_on_k_not_on_the_cohort():
     assert temp(64, 1) == temp(16, 1) < temp(64, 16)
 
 
+@pytest.mark.slow  # compiles the round at several budgets
 def test_auto_budget_fits_the_memory_limit():
     module, args = training(40)
     small = budget.predicted_peak(xla.compile(module, clients_per_step=1).compiled())

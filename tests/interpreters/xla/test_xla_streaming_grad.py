@@ -263,6 +263,7 @@ def _programs(n):
     }
 
 
+@pytest.mark.slow  # compiles four programs at two cohort sizes
 def test_gradient_and_dp_temp_memory_is_flat_in_the_cohort():
     small = {k: _temp(c) for k, c in _programs(SMALL).items()}
     large = {k: _temp(c) for k, c in _programs(LARGE).items()}
