@@ -30,6 +30,7 @@ import signal
 import sys
 import tempfile
 import time
+import tomllib
 
 from fcir.errors import FcirError
 
@@ -146,6 +147,12 @@ def _zombie(pid: int) -> bool:
         return False
 
 
+
+def _declared_config(app: pathlib.Path) -> dict:
+    """The run config keys an app's pyproject.toml declares ([tool.flwr.app.config])."""
+    with open(app / "pyproject.toml", "rb") as f:
+        return tomllib.load(f).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+
 def data_dir(data, nodes: int) -> pathlib.Path:
     """``data`` as an absolute folder holding node<i>.npz (or node<i>/) for every node."""
     root = pathlib.Path(data).resolve()
@@ -188,9 +195,11 @@ def simulate(
     if not (app / "pyproject.toml").is_file():
         raise FcirError(f"{app} is not an app directory (no pyproject.toml): export one first")
     config = run_config
-    if not re.search(r"(?:^|\s)output\s*=", run_config or ""):
+    if "output" in _declared_config(app) and not re.search(r"(?:^|\s)output\s*=", run_config or ""):
         # The ServerApp runs in the temporary SuperLink's directory: the final model goes
         # where the command was started instead, as with Flower's own local simulation.
+        # Only for an app that declares the key (an exported one): flwr run refuses a
+        # key that a user's own app does not declare.
         config = f'{config} output="{pathlib.Path.cwd() / "final_model.npz"}"'.strip()
     if data is not None:
         config = f'data-dir="{data_dir(data, nodes)}" {config}'.strip()
