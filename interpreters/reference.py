@@ -176,14 +176,7 @@ class ReferenceInterpreter(Interpreter):
         *xs, keys = args
         dp_keys.check_member_keys(op, keys)  # the type rule sees only broadcast keys
         n = xs[0].shape[0]
-        p = ddp.params(
-            ddp.member_dim(x.shape[1:] for x in xs),
-            n,
-            op.attrs["clip_norm"],
-            op.attrs["noise_multiplier"],
-            op.attrs["bits"],
-            op.name,
-        )
+        p = ddp.attr_params(op.attrs, ddp.member_dim(x.shape[1:] for x in xs), n, op.name)
         total = np.zeros(p.padded_dim, dtype=object)
         encode = _compiled_encode()
         for i in range(n):

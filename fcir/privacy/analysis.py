@@ -410,6 +410,10 @@ class DdpRelease(Release):
     accounted_noise_multiplier: float = 0.0
     local_stddev: float = 0.0  # each client's discrete Gaussian std, integer units
     coordinates: int = 0  # noise coordinates per release: clients x padded dimension
+    # the fewest clients whose noise shares the release carries (the op's min_clients,
+    # else the cardinality): ε holds for any number of replies from it up, and the
+    # runtimes refuse fewer
+    min_clients: int = 0
 
     @property
     def sampler_tv(self) -> float:
@@ -438,6 +442,7 @@ def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
                 rdp_noise_multiplier(p),
                 p.local_stddev,
                 p.n * p.padded_dim,
+                p.shares,
             )
         elif op.name in DP_OPS:
             yield Release(op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"], times)
@@ -626,7 +631,9 @@ def format_round_cost(cost: dict | None) -> list[str]:
     for r in cost["releases"]:
         times = f" x{r['count']}" if r["count"] > 1 else ""
         ddp = (
-            f" bits={r['bits']} (accounted as {r['accounted_noise_multiplier']:.4g})"
+            f" bits={r['bits']} (accounted as {r['accounted_noise_multiplier']:.4g}"
+            + (f", at {r['min_clients']} clients" if r.get("min_clients") else "")
+            + ")"
             if "bits" in r
             else ""
         )
