@@ -146,6 +146,7 @@ __all__ = [
     "fwht",
     "params",
     "norm_bound_squared",
+    "reach",
     "rdp_noise_multiplier",
     "sampler_tv",
     "within_norm_bound",
@@ -356,6 +357,12 @@ _TAIL_BITS = 104  # the table reaches past the point where P(|Y| > R) < 2**-104 
 _HOST_BITS = 192  # the fixed-point precision of the host's pmf
 
 
+def reach(stddev: float) -> int:
+    """``R``, where the sampler's table at ``stddev`` ends: every draw of
+    ``discrete_gaussian`` is at most ``R - 1`` in magnitude."""
+    return int(math.ceil(stddev * math.sqrt(2.0 * math.log(2.0) * _TAIL_BITS))) + 2
+
+
 @functools.lru_cache(maxsize=32)
 def _dg_table(stddev: float) -> tuple[np.ndarray, int, float]:
     """The inverse-CDF table of ``|Y|``, ``Y ~ N_Z(0, stddev**2)``: ``(T, R, tv)``.
@@ -374,7 +381,7 @@ def _dg_table(stddev: float) -> tuple[np.ndarray, int, float]:
     """
     import decimal
 
-    R = int(math.ceil(stddev * math.sqrt(2.0 * math.log(2.0) * _TAIL_BITS))) + 2
+    R = reach(stddev)
     one = 1 << _HOST_BITS
     with decimal.localcontext() as ctx:
         ctx.prec = 70
