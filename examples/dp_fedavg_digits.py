@@ -23,6 +23,14 @@ sees an un-noised value. Its noise multiplier is calibrated
 (``fcir.mechanisms.ddgauss.noise_multiplier_for``) so that ``fcir.privacy.epsilon`` gives the same ε
 as the central run's after every round: the curves compare accuracy at equal privacy.
 
+``--mode`` chooses how the central run's ``fcir.dp_mean`` releases (``MODES``):
+``float`` (the default) adds float Gaussian noise, whose ε is about real numbers, not
+the floats released; ``exact`` (``exact=True``, ``fcir.mechanisms.lattice``) rounds the
+clipped updates to a power-of-two grid, adds integer discrete Gaussian noise and
+releases lattice points, so ε holds for the released bits; its noise multiplier is
+raised by the rounding's share of the sensitivity
+(``fcir.mechanisms.lattice.noise_multiplier_for``), so ε is the float run's.
+
 With ``--max-epsilon E`` a ``fcir.privacy.Budget`` of the private round is spent
 each round, and training stops before the round that would pass ε = E.
 
@@ -104,7 +112,27 @@ def local_update(model, x, y, mask):
     return jax.tree.map(lambda a, b: a - b, new, model), losses[-1]
 
 
-def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float):
+def float_mean(updates, clip_norm: float, noise_multiplier: float, key):
+    """Central DP with float Gaussian noise (``fcir.dp_mean``'s default)."""
+    return fcir.dp_mean(updates, clip_norm, noise_multiplier, key)
+
+
+def exact_mean(updates, clip_norm: float, noise_multiplier: float, key):
+    """Central DP on a lattice, at the ε of ``noise_multiplier`` in float mode: the
+    noise is raised by the grid's share of the sensitivity."""
+    from fcir.mechanisms import lattice
+
+    dim = sum(int(np.prod(u.shape[1:])) for u in jax.tree.leaves(updates))
+    gamma = lattice.default_gamma(clip_norm, dim)
+    z = lattice.noise_multiplier_for(noise_multiplier, clip_norm, dim, gamma)
+    return fcir.dp_mean(updates, clip_norm, z, key, exact=True, gamma=gamma)
+
+
+# --mode: how the central DP round releases its mean, all at the same ε.
+MODES = {"float": float_mean, "exact": exact_mean}
+
+
+def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float, mode: str = "float"):
     @fcir.program(placements={"clients": num_clients})
     def fedavg_round(model, client_data):
         """FedAvg: the new model and the mean client loss."""
@@ -117,7 +145,7 @@ def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float):
     def dp_fedavg_round(model, key, client_data):
         """DP-FedAvg: the new model only (a plain mean of the losses would leak)."""
         updates, _ = fcir.map_fn(local_update, (fcir.broadcast(model), *client_data))
-        mean = fcir.dp_mean(updates, clip_norm, noise_multiplier, key)
+        mean = MODES[mode](updates, clip_norm, noise_multiplier, key)
         return jax.tree.map(lambda p, u: p + SERVER_LR * u, model, mean)
 
     return fedavg_round, dp_fedavg_round
@@ -233,12 +261,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help="stop before the round whose ε would pass this")
     parser.add_argument("--ddp-bits", type=int, nargs="*", default=[16, 20],
                         help="secure-sum widths of the distributed DP runs (none: skip)")
+    parser.add_argument("--mode", choices=sorted(MODES), default="float",
+                        help="how the central DP mean releases (same ε in every mode)")
     parser.add_argument("--output", default="dp_fedavg_digits.png", help="the PNG to write")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
     clients, (x_test, y_test) = load_clients(args.clients, args.alpha, args.seed)
-    plain, private = make_rounds(args.clients, args.clip_norm, args.noise_multiplier)
+    plain, private = make_rounds(args.clients, args.clip_norm, args.noise_multiplier, args.mode)
     model, key = init_model(), jax.random.key(args.seed)
     # Capturing the private round runs the leak check; the accountant reads its DP op.
     module = fcir.capture(private, model, key, clients)
@@ -255,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.max_epsilon is not None:
         budget = fcir.privacy.Budget(module, args.delta, args.max_epsilon)
 
-    fedavg_acc, dp_acc, eps = [], [], []
+    fedavg_acc, dp_acc, eps, dp_seconds = [], [], [], []
     m_plain = m_dp = model
     for r in range(1, args.rounds + 1):
         if budget is not None and not budget.can_spend():
@@ -265,7 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
         if budget is not None:
             budget.spend()
         m_plain, loss = run_plain(m_plain, clients)
-        m_dp = run_private(m_dp, jax.random.fold_in(key, r), clients)
+        tick = time.perf_counter()
+        m_dp = jax.block_until_ready(run_private(m_dp, jax.random.fold_in(key, r), clients))
+        dp_seconds.append(time.perf_counter() - tick)
         fedavg_acc.append(accuracy(m_plain, x_test, y_test))
         dp_acc.append(accuracy(m_dp, x_test, y_test))
         eps.append(fcir.privacy.epsilon(module, r, args.delta))
@@ -284,7 +316,12 @@ def main(argv: list[str] | None = None) -> dict:
     plot(args.output, fedavg_acc, dp_acc, eps, args.delta, args.noise_multiplier, args.clients,
          ddp)
     print(f"wrote {args.output} ({time.perf_counter() - start:.1f} s)")
-    return {"fedavg": fedavg_acc, "dp_fedavg": dp_acc, "epsilon": eps,
+    # the first round compiles: the time per round is the median of the others
+    per_round = float(np.median(dp_seconds[1:])) if len(dp_seconds) > 1 else None
+    if per_round is not None:
+        print(f"DP-FedAvg ({args.mode}) round: {1e3 * per_round:.2f} ms (median, after the first)")
+    return {"fedavg": fedavg_acc, "dp_fedavg": dp_acc, "epsilon": eps, "mode": args.mode,
+            "dp_round_seconds": per_round,
             **{f"ddp_{bits}": acc for bits, (acc, _, _) in ddp.items()},
             **{f"ddp_{bits}_epsilon": e for bits, (_, e, _) in ddp.items()}}
 

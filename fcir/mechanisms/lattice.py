@@ -61,6 +61,7 @@ __all__ = [
     "default_gamma",
     "is_power_of_two",
     "noise",
+    "noise_multiplier_for",
     "params",
     "release",
     "to_grid",
@@ -159,3 +160,10 @@ def release(t, n: int, mean: bool, gamma: float, dtype):
     ``floor(t / n + 1/2)`` (integers: ``(2 t + n) // (2 n)``) for a mean."""
     k = jnp.floor_divide(2 * t + n, 2 * n) if mean else t
     return (k.astype(jnp.float32) * jnp.float32(gamma)).astype(dtype)
+
+
+def noise_multiplier_for(target: float, clip_norm: float, dim: int, gamma: float) -> float:
+    """The ``noise_multiplier`` of an exact-mode op that ``fcir.privacy`` accounts as
+    the Gaussian mechanism with noise multiplier ``target``: ``target * (1 + sqrt(dim)
+    * gamma / (2 clip_norm))`` (``accounted_noise_multiplier`` inverted)."""
+    return target * (1.0 + math.sqrt(dim) * gamma / (2.0 * clip_norm))

@@ -154,3 +154,18 @@ def test_production_and_flower_clients_send_grid_integers(tmp_path):
     got = production.run_bundle(out, w, raw, x)
     for k in want:
         assert np.array_equal(np.asarray(got[k]), np.asarray(want[k])), k
+
+
+def test_the_digits_example_s_modes_release_at_the_same_epsilon():
+    """``--mode exact`` raises the noise by the grid's share of the sensitivity, so the
+    accountant gives the float mode's ε (capture only, no training)."""
+    from examples_testing import load
+
+    ex = load("dp_fedavg_digits")
+    args = ex.make_example_args(8)
+    eps = {}
+    for mode in ex.MODES:
+        module = fcir.capture(ex.make_rounds(8, 0.5, 4.0, mode)[1], *args)
+        assert ("gamma" in module.to_text()) == (mode == "exact")
+        eps[mode] = fcir.privacy.epsilon(module, 40, 1e-5)
+    assert math.isclose(eps["exact"], eps["float"], rel_tol=1e-9), eps
