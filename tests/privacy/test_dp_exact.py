@@ -169,3 +169,14 @@ def test_the_digits_example_s_modes_release_at_the_same_epsilon():
         assert ("gamma" in module.to_text()) == (mode == "exact")
         eps[mode] = fcir.privacy.epsilon(module, 40, 1e-5)
     assert math.isclose(eps["exact"], eps["float"], rel_tol=1e-9), eps
+
+
+def test_the_traffic_report_counts_the_int32_grid_points_an_exact_member_sends():
+    from fcir.report import traffic
+
+    args = _args()
+    for exact in (False, True):
+        m = fcir.capture(_round(False, jnp.bfloat16, exact=exact), *args)
+        (t,) = [t for t in traffic.transfers(m) if t.kind == "aggregate"]
+        # a: 3 elements (bf16: 2 bytes, int32 grid points: 4), b: 2 float32 elements
+        assert t.operand_bytes == ((12, 8) if exact else (6, 8))
