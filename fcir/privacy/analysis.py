@@ -692,6 +692,8 @@ def format_round_cost(cost: dict | None) -> list[str]:
             + (f", at {r['min_clients']} clients" if r.get("min_clients") else "")
             + ")"
             if "bits" in r
+            else f" exact gamma={r['gamma']:g} (accounted as {r['accounted_noise_multiplier']:.4g})"
+            if "gamma" in r
             else ""
         )
         lines.append(

@@ -102,6 +102,8 @@ def test_the_accountant_charges_the_rounding_and_the_sampler():
     assert fcir.privacy.epsilon(exact, 10, 1e-5) == acc.get_epsilon(1e-5)
     assert fcir.privacy.epsilon(exact, 10, 1e-5) > fcir.privacy.epsilon(central, 10, 1e-5)
     cost = fcir.privacy.round_cost(exact)
+    lines = fcir.privacy.format_round_cost(cost)
+    assert f"exact gamma=0.0625 (accounted as {want:.4g})" in lines[1]
     # the sampler's total variation (tiny: about 1e-26 here) is stated and goes into δ
     assert 0 < cost["sampler_tv_per_round"] < 1e-20 and "delta_with_sampler" in cost
     budget = fcir.privacy.Budget(exact, 1e-5, 100.0)
