@@ -303,10 +303,8 @@ def _overridden(cls) -> frozenset[str] | None:
     else:
         base = ReferenceInterpreter._impls
         found = frozenset(
-            name
-            for name, method in cls._impls.items()
-            if isinstance(method, str)
-            and (
+            name for name, method in cls._impls.items()
+            if isinstance(method, str) and (
                 not isinstance(base.get(name), str)
                 or getattr(cls, method) is not getattr(ReferenceInterpreter, base[name])
             )
@@ -322,11 +320,8 @@ def _overrides_inside(cls, op: Op) -> bool:
         return False
     return any(
         o.name.startswith("jax.") if names is None else o.name in names
-        for sub in op.regions
-        for _, o in walk(sub)
+        for sub in op.regions for _, o in walk(sub)
     )
-
-
 def _unsharded(x):
     """An argument leaf split over a mesh with ``Explicit`` axes, replicated over that
     mesh: its type says how it is split, and JAX refuses the oracle's per-member reads of
@@ -341,9 +336,7 @@ def _unsharded(x):
         e is None for e in sharding.spec
     ):
         return x
-    return jax.device_put(
-        x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-    )
+    return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
 
 
 def _federated(op: Op) -> bool:
