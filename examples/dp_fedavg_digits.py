@@ -23,6 +23,14 @@ sees an un-noised value. Its noise multiplier is calibrated
 (``fcir.mechanisms.ddgauss.noise_multiplier_for``) so that ``fcir.privacy.epsilon`` gives the same ε
 as the central run's after every round: the curves compare accuracy at equal privacy.
 
+``--mode`` chooses how the central run's ``fcir.dp_mean`` releases (``MODES``):
+``float`` (the default) adds float Gaussian noise, whose ε is about real numbers, not
+the floats released; ``exact`` (``exact=True``, ``fcir.mechanisms.lattice``) rounds the
+clipped updates to a power-of-two grid, adds integer discrete Gaussian noise and
+releases lattice points, so ε holds for the released bits; its noise multiplier is
+raised by the rounding's share of the sensitivity
+(``fcir.mechanisms.lattice.noise_multiplier_for``), so ε is the float run's.
+
 ``--mode adaptive`` trains the central run with adaptive clipping instead
 (``fcir.dp_mean_adaptive``, Andrew et al. 2021): ``--clip-norm`` is only the first
 round's clip; each client also reports the noised bit "my update's norm is at most the
@@ -121,8 +129,28 @@ def local_update(model, x, y, mask):
     return jax.tree.map(lambda a, b: a - b, new, model), losses[-1]
 
 
+def float_mean(updates, clip_norm: float, noise_multiplier: float, key):
+    """Central DP with float Gaussian noise (``fcir.dp_mean``'s default)."""
+    return fcir.dp_mean(updates, clip_norm, noise_multiplier, key)
+
+
+def exact_mean(updates, clip_norm: float, noise_multiplier: float, key):
+    """Central DP on a lattice, at the ε of ``noise_multiplier`` in float mode: the
+    noise is raised by the grid's share of the sensitivity."""
+    from fcir.mechanisms import lattice
+
+    dim = sum(int(np.prod(u.shape[1:])) for u in jax.tree.leaves(updates))
+    gamma = lattice.default_gamma(clip_norm, dim)
+    z = lattice.noise_multiplier_for(noise_multiplier, clip_norm, dim, gamma)
+    return fcir.dp_mean(updates, clip_norm, z, key, exact=True, gamma=gamma)
+
+
+# --mode: how the central DP round releases its mean, all at the same ε.
+MODES = {"float": float_mean, "exact": exact_mean}
+
+
 def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float,
-                server_lr: float = SERVER_LR):
+                server_lr: float = SERVER_LR, mode: str = "float"):
     @fcir.program(placements={"clients": num_clients})
     def fedavg_round(model, client_data):
         """FedAvg: the new model and the mean client loss."""
@@ -135,7 +163,7 @@ def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float,
     def dp_fedavg_round(model, key, client_data):
         """DP-FedAvg: the new model only (a plain mean of the losses would leak)."""
         updates, _ = fcir.map_fn(local_update, (fcir.broadcast(model), *client_data))
-        mean = fcir.dp_mean(updates, clip_norm, noise_multiplier, key)
+        mean = MODES[mode](updates, clip_norm, noise_multiplier, key)
         return jax.tree.map(lambda p, u: p + server_lr * u, model, mean)
 
     return fedavg_round, dp_fedavg_round
@@ -272,9 +300,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cohort", type=int, default=None,
                         help="clients expected per round, Poisson-sampled from --clients "
                         "(default: every client every round)")
-    parser.add_argument("--mode", choices=["float", "adaptive"], default="float",
-                        help="the central run's mechanism: fcir.dp_mean at --clip-norm (float) "
-                        "or fcir.dp_mean_adaptive starting from --clip-norm (adaptive)")
+    parser.add_argument("--mode", choices=[*sorted(MODES), "adaptive"], default="float",
+                        help="how the central DP mean releases, at the same ε in every mode: "
+                        "fcir.dp_mean at --clip-norm with float noise (float) or on a lattice "
+                        "(exact), or fcir.dp_mean_adaptive starting from --clip-norm (adaptive)")
     parser.add_argument("--target-quantile", type=float, default=0.5,
                         help="adaptive: the quantile of update norms the clip moves to")
     parser.add_argument("--clip-learning-rate", type=float, default=0.2,
@@ -289,6 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cohort is not None and args.mode == "adaptive":
         parser.error("--mode adaptive with --cohort: a cohort's padding members would "
                      "count as clients under the clip and bias its quantile")
+    if args.cohort is not None and args.mode == "exact":
+        parser.error("--mode exact with --cohort: an exact release is accounted without "
+                     "amplification by sampling (fcir.privacy refuses it)")
     if args.ddp_bits is None:
         args.ddp_bits = [16, 20] if args.cohort is None else []
 
@@ -305,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
         # The means over cohorts.size members, padding's zero updates included, times
         # size / K: the cohort's sum over the expected cohort, as DP-FedAvg's estimator.
         members, server_lr = cohorts.size, SERVER_LR * cohorts.size / args.cohort
-    plain, private = make_rounds(members, args.clip_norm, args.noise_multiplier, server_lr)
+    plain, private = make_rounds(members, args.clip_norm, args.noise_multiplier, server_lr,
+                                 "float" if args.mode == "adaptive" else args.mode)
     model, key = init_model(), jax.random.key(args.seed)
     adaptive = args.mode == "adaptive"
     clip = jnp.float32(args.clip_norm)  # adaptive: the clip is the round's state
@@ -331,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.max_epsilon is not None:
         budget = fcir.privacy.Budget(module, args.delta, args.max_epsilon)
 
-    fedavg_acc, dp_acc, eps, clips = [], [], [], []
+    fedavg_acc, dp_acc, eps, clips, dp_seconds = [], [], [], [], []
     m_plain = m_dp = model
     for r in range(1, args.rounds + 1):
         if budget is not None and not budget.can_spend():
@@ -345,11 +378,13 @@ def main(argv: list[str] | None = None) -> dict:
             idx, sampled = cohorts.indices(r)
             data = jax.device_put(cohorts.take(idx, sampled)[0])
         m_plain, loss = run_plain(m_plain, data)
+        tick = time.perf_counter()
         if adaptive:
-            m_dp, clip = run_private(m_dp, clip, jax.random.fold_in(key, r), data)
+            m_dp, clip = jax.block_until_ready(run_private(m_dp, clip, jax.random.fold_in(key, r), data))
             clips.append(float(clip))
         else:
-            m_dp = run_private(m_dp, jax.random.fold_in(key, r), data)
+            m_dp = jax.block_until_ready(run_private(m_dp, jax.random.fold_in(key, r), data))
+        dp_seconds.append(time.perf_counter() - tick)
         if cohorts is not None:  # the mean loss of the sampled clients (padding's is 0)
             loss = loss * cohorts.size / max(int(sampled.sum()), 1)
         fedavg_acc.append(accuracy(m_plain, x_test, y_test))
@@ -373,8 +408,12 @@ def main(argv: list[str] | None = None) -> dict:
     plot(args.output, fedavg_acc, dp_acc, eps, args.delta, args.noise_multiplier, args.clients,
          ddp, args.mode)
     print(f"wrote {args.output} ({time.perf_counter() - start:.1f} s)")
-    return {"fedavg": fedavg_acc, "dp_fedavg": dp_acc, "epsilon": eps,
-            **({"clip": clips} if adaptive else {}),
+    # the first round compiles: the time per round is the median of the others
+    per_round = float(np.median(dp_seconds[1:])) if len(dp_seconds) > 1 else None
+    if per_round is not None:
+        print(f"DP-FedAvg ({args.mode}) round: {1e3 * per_round:.2f} ms (median, after the first)")
+    return {"fedavg": fedavg_acc, "dp_fedavg": dp_acc, "epsilon": eps, "mode": args.mode,
+            "dp_round_seconds": per_round, **({"clip": clips} if adaptive else {}),
             **{f"ddp_{bits}": acc for bits, (acc, _, _) in ddp.items()},
             **{f"ddp_{bits}_epsilon": e for bits, (_, e, _) in ddp.items()}}
 

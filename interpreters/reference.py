@@ -15,6 +15,7 @@ import numpy as np
 
 from fcir import fed as F
 from fcir.errors import InterpreterError
+from fcir.fed.dp_sum import exact_params
 from fcir.frontend import jaxpr_cache as captured
 from fcir.frontend.primitives import (
     accumulation_dtype,
@@ -29,6 +30,7 @@ from fcir.ir.check import check
 from fcir.ir.control_flow import scan_axis
 from fcir.ir.types import runtime_type
 from fcir.mechanisms import ddgauss as ddp
+from fcir.mechanisms import lattice
 from fcir.privacy import keys as dp_keys
 
 
@@ -149,6 +151,8 @@ class ReferenceInterpreter(Interpreter):
         *xs, key = args
         clip, z = op.attrs["clip_norm"], op.attrs["noise_multiplier"]
         n = xs[0].shape[0]
+        if "gamma" in op.attrs:
+            return self._dp_exact(op, xs, key, n, mean)
         totals = None
         for i in range(n):
             clipped = clip_member([x[i] for x in xs], clip)
@@ -159,6 +163,26 @@ class ReferenceInterpreter(Interpreter):
             t = t.astype(x.dtype)
             noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
             out.append(noisy * _reciprocal(n, noisy.dtype) if mean else noisy)
+        return out
+
+    def _dp_exact(self, op, xs, key, n: int, mean: bool):
+        """Exact mode (``fcir.mechanisms.lattice``): each member clipped and rounded to
+        the grid on its own, the integers added member by member in Python integers,
+        the integer noise added once, the release ``k * gamma``."""
+        clip, z, gamma = (op.attrs[k] for k in ("clip_norm", "noise_multiplier", "gamma"))
+        p = exact_params(
+            n, clip, z, gamma, [x.shape[1:] for x in xs], [x.dtype for x in xs], op.name
+        )
+        totals = [np.zeros(x.shape[1:], dtype=object) for x in xs]
+        for i in range(n):
+            clipped = clip_member([x[i] for x in xs], clip)
+            for t, c in zip(totals, clipped):
+                t += np.asarray(lattice.to_grid(c, gamma)).astype(object)
+        out = []
+        for i, (t, x) in enumerate(zip(totals, xs)):
+            noisy = t + np.asarray(lattice.noise(key, i, t.shape, p)).astype(object)
+            k = jnp.asarray(noisy.astype(np.int64).astype(np.int32))  # |k| <= 2**24: exact
+            out.append(lattice.release(k, n, mean, gamma, x.dtype))
         return out
 
     @impl(F.DdpSum)
@@ -176,14 +200,7 @@ class ReferenceInterpreter(Interpreter):
         *xs, keys = args
         dp_keys.check_member_keys(op, keys)  # the type rule sees only broadcast keys
         n = xs[0].shape[0]
-        p = ddp.params(
-            ddp.member_dim(x.shape[1:] for x in xs),
-            n,
-            op.attrs["clip_norm"],
-            op.attrs["noise_multiplier"],
-            op.attrs["bits"],
-            op.name,
-        )
+        p = ddp.attr_params(op.attrs, ddp.member_dim(x.shape[1:] for x in xs), n, op.name)
         total = np.zeros(p.padded_dim, dtype=object)
         encode = _compiled_encode()
         for i in range(n):

@@ -86,6 +86,9 @@ class FedOp:
     # attribute name -> Python type; the primitive's params of the same names
     # (besides ``placement`` and ``n``) are these attributes.
     attributes: ClassVar[dict[str, type]] = {}
+    # attributes present in the IR only when set: the primitive's param is None when
+    # unset (so a module that does not use one prints, serializes and hashes as before)
+    optional_attributes: ClassVar[dict[str, type]] = {}
     constraints: ClassVar[dict[str, str]]
     placement_constraints: ClassVar[frozenset[str]] = frozenset()
     registry: ClassVar[dict[str, type[FedOp]]] = {}
@@ -130,7 +133,11 @@ class FedOp:
     @classmethod
     def attrs_from_params(cls, params: dict) -> dict:
         """The op's attributes from its primitive's params (capture)."""
-        return {k: t(params[k]) for k, t in cls.attributes.items()}
+        out = {k: t(params[k]) for k, t in cls.attributes.items()}
+        for k, t in cls.optional_attributes.items():
+            if params.get(k) is not None:
+                out[k] = t(params[k])
+        return out
 
     @classmethod
     def bind(cls, op, args, cardinality, regions=()):
@@ -139,6 +146,7 @@ class FedOp:
         the interpreter running it (``fed.map``'s body)."""
         p = op.operands[0].type.placement
         params = {k: op.attrs[k] for k in cls.attributes}
+        params.update({k: op.attrs.get(k) for k in cls.optional_attributes})
         return cls.primitive.bind(*args, placement=p, n=cardinality(p), **params)
 
     @classmethod

@@ -20,6 +20,9 @@ ddp_mean_p = define_ddp(DdpMean, mean=True)
 
 
 @public
-def ddp_mean(x, clip_norm, noise_multiplier, keys, bits=20):
-    """``fcir.ddp_sum`` divided by the cardinality of the placement (noise included)."""
-    return ddp_release(ddp_mean_p, "fcir.ddp_mean", x, clip_norm, noise_multiplier, keys, bits)
+def ddp_mean(x, clip_norm, noise_multiplier, keys, bits=20, *, min_clients=None):
+    """``fcir.ddp_sum`` divided by the cardinality of the placement (noise included);
+    ``min_clients`` as ``fcir.ddp_sum``'s."""
+    return ddp_release(
+        ddp_mean_p, "fcir.ddp_mean", x, clip_norm, noise_multiplier, keys, bits, min_clients
+    )

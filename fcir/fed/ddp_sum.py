@@ -38,6 +38,9 @@ class DdpSum(FedOp):
     kind = "ddp"
     multiple_results = True
     attributes = {"clip_norm": float, "noise_multiplier": float, "bits": int}
+    # Present only when declared below the cardinality (``fcir.mechanisms.ddgauss``,
+    # "Dropouts"): the fewest clients whose noise shares the release must carry.
+    optional_attributes = {"min_clients": int}
     constraints = {
         "C1": "takes k >= 1 value operands followed by one keys operand, and gives k results",
         "C2": "value operands must be placed at the placement directly below the current one",
@@ -48,6 +51,8 @@ class DdpSum(FedOp):
         "finite float >= 0",
         "C6": "result i must be operand i's member type, local to the current placement",
         "C7": f"attribute 'bits' must be an int in [{ddp.MIN_BITS}, {ddp.MAX_BITS}]",
+        "C8": "attribute 'min_clients', when present, must be an int in [1, n) "
+        "(n the cardinality of the placement summed over; absent means n)",
     }
     placement_constraints = frozenset({"C2", "C3"})
 
@@ -83,6 +88,17 @@ class DdpSum(FedOp):
             or not (ddp.MIN_BITS <= bits <= ddp.MAX_BITS)
         ):
             cls.fail("C7", f"bits={bits!r}")
+        if "min_clients" in op.attrs:
+            m = op.attrs["min_clients"]
+            p = op.operands[0].type
+            n = ctx.cardinality.get(p.placement) if isinstance(p, PlacedType) else None
+            if (
+                isinstance(m, bool)
+                or not isinstance(m, int)
+                or m < 1
+                or (isinstance(n, int) and m >= n)
+            ):
+                cls.fail("C8", f"min_clients={m!r}, cardinality {n}")
         for i, (v, r) in enumerate(zip(op.operands[:-1], op.results)):
             t = cls.placed_operand(ctx, v, "C2")
             if not isinstance(t.member, TensorType) or not DpSum.is_float(t.member.dtype):
@@ -94,16 +110,25 @@ class DdpSum(FedOp):
 # --- the primitive (operands: the placed leaves of one pytree, then the members' keys) ----
 
 
-def _impl(*args, placement, n, clip_norm, noise_multiplier, bits, mean):
+def _impl(*args, placement, n, clip_norm, noise_multiplier, bits, mean, min_clients=None):
     del placement
     *xs, keys = args
-    p = ddp.params(ddp.member_dim(x.shape[1:] for x in xs), n, clip_norm, noise_multiplier, bits)
+    p = ddp.params(
+        ddp.member_dim(x.shape[1:] for x in xs),
+        n,
+        clip_norm,
+        noise_multiplier,
+        bits,
+        min_clients=min_clients,
+    )
     encoded = ddp.encode_batch(xs, keys, p)
     like = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in xs]
     return ddp.decode(ddp.aggregate(encoded, p), p, like, mean)
 
 
-def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, bits, mean):
+def _abstract_eval(
+    op, *avals, placement, n, clip_norm, noise_multiplier, bits, mean, min_clients=None
+):
     *xs, keys = avals
     if not xs:
         raise op.error("C1", "no value leaf before the keys")
@@ -122,6 +147,7 @@ def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, bits, 
         noise_multiplier,
         bits,
         op.name,
+        min_clients=min_clients,
     )
     return out
 
@@ -143,7 +169,7 @@ def define_ddp(op: type[FedOp], mean: bool):
 ddp_sum_p = define_ddp(DdpSum, mean=False)
 
 
-def ddp_release(prim, what: str, x, clip_norm, noise_multiplier, keys, bits):
+def ddp_release(prim, what: str, x, clip_norm, noise_multiplier, keys, bits, min_clients=None):
     """Binds distributed DP aggregate ``prim`` on placed pytree ``x`` from the public
     functions (``fcir.ddp_sum``, ``fcir.ddp_mean``), its static attributes checked first."""
     frame = api._current(what)
@@ -164,14 +190,34 @@ def ddp_release(prim, what: str, x, clip_norm, noise_multiplier, keys, bits):
     if not isinstance(keys, jax.Array) and not hasattr(keys, "aval"):
         keys = jax.numpy.asarray(keys)
     api._check_placed([keys], name, n, f"{what} (keys: one PRNG key per member of '{name}')")
+    if min_clients is not None:
+        if isinstance(min_clients, (bool, np.bool_)) or not isinstance(
+            min_clients, (int, np.integer)
+        ):
+            raise PlacementError(f"{what}: min_clients must be a Python int, got {min_clients!r}")
+        min_clients = int(min_clients)
+        if not 1 <= min_clients <= n:
+            raise PlacementError(
+                f"{what}: min_clients must be in [1, {n}] (the number of '{name}'), got "
+                f"{min_clients}"
+            )
+        if min_clients == n:
+            min_clients = None  # the default: the IR stays as without it
     out = prim.bind(
-        *leaves, keys, placement=name, n=n, clip_norm=clip, noise_multiplier=z, bits=bits
+        *leaves,
+        keys,
+        placement=name,
+        n=n,
+        clip_norm=clip,
+        noise_multiplier=z,
+        bits=bits,
+        min_clients=min_clients,
     )
     return jax.tree_util.tree_unflatten(tree, out)
 
 
 @public
-def ddp_sum(x, clip_norm, noise_multiplier, keys, bits=20):
+def ddp_sum(x, clip_norm, noise_multiplier, keys, bits=20, *, min_clients=None):
     """Distributed DP sum: ``{T}@child -> T@p`` for a placed pytree ``x``, through a
     secure sum modulo ``2**bits``.
 
@@ -183,5 +229,13 @@ def ddp_sum(x, clip_norm, noise_multiplier, keys, bits=20):
     holds an individual or un-noised value (``fcir.ddp``). ``clip_norm``,
     ``noise_multiplier`` and ``bits`` are Python numbers (attributes of the op, read by
     ``fcir.privacy.epsilon``). Gradients treat the noise and the rounding as constants.
+
+    ``min_clients`` (default: all of them) is the fewest clients whose noise shares the
+    release must carry: each client adds the noise for ``min_clients`` shares, the
+    accountant assumes only that many, and a runtime that gets fewer replies (Flower,
+    a production plan) refuses the round instead of releasing it (docs/privacy.md,
+    "Dropouts").
     """
-    return ddp_release(ddp_sum_p, "fcir.ddp_sum", x, clip_norm, noise_multiplier, keys, bits)
+    return ddp_release(
+        ddp_sum_p, "fcir.ddp_sum", x, clip_norm, noise_multiplier, keys, bits, min_clients
+    )

@@ -19,6 +19,8 @@ dp_mean_p = define_dp_op(DpMean, mean=True)
 
 
 @public
-def dp_mean(x, clip_norm, noise_multiplier, key):
-    """``fcir.dp_sum`` divided by the cardinality of the placement (noise included)."""
-    return dp_release(dp_mean_p, "fcir.dp_mean", x, clip_norm, noise_multiplier, key)
+def dp_mean(x, clip_norm, noise_multiplier, key, *, exact=False, gamma=None):
+    """``fcir.dp_sum`` divided by the cardinality of the placement (noise included);
+    ``exact=True``: ``fcir.dp_sum``'s exact mode, the noised integer sum divided by the
+    cardinality to the nearest integer, released as that integer times ``gamma``."""
+    return dp_release(dp_mean_p, "fcir.dp_mean", x, clip_norm, noise_multiplier, key, exact, gamma)

@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fcir.errors import PlacementError
+from fcir.errors import IRTypeError, PlacementError
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
 from fcir.frontend import program as api
 from fcir.ir.types import TensorType
 from fcir.jaxcompat import batching, core, mlir
 from fcir.jaxcompat import core as _core
+from fcir.mechanisms import lattice
 
 from .base import FedOp, public
 from .map import member_map, member_slices
@@ -38,10 +39,25 @@ __all__ = ["DpSum", "define_dp", "define_dp_op", "dp_jvp", "dp_release", "dp_sum
 # --- the primitive ------------------------------------------------------------------------
 
 
-def _impl(*args, placement, n, clip_norm, noise_multiplier, mean):
+def _impl(*args, placement, n, clip_norm, noise_multiplier, mean, gamma=None):
     del placement
     *xs, key = args
     clipped = jax.vmap(lambda *m: P.clip_member(m, clip_norm))(*xs)
+    if gamma is not None:  # exact mode: integers from the grid on (fcir.mechanisms.lattice)
+        p = exact_params(
+            n, clip_norm, noise_multiplier, gamma, [x.shape[1:] for x in xs], [x.dtype for x in xs]
+        )
+        return [
+            lattice.release(
+                jnp.sum(lattice.to_grid(c, gamma), axis=0, dtype=jnp.int32)
+                + lattice.noise(key, i, c.shape[1:], p),
+                n,
+                mean,
+                gamma,
+                c.dtype,
+            )
+            for i, c in enumerate(clipped)
+        ]
     out = []
     for i, c in enumerate(clipped):
         total = jnp.sum(c, axis=0) + P.dp_noise(
@@ -51,7 +67,14 @@ def _impl(*args, placement, n, clip_norm, noise_multiplier, mean):
     return out
 
 
-def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean):
+def exact_params(n, clip_norm, noise_multiplier, gamma, shapes, dtypes, what="fed.dp_*"):
+    """``fcir.mechanisms.lattice.params`` for an exact-mode op over members of leaf
+    ``shapes`` and ``dtypes``."""
+    dim = int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes))
+    return lattice.params(dim, n, clip_norm, noise_multiplier, gamma, dtypes, what)
+
+
+def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean, gamma=None):
     *xs, key = avals
     if not xs:
         raise op.error("C1", "no value leaf before the key")
@@ -64,6 +87,19 @@ def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean):
         bound = sum_bound(n, clip_norm, noise_multiplier, x.dtype)
         if bound is not None:
             raise op.error("C7", f"operand {i}: {bound}")
+    if gamma is not None:
+        try:
+            exact_params(
+                n,
+                clip_norm,
+                noise_multiplier,
+                gamma,
+                [x.shape for x in out],
+                [x.dtype for x in out],
+                op.name,
+            )
+        except IRTypeError as e:
+            raise op.error("C8", str(e)) from None
     return out
 
 
@@ -233,6 +269,8 @@ class DpSum(FedOp):
     kind = "dp"
     multiple_results = True
     attributes = {"clip_norm": float, "noise_multiplier": float}
+    # Exact mode (fcir.mechanisms.lattice): the grid step, present only when set.
+    optional_attributes = {"gamma": float}
     constraints = {
         "C1": "takes k >= 1 value operands followed by one key operand, and gives k results",
         "C2": "value operands must be placed at the placement directly below the current one",
@@ -245,6 +283,9 @@ class DpSum(FedOp):
         "C7": "with noise_multiplier > 0, n * clip_norm must stay below each operand "
         "dtype's largest finite value (the clipped sum may not overflow before the noise "
         "is added)",
+        "C8": "attribute 'gamma', when present (exact mode), must be a power of two with "
+        "which every release k * gamma is a lattice point of each operand's dtype: "
+        "|k| <= 2**24 and |k| * gamma finite (fcir.mechanisms.lattice.params)",
     }
     placement_constraints = frozenset({"C2", "C3"})
 
@@ -283,14 +324,33 @@ class DpSum(FedOp):
                 )
                 if bound is not None:
                     cls.fail("C7", f"operand {i}: {bound}")
+        if "gamma" in op.attrs:
+            members = [cls.placed_operand(ctx, v, "C2") for v in op.operands[:-1]]
+            n = ctx.cardinality.get(members[0].placement)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                n = 1
+            try:
+                exact_params(
+                    n,
+                    op.attrs["clip_norm"],
+                    op.attrs["noise_multiplier"],
+                    op.attrs["gamma"],
+                    [t.member.shape for t in members],
+                    [t.member.np_dtype for t in members],
+                    cls.name,
+                )
+            except IRTypeError as e:
+                cls.fail("C8", str(e))
 
 
 dp_sum_p = define_dp_op(DpSum, mean=False)
 
 
-def dp_release(prim, what: str, x, clip_norm, noise_multiplier, key):
+def dp_release(prim, what: str, x, clip_norm, noise_multiplier, key, exact=False, gamma=None):
     """Binds DP aggregate ``prim`` on placed pytree ``x`` from the public functions
-    (``fcir.dp_sum``, ``fcir.dp_mean``), its static attributes checked first."""
+    (``fcir.dp_sum``, ``fcir.dp_mean``), its static attributes checked first; ``exact``
+    (with grid step ``gamma``, default ``fcir.mechanisms.lattice.default_gamma``): the
+    lattice release of ``fcir.mechanisms.lattice``."""
     frame = api._current(what)
     name, n = frame.child(what)
     clip = api._dp_static(what, "clip_norm", clip_norm, 0.0, True)
@@ -307,12 +367,32 @@ def dp_release(prim, what: str, x, clip_norm, noise_multiplier, key):
                 f"{what}: key must be a PRNG key at the server (jax.random.key(seed)), got "
                 f"{type(key).__name__}"
             ) from None
-    out = prim.bind(*leaves, key, placement=name, n=n, clip_norm=clip, noise_multiplier=z)
+    if not isinstance(exact, (bool, np.bool_)):
+        raise PlacementError(f"{what}: exact must be True or False, got {exact!r}")
+    if gamma is not None and not exact:
+        raise PlacementError(f"{what}: gamma is the grid step of exact=True; pass exact=True")
+    if exact:
+        if gamma is None:
+            dim = sum(int(np.prod(np.shape(v)[1:], dtype=np.int64)) for v in leaves)
+            gamma = lattice.default_gamma(clip, dim)
+        if isinstance(gamma, (int, np.integer, np.floating)) and not isinstance(gamma, bool):
+            gamma = float(gamma)
+        if not lattice.is_power_of_two(gamma):
+            raise PlacementError(f"{what}: gamma must be a power of two, got {gamma!r}")
+    out = prim.bind(
+        *leaves,
+        key,
+        placement=name,
+        n=n,
+        clip_norm=clip,
+        noise_multiplier=z,
+        gamma=gamma if exact else None,
+    )
     return jax.tree_util.tree_unflatten(tree, out)
 
 
 @public
-def dp_sum(x, clip_norm, noise_multiplier, key):
+def dp_sum(x, clip_norm, noise_multiplier, key, *, exact=False, gamma=None):
     """Differentially private sum: ``{T}@child -> T@p`` for a placed pytree ``x``.
 
     Each member's pytree is scaled by ``min(1, clip_norm / norm)`` (``norm`` its global
@@ -324,5 +404,11 @@ def dp_sum(x, clip_norm, noise_multiplier, key):
     ``key`` is a PRNG key at the server (the current placement). ``clip_norm`` and
     ``noise_multiplier`` are Python numbers: they are attributes of the op, read by
     ``fcir.privacy.epsilon``. Gradients treat the noise as a constant.
+
+    ``exact=True``: ε holds for the released bits (``fcir.mechanisms.lattice``): the
+    clipped members are rounded to the grid of step ``gamma`` (a power of two; default
+    ``fcir.mechanisms.lattice.default_gamma(clip_norm, d)``), summed in integers with
+    discrete Gaussian noise, and released as ``k * gamma``. The accountant charges the
+    rounding (sensitivity ``clip_norm + sqrt(d) * gamma / 2``) and the sampler's δ.
     """
-    return dp_release(dp_sum_p, "fcir.dp_sum", x, clip_norm, noise_multiplier, key)
+    return dp_release(dp_sum_p, "fcir.dp_sum", x, clip_norm, noise_multiplier, key, exact, gamma)

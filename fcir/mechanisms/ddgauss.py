@@ -84,6 +84,13 @@ Without conditioning (``conditional=False``) ``delta2`` is the first bound.
 The accountant (``fcir.privacy``) uses [KLS21] Proposition 14, see
 ``rdp_noise_multiplier``.
 
+**Dropouts** (``min_clients``, ``m``). Each client adds ``N_Z(0, local_stddev**2)``
+with ``local_stddev = noise_multiplier * clip_norm * scale / sqrt(m)``, so any ``m``
+shares already carry the full noise; the accountant takes ``m`` shares (see
+``rdp_noise_multiplier``) and a runtime that sums fewer than ``m`` replies refuses the
+round. With all ``n`` replying the sum carries ``n / m`` times the variance, which the
+scale's overflow bound allows for. Unset, ``m = n``: every client must reply.
+
 **The discrete Gaussian sampler** draws from the law's inverse CDF in integers only:
 the host tabulates ``T[k] = floor(2**96 P(|Y| <= k))`` for ``|Y|`` of ``N_Z(0, s**2)``
 (``s`` the float64 ``local_stddev`` itself, an exact rational: nothing is rounded; the
@@ -122,6 +129,7 @@ from fcir.frontend.primitives import clip_scale, pairwise_sum
 
 __all__ = [
     "DdpParams",
+    "attr_params",
     "MAX_BITS",
     "SAMPLER_BITS",
     "MIN_BITS",
@@ -138,6 +146,7 @@ __all__ = [
     "fwht",
     "params",
     "norm_bound_squared",
+    "reach",
     "rdp_noise_multiplier",
     "sampler_tv",
     "within_norm_bound",
@@ -169,6 +178,13 @@ class DdpParams:
     overflow_bound: float  # P(the modular sum wraps) per release, upper bound
     conditional: bool = True  # conditional randomized rounding (redraw above norm_bound)
     norm_bound: float = math.inf  # what a rounded vector's L2 norm is checked against
+    min_clients: int = 0  # the fewest shares whose sum carries the full noise (0: n)
+
+    @property
+    def shares(self) -> int:
+        """How many clients' noise shares make the full noise: ``min_clients``, or
+        ``n`` when the op declares none."""
+        return self.min_clients or self.n
 
     @property
     def rounding_failure(self) -> float:
@@ -207,11 +223,20 @@ def params(
     bits: int,
     what: str = "fcir.ddp.params",
     conditional: bool = True,
+    min_clients: int | None = None,
 ) -> DdpParams:
     """The scale, noise and bounds of a ``ddp_*`` op (see the module docstring);
-    ``conditional``: conditional randomized rounding, with its tighter ``delta2``."""
+    ``conditional``: conditional randomized rounding, with its tighter ``delta2``;
+    ``min_clients``: the fewest clients whose shares must carry the full noise (None:
+    all ``n``; see "Dropouts" in the module docstring)."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
         raise IRTypeError(f"{what}: bits must be an int in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
+    m = n if min_clients is None else min_clients
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= n:
+        raise IRTypeError(
+            f"{what}: min_clients must be an int in [1, {n}] (the cardinality), got "
+            f"{min_clients!r}"
+        )
     half = float(1 << (bits - 1))
     if half <= n:
         raise IRTypeError(
@@ -221,9 +246,12 @@ def params(
     D = _padded(dim)
     c, z = float(clip_norm), float(noise_multiplier)
     k = math.sqrt(2.0 * math.log(2.0 * D / OVERFLOW_TARGET))
-    spread = math.sqrt(n * n / D + z * z)
+    # With every one of the n clients replying the sum carries n / m times the noise's
+    # variance: the overflow bound is for the most shares.
+    zz = z * z * n / m
+    spread = math.sqrt(n * n / D + zz)
     scale = (half - n) / (k * c * spread)
-    v = (scale * c) ** 2 * (n * n / D + z * z)
+    v = (scale * c) ** 2 * (n * n / D + zz)
     bound = min(1.0, 2.0 * D * math.exp(-((half - n) ** 2) / (2.0 * v)))
     cm = scale * c * (1.0 + (math.log2(D) + 8) * 2.0**-23)
     if cm + math.sqrt(D) >= 2.0**31:
@@ -243,11 +271,12 @@ def params(
         clip_norm=c,
         noise_multiplier=z,
         scale=scale,
-        local_stddev=z * c * scale / math.sqrt(n),
+        local_stddev=z * c * scale / math.sqrt(m),
         delta2=delta2,
         overflow_bound=bound,
         conditional=bool(conditional),
         norm_bound=norm_bound,
+        min_clients=0 if min_clients is None else m,
     )
 
 
@@ -277,10 +306,16 @@ def rdp_noise_multiplier(p: DdpParams) -> float:
     multiplier ``z = 1 / (Delta_2 / (sqrt(n) s) + sqrt(D) tau)``. ``Delta_2 >= scale *
     clip_norm`` and ``tau >= 0``, so ``z <= noise_multiplier``: never less private
     than central DP claims. 0 when the op adds no noise.
+
+    With ``min_clients`` ``m`` below ``n``, any ``n' >= m`` clients may be in the sum
+    (the runtimes refuse fewer). Proposition 14 for ``n'`` shares has ``sqrt(n') s >=
+    sqrt(m) s`` and ``tau(n') <= tau(n)`` (``tau`` sums ``n' - 1`` positive terms), so
+    ``Delta_2 / (sqrt(m) s) + sqrt(D) tau(n)`` bounds the ratio for every ``n'`` in
+    ``[m, n]``: the guarantee at ``min_clients``.
     """
     if p.noise_multiplier == 0:
         return 0.0
-    ratio = p.delta2 / (math.sqrt(p.n) * p.local_stddev) + math.sqrt(p.padded_dim) * p.tau
+    ratio = p.delta2 / (math.sqrt(p.shares) * p.local_stddev) + math.sqrt(p.padded_dim) * p.tau
     return 1.0 / ratio
 
 
@@ -322,6 +357,12 @@ _TAIL_BITS = 104  # the table reaches past the point where P(|Y| > R) < 2**-104 
 _HOST_BITS = 192  # the fixed-point precision of the host's pmf
 
 
+def reach(stddev: float) -> int:
+    """``R``, where the sampler's table at ``stddev`` ends: every draw of
+    ``discrete_gaussian`` is at most ``R - 1`` in magnitude."""
+    return int(math.ceil(stddev * math.sqrt(2.0 * math.log(2.0) * _TAIL_BITS))) + 2
+
+
 @functools.lru_cache(maxsize=32)
 def _dg_table(stddev: float) -> tuple[np.ndarray, int, float]:
     """The inverse-CDF table of ``|Y|``, ``Y ~ N_Z(0, stddev**2)``: ``(T, R, tv)``.
@@ -340,7 +381,7 @@ def _dg_table(stddev: float) -> tuple[np.ndarray, int, float]:
     """
     import decimal
 
-    R = int(math.ceil(stddev * math.sqrt(2.0 * math.log(2.0) * _TAIL_BITS))) + 2
+    R = reach(stddev)
     one = 1 << _HOST_BITS
     with decimal.localcontext() as ctx:
         ctx.prec = 70
@@ -596,8 +637,20 @@ def op_params(module, op) -> DdpParams:
     dimension from the operands' member types)."""
     n = module.cardinality(op.operands[0].type.placement)
     dim = member_dim(v.type.member.shape for v in op.operands[:-1])
-    a = op.attrs
-    return params(dim, n, a["clip_norm"], a["noise_multiplier"], a["bits"], op.name)
+    return attr_params(op.attrs, dim, n, op.name)
+
+
+def attr_params(attrs, dim: int, n: int, what: str) -> DdpParams:
+    """``params`` from a ``fed.ddp_*`` op's attributes (``min_clients`` optional)."""
+    return params(
+        dim,
+        n,
+        attrs["clip_norm"],
+        attrs["noise_multiplier"],
+        attrs["bits"],
+        what,
+        min_clients=attrs.get("min_clients"),
+    )
 
 
 def noise_multiplier_for(
@@ -608,6 +661,7 @@ def noise_multiplier_for(
     bits: int,
     tol: float = 1e-9,
     conditional: bool = True,
+    min_clients: int | None = None,
 ) -> float:
     """The ``noise_multiplier`` of a ``ddp_*`` op that fcir.privacy accounts exactly as
     central DP with noise multiplier ``target`` (the same ε for any rounds, delta and
@@ -616,7 +670,9 @@ def noise_multiplier_for(
     rounding's share of the sensitivity stays too large)."""
 
     def accounted(z):
-        p = params(dim, n, clip_norm, z, bits, "fcir.ddp.noise_multiplier_for", conditional)
+        p = params(
+            dim, n, clip_norm, z, bits, "fcir.ddp.noise_multiplier_for", conditional, min_clients
+        )
         return rdp_noise_multiplier(p)
 
     lo, hi = float(target), float(target)

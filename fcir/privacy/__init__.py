@@ -17,6 +17,7 @@ from fcir.privacy.analysis import (
     DP_OPS,
     RULES,
     DdpRelease,
+    ExactRelease,
     Leak,
     Release,
     epsilon,

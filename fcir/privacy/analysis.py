@@ -62,6 +62,7 @@ import numpy as np
 
 from fcir import fed as F
 from fcir.errors import PrivacyError
+from fcir.fed.dp_sum import exact_params
 from fcir.ir import Module, Op, Region, Value, expect_module, value_numbering
 from fcir.ir import control_flow as cf
 from fcir.ir.types import SERVER, PlacedType
@@ -74,6 +75,7 @@ from fcir.report.traffic import call_unit
 __all__ = [
     "CONSTRAINTS",
     "DP_OPS",
+    "ExactRelease",
     "Release",
     "epsilon",
     "leaks",
@@ -410,6 +412,10 @@ class DdpRelease(Release):
     accounted_noise_multiplier: float = 0.0
     local_stddev: float = 0.0  # each client's discrete Gaussian std, integer units
     coordinates: int = 0  # noise coordinates per release: clients x padded dimension
+    # the fewest clients whose noise shares the release carries (the op's min_clients,
+    # else the cardinality): ε holds for any number of replies from it up, and the
+    # runtimes refuse fewer
+    min_clients: int = 0
 
     @property
     def sampler_tv(self) -> float:
@@ -417,6 +423,29 @@ class DdpRelease(Release):
         sampled (integer inverse CDF, ``fcir.mechanisms.ddgauss.sampler_tv``) and the exact discrete
         Gaussian's: ``count * coordinates`` times one coordinate's."""
         return self.count * self.coordinates * sampler_error.sampler_tv(self.local_stddev)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactRelease(Release):
+    """A central DP op in exact mode (``gamma`` set; ``fcir.mechanisms.lattice``):
+    integer discrete Gaussian noise on the grid-rounded sum, accounted as the Gaussian
+    mechanism with ``accounted_noise_multiplier = noise_multiplier / (1 + sqrt(d) gamma
+    / (2 clip_norm))`` (the rounding's share of the sensitivity)."""
+
+    gamma: float = 0.0
+    accounted_noise_multiplier: float = 0.0
+    local_stddev: float = 0.0  # the discrete Gaussian's std, grid units
+    coordinates: int = 0  # noise coordinates per release: the member's elements
+
+    @property
+    def sampler_tv(self) -> float:
+        """As ``DdpRelease.sampler_tv``: ``count * coordinates`` times one coordinate's."""
+        return self.count * self.coordinates * sampler_error.sampler_tv(self.local_stddev)
+
+
+# Releases with integer-exact noise from the sampler: accounted by their RDP bound,
+# with the sampler's total variation in δ.
+_DISCRETE = (DdpRelease, ExactRelease)
 
 
 def releases(module: Module) -> list[Release]:
@@ -438,6 +467,19 @@ def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
                 rdp_noise_multiplier(p),
                 p.local_stddev,
                 p.n * p.padded_dim,
+                p.shares,
+            )
+        elif op.name in DP_OPS and "gamma" in op.attrs:  # exact mode: fcir.mechanisms.lattice
+            p = _lattice_params(module, op)
+            yield ExactRelease(
+                op.name,
+                op.attrs["clip_norm"],
+                op.attrs["noise_multiplier"],
+                times,
+                op.attrs["gamma"],
+                p.accounted_noise_multiplier,
+                p.stddev,
+                p.dim,
             )
         elif op.name in DP_OPS:
             yield Release(op.name, op.attrs["clip_norm"], op.attrs["noise_multiplier"], times)
@@ -455,12 +497,27 @@ def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
                 yield from _releases(sub, times, module)
 
 
+def _lattice_params(module: Module, op):
+    members = [v.type.member for v in op.operands[:-1]]
+    n = module.cardinality(op.operands[0].type.placement)
+    a = op.attrs
+    return exact_params(
+        n,
+        a["clip_norm"],
+        a["noise_multiplier"],
+        a["gamma"],
+        [t.shape for t in members],
+        [t.np_dtype for t in members],
+        op.name,
+    )
+
+
 def _has_dp(region: Region) -> bool:
     return any(op.name in DP_OPS or any(_has_dp(r) for r in op.regions) for op in region.ops)
 
 
 def _z(r: Release) -> float:
-    return r.accounted_noise_multiplier if isinstance(r, DdpRelease) else r.noise_multiplier
+    return r.accounted_noise_multiplier if isinstance(r, _DISCRETE) else r.noise_multiplier
 
 
 def _round_event(rels: list[Release], sampling_rate: float):
@@ -468,7 +525,7 @@ def _round_event(rels: list[Release], sampling_rate: float):
 
     if any(_z(r) == 0 for r in rels):
         return dpa.NonPrivateDpEvent()
-    if any(isinstance(r, DdpRelease) for r in rels):
+    if any(isinstance(r, _DISCRETE) for r in rels):
         sampling_rate = 1.0  # fcir.mechanisms.ddgauss: no amplification by sampling is claimed (epsilon
         # refuses a sampled round; round_cost states every client taking part)
     if sampling_rate >= 1.0:
@@ -552,11 +609,17 @@ def epsilon(
             "every client each round (sampling_rate=1.0; on Flower, clients=n), or use "
             "fcir.dp_sum / fcir.dp_mean, whose noise the server adds"
         )
-    if accountant == "pld" and any(isinstance(r, DdpRelease) for r in rels):
+    if sampling_rate < 1.0 and any(isinstance(r, ExactRelease) for r in rels):
         raise PrivacyError(
-            "fcir.privacy.epsilon: fed.ddp_* ops are accounted by their Rényi DP bound "
-            "(fcir.mechanisms.ddgauss), which a privacy loss distribution does not use: pass "
-            "accountant='rdp'"
+            f"fcir.privacy.epsilon: @{module.name} has an exact-mode fed.dp_* op (discrete "
+            "Gaussian noise, fcir.mechanisms.lattice), for which no amplification by "
+            f"sampling is claimed: account it at sampling_rate=1.0, not {sampling_rate:g}"
+        )
+    if accountant == "pld" and any(isinstance(r, _DISCRETE) for r in rels):
+        raise PrivacyError(
+            "fcir.privacy.epsilon: fed.ddp_* ops and exact-mode fed.dp_* ops are accounted "
+            "by their Rényi DP bound (fcir.mechanisms.ddgauss, fcir.mechanisms.lattice), "
+            "which a privacy loss distribution does not use: pass accountant='rdp'"
         )
     if accountant == "rdp":
         acc = dpa.rdp.RdpAccountant()
@@ -578,7 +641,7 @@ def sampler_tv(module: Module, rounds: int) -> float:
     is ``(ε, δ + (1 + e**ε) tv)``-DP where ``epsilon`` gives ``(ε, δ)``."""
     expect_module(module, "fcir.privacy.sampler_tv")
     rounds = rounds_arg("fcir.privacy.sampler_tv", rounds)
-    return rounds * sum(r.sampler_tv for r in releases(module) if isinstance(r, DdpRelease))
+    return rounds * sum(r.sampler_tv for r in releases(module) if isinstance(r, _DISCRETE))
 
 
 def _distinct_noise(module: Module) -> None:
@@ -607,10 +670,9 @@ def round_cost(module: Module, delta: float = 1e-5) -> dict | None:
         "accountant": "rdp",
         "unit": call_unit(module),  # "round", or a call of a program that loops over rounds
     }
-    if any(isinstance(r, DdpRelease) for r in rels):
-
+    if any(isinstance(r, _DISCRETE) for r in rels):
         # The sampler's distance from the exact law (a bound), and the δ it makes.
-        tv = sum(r.sampler_tv for r in rels if isinstance(r, DdpRelease))
+        tv = sum(r.sampler_tv for r in rels if isinstance(r, _DISCRETE))
         cost["sampler_tv_per_round"] = tv
         cost["delta_with_sampler"] = delta_with_sampler(per_round, delta, tv)
     return cost
@@ -626,8 +688,12 @@ def format_round_cost(cost: dict | None) -> list[str]:
     for r in cost["releases"]:
         times = f" x{r['count']}" if r["count"] > 1 else ""
         ddp = (
-            f" bits={r['bits']} (accounted as {r['accounted_noise_multiplier']:.4g})"
+            f" bits={r['bits']} (accounted as {r['accounted_noise_multiplier']:.4g}"
+            + (f", at {r['min_clients']} clients" if r.get("min_clients") else "")
+            + ")"
             if "bits" in r
+            else f" exact gamma={r['gamma']:g} (accounted as {r['accounted_noise_multiplier']:.4g})"
+            if "gamma" in r
             else ""
         )
         lines.append(

@@ -119,6 +119,17 @@ def _aggregate(module: Module, op: Op, members: int, repeats: int):
     yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
 
 
+def _dp_aggregate(module: Module, op: Op, members: int, repeats: int):
+    """As a reduction's; in exact mode (``gamma``, ``fcir.mechanisms.lattice``) each
+    member sends its grid points as int32, 4 bytes an element whatever the leaf dtype."""
+    if "gamma" not in op.attrs:
+        yield from _aggregate(module, op, members, repeats)
+        return
+    p = op.operands[0].type.placement
+    sizes = tuple(4 * int(np.prod(o.type.member.shape, dtype=np.int64)) for o in op.operands[:-1])
+    yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
+
+
 def _ddp_aggregate(module: Module, op: Op, members: int, repeats: int):
     """Each member sends one uint32 residue per rotated coordinate (``fcir.ddp``)."""
 
@@ -131,13 +142,13 @@ _BY_KIND = {
     "broadcast": _broadcast,
     "map": _map,
     "reduction": _aggregate,
-    "dp": _aggregate,
+    "dp": _dp_aggregate,
     "ddp": _ddp_aggregate,
 }
 RULES = F.resolve(_BY_KIND)
 # The ops whose members send their values (the reports count them as aggregates).
 REDUCTIONS = frozenset(
-    cls.name for cls, rule in RULES.items() if rule in (_aggregate, _ddp_aggregate)
+    cls.name for cls, rule in RULES.items() if rule in (_aggregate, _dp_aggregate, _ddp_aggregate)
 )
 
 

@@ -31,6 +31,7 @@ import tempfile
 
 import numpy as np
 
+from fcir import fed as F
 from fcir.errors import ExportError
 from fcir.frontend.loading import leaf_paths as paths
 from fcir.frontend.pytrees import leaf_names as leaf_names_of
@@ -163,6 +164,7 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
                 for a in sp.aggregations
             ],
             "aggregated": f"{k}.aggregated" if multi else "aggregated",
+            **_min_replies(phase.module),
         },
         {"kind": "server", "part": part("server_result")},
     ]
@@ -175,6 +177,19 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
             plan, art("client_work"), steps[1]["client"], artifacts, targets, given
         )
     return steps, artifacts
+
+
+def _min_replies(module) -> dict:
+    """``{"min_replies": m}`` for a phase with distributed DP releases: the most of
+    their ``min_clients`` (the cardinality where an op declares none). Fewer replies
+    would sum fewer noise shares than the accountant assumed, so the ServerApp refuses
+    the exchange (docs/privacy.md, "Dropouts"); ``{}`` without such releases."""
+    need = [
+        op.attrs.get("min_clients") or module.cardinality(op.operands[0].type.placement)
+        for op in module.main.body.ops
+        if op.name in F.of_kind("ddp")
+    ]
+    return {"min_replies": max(need)} if need else {}
 
 
 def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, dict[str, bytes]]:

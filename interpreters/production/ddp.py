@@ -26,7 +26,9 @@ MECHANISM = (
     "update and adds its share of discrete Gaussian noise in client_work, the shares are "
     "summed modulo 2**bits by federated_secure_sum_bitwidth, the server decodes the "
     "noised sum in server_result; client-level DP (one client's update replaced by zero); "
-    "epsilon assumes every client's noise share is in the sum"
+    "epsilon assumes the noise shares of at least each release's min_clients clients are "
+    "in the sum (its cardinality unless declared lower; releases[].min_clients): an "
+    "aggregation runtime that sums fewer clients' shares must refuse the round"
 )
 
 
@@ -50,14 +52,7 @@ def decomposed_program(op, placement: str, n: int, member_shapes, *, mean: bool)
     import jax
 
     like = [jax.ShapeDtypeStruct(s, d) for s, d in member_shapes]
-    p = ddp.params(
-        ddp.member_dim(s for s, _ in member_shapes),
-        n,
-        op.attrs["clip_norm"],
-        op.attrs["noise_multiplier"],
-        op.attrs["bits"],
-        op.name,
-    )
+    p = ddp.attr_params(op.attrs, ddp.member_dim(s for s, _ in member_shapes), n, op.name)
 
     @fcir.program(placements={placement: n})
     def decomposed(keys, *xs):

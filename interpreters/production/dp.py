@@ -27,11 +27,13 @@ import jax
 import fcir
 from fcir import fed as F
 from fcir.errors import ExportError
+from fcir.fed.dp_sum import exact_params
 from fcir.frontend.capture import capture
 from fcir.frontend.primitives import clip_member, dp_noise
 from fcir.ir import Func, Module, Op, Region, Value, walk
 from fcir.ir.check import check
 from fcir.ir.types import runtime_type
+from fcir.mechanisms import lattice
 from fcir.privacy import round_cost
 
 from .ddp import mechanism
@@ -114,6 +116,8 @@ def gaussian_program(op: Op, placement: str, n: int, member_shapes, *, mean: boo
     fed ops: clipped members, one sum per leaf, noise from ``fold_in(key, i)``."""
 
     clip, z = op.attrs["clip_norm"], op.attrs["noise_multiplier"]
+    if "gamma" in op.attrs:
+        return _lattice_program(op, placement, n, member_shapes, mean=mean)
 
     @fcir.program(placements={placement: n})
     def decomposed(key, *xs):
@@ -124,6 +128,29 @@ def gaussian_program(op: Op, placement: str, n: int, member_shapes, *, mean: boo
             noisy = t + dp_noise(key, i, t.shape, t.dtype, clip, z)
             out.append(noisy / n if mean else noisy)
         return out
+
+    return decomposed
+
+
+def _lattice_program(op: Op, placement: str, n: int, member_shapes, *, mean: bool):
+    """Exact mode (``fcir.mechanisms.lattice``): each client clips and rounds to the
+    grid (int32) in client_work, ``federated_sum`` adds the integers (exact, whoever
+    replies), the server adds the integer noise and releases ``k * gamma``."""
+    clip, z, gamma = (op.attrs[k] for k in ("clip_norm", "noise_multiplier", "gamma"))
+    p = exact_params(
+        n, clip, z, gamma, [s for s, _ in member_shapes], [d for _, d in member_shapes], op.name
+    )
+
+    @fcir.program(placements={placement: n})
+    def decomposed(key, *xs):
+        def grid(*m):
+            return tuple(lattice.to_grid(c, gamma) for c in clip_member(list(m), clip))
+
+        totals = fcir.reduce_sum(list(fcir.map_fn(grid, tuple(xs))))
+        return [
+            lattice.release(t + lattice.noise(key, i, t.shape, p), n, mean, gamma, dt)
+            for i, (t, (_, dt)) in enumerate(zip(totals, member_shapes))
+        ]
 
     return decomposed
 

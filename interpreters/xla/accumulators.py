@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fcir.fed.dp_sum import exact_params
 from fcir.frontend import primitives as P
 from fcir.ir import Op, Value
 from fcir.ir.types import PlacedType
+from fcir.mechanisms import lattice
 
 __all__ = [
     "Accumulator",
@@ -269,8 +271,12 @@ class Gaussian(Accumulator):
         return [op.operands[-1]]
 
     def init(self, op, shapes, n):
+        exact = "gamma" in op.attrs  # exact mode: an int32 sum of grid points
         return [
-            jnp.zeros(shapes[v].shape[1:], P.accumulation_dtype(shapes[v].dtype))
+            jnp.zeros(
+                shapes[v].shape[1:],
+                jnp.int32 if exact else P.accumulation_dtype(shapes[v].dtype),
+            )
             for v in op.operands[:-1]
         ]
 
@@ -281,8 +287,39 @@ class Gaussian(Accumulator):
         clipped = [c.astype(P.accumulation_dtype(c.dtype)) for c in clipped]
         return [jnp.sum(masked(c, valid, 0), axis=0) for c in clipped]
 
+    def step(self, op, acc, vals, valid, n):
+        if "gamma" not in op.attrs:
+            return super().step(op, acc, vals, valid, n)
+        # Exact mode (fcir.mechanisms.lattice): integers, so any chunking sums the same.
+        leaves = [vals[v] for v in op.operands[:-1]]
+        g = op.attrs["gamma"]
+        clipped = jax.vmap(lambda *m: P.clip_member(m, op.attrs["clip_norm"]))(*leaves)
+        grid = [masked(lattice.to_grid(c, g), valid, 0) for c in clipped]
+        return [a + jnp.sum(q, axis=0, dtype=jnp.int32) for a, q in zip(acc, grid)]
+
     def finish(self, op, acc, n, server):
         key, a = server[op.operands[-1]], op.attrs
+        if "gamma" in a:
+            like = [v.type.member for v in op.operands[:-1]]
+            p = exact_params(
+                n,
+                a["clip_norm"],
+                a["noise_multiplier"],
+                a["gamma"],
+                [t.shape for t in like],
+                [t.np_dtype for t in like],
+                op.name,
+            )
+            return [
+                lattice.release(
+                    t + lattice.noise(key, i, t.shape, p),
+                    n,
+                    self.mean,
+                    a["gamma"],
+                    like[i].np_dtype,
+                )
+                for i, t in enumerate(acc)
+            ]
         out = []
         for i, total in enumerate(acc):
             total = total.astype(declared_dtype(op, i))  # the noise is added in it

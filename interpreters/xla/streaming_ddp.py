@@ -21,8 +21,7 @@ __all__ = ["Distributed"]
 
 def _params(op, shapes_or_vals, n: int) -> ddp.DdpParams:
     dim = ddp.member_dim(shapes_or_vals[v].shape[1:] for v in op.operands[:-1])
-    a = op.attrs
-    return ddp.params(dim, n, a["clip_norm"], a["noise_multiplier"], a["bits"], op.name)
+    return ddp.attr_params(op.attrs, dim, n, op.name)
 
 
 class Distributed(Accumulator):
@@ -55,14 +54,7 @@ class Distributed(Accumulator):
             jax.ShapeDtypeStruct(v.type.member.shape, v.type.member.np_dtype)
             for v in op.operands[:-1]
         ]
-        p = ddp.params(
-            ddp.member_dim(x.shape for x in like),
-            n,
-            op.attrs["clip_norm"],
-            op.attrs["noise_multiplier"],
-            op.attrs["bits"],
-            op.name,
-        )
+        p = ddp.attr_params(op.attrs, ddp.member_dim(x.shape for x in like), n, op.name)
         total = jnp.bitwise_and(acc[0], jnp.uint32(p.modulus - 1))
         return ddp.decode(total, p, like, self.mean)
 

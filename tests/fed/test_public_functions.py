@@ -62,8 +62,10 @@ def test_signatures_are_the_documented_ones():
     assert sig["broadcast"] == "(x, *, to: 'str | None' = None, mesh=None)"
     assert sig["map_fn"] == "(fn: 'Callable', arg, *, mesh=None)"
     assert sig["secure_sum"] == "(x, *, bitwidth: 'int')"
-    assert sig["dp_mean"] == "(x, clip_norm, noise_multiplier, key)"
-    assert sig["ddp_sum"] == "(x, clip_norm, noise_multiplier, keys, bits=20)"
+    # exact, gamma: issue 34 (central DP exact on the released bits), keyword-only
+    assert sig["dp_mean"] == "(x, clip_norm, noise_multiplier, key, *, exact=False, gamma=None)"
+    # min_clients: issue 34 (distributed DP under dropouts), keyword-only
+    assert sig["ddp_sum"] == "(x, clip_norm, noise_multiplier, keys, bits=20, *, min_clients=None)"
 
 
 def test_impl_keys_a_fed_op_by_its_class_whether_named_or_given():

@@ -624,6 +624,8 @@ def dp_cases(op: str) -> list:
         Case(op, "C5", text, set_attr(op, "clip_norm", 1), "int clip norm"),
         Case(op, "C6", text, retype_result(op, server(t("f32", 3))), "result shape"),
         Case(op, "C7", text, set_attr(op, "clip_norm", 2e38), "clipped sum overflows f32"),
+        Case(op, "C8", text, set_attr(op, "gamma", 0.1), "gamma not a power of two"),
+        Case(op, "C8", text, set_attr(op, "gamma", 2.0**-30), "grid integers past 2**24"),
     ]
 
 
@@ -670,6 +672,9 @@ def ddp_cases(op: str) -> list:
         Case(op, "C6", text, retype_result(op, server(t("f32", 3))), "result shape"),
         Case(op, "C7", text, set_attr(op, "bits", 40), "bits above 24"),
         Case(op, "C7", text, set_attr(op, "bits", 16.0), "float bits"),
+        Case(op, "C8", text, set_attr(op, "min_clients", 3), "min_clients = n (absent)"),
+        Case(op, "C8", text, set_attr(op, "min_clients", 0), "min_clients 0"),
+        Case(op, "C8", text, set_attr(op, "min_clients", 2.0), "float min_clients"),
     ]
 
 

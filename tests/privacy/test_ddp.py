@@ -425,6 +425,36 @@ def test_text_and_protobuf_round_trip(mean):
     assert np.array_equal(reference.run(fcir.parse(text), *args)["a"], reference.run(m, *args)["a"])
 
 
+def test_min_clients_is_kept_only_below_n_and_runs_alike_everywhere():
+    """``min_clients`` is an IR attribute only when below the cardinality (n itself is
+    the default, so such a module is the one without it); text, protobuf, the reference,
+    XLA and the streamed XLA round agree bit for bit, and each client's noise is larger."""
+
+    def with_min(m):
+        @fcir.program(placements={"clients": 5}, private=True)
+        def round_(w, keys, x):
+            upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
+            return fcir.ddp_sum(upd, 1.0, 1.1, keys, bits=16, min_clients=m)
+
+        return fcir.capture(round_, *_args())
+
+    plain = fcir.capture(_program(False), *_args()).to_text()
+    assert "min_clients" not in plain and with_min(5).to_text() == with_min(None).to_text()
+    m = with_min(2)
+    text = m.to_text()
+    assert "min_clients=2" in text
+    assert fcir.parse(text).to_text() == text
+    assert fcir.Module.deserialize(m.serialize()).to_text() == text
+    args = _args()
+    a = reference.run(m, *args)
+    assert np.array_equal(a, xla.compile(m)(*args))
+    assert np.array_equal(a, xla.compile(m, clients_per_step=2)(*args))
+    assert not np.array_equal(a, reference.run(with_min(None), *args))
+    for bad in (0, 6, 2.0, True):
+        with pytest.raises(fcir.PlacementError, match="min_clients"):
+            with_min(bad)
+
+
 def test_gradient_treats_noise_and_rounding_as_constant():
     """The gradient is dp_mean's: that of the mean of the clipped members."""
 
@@ -502,11 +532,11 @@ def test_production_noises_at_clients_and_aggregates_with_a_bitwidth_secure_sum(
 # --- accounting -----------------------------------------------------------------------------
 
 
-def _ddp_module(n: int, d: int, z: float, bits: int, clip: float = 1.0):
+def _ddp_module(n: int, d: int, z: float, bits: int, clip: float = 1.0, m=None):
     @fcir.program(placements={"clients": n}, private=True)
     def round_(w, keys, x):
         upd = fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x))
-        return w + fcir.ddp_mean(upd, clip, z, keys, bits=bits)
+        return w + fcir.ddp_mean(upd, clip, z, keys, bits=bits, min_clients=m)
 
     args = (
         jax.ShapeDtypeStruct((d,), jnp.float32),
@@ -530,7 +560,7 @@ def _central_module(n: int, d: int, z: float, clip: float = 1.0):
     return fcir.capture(round_, *args)
 
 
-def _independent_epsilon(n, d, z, bits, clip, rounds, delta):
+def _independent_epsilon(n, d, z, bits, clip, rounds, delta, m=None):
     """ε of the distributed discrete Gaussian computed here from the papers' formulas,
     without fcir.mechanisms.ddgauss or dp-accounting: the scale of fcir.mechanisms.ddgauss's docstring; Delta_2 =
     Theorem 1's conditional-rounding min(...) (``_conditional_delta2``); the RDP of order a, [KLS21]
@@ -539,12 +569,14 @@ def _independent_epsilon(n, d, z, bits, clip, rounds, delta):
     D = 1 << max(0, (d - 1).bit_length())
     half = 2.0 ** (bits - 1)
     k = math.sqrt(2 * math.log(2 * D / 2.0**-30))
-    scale = (half - n) / (k * clip * math.sqrt(n * n / D + z * z))
-    local = z * clip * scale / math.sqrt(n)
+    # m (min_clients): each client noises for m shares, so all n carry n/m the variance
+    m = n if m is None else m
+    scale = (half - n) / (k * clip * math.sqrt(n * n / D + z * z * n / m))
+    local = z * clip * scale / math.sqrt(m)
     d2 = _conditional_delta2(scale * clip * (1 + (math.log2(D) + 8) * 2.0**-23), D)
     d1 = min(d2 * math.sqrt(D), d2 * d2)  # ||v||_1 <= sqrt(D) ||v||_2; integers: <= ||v||²
     tau = 10 * sum(math.exp(-2 * math.pi**2 * local**2 * j / (j + 1)) for j in range(1, n))
-    sig = math.sqrt(n) * local
+    sig = math.sqrt(m) * local  # the fewest shares in the sum; tau over all n (the larger)
     a = np.concatenate([np.linspace(1.01, 10, 4000), np.linspace(10, 2000, 20000)])
     terms = np.minimum.reduce(
         [
@@ -574,6 +606,25 @@ def test_epsilon_matches_an_independent_computation(n, d, z, bits, rounds):
     # fcir uses Prop. 14's third term only and dp-accounting's grid of orders: never
     # below the dense-grid minimum of all three terms, and within 2% of it
     assert want <= got * (1 + 1e-9) and got <= want * 1.02, (got, want)
+
+
+@pytest.mark.parametrize("n,m,d,z,bits", [(50, 30, 650, 1.0, 16), (8, 3, 3, 2.0, 12)])
+def test_epsilon_at_min_clients_matches_an_independent_computation(n, m, d, z, bits):
+    """Each client noises for min_clients shares; ε, Budget and releases() are at m."""
+    module = _ddp_module(n, d, z, bits, m=m)
+    got = fcir.privacy.epsilon(module, 20, 1e-5)
+    want = _independent_epsilon(n, d, z, bits, 1.0, 20, 1e-5, m=m)
+    assert want <= got * (1 + 1e-9) and got <= want * 1.02, (got, want)
+    (release,) = fcir.privacy.releases(module)
+    assert release.min_clients == m
+    p = ddp.op_params(module, module.main.body.ops[-2])
+    # any m shares carry the op's noise, noise_multiplier * clip_norm in the update's units
+    assert math.isclose(math.sqrt(m) * p.local_stddev / p.scale, z, rel_tol=1e-12)
+    budget = fcir.privacy.Budget(module, 1e-5, 1e3)
+    budget.spend(20)
+    assert budget.epsilon == got
+    # ε at min_clients is never below ε with every client's share in the sum
+    assert got >= fcir.privacy.epsilon(_ddp_module(n, d, z, bits), 20, 1e-5)
 
 
 @pytest.mark.parametrize(

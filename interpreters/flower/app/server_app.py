@@ -39,7 +39,8 @@ Flower's (runtime.RENAMED_RUN_CONFIG).
 
 Aggregations run over the clients that replied (an error reply or no reply within
 ``timeout`` leaves a client out); fewer than ``min-train-nodes`` replies fail the round
-before anything of it is saved.
+before anything of it is saved, and so do fewer than an exchange's ``min_replies``
+(plan.json: the ``min_clients`` of its distributed DP releases).
 
 Messages (a plain exchange) follow Flower's layout: the server sends ``arrays`` (an
 ArrayRecord of the values the clients need, keyed ``group/name``), ``config`` (a
@@ -364,6 +365,17 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
         raise AppError(
             f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, "
             f"min-train-nodes={cfg.min_clients}: {why.strip('; ')}"
+        )
+    need = step.get("min_replies", 0)
+    if len(replies) < need:
+        # Each client added the noise for min_clients shares: a sum of fewer carries less
+        # noise than the accountant assumed, so nothing of the round is released.
+        raise AppError(
+            f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, but the "
+            f"distributed DP release (fed.ddp_*) needs the noise shares of at least {need} "
+            f"clients (its min_clients): fewer would carry less noise than its epsilon "
+            f"assumes, so the round is refused and nothing of it released"
+            + (f" ({'; '.join(errors)})" if errors else "")
         )
     if aggregations:
         results.update(runtime.aggregate(aggregations, replies))

@@ -82,3 +82,38 @@ def test_without_secagg_the_server_still_only_sees_noised_residues(tmp_path, mon
         (vals,) = grid.app.server.runtime.from_record(reply.content["arrays"]).values()
         assert vals.dtype == np.uint32 and int(vals.max()) < 2**BITS
         assert vals.shape == (4,)  # D = 4: one residue per rotated coordinate
+
+
+@fcir.program(placements={"clients": N}, private=True)
+def ddp_round_two_shares(w, r, seeds, x):
+    """ddp_round with min_clients=2: each node noises for 2 shares, so 2 replies suffice."""
+    keys = fcir.map_fn(lambda k, r: jax.random.fold_in(k, r), (seeds, fcir.broadcast(r)))
+    upd = fcir.map_fn(lambda w, x: jnp.mean(x, 0) - w, (fcir.broadcast(w), x))
+    return w + fcir.ddp_mean(upd, 1.0, 1.0, keys, bits=BITS, min_clients=2)
+
+
+def test_a_ddp_round_with_fewer_replies_than_min_clients_is_refused(tmp_path):
+    """The plan states each exchange's min_replies (the ddp op's min_clients, the
+    cardinality by default); the ServerApp refuses an exchange with fewer replies,
+    saying why, and writes nothing; at min_clients replies the round is released."""
+    module, app, nodes, args = _setup(tmp_path)
+    (exchange,) = [s for s in rounds.plan_of(app)["steps"] if s["kind"] == "exchange"]
+    assert exchange["min_replies"] == N  # by default every client's noise share
+    out = tmp_path / "refused.npz"
+    config = {"output": str(out), "secagg": False, "timeout": 1.0}
+    with pytest.raises(RuntimeError, match=rf"round 1: {N - 1} of {N} sampled clients replied, "
+                       rf"but the distributed DP release .* at least {N} clients"):
+        inprocess.run(app, nodes, config, silent={10})
+    assert not out.exists()
+
+    two = fcir.capture(ddp_round_two_shares, *args)
+    app2 = flower.export(two, tmp_path / "app2", inputs=[np.asarray(a) for a in args[:2]])
+    (exchange,) = [s for s in rounds.plan_of(app2)["steps"] if s["kind"] == "exchange"]
+    assert exchange["min_replies"] == 2
+    (release,) = rounds.plan_of(app2)["privacy"]["releases"]
+    assert release["min_clients"] == 2
+    with pytest.raises(RuntimeError, match="at least 2 clients"):
+        inprocess.run(app2, nodes, {**config, "output": str(out)}, silent={10, 11})
+    assert not out.exists()
+    inprocess.run(app2, nodes, {**config, "output": str(out)}, silent={10})
+    assert out.exists() and np.all(np.isfinite(_out(out)))

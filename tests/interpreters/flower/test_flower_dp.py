@@ -307,3 +307,26 @@ def test_max_epsilon_on_a_training_program_loop_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="runs its own scan of rounds.*rounds=N max-epsilon") as e:
         inprocess.run(app, nodes, {"max-epsilon": 5.0})
     assert type(e.value).__name__ == "AppError"
+
+
+def test_exact_mode_sends_grid_integers_and_releases_the_reference_s_lattice_points(tmp_path):
+    """dp_mean(exact=True) (fcir.mechanisms.lattice): each node sends its clipped update
+    rounded to the grid as int32, the ServerApp sums integers and releases k * gamma,
+    bit for bit the reference interpreter's."""
+    w, b, x, y = _data()
+
+    def exact(*a):
+        return fcir.dp_mean(*a, exact=True, gamma=2.0**-10)
+
+    module = fcir.capture(private_fedavg(exact), w, b, KEY, x, y)
+    app = flower.export(module, tmp_path / "app", inputs=[np.asarray(w), np.asarray(b), KEY])
+    (release,) = rounds.plan_of(app)["privacy"]["releases"]
+    assert release["gamma"] == 2.0**-10
+    nodes = _nodes(tmp_path, x, y)
+    inprocess.run(app, nodes, {"output": str(tmp_path / "o.npz")})
+    got = files.read_outputs(tmp_path / "o.npz")
+    want = reference.run(module, w, b, KEY, x, y)
+    for g, v in zip(got, want):
+        assert np.array_equal(g, np.asarray(v))
+    k = got[0].astype(np.float64) / 2.0**-10  # w starts at zero: its output is the release
+    assert np.array_equal(k, np.round(k)) and np.any(k != 0)
