@@ -150,7 +150,7 @@ MODES = {"float": float_mean, "exact": exact_mean}
 
 
 def make_rounds(num_clients: int, clip_norm: float, noise_multiplier: float,
-                server_lr: float = SERVER_LR, mode: str = "float"):
+                mode: str = "float", server_lr: float = SERVER_LR):
     @fcir.program(placements={"clients": num_clients})
     def fedavg_round(model, client_data):
         """FedAvg: the new model and the mean client loss."""
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
         # The means over cohorts.size members, padding's zero updates included, times
         # size / K: the cohort's sum over the expected cohort, as DP-FedAvg's estimator.
         members, server_lr = cohorts.size, SERVER_LR * cohorts.size / args.cohort
-    plain, private = make_rounds(members, args.clip_norm, args.noise_multiplier, server_lr,
-                                 "float" if args.mode == "adaptive" else args.mode)
+    plain, private = make_rounds(members, args.clip_norm, args.noise_multiplier,
+                                 "float" if args.mode == "adaptive" else args.mode, server_lr)
     model, key = init_model(), jax.random.key(args.seed)
     adaptive = args.mode == "adaptive"
     clip = jnp.float32(args.clip_norm)  # adaptive: the clip is the round's state
