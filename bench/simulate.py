@@ -164,7 +164,8 @@ class FlowerRun:
         cmd = [sys.executable, "-m", "fcir.cli", "flower", "simulate", str(self.app),
                "--nodes", str(self.cfg["clients"]), "--data", str(self.data),
                "--run-config", config, "--dir", str(self.work / f"{self.name}-{self.runs}")]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False,
+                              cwd=self.work)  # the final model lands there, not in the caller's folder
         out = proc.stdout + proc.stderr
         times = {int(r): float(s) for r, s in self.LINE[self.name].findall(out)}
         if proc.returncode != 0 or len(times) != rounds:
