@@ -194,6 +194,7 @@ def test_bad_hyperparameters_are_refused_while_tracing(kwargs, match):
         fcir.capture(bad, jnp.float32(1.0), KEY, jnp.ones((N, 2), jnp.float32))
 
 
+@pytest.mark.slow  # the digits example end to end (docs/contributing.md)
 def test_the_digits_example_adapts_its_clip_at_the_float_mode_s_epsilon(tmp_path):
     pytest.importorskip("sklearn")
     from examples_testing import load
