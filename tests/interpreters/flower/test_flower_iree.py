@@ -347,7 +347,7 @@ spec.loader.exec_module(mod)
 import fcir_app.client_app as client
 with np.load(values) as f:
     sent = {k.replace("|", "/"): f[k] for k in f.files}
-ctx = types.SimpleNamespace(node_id=7, node_config={"data-path": data, "partition-id": 0})
+ctx = types.SimpleNamespace(node_id=7, node_config={"data-path": data, "partition-id": 0}, run_config={})
 res = client.compute(int(step), sent, ctx)
 np.savez(out, **{k.replace("/", "|"): v for k, v in res.items()})
 bad = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib", "fcir"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import benchrun
 import pytest
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 def test_gpu_script_smoke_mode(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["OUT_DIR"] = str(tmp_path)
+    env["PYTHON"] = sys.executable  # this test's Python, whatever python is on PATH (CI's leg 1)
     result = subprocess.run(["bash", str(benchrun.ROOT / "bench" / "gpu.sh"), "--smoke"],
                             capture_output=True, text=True, timeout=1200, check=False,
                             env=env)  # fmt: skip
