@@ -100,7 +100,8 @@ def test_a_ddp_round_with_fewer_replies_than_min_clients_is_refused(tmp_path):
     (exchange,) = [s for s in rounds.plan_of(app)["steps"] if s["kind"] == "exchange"]
     assert exchange["min_replies"] == N  # by default every client's noise share
     out = tmp_path / "refused.npz"
-    config = {"output": str(out), "secagg": False, "timeout": 1.0}
+    # min-train-nodes=1: the ddp rule, not FedAvg's two training nodes, is what refuses
+    config = {"output": str(out), "secagg": False, "timeout": 1.0, "min-train-nodes": 1}
     with pytest.raises(RuntimeError, match=rf"round 1: {N - 1} of {N} sampled clients replied, "
                        rf"but the distributed DP release .* at least {N} clients"):
         inprocess.run(app, nodes, config, silent={10})
