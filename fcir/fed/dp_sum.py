@@ -33,7 +33,9 @@ from .base import FedOp, public
 from .map import member_map, member_slices
 from .sum import sum_p
 
-__all__ = ["DpSum", "define_dp", "define_dp_op", "dp_jvp", "dp_release", "dp_sum", "dp_sum_p"]
+__all__ = ["DpSum", "define_dp", "define_dp_op", "dp_jvp", "dp_release", "dp_sum", "dp_sum_p",
+           "exact_params_of"]
+
 
 
 # --- the primitive ------------------------------------------------------------------------
@@ -72,6 +74,21 @@ def exact_params(n, clip_norm, noise_multiplier, gamma, shapes, dtypes, what="fe
     ``shapes`` and ``dtypes``."""
     dim = int(sum(int(np.prod(s, dtype=np.int64)) for s in shapes))
     return lattice.params(dim, n, clip_norm, noise_multiplier, gamma, dtypes, what)
+
+def exact_params_of(op, n: int):
+    """The lattice parameters (``exact_params``) of an exact-mode ``fed.dp_*`` op of the
+    IR whose placement has ``n`` members: its attributes and its members' types."""
+    members = [v.type.member for v in op.operands[:-1]]
+    a = op.attrs
+    return exact_params(
+        n,
+        a["clip_norm"],
+        a["noise_multiplier"],
+        a["gamma"],
+        [t.shape for t in members],
+        [t.np_dtype for t in members],
+        op.name,
+    )
 
 
 def _abstract_eval(op, *avals, placement, n, clip_norm, noise_multiplier, mean, gamma=None):

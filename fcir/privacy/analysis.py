@@ -62,7 +62,7 @@ import numpy as np
 
 from fcir import fed as F
 from fcir.errors import PrivacyError
-from fcir.fed.dp_sum import exact_params
+from fcir.fed.dp_sum import exact_params_of
 from fcir.ir import Module, Op, Region, Value, expect_module, value_numbering
 from fcir.ir import control_flow as cf
 from fcir.ir.types import SERVER, PlacedType
@@ -470,7 +470,7 @@ def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
                 p.shares,
             )
         elif op.name in DP_OPS and "gamma" in op.attrs:  # exact mode: fcir.mechanisms.lattice
-            p = _lattice_params(module, op)
+            p = exact_params_of(op, module.cardinality(op.operands[0].type.placement))
             yield ExactRelease(
                 op.name,
                 op.attrs["clip_norm"],
@@ -495,21 +495,6 @@ def _releases(region: Region, times: int, module: Module) -> Iterator[Release]:
         else:
             for sub in op.regions:
                 yield from _releases(sub, times, module)
-
-
-def _lattice_params(module: Module, op):
-    members = [v.type.member for v in op.operands[:-1]]
-    n = module.cardinality(op.operands[0].type.placement)
-    a = op.attrs
-    return exact_params(
-        n,
-        a["clip_norm"],
-        a["noise_multiplier"],
-        a["gamma"],
-        [t.shape for t in members],
-        [t.np_dtype for t in members],
-        op.name,
-    )
 
 
 def _has_dp(region: Region) -> bool:

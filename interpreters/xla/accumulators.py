@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fcir.fed.dp_sum import exact_params
+from fcir.fed.dp_sum import exact_params_of
 from fcir.frontend import primitives as P
 from fcir.ir import Op, Value
 from fcir.ir.types import PlacedType
@@ -301,15 +301,7 @@ class Gaussian(Accumulator):
         key, a = server[op.operands[-1]], op.attrs
         if "gamma" in a:
             like = [v.type.member for v in op.operands[:-1]]
-            p = exact_params(
-                n,
-                a["clip_norm"],
-                a["noise_multiplier"],
-                a["gamma"],
-                [t.shape for t in like],
-                [t.np_dtype for t in like],
-                op.name,
-            )
+            p = exact_params_of(op, n)
             return [
                 lattice.release(
                     t + lattice.noise(key, i, t.shape, p),

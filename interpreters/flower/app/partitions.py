@@ -71,6 +71,12 @@ class Partitioner:
     def _split(self, rows: int) -> list[np.ndarray]:
         raise NotImplementedError
 
+    def _labels(self) -> np.ndarray:
+        """The array a by-label partitioner splits by (its ``partition_by``)."""
+        if self._partition_by not in self.dataset:
+            raise ValueError(f"the data set has no array {self._partition_by!r} to partition by")
+        return self.dataset[self._partition_by]
+
 
 class IidPartitioner(Partitioner):
     """Contiguous shards of (near) equal size, as flwr-datasets' IidPartitioner takes
@@ -118,9 +124,7 @@ class DirichletPartitioner(Partitioner):
         self._rng = np.random.default_rng(seed)
 
     def _split(self, rows: int) -> list[np.ndarray]:
-        if self._partition_by not in self.dataset:
-            raise ValueError(f"the data set has no array {self._partition_by!r} to partition by")
-        labels = self.dataset[self._partition_by]
+        labels = self._labels()
         # Labels in order of first appearance, as Dataset.unique gives them.
         _, first = np.unique(labels, return_index=True)
         classes = labels[np.sort(first)]
@@ -191,9 +195,7 @@ class PathologicalPartitioner(Partitioner):
         self._rng = np.random.default_rng(seed)
 
     def _split(self, rows: int) -> list[np.ndarray]:
-        if self._partition_by not in self.dataset:
-            raise ValueError(f"the data set has no array {self._partition_by!r} to partition by")
-        labels = self.dataset[self._partition_by]
+        labels = self._labels()
         classes = np.unique(labels)
         c = len(classes)
         if self._k > c:
