@@ -11,6 +11,7 @@ round with several, or a whole training program, is exported with ``fcir export
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -59,6 +60,7 @@ class RoundParts:
         self._artifacts = artifacts
         self._compiled: dict = {}
         self._lock = threading.Lock()
+        self._op_by_op = None  # the client work as an fcir Module, made on first use
 
     # --- running the parts ----------------------------------------------------------
 
@@ -95,9 +97,10 @@ class RoundParts:
         self._call(self.prepare["part"], env)
         return {f"{dst[0]}/{dst[1]}": env[tuple(src)] for src, dst in self.exchange["send"]}
 
-    def client(self, sent: dict, client_leaves) -> dict[str, np.ndarray]:
+    def client(self, sent: dict, client_leaves, *, jit: bool = True) -> dict[str, np.ndarray]:
         """One client's work on the arrays the server sent and its own data leaves (the
-        round's client arguments for one member, in leaf order)."""
+        round's client arguments for one member, in leaf order). ``jit``: as one
+        compiled function (the bits of ``jax.jit``), else op by op (``_run_op_by_op``)."""
         leaves = list(client_leaves)
         if len(leaves) != len(self.client_inputs):
             raise ExportError(
@@ -115,20 +118,87 @@ class RoundParts:
             group, _, name = key.partition("/")
             env[(group, name)] = x
         part = self.exchange["client"]
-        self._call(part, env)
+        if jit:
+            self._call(part, env)
+        else:
+            self._run_op_by_op(part, env)
         return {f"{g}/{n}": env[(g, n)] for g, n in part["results"]}
 
-    def finish(self, server_leaves, replies: list[dict]) -> list[np.ndarray]:
+    def _run_op_by_op(self, part: dict, env: dict) -> None:
+        """The client work run as JAX runs a function it does not jit: each op bound
+        on its own, outside any trace (as the reference interpreter runs local ops), so
+        a ClientApp that trained eagerly gets the bits it had. The code is the client
+        work of the production split (one member's ops, no fed op) that the plan's
+        artifact is lowered from, its parameters and results in the part's order."""
+        with self._lock:
+            if self._op_by_op is None:
+                from fcir.interpreter import Interpreter
+                from fcir.ir import Func
+
+                from ..production.splitting import split
+                from .phases import split_phases
+
+                member = split(split_phases(self.module)[0].module).client_member
+                flat = Module(member.name, member.placements, [Func("main", member.main.body)])
+                self._op_by_op = functools.partial(Interpreter().run, flat)
+        outs = self._op_by_op(*[env[tuple(p)] for p in part["params"]])
+        env.update(zip((tuple(r) for r in part["results"]), (np.asarray(x) for x in outs)))
+
+    def finish(self, server_leaves, replies: list[dict], aggregated=None) -> list[np.ndarray]:
         """The round's outputs, in output order, from the server arrays and the client
-        replies (each ``client``'s result; aggregated in the order given)."""
+        replies (each ``client``'s result; aggregated in the order given).
+        ``aggregated``: aggregation outputs computed already (``fedavg_means``), by
+        name; the others are aggregated here."""
         env = self._server_env(server_leaves)
         self._call(self.prepare["part"], env)  # server values the last part reads again
-        outs = [{k.partition("/")[2]: v for k, v in r.items()} for r in replies]
-        for name, value in runtime.aggregate(self.exchange["aggregations"], outs).items():
+        outs = [_by_name(r) for r in replies]
+        given = dict(aggregated or {})
+        rest = [a for a in self.exchange["aggregations"] if a["output"] not in given]
+        for name, value in {**runtime.aggregate(rest, outs), **given}.items():
             env[(self.exchange.get("aggregated", "aggregated"), name)] = np.asarray(value)
         self._call(self.result["part"], env)
         results = [np.asarray(env[("output", str(j))]) for j in range(len(self.plan["outputs"]))]
         return [results[j] for j in self.plan["output_order"]]
+
+
+    def fedavg_means(self, replies: list[dict]) -> dict[str, np.ndarray]:
+        """The round's weighted means that Flower's FedAvg can compute, computed as it
+        computes its average (``aggregate_arrayrecords``), over the replies in the
+        order given (the order FedAvg takes them in): each client's weight divided by
+        their total in Python floats, each value times its factor in the value's
+        dtype, the products added one by one in that dtype. Those are means of float
+        values with one weight per client and a positive total; the others (weights
+        per element, integers, a zero total, which FedAvg refuses) are left to
+        ``finish``, which computes fcir's ``sum(w * x) / sum(w)``. By output name."""
+        outs = [_by_name(r) for r in replies]
+        means = {}
+        for agg in self.exchange["aggregations"]:
+            if agg.get("aggregate") != WEIGHTED_MEAN or len(agg["inputs"]) != 2 or not outs:
+                continue
+            xs = [np.asarray(r[agg["inputs"][0]]) for r in outs]
+            ws = [np.asarray(r[agg["inputs"][1]]) for r in outs]
+            if xs[0].dtype.kind != "f" or any(w.size != 1 for w in ws):
+                continue
+            weights = [w.reshape(()).item() for w in ws]
+            total = sum(weights)
+            if not (np.isfinite(total) and total > 0):
+                continue
+            mean = None
+            for x, w in zip(xs, weights):
+                # A Python float times an array is computed in the array's dtype (NEP 50).
+                term = x * (w / total)
+                mean = term if mean is None else mean + term
+            means[agg["output"]] = np.asarray(mean, xs[0].dtype)
+        return means
+
+
+# The weighted mean's aggregation in a plan (the production split's intrinsic).
+WEIGHTED_MEAN = "federated_weighted_mean"
+
+
+def _by_name(reply: dict) -> dict:
+    """A ``client`` result keyed by its outputs' names, without their group."""
+    return {k.partition("/")[2]: v for k, v in reply.items()}
 
 
 def _as_jax_would(x, spec: dict) -> np.ndarray:

@@ -155,11 +155,13 @@ def capture(split: int = 0):
     return fcir.capture(fedavg_round, params, xs, ys)
 
 
-def fcir_client(module, evaluation=None) -> ClientApp:
+def fcir_client(module, evaluation=None, jit=False) -> ClientApp:
+    """The template's ClientApp with fcir's client work; ``jit=False`` as the
+    template trains (op by op, no ``jax.jit``)."""
     from fcir.interpreters import flower
 
     app = ClientApp()
-    work = flower.Client(module, evaluation=evaluation)
+    work = flower.Client(module, evaluation=evaluation, jit=jit)
 
     @app.train()
     def train_(msg: Message, context: Context):
