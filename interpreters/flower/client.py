@@ -40,20 +40,21 @@ class Client:
     ``jit``: the client work runs as one compiled function, with the bits of
     ``jax.jit`` of the round's local function; ``jit=False`` runs it op by op, as JAX
     runs a function it does not jit (Flower's JAX template trains so), for the bits a
-    ClientApp that trained eagerly had. (JAX compiles a few ``jax.numpy`` helpers,
-    ``jnp.mean`` among them, as one unit even then; op by op they can differ from it in
-    the last bit.)"""
+    ClientApp that trained eagerly had (``as_flower``). JAX compiles a few
+    ``jax.numpy`` helpers (``jnp.mean``) as one unit even then: a value computed inside
+    one can differ in its last bit."""
 
     def __init__(self, module: Module, *, evaluation: Module | None = None, jit: bool = True):
-        self.parts = RoundParts(module, "flower.Client")
-        self.jit = bool(jit)
-        self.evaluation = None if evaluation is None else RoundParts(evaluation, "flower.Client(evaluation=...)")
+        self.parts = RoundParts(module, "flower.Client", jit=jit)
+        self.evaluation = None if evaluation is None else RoundParts(
+            evaluation, "flower.Client(evaluation=...)", jit=jit
+        )
 
     def train(self, msg: Message, *data, num_examples: int | None = None, metrics=None) -> Message:
         """Runs the round's client work on the arrays in ``msg`` and ``data``; the reply.
         ``metrics``: more numbers for the reply's MetricRecord (Flower averages them
         only in its own strategies; flower.Strategy's metrics are the round's)."""
-        return self._reply(self.parts, msg, data, num_examples, metrics, self.jit)
+        return self._reply(self.parts, msg, data, num_examples, metrics)
 
     def evaluate(self, msg: Message, *data, num_examples: int | None = None) -> Message:
         """Runs the evaluation's client work (``fcir.evaluation``) on ``msg`` and ``data``."""
@@ -62,16 +63,16 @@ class Client:
                 "flower.Client.evaluate: give the captured evaluation, "
                 "flower.Client(module, evaluation=fcir.capture(fcir.evaluation(round), ...))"
             )
-        return self._reply(self.evaluation, msg, data, num_examples, None, self.jit)
+        return self._reply(self.evaluation, msg, data, num_examples, None)
 
     @staticmethod
-    def _reply(parts: RoundParts, msg: Message, data, num_examples, metrics, jit=True) -> Message:
+    def _reply(parts: RoundParts, msg: Message, data, num_examples, metrics) -> Message:
         leaves = jax.tree_util.tree_leaves(data)
         records = msg.content.array_records
         if not records:
             raise ExportError("flower.Client: the message carries no ArrayRecord (sent by flower.Strategy?)")
         record = records.get("arrays") or next(iter(records.values()))
-        outputs = parts.client(runtime.from_record(record), leaves, jit=jit)
+        outputs = parts.client(runtime.from_record(record), leaves)
         n = examples_in(data) if num_examples is None else int(num_examples)
         content = RecordDict({
             "arrays": runtime.to_record(outputs),

@@ -11,7 +11,6 @@ round with several, or a whole training program, is exported with ``fcir export
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import numpy as np
@@ -20,6 +19,7 @@ from fcir.errors import ExportError
 from fcir.frontend.pytrees import leaf_names
 from fcir.ir import Module
 
+from . import as_flower
 from .app import runtime
 from .writer import build_plan
 
@@ -31,9 +31,11 @@ class RoundParts:
 
     ``server_inputs`` / ``client_inputs`` / ``outputs``: the plan's specs (dtype,
     shape, pytree path; outputs also the program's own ``name``); ``output_names``: the
-    outputs' names in output order (``train_loss``, else ``arr_<o>``)."""
+    outputs' names in output order (``train_loss``, else ``arr_<o>``). ``jit``: the
+    client work runs as one compiled function (the bits of ``jax.jit``), else op by op
+    (``as_flower.op_by_op``)."""
 
-    def __init__(self, module: Module, who: str = "fcir.interpreters.flower"):
+    def __init__(self, module: Module, who: str = "fcir.interpreters.flower", *, jit: bool = True):
         if not isinstance(module, Module):
             raise ExportError(
                 f"{who}: takes a captured round (fcir.capture(round, *args)), got "
@@ -60,7 +62,8 @@ class RoundParts:
         self._artifacts = artifacts
         self._compiled: dict = {}
         self._lock = threading.Lock()
-        self._op_by_op = None  # the client work as an fcir Module, made on first use
+        self.jit = bool(jit)
+        self._op_by_op = None  # the client work op by op (jit=False), made on first use
 
     # --- running the parts ----------------------------------------------------------
 
@@ -76,6 +79,14 @@ class RoundParts:
                 specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
                 fn = self._compiled[part["artifact"]] = jax.jit(exp.call).lower(*specs).compile()
         outs = fn(*[env[tuple(p)] for p in part["params"]])
+        env.update(zip((tuple(r) for r in part["results"]), (np.asarray(x) for x in outs)))
+
+    def _call_op_by_op(self, part: dict, env: dict) -> None:
+        """``_call`` of the client work with ``jit=False``."""
+        with self._lock:
+            if self._op_by_op is None:
+                self._op_by_op = as_flower.op_by_op(self.module)
+        outs = self._op_by_op(*[env[tuple(p)] for p in part["params"]])
         env.update(zip((tuple(r) for r in part["results"]), (np.asarray(x) for x in outs)))
 
     def _server_env(self, server_leaves) -> dict:
@@ -97,10 +108,9 @@ class RoundParts:
         self._call(self.prepare["part"], env)
         return {f"{dst[0]}/{dst[1]}": env[tuple(src)] for src, dst in self.exchange["send"]}
 
-    def client(self, sent: dict, client_leaves, *, jit: bool = True) -> dict[str, np.ndarray]:
+    def client(self, sent: dict, client_leaves) -> dict[str, np.ndarray]:
         """One client's work on the arrays the server sent and its own data leaves (the
-        round's client arguments for one member, in leaf order). ``jit``: as one
-        compiled function (the bits of ``jax.jit``), else op by op (``_run_op_by_op``)."""
+        round's client arguments for one member, in leaf order)."""
         leaves = list(client_leaves)
         if len(leaves) != len(self.client_inputs):
             raise ExportError(
@@ -118,40 +128,17 @@ class RoundParts:
             group, _, name = key.partition("/")
             env[(group, name)] = x
         part = self.exchange["client"]
-        if jit:
-            self._call(part, env)
-        else:
-            self._run_op_by_op(part, env)
+        (self._call if self.jit else self._call_op_by_op)(part, env)
         return {f"{g}/{n}": env[(g, n)] for g, n in part["results"]}
-
-    def _run_op_by_op(self, part: dict, env: dict) -> None:
-        """The client work run as JAX runs a function it does not jit: each op bound
-        on its own, outside any trace (as the reference interpreter runs local ops), so
-        a ClientApp that trained eagerly gets the bits it had. The code is the client
-        work of the production split (one member's ops, no fed op) that the plan's
-        artifact is lowered from, its parameters and results in the part's order."""
-        with self._lock:
-            if self._op_by_op is None:
-                from fcir.interpreter import Interpreter
-                from fcir.ir import Func
-
-                from ..production.splitting import split
-                from .phases import split_phases
-
-                member = split(split_phases(self.module)[0].module).client_member
-                flat = Module(member.name, member.placements, [Func("main", member.main.body)])
-                self._op_by_op = functools.partial(Interpreter().run, flat)
-        outs = self._op_by_op(*[env[tuple(p)] for p in part["params"]])
-        env.update(zip((tuple(r) for r in part["results"]), (np.asarray(x) for x in outs)))
 
     def finish(self, server_leaves, replies: list[dict], aggregated=None) -> list[np.ndarray]:
         """The round's outputs, in output order, from the server arrays and the client
         replies (each ``client``'s result; aggregated in the order given).
-        ``aggregated``: aggregation outputs computed already (``fedavg_means``), by
-        name; the others are aggregated here."""
+        ``aggregated``: aggregation outputs computed already (``as_flower.fedavg_means``),
+        by name; the others are aggregated here."""
         env = self._server_env(server_leaves)
         self._call(self.prepare["part"], env)  # server values the last part reads again
-        outs = [_by_name(r) for r in replies]
+        outs = [{k.partition("/")[2]: v for k, v in r.items()} for r in replies]
         given = dict(aggregated or {})
         rest = [a for a in self.exchange["aggregations"] if a["output"] not in given]
         for name, value in {**runtime.aggregate(rest, outs), **given}.items():
@@ -159,46 +146,6 @@ class RoundParts:
         self._call(self.result["part"], env)
         results = [np.asarray(env[("output", str(j))]) for j in range(len(self.plan["outputs"]))]
         return [results[j] for j in self.plan["output_order"]]
-
-
-    def fedavg_means(self, replies: list[dict]) -> dict[str, np.ndarray]:
-        """The round's weighted means that Flower's FedAvg can compute, computed as it
-        computes its average (``aggregate_arrayrecords``), over the replies in the
-        order given (the order FedAvg takes them in): each client's weight divided by
-        their total in Python floats, each value times its factor in the value's
-        dtype, the products added one by one in that dtype. Those are means of float
-        values with one weight per client and a positive total; the others (weights
-        per element, integers, a zero total, which FedAvg refuses) are left to
-        ``finish``, which computes fcir's ``sum(w * x) / sum(w)``. By output name."""
-        outs = [_by_name(r) for r in replies]
-        means = {}
-        for agg in self.exchange["aggregations"]:
-            if agg.get("aggregate") != WEIGHTED_MEAN or len(agg["inputs"]) != 2 or not outs:
-                continue
-            xs = [np.asarray(r[agg["inputs"][0]]) for r in outs]
-            ws = [np.asarray(r[agg["inputs"][1]]) for r in outs]
-            if xs[0].dtype.kind != "f" or any(w.size != 1 for w in ws):
-                continue
-            weights = [w.reshape(()).item() for w in ws]
-            total = sum(weights)
-            if not (np.isfinite(total) and total > 0):
-                continue
-            mean = None
-            for x, w in zip(xs, weights):
-                # A Python float times an array is computed in the array's dtype (NEP 50).
-                term = x * (w / total)
-                mean = term if mean is None else mean + term
-            means[agg["output"]] = np.asarray(mean, xs[0].dtype)
-        return means
-
-
-# The weighted mean's aggregation in a plan (the production split's intrinsic).
-WEIGHTED_MEAN = "federated_weighted_mean"
-
-
-def _by_name(reply: dict) -> dict:
-    """A ``client`` result keyed by its outputs' names, without their group."""
-    return {k.partition("/")[2]: v for k, v in reply.items()}
 
 
 def _as_jax_would(x, spec: dict) -> np.ndarray:

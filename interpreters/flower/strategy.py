@@ -40,6 +40,7 @@ from flwr.supercore import log
 from fcir.errors import ExportError
 from fcir.ir import Module
 
+from . import as_flower
 from .app import runtime, training
 from .parts import RoundParts
 
@@ -153,7 +154,9 @@ class Strategy(FedAvg):
         leaves = self._global.pop(server_round)
         # Weighted means are FedAvg's own average: computed as FedAvg computes it, over
         # the replies in the order FedAvg takes them, they are its bits.
-        means = self.parts.fedavg_means([self._client_outputs(m) for m in valid])
+        means = as_flower.fedavg_means(
+            self.parts.exchange["aggregations"], [self._client_outputs(m) for m in valid]
+        )
         outs = self.parts.finish(
             leaves, [self._client_outputs(m) for m in _in_node_order(valid)], aggregated=means
         )

@@ -131,19 +131,19 @@ def test_the_program_s_evaluation_runs_in_flower_s_evaluate_stage_as_on_every_ba
 
 
 def test_the_client_work_runs_compiled_or_op_by_op_as_jax_would(captured):
-    """flower.Client's client work: by default one compiled function, the bits of
-    ``jax.jit`` of the round's local training; ``jit=False`` op by op, the bits of the
-    same training run eagerly (the template's; 1-2 ulps from the compiled ones here)."""
+    """flower.Client's client work: ``jit=False`` op by op, the bits of the round's
+    local training run eagerly (the template's); by default one compiled function, 1-2
+    ulps from them here (the bits of ``jax.jit``, which the export's own tests check)."""
     import jax
+    from fcir.interpreters.flower.app import runtime
     from flwr.app import ConfigRecord, Message
     from flwr.supercore.task_identity import TaskIdentity
 
     module, _ = captured
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as flwr-serverapp
     start = jax_template.load_model((3,))
-    sent = flower.Strategy(module).parts.send(list(start.values()))
-    from fcir.interpreters.flower.app import runtime
-
+    works = {jit: flower.Client(module, jit=jit) for jit in (True, False)}
+    sent = works[True].parts.send(list(start.values()))
     msg = Message(RecordDict({"arrays": runtime.to_record(sent), "config": ConfigRecord()}),
                   dst_node_id=101, message_type="train")
     x, y, _, _ = jax_template.load_data(2)
@@ -151,27 +151,25 @@ def test_the_client_work_runs_compiled_or_op_by_op_as_jax_would(captured):
     def local(params, x, y):
         return jax_template.train(params, jax.grad(jax_template.loss_fn), x, y)[0]
 
-    want = {
-        True: jax.jit(local)(start, x.astype(np.float32), y.astype(np.float32)),
-        False: local(dict(start), x, y),
-    }
+    want = local(dict(start), x, y)
     got = {}
-    for jit in (True, False):
-        reply = flower.Client(module, jit=jit).train(msg, x, y)
+    for jit, work in works.items():
+        reply = work.train(msg, x, y)
         assert reply.content["metrics"]["num-examples"] == len(x)
         arrays = list(runtime.from_record(reply.content["arrays"]).values())
         got[jit] = [a for a in arrays if a.shape == ()][0], [a for a in arrays if a.shape == (3,)][0]
-        assert ulps(got[jit][0], want[jit]["b"]) == 0 and ulps(got[jit][1], want[jit]["w"]) == 0, jit
-    assert ulps(got[True][0], got[False][0]) > 0  # the two ways differ: the test can tell
+    assert ulps(got[False][0], want["b"]) == 0 and ulps(got[False][1], want["w"]) == 0
+    assert ulps(got[True][0], want["b"]) > 0  # the two ways differ: the test can tell
 
 
 def test_weighted_means_are_fedavg_s_bits_in_the_replies_order(captured):
-    """RoundParts.fedavg_means against Flower's own FedAvg aggregation
+    """as_flower.fedavg_means against Flower's own FedAvg aggregation
     (``aggregate_arrayrecords``) in every order of three replies with unequal weights;
     fcir's ``sum(w * x) / sum(w)`` differs from it in some element and order; a zero
     total weight (FedAvg divides by it) is left to fcir's aggregation."""
     import itertools
 
+    from fcir.interpreters.flower import as_flower
     from flwr.app import ArrayRecord, MetricRecord
     from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
@@ -193,7 +191,7 @@ def test_weighted_means_are_fedavg_s_bits_in_the_replies_order(captured):
     differs = False
     for order in itertools.permutations(range(3)):
         came = [replies[i] for i in order]
-        means = parts.fedavg_means(came)
+        means = as_flower.fedavg_means(aggs, came)
         assert sorted(means) == sorted(a["output"] for a in aggs)
         for a in aggs:
             records = [
@@ -210,7 +208,7 @@ def test_weighted_means_are_fedavg_s_bits_in_the_replies_order(captured):
         differs |= any(ulps(fcir_means[a["output"]], means[a["output"]]) > 0 for a in aggs)
     assert differs
     zero = [{k: (np.float32(0) if k.endswith("_weight") else v) for k, v in r.items()} for r in replies]
-    assert parts.fedavg_means(zero) == {}
+    assert as_flower.fedavg_means(aggs, zero) == {}
 
 
 def test_a_round_with_several_exchanges_is_refused_by_name():
