@@ -7,8 +7,9 @@ keeps the bits it had:
 - ``fedavg_means``: a weighted mean computed as Flower's ``FedAvg`` computes its
   average, instead of fcir's ``sum(w * x) / sum(w)``.
 
-Both are a last-bit matter: XLA fuses a compiled training step (1-2 float32 ulps from
-the eager one after 10 epochs of the template), and the two means round differently.
+Both are a last-bit matter: XLA compiles a training step as a whole (1-2 float32 ulps
+from the eager one after 10 epochs of the template), and the two means round
+differently.
 """
 
 from __future__ import annotations

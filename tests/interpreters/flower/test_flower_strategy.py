@@ -63,11 +63,13 @@ def test_the_template_switched_to_fcir_gives_its_parameters_bit_for_bit_each_rou
     for one ulp per round). Two things make it so, and the test fails without either:
     the ClientApp runs the client work op by op (``flower.Client(module, jit=False)``),
     as the template trains (it does not jit its train step; one compiled function puts
-    its client parameters 1-2 ulps away after 10 epochs: XLA fuses the step); and
-    flower.Strategy computes the weighted mean as FedAvg does, in the order FedAvg
-    adds the replies (fcir's ``sum(w * x) / sum(w)`` is 1-2 ulps from FedAvg's
-    ``sum(x * (w / total))``). Before both, the per-element distance was 2, 1, 1 ulps
-    after rounds 1, 2, 3 (b, near -0.2, is a mean of clients' b of both signs)."""
+    its client parameters 1-2 ulps away after 10 epochs: XLA compiles the step as a
+    whole); and flower.Strategy computes the weighted mean as FedAvg does, in the
+    order FedAvg adds the replies (fcir's ``sum(w * x) / sum(w)`` is 1-2 ulps from
+    FedAvg's ``sum(x * (w / total))``). Both runs seed ``random`` alike: FedAvg samples
+    the nodes, and so orders their replies, at random. Before, the per-element
+    distance was up to 2, 1, 1 ulps after rounds 1, 2, 3 (b, near -0.2, is a mean of
+    clients' b of both signs)."""
     module, _ = captured
     seen, result = template_run
     ours = {}
