@@ -35,11 +35,20 @@ class Client:
     """The client side of ``module`` (one round, one exchange) and, optionally, of a
     captured ``fcir.evaluation(program)``. Data arguments are the round's client data
     for one client (the member's arrays, without the leading axis of members), in the
-    order the round takes them; pytrees are flattened."""
+    order the round takes them; pytrees are flattened.
 
-    def __init__(self, module: Module, *, evaluation: Module | None = None):
-        self.parts = RoundParts(module, "flower.Client")
-        self.evaluation = None if evaluation is None else RoundParts(evaluation, "flower.Client(evaluation=...)")
+    ``jit``: the client work runs as one compiled function, with the bits of
+    ``jax.jit`` of the round's local function; ``jit=False`` runs it op by op, as JAX
+    runs a function it does not jit (Flower's JAX template trains so), for the bits a
+    ClientApp that trained eagerly had (``as_flower``). JAX compiles a few
+    ``jax.numpy`` helpers (``jnp.mean``) as one unit even then: a value computed inside
+    one can differ in its last bit."""
+
+    def __init__(self, module: Module, *, evaluation: Module | None = None, jit: bool = True):
+        self.parts = RoundParts(module, "flower.Client", jit=jit)
+        self.evaluation = None if evaluation is None else RoundParts(
+            evaluation, "flower.Client(evaluation=...)", jit=jit
+        )
 
     def train(self, msg: Message, *data, num_examples: int | None = None, metrics=None) -> Message:
         """Runs the round's client work on the arrays in ``msg`` and ``data``; the reply.

@@ -19,6 +19,7 @@ from fcir.errors import ExportError
 from fcir.frontend.pytrees import leaf_names
 from fcir.ir import Module
 
+from . import as_flower
 from .app import runtime
 from .writer import build_plan
 
@@ -30,9 +31,11 @@ class RoundParts:
 
     ``server_inputs`` / ``client_inputs`` / ``outputs``: the plan's specs (dtype,
     shape, pytree path; outputs also the program's own ``name``); ``output_names``: the
-    outputs' names in output order (``train_loss``, else ``arr_<o>``)."""
+    outputs' names in output order (``train_loss``, else ``arr_<o>``). ``jit``: the
+    client work runs as one compiled function (the bits of ``jax.jit``), else op by op
+    (``as_flower.op_by_op``)."""
 
-    def __init__(self, module: Module, who: str = "fcir.interpreters.flower"):
+    def __init__(self, module: Module, who: str = "fcir.interpreters.flower", *, jit: bool = True):
         if not isinstance(module, Module):
             raise ExportError(
                 f"{who}: takes a captured round (fcir.capture(round, *args)), got "
@@ -59,6 +62,8 @@ class RoundParts:
         self._artifacts = artifacts
         self._compiled: dict = {}
         self._lock = threading.Lock()
+        self.jit = bool(jit)
+        self._op_by_op = None  # the client work op by op (jit=False), made on first use
 
     # --- running the parts ----------------------------------------------------------
 
@@ -74,6 +79,14 @@ class RoundParts:
                 specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
                 fn = self._compiled[part["artifact"]] = jax.jit(exp.call).lower(*specs).compile()
         outs = fn(*[env[tuple(p)] for p in part["params"]])
+        env.update(zip((tuple(r) for r in part["results"]), (np.asarray(x) for x in outs)))
+
+    def _call_op_by_op(self, part: dict, env: dict) -> None:
+        """``_call`` of the client work with ``jit=False``."""
+        with self._lock:
+            if self._op_by_op is None:
+                self._op_by_op = as_flower.op_by_op(self.module)
+        outs = self._op_by_op(*[env[tuple(p)] for p in part["params"]])
         env.update(zip((tuple(r) for r in part["results"]), (np.asarray(x) for x in outs)))
 
     def _server_env(self, server_leaves) -> dict:
@@ -115,16 +128,20 @@ class RoundParts:
             group, _, name = key.partition("/")
             env[(group, name)] = x
         part = self.exchange["client"]
-        self._call(part, env)
+        (self._call if self.jit else self._call_op_by_op)(part, env)
         return {f"{g}/{n}": env[(g, n)] for g, n in part["results"]}
 
-    def finish(self, server_leaves, replies: list[dict]) -> list[np.ndarray]:
+    def finish(self, server_leaves, replies: list[dict], aggregated=None) -> list[np.ndarray]:
         """The round's outputs, in output order, from the server arrays and the client
-        replies (each ``client``'s result; aggregated in the order given)."""
+        replies (each ``client``'s result; aggregated in the order given).
+        ``aggregated``: aggregation outputs computed already (``as_flower.fedavg_means``),
+        by name; the others are aggregated here."""
         env = self._server_env(server_leaves)
         self._call(self.prepare["part"], env)  # server values the last part reads again
         outs = [{k.partition("/")[2]: v for k, v in r.items()} for r in replies]
-        for name, value in runtime.aggregate(self.exchange["aggregations"], outs).items():
+        given = dict(aggregated or {})
+        rest = [a for a in self.exchange["aggregations"] if a["output"] not in given]
+        for name, value in {**runtime.aggregate(rest, outs), **given}.items():
             env[(self.exchange.get("aggregated", "aggregated"), name)] = np.asarray(value)
         self._call(self.result["part"], env)
         results = [np.asarray(env[("output", str(j))]) for j in range(len(self.plan["outputs"]))]

@@ -13,7 +13,11 @@ round's own server work in place of the weighted average: ``configure_train`` ru
 round's server part before the exchange on the global arrays and sends what it
 broadcasts; each ClientApp runs the round's client work (``flower.Client``) and replies
 with its client outputs and ``num-examples``; ``aggregate_train`` runs the round's
-aggregations (fcir's, e.g. ``reduce_weighted_mean``) and server part after them. The
+aggregations and server part after them. A ``reduce_weighted_mean`` of float values by
+one weight per client is FedAvg's average and is computed as FedAvg computes it (each
+weight over the total in Python floats, the products added in the values' dtype, in
+the order the replies came), so a round that is FedAvg gives FedAvg's bits; the other
+aggregations are fcir's, over the replies in node order. The
 outputs that feed the round's server inputs become the next global arrays; the other
 scalar outputs are the round's metrics, by the program's own names (``train_loss``).
 
@@ -36,6 +40,7 @@ from flwr.supercore import log
 from fcir.errors import ExportError
 from fcir.ir import Module
 
+from . import as_flower
 from .app import runtime, training
 from .parts import RoundParts
 
@@ -147,7 +152,14 @@ class Strategy(FedAvg):
         if not valid:
             return None, None
         leaves = self._global.pop(server_round)
-        outs = self.parts.finish(leaves, [self._client_outputs(m) for m in _in_node_order(valid)])
+        # Weighted means are FedAvg's own average: computed as FedAvg computes it, over
+        # the replies in the order FedAvg takes them, they are its bits.
+        means = as_flower.fedavg_means(
+            self.parts.exchange["aggregations"], [self._client_outputs(m) for m in valid]
+        )
+        outs = self.parts.finish(
+            leaves, [self._client_outputs(m) for m in _in_node_order(valid)], aggregated=means
+        )
         self.outputs[server_round] = dict(zip(self.parts.output_names, outs))
         new = list(leaves)
         for i, o in self.state.items():
@@ -207,8 +219,9 @@ class Strategy(FedAvg):
 
 
 def _in_node_order(replies: list[Message]) -> list[Message]:
-    # Floating-point sums depend on their order: aggregate in node order, not in the
-    # order the replies happened to arrive.
+    # Floating-point sums depend on their order: fcir's own aggregations (those FedAvg
+    # has no counterpart for) add the replies in node order, not in the order they
+    # happened to arrive.
     return sorted(replies, key=lambda m: m.metadata.src_node_id)
 
 

@@ -1,7 +1,8 @@
 """Flower's JAX app template (``flwr new``, framework JAX, flwr 1.42: task.py,
 client_app.py, server_app.py) in one module, seeded, and the same app switched to fcir
 as docs/flower_app.md shows it: the ServerApp's ``FedAvg()`` becomes
-``flower.Strategy(module)``, the ClientApp's training becomes ``work.train(msg, x, y)``.
+``flower.Strategy(module)``, the ClientApp's training becomes ``work.train(msg, x, y)``
+with ``work = flower.Client(module, jit=False)`` (the template does not jit its training).
 
 Each node's data differ by partition (the template's ``make_regression`` with the
 partition as its seed, written with numpy here), so the clients' models differ and the
@@ -155,11 +156,13 @@ def capture(split: int = 0):
     return fcir.capture(fedavg_round, params, xs, ys)
 
 
-def fcir_client(module, evaluation=None) -> ClientApp:
+def fcir_client(module, evaluation=None, jit=False) -> ClientApp:
+    """The template's ClientApp with fcir's client work; ``jit=False`` as the
+    template trains (op by op, no ``jax.jit``)."""
     from fcir.interpreters import flower
 
     app = ClientApp()
-    work = flower.Client(module, evaluation=evaluation)
+    work = flower.Client(module, evaluation=evaluation, jit=jit)
 
     @app.train()
     def train_(msg: Message, context: Context):

@@ -6,6 +6,7 @@ message to the ClientApp (tests/flowerlib/inprocess.py)."""
 from __future__ import annotations
 
 import logging
+import random
 import types
 
 import numpy as np
@@ -18,8 +19,11 @@ from fcir.interpreters import flower, reference, xla  # noqa: E402
 from flwr.app import Context, RecordDict  # noqa: E402
 
 
-def run_app(server, client, run_config=None):
-    """The ServerApp's main on NODES in-process nodes; (its context, the nodes' grid)."""
+def run_app(server, client, run_config=None, seed=0):
+    """The ServerApp's main on NODES in-process nodes; (its context, the nodes' grid).
+    ``seed``: Python's ``random``, which FedAvg's sampling draws from, so two runs
+    sample (and FedAvg adds its replies) in the same order."""
+    random.seed(seed)
     nodes = {101 + i: {"partition-id": i, "num-partitions": jax_template.NODES}
              for i in range(jax_template.NODES)}
     from flwr.supercore.task_identity import TaskIdentity
@@ -52,9 +56,20 @@ def ulps(a, b) -> int:
     return int(np.max(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))))
 
 
-def test_the_template_switched_to_fcir_gives_its_parameters_within_one_ulp_each_round(
+def test_the_template_switched_to_fcir_gives_its_parameters_bit_for_bit_each_round(
     captured, template_run, caplog
 ):
+    """The global model after every round is the template's, bit for bit (issue 33 asks
+    for one ulp per round). Two things make it so, and the test fails without either:
+    the ClientApp runs the client work op by op (``flower.Client(module, jit=False)``),
+    as the template trains (it does not jit its train step; one compiled function puts
+    its client parameters 1-2 ulps away after 10 epochs: XLA compiles the step as a
+    whole); and flower.Strategy computes the weighted mean as FedAvg does, in the
+    order FedAvg adds the replies (fcir's ``sum(w * x) / sum(w)`` is 1-2 ulps from
+    FedAvg's ``sum(x * (w / total))``). Both runs seed ``random`` alike: FedAvg samples
+    the nodes, and so orders their replies, at random. Before, the per-element
+    distance was up to 2, 1, 1 ulps after rounds 1, 2, 3 (b, near -0.2, is a mean of
+    clients' b of both signs)."""
     module, _ = captured
     seen, result = template_run
     ours = {}
@@ -62,19 +77,14 @@ def test_the_template_switched_to_fcir_gives_its_parameters_within_one_ulp_each_
         lambda **kw: flower.Strategy(module, **kw), rounds_seen=ours
     )
     with caplog.at_level(logging.INFO, logger="flwr"):
-        context, _ = run_app(server, jax_template.fcir_client(module))
+        context, _ = run_app(server, jax_template.fcir_client(module, jit=False))
     assert sorted(ours) == sorted(seen) == [0, 1, 2, 3]
     assert ulps(seen[1][1], seen[0][1]) > 1000  # it trains
     for rnd in seen:
         assert [x.shape for x in ours[rnd]] == [x.shape for x in seen[rnd]]
-        # One float32 ulp of the model's largest parameter. Element by element it is up
-        # to 2 ulps (b, near -0.2, at round 1): the template trains eagerly, op by op,
-        # fcir's client work is one compiled function (1-2 ulps apart per client after
-        # 10 epochs), and the mean of clients' b of both signs cancels digits.
-        scale = max(float(np.max(np.abs(x))) for x in seen[rnd])
         for a, b in zip(ours[rnd], seen[rnd]):
-            assert np.all(np.abs(a - b) <= np.spacing(np.float32(scale))), (rnd, a, b)
-            assert ulps(a, b) <= 4, (rnd, a, b)
+            assert a.dtype == b.dtype == np.float32
+            assert ulps(a, b) == 0, (rnd, a, b)
     assert list(context.state["final_model"].keys()) == list(result.arrays.keys())
     # Flower's own lines: the rounds, its sampling, the named metrics, "Final results".
     text = caplog.text
@@ -120,6 +130,87 @@ def test_the_program_s_evaluation_runs_in_flower_s_evaluate_stage_as_on_every_ba
         compiled = float(xla.compile(evaluation)(params, xs, ys)["test_loss"])
         assert np.isclose(got[rnd]["test_loss"], want, rtol=1e-5)
         assert np.isclose(ref, want, rtol=1e-5) and np.isclose(compiled, want, rtol=1e-5)
+
+
+def test_the_client_work_runs_compiled_or_op_by_op_as_jax_would(captured):
+    """flower.Client's client work: ``jit=False`` op by op, the bits of the round's
+    local training run eagerly (the template's); by default one compiled function, 1-2
+    ulps from them here (the bits of ``jax.jit``, which the export's own tests check)."""
+    import jax
+    from fcir.interpreters.flower.app import runtime
+    from flwr.app import ConfigRecord, Message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    module, _ = captured
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as flwr-serverapp
+    start = jax_template.load_model((3,))
+    works = {jit: flower.Client(module, jit=jit) for jit in (True, False)}
+    sent = works[True].parts.send(list(start.values()))
+    msg = Message(RecordDict({"arrays": runtime.to_record(sent), "config": ConfigRecord()}),
+                  dst_node_id=101, message_type="train")
+    x, y, _, _ = jax_template.load_data(2)
+
+    def local(params, x, y):
+        return jax_template.train(params, jax.grad(jax_template.loss_fn), x, y)[0]
+
+    want = local(dict(start), x, y)
+    got = {}
+    for jit, work in works.items():
+        reply = work.train(msg, x, y)
+        assert reply.content["metrics"]["num-examples"] == len(x)
+        arrays = list(runtime.from_record(reply.content["arrays"]).values())
+        got[jit] = [a for a in arrays if a.shape == ()][0], [a for a in arrays if a.shape == (3,)][0]
+    assert ulps(got[False][0], want["b"]) == 0 and ulps(got[False][1], want["w"]) == 0
+    assert ulps(got[True][0], want["b"]) > 0  # the two ways differ: the test can tell
+
+
+def test_weighted_means_are_fedavg_s_bits_in_the_replies_order(captured):
+    """as_flower.fedavg_means against Flower's own FedAvg aggregation
+    (``aggregate_arrayrecords``) in every order of three replies with unequal weights;
+    fcir's ``sum(w * x) / sum(w)`` differs from it in some element and order; a zero
+    total weight (FedAvg divides by it) is left to fcir's aggregation."""
+    import itertools
+
+    from fcir.interpreters.flower import as_flower
+    from flwr.app import ArrayRecord, MetricRecord
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    module, _ = captured
+    parts = flower.Strategy(module).parts
+    aggs = parts.exchange["aggregations"]
+    rng = np.random.RandomState(0)
+    weights = [30, 7, 12]
+    replies = []
+    for w in weights:
+        reply = {}
+        for a in aggs:
+            x_name, w_name = a["inputs"]
+            reply[f"client_output/{x_name}"] = rng.randn(64).astype(np.float32) * 10.0 ** rng.randint(-3, 3)
+            reply[f"client_output/{w_name}"] = np.float32(w)
+        replies.append(reply)
+    from fcir.interpreters.flower.app import runtime
+
+    differs = False
+    for order in itertools.permutations(range(3)):
+        came = [replies[i] for i in order]
+        means = as_flower.fedavg_means(aggs, came)
+        assert sorted(means) == sorted(a["output"] for a in aggs)
+        for a in aggs:
+            records = [
+                RecordDict({
+                    "arrays": ArrayRecord([r[f"client_output/{a['inputs'][0]}"]]),
+                    "metrics": MetricRecord({"num-examples": weights[i]}),
+                })
+                for i, r in zip(order, came)
+            ]
+            want = aggregate_arrayrecords(records, "num-examples").to_numpy_ndarrays()[0]
+            assert means[a["output"]].dtype == want.dtype == np.float32
+            assert ulps(means[a["output"]], want) == 0, (order, a["output"])
+        fcir_means = runtime.aggregate(aggs, [{k.partition("/")[2]: v for k, v in r.items()} for r in came])
+        differs |= any(ulps(fcir_means[a["output"]], means[a["output"]]) > 0 for a in aggs)
+    assert differs
+    zero = [{k: (np.float32(0) if k.endswith("_weight") else v) for k, v in r.items()} for r in replies]
+    assert as_flower.fedavg_means(aggs, zero) == {}
 
 
 def test_a_round_with_several_exchanges_is_refused_by_name():
