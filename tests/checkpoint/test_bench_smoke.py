@@ -76,3 +76,33 @@ def test_checkpoint_benchmark_s3_mode_against_a_local_server(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "save fcir/limit" in done.stdout and "limit_get" in done.stdout
+
+
+def test_checkpoint_benchmark_first_restore_quick_mode(tmp_path):
+    """`--first-restore`: fresh processes that each restore the same checkpoint twice."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "checkpoint.py"),
+            "--first-restore",
+            "--quick",
+            "--dir",
+            str(tmp_path / "work"),
+            "--results",
+            str(tmp_path / "results"),
+        ],
+        env=child_env(8),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "first / later" in done.stdout and "load average" in done.stdout
+    (result,) = (tmp_path / "results").glob("checkpoint-first-quick-*.json")
+    doc = json.loads(result.read_text())
+    assert doc["cpu_count"] and doc["versions"]["jax"] and set(doc["runs"]) == {"fcir", "fcir-read"}
+    for kind, summary in doc["summary"].items():
+        (run,) = doc["runs"][kind]  # one process, two restores
+        assert len(run) == 2 and all(r["wall"] > 0 and r["minflt"] >= 0 for r in run)
+        assert summary["first_over_later"] == [run[0]["wall"] / run[1]["wall"]]
