@@ -97,7 +97,7 @@ class DataFiles:
         self.layout = layout
         self._fds: dict[int, int] = {}
         self._maps: dict[int, mmap.mmap] = {}
-        self._private: dict[int, mmap.mmap] = {}
+        self._private: dict[int, mmap.mmap | None] = {}
         self._lock = threading.Lock()
 
     def fd(self, index: int, array: str) -> int:
@@ -140,20 +140,19 @@ class DataFiles:
                     ) from e
             return self._maps[index]
 
-    def private_mapping(self, index: int, array: str) -> mmap.mmap:
+    def private_mapping(self, index: int, array: str) -> mmap.mmap | None:
         """A copy-on-write mapping (MAP_PRIVATE) of all of data file `index`, made on
         first use, whose pages restored arrays on CPU keep as their memory: until
         written, they are the page cache's own. Never closed here: it is unmapped when
-        the last array made from it goes."""
+        the last array made from it goes. None where the file system cannot map the
+        file (then its blocks are read)."""
         fd = self.fd(index, array)
         with self._lock:
             if index not in self._private:
                 try:
                     self._private[index] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-                except (OSError, ValueError) as e:
-                    raise CheckpointError(
-                        f"array {array!r}: cannot map data file {self.name(index)}: {e}"
-                    ) from e
+                except (OSError, ValueError):
+                    self._private[index] = None
             return self._private[index]
 
     #: Whether a read should fetch whole checksum chunks in one request (object stores).
@@ -443,6 +442,8 @@ def plan_mapped(
         if (shard.offset + start) % 64:
             return None
         m = files.private_mapping(shard.file, array)
+        if m is None:
+            return None
         if shard.offset + shard.length > len(m):
             raise CheckpointError(
                 f"array {array!r}: data file {files.name(shard.file)} is truncated: it has "

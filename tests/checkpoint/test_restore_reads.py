@@ -144,3 +144,20 @@ def test_a_flipped_byte_or_a_cut_file_under_a_mapped_block_is_caught(tmp_path, d
         _restore_rows(tmp_path, x, devices)
     data.write_bytes(original)
     assert same_bits(_restore_rows(tmp_path, x, devices), x)
+
+
+def test_where_a_data_file_cannot_be_mapped_its_blocks_are_read(tmp_path, monkeypatch, devices):
+    """Some file systems (FUSE mounts) refuse mmap: the blocks are then read, as before."""
+    x = values((64, 32768), seed=7)
+    _save(tmp_path, devices, x, P("x"))
+    real = reader.mmap.mmap
+
+    def refuse_private(fd, length, *args, **kwargs):
+        if kwargs.get("access") == reader.mmap.ACCESS_COPY:
+            raise OSError(19, "No such device")
+        return real(fd, length, *args, **kwargs)
+
+    monkeypatch.setattr(reader.mmap, "mmap", refuse_private)
+    reads = _record_reads(monkeypatch)
+    assert same_bits(_restore_rows(tmp_path, x, devices), x)
+    assert sum(reads) == x.nbytes
