@@ -418,10 +418,11 @@ def plan_mapped(
 
     jax adopts such an array without a copy, so the restored array's memory is the page
     cache's pages: no fresh memory is faulted in and no byte is copied. Fresh memory
-    is what a restore's time was made of on this project's VMs the first time a process
-    touched it (0.3-1.5 s per 256 MiB, where later restores that reused the freed pages
-    took 0.05-0.2 s). Pages that jax or the caller write (a donated buffer) are copied
-    then, privately; the file never changes.
+    was most of a process's first restore on this project's VMs: 0.4-0.6 s of system
+    time per 256 MiB the first time a process touched it (1.7-2.3 s in all, loaded),
+    against 0.16-0.33 s for later restores that reused the pages freed before. Pages
+    that jax or the caller write (a donated buffer) are copied then, privately; the
+    file never changes.
     """
     if not isinstance(files, DataFiles):
         return None
