@@ -79,4 +79,3 @@ def test_checkpoint_benchmark_s3_mode_against_a_local_server(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "save fcir/limit" in done.stdout and "limit_get" in done.stdout
-
