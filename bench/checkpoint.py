@@ -687,6 +687,8 @@ def run(args: argparse.Namespace) -> int:
                 "fcir_other": measure_memory("fcir", f_path, shape, "other"),
                 **({} if args.quick else {"orbax": measure_memory("orbax", o_path, shape)}),
             }
+        if args.quick and rep == warmup + reps - 1:  # keeps --first-restore from rotting
+            first_runs = first_restore_runs(f_path, shape, ("fcir",), 1, 2)
         for path in (f_path, o_path, d_path, d_path.with_suffix(".direct"), a_path, b_path):
             rm(path)
         print(
@@ -762,6 +764,7 @@ def run(args: argparse.Namespace) -> int:
         f"untimed os.sync() before each timed call: median {median(PRESYNC):.3f} s, "
         f"max {max(PRESYNC):.3f} s over {len(PRESYNC)} calls"
     )
+    first = first_restore_summary(first_runs) if args.quick else None
     print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
     if warm_cached:
         print(
@@ -820,12 +823,161 @@ def run(args: argparse.Namespace) -> int:
             }
             for f, a, b, r, g, ok in rows
         ],
+        "first_restore": first,
         "load_average_at_end": os.getloadavg(),
     }
     results = pathlib.Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = results / f"checkpoint-{'quick-' if args.quick else ''}{stamp}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+# --- the first restore in a process, against later ones -------------------------------------
+
+#: What a fresh process restores, each `--restores` times in a row: fcir as it is;
+#: fcir with every block read into fresh host memory (no block mapped from the data
+#: file: reader.MAP_ARRAY_BYTES out of reach), as before the mapping; the limit.
+FIRST_KINDS = ("fcir", "fcir-read", "limit")
+
+
+def first_restore_child(kind: str, path: str, rows: int, cols: int, restores: int) -> None:
+    """Restores `path` onto the saved sharding `restores` times in this (fresh) process,
+    dropping each result before the next, and prints each one's wall-clock, CPU times
+    and minor page faults as JSON."""
+    import resource
+
+    from fcir.checkpoint import reader
+
+    if kind == "fcir-read":
+        reader.MAP_ARRAY_BYTES = 1 << 62
+    target = abstract_tree((rows, cols), "saved")
+    jax.block_until_ready(jax.device_put(np.zeros(8), shardings("saved")["small"]))
+    out = []
+    for _ in range(restores):
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        if kind == "limit":
+            got = limit_restore(pathlib.Path(path), target)
+        else:
+            got = checkpoint.restore(path, target)
+        jax.block_until_ready(got)
+        wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+        del got
+        gc.collect()
+        out.append(
+            {
+                "wall": wall,
+                "user": after.ru_utime - before.ru_utime,
+                "sys": after.ru_stime - before.ru_stime,
+                "minflt": after.ru_minflt - before.ru_minflt,
+                "rss_after": rss_bytes(),
+            }
+        )
+    print(json.dumps(out))
+
+
+def first_restore_runs(
+    path: pathlib.Path,
+    shape: tuple[int, int],
+    kinds: tuple[str, ...],
+    processes: int,
+    restores: int,
+) -> dict[str, list[list[dict[str, float]]]]:
+    """For each kind, `processes` fresh processes (the kinds' order rotated each round),
+    each restoring checkpoint `path` `restores` times from a warm page cache."""
+    runs: dict[str, list[list[dict[str, float]]]] = {k: [] for k in kinds}
+    for p in range(processes):
+        for kind in rotated(list(kinds), p):
+            warm_page_cache(path)
+            done = subprocess.run(
+                [sys.executable, __file__, "--first-child", kind, str(path), *map(str, shape)]
+                + [str(restores)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            runs[kind].append(got)
+            print(f"{kind:<10} " + " ".join(f"{r['wall']:.3f}" for r in got), flush=True)
+    return runs
+
+
+def first_restore_summary(
+    runs: dict[str, list[list[dict[str, float]]]],
+) -> dict[str, dict[str, list[float]]]:
+    """Prints and returns per kind the first restore's seconds, the later ones' (each
+    process's median) and their ratio, one value per process."""
+
+    def spread(xs: list[float]) -> str:
+        return f"{median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]"
+
+    print(
+        f"\n{'kind':<10} {'first restore, s':<24} {'later ones, s':<24} "
+        f"{'first / later':<24} {'system s, first / later'}"
+    )
+    summary = {}
+    for kind, procs in runs.items():
+        first = [r[0]["wall"] for r in procs]
+        later = [median([x["wall"] for x in r[1:]]) for r in procs]
+        ratio = [a / b for a, b in zip(first, later)]
+        sys_first = [r[0]["sys"] for r in procs]
+        sys_later = [median([x["sys"] for x in r[1:]]) for r in procs]
+        summary[kind] = {"first_s": first, "later_s": later, "first_over_later": ratio}
+        print(
+            f"{kind:<10} {spread(first):<24} {spread(later):<24} {spread(ratio):<24} "
+            f"{median(sys_first):.3f} / {median(sys_later):.3f}"
+        )
+    print(
+        "(each: median [min, max] over the processes; later: each process's median of "
+        "its restores after the first)"
+    )
+    return summary
+
+
+def run_first_restore(args: argparse.Namespace) -> int:
+    """The first restore in a fresh process against the later ones in it, for each kind
+    of FIRST_KINDS (`--processes` processes each, `--restores` restores per process).
+    (`--quick` runs it as part of the main benchmark's smoke run instead.)"""
+    shape = big_shape(args.size_mib)
+    work = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="fcir-ckpt-first-"))
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "fcir"
+    rm(path)
+    tree = make_tree(shape)
+    nbytes = tree_bytes(tree)
+    checkpoint.save(path, tree)
+    del tree
+    print(
+        f"tree: {nbytes / 2**20:.1f} MiB over 8 devices; {args.processes} fresh process(es) "
+        f"per kind x {args.restores} restores onto the saved sharding; load {os.getloadavg()}",
+        flush=True,
+    )
+    runs = first_restore_runs(path, shape, FIRST_KINDS, args.processes, args.restores)
+    if args.dir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    summary = first_restore_summary(runs)
+    print(f"load average at the end: {os.getloadavg()}")
+    result = {
+        "benchmark": "checkpoint-first-restore",
+        "when": datetime.datetime.now(datetime.UTC).isoformat(),
+        "config": {"big_shape": shape, "bytes": nbytes, "processes": args.processes},
+        "versions": {
+            "python": platform.python_version(),
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "numpy": np.__version__,
+        },
+        "cpu_count": os.cpu_count(),
+        "runs": runs,
+        "summary": summary,
+        "load_average_at_end": os.getloadavg(),
+    }
+    results = pathlib.Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = results / f"checkpoint-first-{stamp}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {out}")
     return 0
@@ -960,6 +1112,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument(
+        "--first-restore",
+        action="store_true",
+        help="only the first restore in fresh processes against the later ones (256 MiB;"
+        " --quick runs one such process in the main benchmark's smoke run)",
+    )
+    parser.add_argument("--processes", type=int, default=6, help="fresh processes per kind")
+    parser.add_argument("--restores", type=int, default=5, help="restores per fresh process")
+    parser.add_argument("--first-child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument(
         "--s3",
         action="store_true",
         help="only the S3 figures (a local moto_server unless --s3-url)",
@@ -970,8 +1131,14 @@ def main(argv: list[str] | None = None) -> int:
         library, path, rows, cols, kind = args.memory_child
         measure_memory_child(library, path, int(rows), int(cols), kind)
         return 0
+    if args.first_child:
+        kind, path, rows, cols, restores = args.first_child
+        first_restore_child(kind, path, int(rows), int(cols), int(restores))
+        return 0
     if args.size_mib is None:
-        args.size_mib = 1 if args.quick else 1024
+        args.size_mib = 1 if args.quick else 256 if args.first_restore else 1024
+    if args.first_restore and not args.quick:
+        return run_first_restore(args)
     if args.settle is None:
         args.settle = 0.0 if args.quick else 3.0
     if args.s3 or args.s3_url:

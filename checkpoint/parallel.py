@@ -29,11 +29,16 @@ _jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _idle = 0  # pooled threads waiting for a job and not yet promised one
 
 
-def _worker(first: Callable[[], None]) -> None:
+def _worker(first: list[Callable[[], None]]) -> None:
     global _idle
-    job = first
+    # A job holds what its task reads into or writes from (a restore's buffers): it is
+    # let go as soon as it is done, so that the pool never keeps those alive. Hence the
+    # first job comes in a list emptied here: the Thread object keeps its args while
+    # its target runs, which for a pooled thread is forever.
+    job = first.pop()
     while True:
         job()  # jobs handle their own errors
+        del job
         with _lock:
             _idle += 1
         job = _jobs.get()
@@ -50,7 +55,7 @@ def submit(job: Callable[[], None]) -> bool:
             _jobs.put(job)
             return True
     try:
-        threading.Thread(target=_worker, args=(job,), name="fcir-ckpt-io", daemon=True).start()
+        threading.Thread(target=_worker, args=([job],), name="fcir-ckpt-io", daemon=True).start()
     except RuntimeError:  # "can't create new thread at interpreter shutdown"
         return False
     return True

@@ -3,8 +3,10 @@
 For every target leaf, each addressable device's block (one host buffer per distinct
 block, shared by its replicas) is filled from the stored shards that overlap it, then
 handed to its devices (on CPU without a copy: the buffers are 64-byte aligned, which
-jax adopts) and assembled with `jax.make_array_from_single_device_arrays`. No array is
-ever gathered whole unless the caller asked for host numpy arrays.
+jax adopts) and assembled with `jax.make_array_from_single_device_arrays`. On CPU a
+large block that is one contiguous run of a stored shard is not read at all but
+mapped copy-on-write from the data file and verified there (reader.plan_mapped). No
+array is ever gathered whole unless the caller asked for host numpy arrays.
 """
 
 from __future__ import annotations
@@ -226,12 +228,31 @@ def _plan_device_leaf(
 ) -> Callable[[], jax.Array]:
     saved_dtype = dtype_from_name(record.dtype)
     blocks = shardings.device_boxes(name, shape, sharding)
-    dests = [(box, reader.aligned_empty(shardings.box_shape(box), saved_dtype)) for box in blocks]
-    plan.read(record, name, dests)
+    # On CPU jax adopts a host buffer as the array's memory, so a block that is one run
+    # of a stored shard can be the data file's own (cached) pages: reader.plan_mapped.
+    # On other devices a host buffer is only a staging copy; it is read as before.
+    on_cpu = dtype == saved_dtype and all(
+        d.platform == "cpu" for devs in blocks.values() for d in devs
+    )
+    bufs: list[np.ndarray] = []
+    dests: list[tuple[shardings.Box, np.ndarray]] = []
+    for box in blocks:
+        mapped = (
+            reader.plan_mapped(plan.files, record, name, box, plan.progress) if on_cpu else None
+        )
+        if mapped is not None:
+            bufs.append(mapped[0])
+            plan.tasks += mapped[1]
+            plan.progress.total += mapped[0].nbytes
+        else:
+            dests.append((box, reader.aligned_empty(shardings.box_shape(box), saved_dtype)))
+            bufs.append(dests[-1][1])
+    if dests:
+        plan.read(record, name, dests)
 
     def build() -> jax.Array:
         hosts, devices = [], []
-        for (_, buf), devs in zip(dests, blocks.values()):
+        for buf, devs in zip(bufs, blocks.values()):
             host = buf if dtype == saved_dtype else buf.astype(dtype)
             for d in devs:
                 hosts.append(host)

@@ -43,3 +43,18 @@ def values(shape: tuple[int, ...], dtype: str = "float32", seed: int = 0) -> np.
 def same_bits(a: object, b: object) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def mapped_from(path: object) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of file `path` (/proc/self/maps)."""
+    import os
+
+    want = os.path.realpath(str(path))
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == want:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi))
+    return out

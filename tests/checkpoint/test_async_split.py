@@ -6,10 +6,12 @@ saved is still raised by `save` itself, and what runs later surfaces through `wa
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -149,6 +151,29 @@ def test_pooled_threads_run_nested_tasks_and_report_the_first_error():
 
     with pytest.raises(OSError, match="disk gone"):
         parallel.run_tasks([fail] + [lambda: None] * 8, 4)
+
+
+def test_pooled_threads_let_go_of_the_tasks_they_ran():
+    """A restore's tasks hold its destination buffers. Pooled threads kept their first
+    job (in the Thread's args, for as long as the thread lives) and their last one, so
+    each restore's arrays stayed in memory after the caller dropped them and the next
+    restore took fresh memory (on these VMs the slow part of a first restore)."""
+
+    class Buffer:
+        pass
+
+    refs = []
+
+    def task():
+        buf = Buffer()
+        refs.append(weakref.ref(buf))
+        return lambda: buf
+
+    # More threads than the pool has idle: both new threads and pooled ones run jobs.
+    threads = 2 * parallel.THREADS + 2
+    parallel.run_tasks([task() for _ in range(threads)], threads)
+    gc.collect()
+    assert len(refs) == threads and not [r for r in refs if r() is not None]
 
 
 def test_an_async_save_started_just_before_exit_is_committed(tmp_path):

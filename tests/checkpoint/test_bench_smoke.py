@@ -45,6 +45,9 @@ def test_checkpoint_benchmark_quick_mode(tmp_path):
     assert save["per_repetition"] == [save["a"] / save["b"]]  # one repetition
     assert "A/B of each repetition" in done.stdout and "load average" in done.stdout
     assert doc["samples_s"]["limit_restore"] and doc["samples_s"]["limit_restore_cold"]
+    # --first-restore's fresh-process restores, once: the first, then a later one.
+    ratio = doc["first_restore"]["fcir"]["first_over_later"]
+    assert "first / later" in done.stdout and len(ratio) == 1 and ratio[0] > 0
     # Each fcir save is split into phases, and every timed call started after an
     # untimed os.sync() (a quiet disk), whose durations are kept.
     phases = [

@@ -10,7 +10,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from ckpt_testing import same_bits, values
+from ckpt_testing import mapped_from, same_bits, values
 from fcir.checkpoint import reader
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -97,3 +97,67 @@ def test_destination_blocks_of_2_mib_and_more_start_on_a_huge_page(shape, align)
         buf = reader.aligned_empty(shape, np.dtype(np.float32))
         assert buf.shape == shape and buf.flags.c_contiguous
         assert buf.ctypes.data % align == 0
+
+
+def _restore_rows(tmp_path, x, devices):
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    sds = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("x")))
+    return checkpoint.restore(tmp_path / "c", {"v": sds})["v"]
+
+
+def test_on_cpu_large_blocks_are_the_data_file_s_pages_and_stay_private(tmp_path, devices):
+    """Onto the saved sharding on CPU, each 1 MiB block is not read into fresh memory
+    (on these VMs the cost of a process's first restore) but mapped copy-on-write from
+    the data file, which jax adopts. Such arrays outlive the checkpoint's files, and
+    what writes into their memory (a donated buffer) never reaches the file."""
+    x = values((64, 32768), seed=5)  # 8 MiB: 1 MiB per device
+    _save(tmp_path, devices, x, P("x"))
+    (data,) = (tmp_path / "c").glob("data-*.bin")
+    stored = data.read_bytes()
+    got, kept = _restore_rows(tmp_path, x, devices), _restore_rows(tmp_path, x, devices)
+    maps = mapped_from(data)
+    for s in got.addressable_shards:
+        lo = s.data.unsafe_buffer_pointer()
+        assert any(a <= lo and lo + s.data.nbytes <= b for a, b in maps)
+    assert same_bits(got, x)
+    bumped = jax.jit(lambda a: a + 1, donate_argnums=0)(got)
+    assert same_bits(bumped, x + 1) and data.read_bytes() == stored
+    for name in os.listdir(tmp_path / "c"):  # the checkpoint goes, the arrays stay
+        os.unlink(tmp_path / "c" / name)
+    os.rmdir(tmp_path / "c")
+    assert same_bits(kept, x)
+
+
+def test_a_flipped_byte_or_a_cut_file_under_a_mapped_block_is_caught(tmp_path, devices):
+    x = values((64, 32768), seed=6)
+    _save(tmp_path, devices, x, P("x"))
+    (data,) = (tmp_path / "c").glob("data-*.bin")
+    shard = checkpoint.read_layout(tmp_path / "c").items[0].arrays.arrays[0].shards[5]
+    original = data.read_bytes()
+    blob = bytearray(original)
+    blob[shard.offset + (3 << 18)] ^= 0x01
+    data.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match=rf"'v'.*{data.name}.*checksum mismatch"):
+        _restore_rows(tmp_path, x, devices)
+    data.write_bytes(original[: shard.offset + 100])
+    with pytest.raises(CheckpointError, match=rf"'v'.*{data.name}.*truncated"):
+        _restore_rows(tmp_path, x, devices)
+    data.write_bytes(original)
+    assert same_bits(_restore_rows(tmp_path, x, devices), x)
+
+
+def test_where_a_data_file_cannot_be_mapped_its_blocks_are_read(tmp_path, monkeypatch, devices):
+    """Some file systems (FUSE mounts) refuse mmap: the blocks are then read, as before."""
+    x = values((64, 32768), seed=7)
+    _save(tmp_path, devices, x, P("x"))
+    real = reader.mmap.mmap
+
+    def refuse_private(fd, length, *args, **kwargs):
+        if kwargs.get("access") == reader.mmap.ACCESS_COPY:
+            raise OSError(19, "No such device")
+        return real(fd, length, *args, **kwargs)
+
+    monkeypatch.setattr(reader.mmap, "mmap", refuse_private)
+    reads = _record_reads(monkeypatch)
+    assert same_bits(_restore_rows(tmp_path, x, devices), x)
+    assert sum(reads) == x.nbytes

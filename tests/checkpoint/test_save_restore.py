@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ckpt_testing import same_bits, values
+from ckpt_testing import mapped_from, same_bits, values
 from fcir.checkpoint import reader
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -437,10 +437,12 @@ def _addresses(buffers):
 def test_a_restore_onto_another_sharding_reads_each_byte_once_with_no_scratch_copy(
     tmp_path, monkeypatch, devices, mesh_shape, spec
 ):
-    """Onto the saved sharding every buffer a preadv fills is memory of the restored
-    arrays' shards (on CPU jax adopts the buffers); half rows (4, 2) and quarter rows
-    of 256 KiB stored rows are copied from a mapping of the data file into the arrays.
-    Either way no byte passes through a scratch buffer, and each is read once."""
+    """Onto the saved sharding the restored arrays' shards are (on CPU) the data file's
+    own pages, mapped copy-on-write and verified in place, with no preadv at all (before
+    reader.plan_mapped, every preadv filled memory of the shards); half rows (4, 2) and
+    quarter rows of 256 KiB stored rows are copied from a mapping of the data file into
+    the arrays. Either way no byte passes through a scratch buffer, and each is read
+    once."""
     big = values((64, 65536), seed=3)  # 16 MiB: stored rows of 256 KiB
     _save_rows_over_8(tmp_path, big, devices)
     reads = _record_reads(monkeypatch)
@@ -452,4 +454,8 @@ def test_a_restore_onto_another_sharding_reads_each_byte_once_with_no_scratch_co
     filled = [(lo, hi) for kind, lo, hi in reads if kind == "preadv"]
     assert all(any(a <= lo and hi <= b for a, b in shards) for lo, hi in filled)
     assert sum(hi - lo for _, lo, hi in reads) == big.nbytes
-    assert bool(filled) == (mesh_shape == (8,))
+    assert not filled
+    (data,) = (tmp_path / "c").glob("data-*.bin")
+    maps = mapped_from(data)
+    in_file = [any(a <= lo and hi <= b for a, b in maps) for lo, hi in shards]
+    assert in_file == [mesh_shape == (8,)] * len(shards)
