@@ -31,7 +31,7 @@ app.train()(train_fn)
 app.evaluate()(evaluate_fn)
 
 # With DifferentialPrivacyClientSideFixedClipping on the server: Flower's mod clips
-# each reply's model update before it leaves the node.
-dp_app = ClientApp(mods=[fixedclipping_mod])
-dp_app.train()(train_fn)
+# each train reply's model update before it leaves the node.
+dp_app = ClientApp()
+dp_app.train(mods=[fixedclipping_mod])(train_fn)
 dp_app.evaluate()(evaluate_fn)

@@ -19,31 +19,34 @@ def global_evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
     return MetricRecord({"w-norm": float(np.linalg.norm(w))})
 
 
+def make_strategy(stage: str, cfg):
+    module, evaluation = capture()
+    strategy = flower.Strategy(module, evaluation=evaluation,
+                               fraction_evaluate=cfg["fraction-evaluate"])
+    if stage == "server-dp":
+        strategy = DifferentialPrivacyServerSideFixedClipping(
+            strategy,
+            noise_multiplier=cfg["noise-multiplier"],
+            clipping_norm=cfg["clipping-norm"],
+            num_sampled_clients=3,
+        )
+    if stage == "client-dp":  # the ClientApp: client_app:dp_app, with fixedclipping_mod
+        strategy = DifferentialPrivacyClientSideFixedClipping(
+            strategy,
+            noise_multiplier=cfg["noise-multiplier"],
+            clipping_norm=cfg["clipping-norm"],
+            num_sampled_clients=3,
+        )
+    return strategy
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
-    module, evaluation = capture()
-    arrays = ArrayRecord([np.asarray(v) for v in load_model().values()])
     finals = {}
-    for stage in cfg["stages"].split(","):
-        strategy = flower.Strategy(
-            module, evaluation=evaluation, fraction_evaluate=cfg["fraction-evaluate"]
-        )
-        if stage == "server-dp":
-            strategy = DifferentialPrivacyServerSideFixedClipping(
-                strategy,
-                noise_multiplier=cfg["noise-multiplier"],
-                clipping_norm=cfg["clipping-norm"],
-                num_sampled_clients=3,
-            )
-        elif stage == "client-dp":  # the ClientApp has fixedclipping_mod
-            strategy = DifferentialPrivacyClientSideFixedClipping(
-                strategy,
-                noise_multiplier=cfg["noise-multiplier"],
-                clipping_norm=cfg["clipping-norm"],
-                num_sampled_clients=3,
-            )
-        result = strategy.start(
+    for stage in cfg["stages"].split(","):  # each from the same initial model
+        arrays = ArrayRecord([np.asarray(v) for v in load_model().values()])
+        result = make_strategy(stage, cfg).start(
             grid=grid,
             initial_arrays=arrays,
             num_rounds=cfg["num-server-rounds"],
