@@ -268,3 +268,47 @@ def test_flwr_run_of_the_user_s_app_on_the_simulation_engine(user_app, tmp_path)
     dp, _ = oracle(user_app.task, "server-dp", clip=0.5, noise=0.0)
     np.testing.assert_allclose(final(got, "fedavg")[1], plain[-1][1], rtol=2e-6)
     np.testing.assert_allclose(final(got, "server-dp")[1], dp[-1][1], rtol=2e-6)
+
+
+def test_a_round_whose_model_is_not_a_mean_of_client_outputs_replies_with_every_output():
+    """A server step after the mean (server-side SGD): no client output is the sent
+    array's new value, so the reply carries every client output as arrays (Flower's
+    clipping cannot apply, docs/flower_app.md), and flower.Strategy still runs the
+    round on them; the FedAvg form of the same round is paired."""
+
+    from fcir.interpreters import flower, reference
+    from fcir.interpreters.flower.parts import record_of
+    from flwr.app import Message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    import fcir
+
+    @fcir.program(placements={"clients": 2})
+    def sgd(w, x):
+        grads = fcir.map_fn(lambda w, x: w - x, (fcir.broadcast(w), x))
+        return w - 0.5 * fcir.reduce_mean(grads)
+
+    @fcir.program(placements={"clients": 2})
+    def avg(w, x):
+        return fcir.reduce_mean(fcir.map_fn(lambda w, x: 0.5 * (w + x), (fcir.broadcast(w), x)))
+
+    w, xs = np.ones(3, np.float32), np.arange(6, dtype=np.float32).reshape(2, 3)
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    for program, paired in [(sgd, False), (avg, True)]:
+        module = fcir.capture(program, w, xs)
+        client, strategy = flower.Client(module), flower.Strategy(module)
+        assert (client.model is not None) == paired
+        sent = strategy.parts.send([w])
+        replies = []
+        for node, x in zip((7, 8), xs):
+            msg = Message(RecordDict({"arrays": record_of(sent)}), dst_node_id=node, message_type="train")
+            reply = client.train(msg, x)
+            assert reply.metadata.src_node_id == node
+            replies.append(reply)
+        arrays = replies[0].content["arrays"]
+        assert ("fcir" in replies[0].content.config_records) == paired
+        assert (list(arrays.keys()) == list(sent)) == paired
+        strategy._keys, strategy._global[1] = ["w"], [w]
+        new, _ = strategy.aggregate_train(1, replies)
+        want = np.asarray(reference.run(module, w, xs))
+        np.testing.assert_allclose(new["w"].numpy(), want, rtol=1e-6)
