@@ -38,7 +38,9 @@ class Client:
     """The client side of ``module`` (one round, one exchange) and, optionally, of a
     captured ``fcir.evaluation(program)``. Data arguments are the round's client data
     for one client (the member's arrays, without the leading axis of members), in the
-    order the round takes them; pytrees are flattened."""
+    order the round takes them; pytrees are flattened. ``state``: flower.Strategy's
+    (which outputs become the global arrays), when the ServerApp gives one: it says
+    which client outputs are the model the reply carries under the sent keys."""
 
     def __init__(self, module: Module, *, evaluation: Module | None = None,
                  state: dict[int, int] | None = None):

@@ -12,10 +12,17 @@ consistency checks on replies, Flower's log lines and its "Final results") with 
 round's own server work in place of the weighted average: ``configure_train`` runs the
 round's server part before the exchange on the global arrays and sends what it
 broadcasts; each ClientApp runs the round's client work (``flower.Client``) and replies
-with its client outputs and ``num-examples``; ``aggregate_train`` runs the round's
+with the trained model under the sent keys, its other client outputs and
+``num-examples``; ``aggregate_train`` runs the round's
 aggregations (fcir's, e.g. ``reduce_weighted_mean``) and server part after them. The
 outputs that feed the round's server inputs become the next global arrays; the other
 scalar outputs are the round's metrics, by the program's own names (``train_loss``).
+
+Flower's wrappers take it as they take FedAvg: ``DifferentialPrivacyServerSideFixedClipping``,
+and ``DifferentialPrivacyClientSideFixedClipping`` with ``fixedclipping_mod`` on the
+ClientApp's train handler, clip the replies' model updates before the round's
+aggregation and add noise to its result (docs/flower_app.md). SecAgg+ takes only
+Flower's legacy strategies in flwr 1.42.
 
 With ``evaluation`` (a captured ``fcir.evaluation(program)``), Flower's evaluate stage
 runs it the same way; without, Flower's own evaluate stage runs the user's
