@@ -47,7 +47,10 @@ class Client:
         self.parts = RoundParts(module, "flower.Client")
         # The client outputs that are the sent arrays' new values (flower.Strategy's
         # state=, which this takes too): the reply's ArrayRecord.
-        self.model = self.parts.model(self.parts.state(state))
+        try:
+            self.model = self.parts.model(self.parts.state(state))
+        except ExportError:  # no global arrays to pair (flower.Strategy refuses the round)
+            self.model = None
         self.evaluation = None if evaluation is None else RoundParts(evaluation, "flower.Client(evaluation=...)")
 
     def train(self, msg: Message, *data, num_examples: int | None = None, metrics=None) -> Message:

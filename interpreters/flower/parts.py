@@ -239,6 +239,7 @@ def model_reply(outputs: dict, model: dict[str, str] | None) -> tuple:
         return record_of(outputs), None
     rest = {o: np.asarray(v) for o, v in outputs.items() if o not in model.values()}
     config = {
+        "keys": list(model),
         "model": list(model.values()),
         "specs": json.dumps({o: [v.dtype.name, list(v.shape)] for o, v in rest.items()}),
     }
@@ -250,10 +251,10 @@ def from_reply(record, layout) -> dict:
     """A client's outputs (output key -> array) from its reply's ArrayRecord and its
     ``fcir`` ConfigRecord (``model_reply``), after whatever a mod or wrapper did to the
     arrays."""
-    arrays = [runtime.from_array(a) for a in record.values()]
+    arrays = {k: runtime.from_array(a) for k, a in record.items()}
     if layout is None:
-        return dict(zip(record.keys(), arrays))
-    outputs = dict(zip(layout["model"], arrays))
+        return arrays
+    outputs = {o: arrays[k] for k, o in zip(layout["keys"], layout["model"])}
     for o, (dtype, shape) in json.loads(layout["specs"]).items():
         outputs[o] = np.frombuffer(layout[o], dtype=runtime.np_dtype(dtype)).reshape(shape)
     return outputs
