@@ -16,7 +16,9 @@ and DP wrappers clip it), a ``MetricRecord`` under ``metrics`` with ``num-exampl
 (the leading axis of the first data array unless given), and the round's other client
 outputs (losses, weights) as raw bytes in a ``ConfigRecord`` under ``fcir``, which is
 what ``flower.Strategy`` (and Flower's consistency checks) read. A round whose client
-outputs hold no such model replies with every client output in ``arrays``.
+outputs hold no such model replies with an empty ``arrays`` and every client output
+under ``fcir``, which Flower's clipping refuses. Evaluate replies carry the
+evaluation's client outputs in ``arrays``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from fcir.frontend.evaluation import num_examples as examples_in
 from fcir.ir import Module
 
 from .app import runtime
-from .parts import LAYOUT, RoundParts, model_reply
+from .parts import LAYOUT, RoundParts, model_reply, record_of
 
 __all__ = ["Client"]
 
@@ -57,7 +59,7 @@ class Client:
         """Runs the round's client work on the arrays in ``msg`` and ``data``; the reply.
         ``metrics``: more numbers for the reply's MetricRecord (Flower averages them
         only in its own strategies; flower.Strategy's metrics are the round's)."""
-        return self._reply(self.parts, msg, data, num_examples, metrics, self.model)
+        return self._reply(self.parts, msg, data, num_examples, metrics, self.model or {})
 
     def evaluate(self, msg: Message, *data, num_examples: int | None = None) -> Message:
         """Runs the evaluation's client work (``fcir.evaluation``) on ``msg`` and ``data``."""
@@ -80,7 +82,7 @@ class Client:
         n = examples_in(data) if num_examples is None else int(num_examples)
         # A train reply's one ArrayRecord is the new model under the sent keys, as in
         # Flower's own apps, so that fixedclipping_mod and the DP wrappers clip it.
-        arrays, layout = model_reply(outputs, model)
+        arrays, layout = model_reply(outputs, model) if model is not None else (record_of(outputs), None)
         content = RecordDict({
             "arrays": arrays,
             "metrics": MetricRecord({**(metrics or {}), "num-examples": n}),

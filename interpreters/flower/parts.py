@@ -230,17 +230,19 @@ def record_of(values: dict):
 
 
 def model_reply(outputs: dict, model: dict[str, str] | None) -> tuple:
-    """(ArrayRecord, ConfigRecord or None) of a train reply: the model
-    (``RoundParts.model``) under the sent arrays' keys, Flower's layout, and the other
-    client outputs as raw bytes beside it."""
+    """(ArrayRecord, ConfigRecord) of a train reply: the model (``RoundParts.model``,
+    sent key -> client output) under the sent arrays' keys, Flower's layout, and the
+    other client outputs as raw bytes beside it. Without a model (None) the ArrayRecord
+    is empty, so that Flower's clipping refuses the reply (its keys, or the number of
+    its arrays, differ from the sent ones) rather than clip a client output that is not
+    a model."""
     from flwr.app import ConfigRecord
 
-    if model is None:
-        return record_of(outputs), None
+    model = model or {}
     rest = {o: np.asarray(v) for o, v in outputs.items() if o not in model.values()}
     config = {
-        "keys": list(model),
-        "model": list(model.values()),
+        # JSON strings, not lists: a ConfigRecord list must not be empty on the wire.
+        "model": json.dumps(list(model.items())),
         "specs": json.dumps({o: [v.dtype.name, list(v.shape)] for o, v in rest.items()}),
     }
     config.update({o: runtime.to_array(v).data for o, v in rest.items()})
@@ -254,7 +256,7 @@ def from_reply(record, layout) -> dict:
     arrays = {k: runtime.from_array(a) for k, a in record.items()}
     if layout is None:
         return arrays
-    outputs = {o: arrays[k] for k, o in zip(layout["keys"], layout["model"])}
+    outputs = {o: arrays[k] for k, o in json.loads(layout["model"])}
     for o, (dtype, shape) in json.loads(layout["specs"]).items():
         outputs[o] = np.frombuffer(layout[o], dtype=runtime.np_dtype(dtype)).reshape(shape)
     return outputs

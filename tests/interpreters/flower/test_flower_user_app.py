@@ -272,13 +272,17 @@ def test_flwr_run_of_the_user_s_app_on_the_simulation_engine(user_app, tmp_path)
 
 def test_a_round_whose_model_is_not_a_mean_of_client_outputs_replies_with_every_output():
     """A server step after the mean (server-side SGD): no client output is the sent
-    array's new value, so the reply carries every client output as arrays (Flower's
-    clipping cannot apply, docs/flower_app.md), and flower.Strategy still runs the
-    round on them; the FedAvg form of the same round is paired."""
+    array's new value, so the reply's ArrayRecord is empty, every client output beside
+    it (Flower's
+    clipping refuses it, as docs/flower_app.md says), and flower.Strategy still runs
+    the round on them; the FedAvg form of the same round is paired, and clipped."""
 
     from fcir.interpreters import flower, reference
     from fcir.interpreters.flower.parts import record_of
-    from flwr.app import Message
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message
+    from flwr.clientapp.mod import fixedclipping_mod
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
     from flwr.supercore.task_identity import TaskIdentity
 
     import fcir
@@ -306,9 +310,26 @@ def test_a_round_whose_model_is_not_a_mean_of_client_outputs_replies_with_every_
             assert reply.metadata.src_node_id == node
             replies.append(reply)
         arrays = replies[0].content["arrays"]
-        assert ("fcir" in replies[0].content.config_records) == paired
-        assert (list(arrays.keys()) == list(sent)) == paired
+        assert "fcir" in replies[0].content.config_records
+        assert list(arrays.keys()) == (list(sent) if paired else [])
         strategy._keys, strategy._global[1] = ["w"], [w]
         new, _ = strategy.aggregate_train(1, replies)
         want = np.asarray(reference.run(module, w, xs))
         np.testing.assert_allclose(new["w"].numpy(), want, rtol=1e-6)
+        # Flower's clipping, as docs/flower_app.md says: it takes the paired reply and
+        # refuses the other (the mod: keys that differ; the server side: zip()).
+        config = ConfigRecord({KEY_CLIPPING_NORM: 0.1})
+        msg = Message(RecordDict({"arrays": record_of(sent), "config": config}),
+                      dst_node_id=7, message_type="train")
+        clipped = fixedclipping_mod(msg, None, lambda m, _, c=client: c.train(m, xs[0]))
+        assert clipped.has_error() != paired
+        if not paired:
+            assert "expects the keys in the ArrayRecord" in clipped.error.reason
+        dp = DifferentialPrivacyServerSideFixedClipping(strategy, 0.0, 0.1, 2)
+        dp.current_arrays = ArrayRecord({"w": Array(w)})
+        strategy._global[1] = [w]
+        if paired:
+            assert dp.aggregate_train(1, replies)[0] is not None
+        else:
+            with pytest.raises(ValueError, match="zip"):
+                dp.aggregate_train(1, replies)
