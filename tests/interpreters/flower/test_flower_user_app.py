@@ -231,7 +231,7 @@ def test_flwr_run_of_the_user_s_app_on_the_simulation_engine(user_app, tmp_path)
     pytest.importorskip("ray", reason="the Simulation Engine needs ray (pip install 'fcir[flower]')")
     import time
 
-    from fcir.interpreters.flower.simulation import simulate
+    from fcir.interpreters.flower.simulation import _pids_with_home_under, simulate
 
     app = tmp_path / "app"
     shutil.copytree(APP, app, ignore=shutil.ignore_patterns("__pycache__"))
@@ -241,6 +241,7 @@ def test_flwr_run_of_the_user_s_app_on_the_simulation_engine(user_app, tmp_path)
                       root=tmp_path / "sim", echo=None, timeout=400)
     seconds = time.monotonic() - t0
     assert result.ok, result.failure() + result.log[-3000:]
+    assert _pids_with_home_under((tmp_path / "sim").resolve()) == []  # nothing left running
     log = result.log
     print(f"flwr run (Simulation Engine, 3 nodes, 2+2 rounds): {seconds:.1f} s")
     with np.load(out) as f:
@@ -270,7 +271,7 @@ def test_flwr_run_of_the_user_s_app_on_the_simulation_engine(user_app, tmp_path)
     np.testing.assert_allclose(final(got, "server-dp")[1], dp[-1][1], rtol=2e-6)
 
 
-def test_a_round_whose_model_is_not_a_mean_of_client_outputs_replies_with_every_output():
+def test_a_round_whose_model_is_not_a_client_mean_replies_without_one_and_clipping_refuses_it():
     """A server step after the mean (server-side SGD): no client output is the sent
     array's new value, so the reply's ArrayRecord is empty, every client output beside
     it (Flower's
