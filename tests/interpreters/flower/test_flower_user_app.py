@@ -177,11 +177,14 @@ def test_the_reply_is_flower_s_layout_the_model_under_the_sent_keys(user_app):
     assert np.isclose(float(outs[f"client_output/{loss_}"]), float(loss), rtol=1e-6)
 
 
-def test_secaggplus_takes_only_the_legacy_strategy_api_in_flwr_1_42(user_app):
+def test_secaggplus_takes_only_the_legacy_strategy_api_in_flwr_1_42_and_dp_accounting_only_fedavg(
+    user_app,
+):
     """What docs/flower_app.md says: Flower 1.42's SecAgg+ (SecAggPlusWorkflow) runs
     only in a LegacyContext, calling the legacy configure_fit / aggregate_fit, which a
     Message-API strategy (flwr.serverapp.strategy.Strategy, so flower.Strategy) lacks;
-    and flwr.serverapp.strategy offers no SecAgg wrapper. When a later flwr changes
+    and flwr.serverapp.strategy offers no SecAgg wrapper; the DP wrappers' privacy
+    accountant takes only FedAvg's own aggregate_train. When a later flwr changes
     this, this test fails and the page must change with it."""
     import flwr
     import flwr.serverapp.strategy as message_strategies
@@ -203,6 +206,17 @@ def test_secaggplus_takes_only_the_legacy_strategy_api_in_flwr_1_42(user_app):
                        (286, "context.strategy.configure_fit("),
                        (665, "context.strategy.aggregate_fit(")]:
         assert code in lines[line - 1] and f"line {line}" in page  # the page's references
+    mod = pathlib.Path(flwr.__file__).parent / "client/mod/secure_aggregation/secaggplus_mod.py"
+    assert "compat.recorddict_to_fitres(" in mod.read_text()
+    # The DP wrappers' accountant= takes only FedAvg's own aggregate_train (a stand-in
+    # accountant with the one setting the wrapper reads first).
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+    from flwr.supercore.privacy_accounting import SamplingMethod
+
+    accountant = types.SimpleNamespace(
+        config=types.SimpleNamespace(sampling_method=SamplingMethod.NO_AMPLIFICATION))
+    with pytest.raises(ValueError, match="FedAvg.aggregate_train"):
+        DifferentialPrivacyServerSideFixedClipping(strategy, 1.0, 0.5, 3, accountant=accountant)
 
 
 def test_the_docs_page_shows_the_app_s_own_code():
