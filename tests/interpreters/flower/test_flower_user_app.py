@@ -170,6 +170,11 @@ def test_the_reply_is_flower_s_layout_the_model_under_the_sent_keys(user_app):
     assert sorted(outs) == sorted(f"{g}/{n}" for g, n in strategy.parts.exchange["client"]["results"])
     model = user_app.client.work().model
     assert list(model) == list(sent)
+    # The pairing follows flower.Strategy's state= (which output is which global array).
+    agg = [a["output"] for a in strategy.parts.exchange["aggregations"]]
+    assert list(model.values()) == [f"client_output/{agg[0]}", f"client_output/{agg[1]}"]
+    swapped = flower.Client(module, state={0: 2, 1: 1}).model  # b from train_loss's output
+    assert list(swapped.values()) == [f"client_output/{agg[2]}", f"client_output/{agg[1]}"]
     for k, o in model.items():
         assert outs[o].tobytes() == arrays[k].numpy().tobytes()
     (b, wb), (w, ww), (loss_, lw) = [a["inputs"] for a in strategy.parts.exchange["aggregations"]]
