@@ -10,10 +10,15 @@ user's own ClientApp, on the data the user loads.
         x, y = load_data(context.node_config["partition-id"])
         return work.train(msg, x, y)
 
-The reply is Flower's layout: the client outputs the round aggregates in an
-``ArrayRecord`` under ``arrays`` and a ``MetricRecord`` under ``metrics`` with
-``num-examples`` (the leading axis of the first data array unless given), which is what
-``flower.Strategy`` (and Flower's consistency checks) read.
+The reply is Flower's layout: one ``ArrayRecord`` under ``arrays`` with the trained
+model under the keys of the arrays the server sent (so Flower's ``fixedclipping_mod``
+and DP wrappers clip it), a ``MetricRecord`` under ``metrics`` with ``num-examples``
+(the leading axis of the first data array unless given), and the round's other client
+outputs (losses, weights) as raw bytes in a ``ConfigRecord`` under ``fcir``, which is
+what ``flower.Strategy`` (and Flower's consistency checks) read. A round whose client
+outputs hold no such model replies with an empty ``arrays`` and every client output
+under ``fcir``, which Flower's clipping refuses. Evaluate replies carry the
+evaluation's client outputs in ``arrays``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from fcir.frontend.evaluation import num_examples as examples_in
 from fcir.ir import Module
 
 from .app import runtime
-from .parts import RoundParts
+from .parts import LAYOUT, RoundParts, model_reply, record_of
 
 __all__ = ["Client"]
 
@@ -35,7 +40,9 @@ class Client:
     """The client side of ``module`` (one round, one exchange) and, optionally, of a
     captured ``fcir.evaluation(program)``. Data arguments are the round's client data
     for one client (the member's arrays, without the leading axis of members), in the
-    order the round takes them; pytrees are flattened.
+    order the round takes them; pytrees are flattened. ``state``: flower.Strategy's
+    (which outputs become the global arrays), when the ServerApp gives one: it says
+    which client outputs are the model the reply carries under the sent keys.
 
     ``jit``: the client work runs as one compiled function, with the bits of
     ``jax.jit`` of the round's local function; ``jit=False`` runs it op by op, as JAX
@@ -44,8 +51,15 @@ class Client:
     ``jax.numpy`` helpers (``jnp.mean``) as one unit even then: a value computed inside
     one can differ in its last bit."""
 
-    def __init__(self, module: Module, *, evaluation: Module | None = None, jit: bool = True):
+    def __init__(self, module: Module, *, evaluation: Module | None = None,
+                 state: dict[int, int] | None = None, jit: bool = True):
         self.parts = RoundParts(module, "flower.Client", jit=jit)
+        # The client outputs that are the sent arrays' new values (flower.Strategy's
+        # state=, which this takes too): the reply's ArrayRecord.
+        try:
+            self.model = self.parts.model(self.parts.state(state))
+        except ExportError:  # no global arrays to pair (flower.Strategy refuses the round)
+            self.model = None
         self.evaluation = None if evaluation is None else RoundParts(
             evaluation, "flower.Client(evaluation=...)", jit=jit
         )
@@ -54,7 +68,7 @@ class Client:
         """Runs the round's client work on the arrays in ``msg`` and ``data``; the reply.
         ``metrics``: more numbers for the reply's MetricRecord (Flower averages them
         only in its own strategies; flower.Strategy's metrics are the round's)."""
-        return self._reply(self.parts, msg, data, num_examples, metrics)
+        return self._reply(self.parts, msg, data, num_examples, metrics, self.model or {})
 
     def evaluate(self, msg: Message, *data, num_examples: int | None = None) -> Message:
         """Runs the evaluation's client work (``fcir.evaluation``) on ``msg`` and ``data``."""
@@ -63,19 +77,25 @@ class Client:
                 "flower.Client.evaluate: give the captured evaluation, "
                 "flower.Client(module, evaluation=fcir.capture(fcir.evaluation(round), ...))"
             )
-        return self._reply(self.evaluation, msg, data, num_examples, None)
+        return self._reply(self.evaluation, msg, data, num_examples, None, None)
 
     @staticmethod
-    def _reply(parts: RoundParts, msg: Message, data, num_examples, metrics) -> Message:
+    def _reply(parts: RoundParts, msg: Message, data, num_examples, metrics, model) -> Message:
         leaves = jax.tree_util.tree_leaves(data)
         records = msg.content.array_records
         if not records:
             raise ExportError("flower.Client: the message carries no ArrayRecord (sent by flower.Strategy?)")
         record = records.get("arrays") or next(iter(records.values()))
-        outputs = parts.client(runtime.from_record(record), leaves)
+        sent = runtime.from_record(record)
+        outputs = parts.client(sent, leaves)
         n = examples_in(data) if num_examples is None else int(num_examples)
+        # A train reply's one ArrayRecord is the new model under the sent keys, as in
+        # Flower's own apps, so that fixedclipping_mod and the DP wrappers clip it.
+        arrays, layout = model_reply(outputs, model) if model is not None else (record_of(outputs), None)
         content = RecordDict({
-            "arrays": runtime.to_record(outputs),
+            "arrays": arrays,
             "metrics": MetricRecord({**(metrics or {}), "num-examples": n}),
         })
+        if layout is not None:
+            content[LAYOUT] = layout
         return Message(content, reply_to=msg)

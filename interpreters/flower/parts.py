@@ -11,6 +11,7 @@ round with several, or a whole training program, is exported with ``fcir export
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -20,10 +21,10 @@ from fcir.frontend.pytrees import leaf_names
 from fcir.ir import Module
 
 from . import as_flower
-from .app import runtime
+from .app import runtime, training
 from .writer import build_plan
 
-__all__ = ["RoundParts"]
+__all__ = ["RoundParts", "from_reply", "model_reply", "record_of"]
 
 
 class RoundParts:
@@ -51,6 +52,7 @@ class RoundParts:
                 "single round, or export the whole program with fcir export --target flower"
             )
         self.module = module
+        self.who = who
         self.plan = plan
         self.prepare, self.exchange, self.result = plan["steps"]
         self.server_inputs = plan["server_inputs"]
@@ -131,6 +133,67 @@ class RoundParts:
         (self._call if self.jit else self._call_op_by_op)(part, env)
         return {f"{g}/{n}": env[(g, n)] for g, n in part["results"]}
 
+    def state(self, given: dict | None = None) -> dict[int, int]:
+        """``{server input position: output position}``: which outputs become the next
+        round's global arrays. ``given`` as is; else the outputs at the server inputs'
+        pytree paths, else the first unused outputs of the server inputs' types."""
+        if given is not None:
+            return {int(i): int(o) for i, o in given.items()}
+        mapping = training.infer(self.plan)
+        used = set(mapping.values())
+        for i, s in enumerate(self.server_inputs):
+            if i in mapping:
+                continue
+            o = next(
+                (o for o, out in enumerate(self.outputs)
+                 if o not in used and training._same_type(s, out)),
+                None,
+            )
+            if o is None:
+                raise ExportError(
+                    f"{self.who}: no output of @{self.module.name} has the type of its "
+                    f"server input {i} ({s['type']}, {s.get('path', '')}), so the round "
+                    "cannot update the global arrays: return the new model from the round, "
+                    "or give state={input: output}"
+                )
+            mapping[i] = o
+            used.add(o)
+        return dict(sorted(mapping.items()))
+
+    def model(self, state: dict[int, int]) -> dict[str, str] | None:
+        """Sent key -> the client output that is its new value, or None.
+
+        Flower's clipping (``fixedclipping_mod``, the DP wrappers) takes a train
+        reply's one ArrayRecord as the sent arrays' new values, key for key, and clips
+        their difference. In the round's IR that is: each sent array is the broadcast of
+        a server input, and the output that ``state`` makes that input's next value is
+        an aggregation (a mean) of one client output, returned as it is: the trained
+        model of a FedAvg round. None when a sent array is not a server input's
+        broadcast, or its next value is computed further on the server."""
+        from fcir.ir.nodes import value_numbering
+
+        main = self.module.main
+        named = {f"v{n}": v for v, n in value_numbering(main).items()}
+        name_of = {v: k for k, v in named.items()}
+        made_by = {r: op for op in main.body.ops for r in op.results}
+        aggregation = {a["output"]: a for a in self.exchange["aggregations"]}
+        group = {n: g for g, n in self.exchange["client"]["results"]}
+        leaf_of = {s["leaf"]: i for i, s in enumerate(self.server_inputs)}
+        model = {}
+        for (_, src), (dst_group, dst) in self.exchange["send"]:
+            op = made_by.get(named.get(src))
+            if op is None or len(op.operands) != 1 or op.operands[0] not in main.body.params:
+                return None
+            i = leaf_of.get(main.body.params.index(op.operands[0]))
+            if i not in state:
+                return None
+            returned = main.body.results[self.plan["output_order"][state[i]]]
+            a = aggregation.get(name_of.get(returned))
+            if a is None or a["inputs"][0] not in group:
+                return None
+            model[f"{dst_group}/{dst}"] = f"{group[a['inputs'][0]]}/{a['inputs'][0]}"
+        return model if len(set(model.values())) == len(model) else None
+
     def finish(self, server_leaves, replies: list[dict], aggregated=None) -> list[np.ndarray]:
         """The round's outputs, in output order, from the server arrays and the client
         replies (each ``client``'s result; aggregated in the order given).
@@ -159,3 +222,58 @@ def _as_jax_would(x, spec: dict) -> np.ndarray:
         if not jax.config.jax_enable_x64:
             return x.astype(want)
     return x
+
+
+# --- records in Flower's layout (flower.Strategy / flower.Client) ------------------------
+#
+# Flower's strategy wrappers and client mods read a message's arrays with
+# ``ArrayRecord.to_numpy_ndarrays()``, which takes only Flower's own serialisation
+# (``np.save`` bytes): DifferentialPrivacy*FixedClipping and ``fixedclipping_mod``
+# raise ``TypeError: Unsupported serialization type`` on the exported app's raw
+# arrays. A user's own app gets Flower's arrays; only dtypes np.save cannot carry
+# (bfloat16, float8) stay raw, exact either way.
+
+LAYOUT = "fcir"  # the reply's ConfigRecord with the client outputs the ArrayRecord leaves out
+
+
+def record_of(values: dict):
+    """``values`` (name -> array) as an ArrayRecord of Flower's numpy arrays."""
+    from flwr.app import Array, ArrayRecord
+
+    return ArrayRecord({
+        k: Array(x) if x.dtype.isbuiltin else runtime.to_array(x)
+        for k, x in ((k, np.asarray(v)) for k, v in values.items())
+    })
+
+
+def model_reply(outputs: dict, model: dict[str, str] | None) -> tuple:
+    """(ArrayRecord, ConfigRecord) of a train reply: the model (``RoundParts.model``,
+    sent key -> client output) under the sent arrays' keys, Flower's layout, and the
+    other client outputs as raw bytes beside it. Without a model (None) the ArrayRecord
+    is empty, so that Flower's clipping refuses the reply (its keys, or the number of
+    its arrays, differ from the sent ones) rather than clip a client output that is not
+    a model."""
+    from flwr.app import ConfigRecord
+
+    model = model or {}
+    rest = {o: np.asarray(v) for o, v in outputs.items() if o not in model.values()}
+    config = {
+        # JSON strings, not lists: a ConfigRecord list must not be empty on the wire.
+        "model": json.dumps(list(model.items())),
+        "specs": json.dumps({o: [v.dtype.name, list(v.shape)] for o, v in rest.items()}),
+    }
+    config.update({o: runtime.to_array(v).data for o, v in rest.items()})
+    return record_of({k: outputs[o] for k, o in model.items()}), ConfigRecord(config)
+
+
+def from_reply(record, layout) -> dict:
+    """A client's outputs (output key -> array) from its reply's ArrayRecord and its
+    ``fcir`` ConfigRecord (``model_reply``), after whatever a mod or wrapper did to the
+    arrays."""
+    arrays = {k: runtime.from_array(a) for k, a in record.items()}
+    if layout is None:
+        return arrays
+    outputs = {o: arrays[k] for k, o in json.loads(layout["model"])}
+    for o, (dtype, shape) in json.loads(layout["specs"]).items():
+        outputs[o] = np.frombuffer(layout[o], dtype=runtime.np_dtype(dtype)).reshape(shape)
+    return outputs

@@ -12,14 +12,21 @@ consistency checks on replies, Flower's log lines and its "Final results") with 
 round's own server work in place of the weighted average: ``configure_train`` runs the
 round's server part before the exchange on the global arrays and sends what it
 broadcasts; each ClientApp runs the round's client work (``flower.Client``) and replies
-with its client outputs and ``num-examples``; ``aggregate_train`` runs the round's
-aggregations and server part after them. A ``reduce_weighted_mean`` of float values by
+with the trained model under the sent keys, its other client outputs and
+``num-examples``; ``aggregate_train`` runs the round's aggregations and server part
+after them. A ``reduce_weighted_mean`` of float values by
 one weight per client is FedAvg's average and is computed as FedAvg computes it (each
 weight over the total in Python floats, the products added in the values' dtype, in
 the order the replies came), so a round that is FedAvg gives FedAvg's bits; the other
 aggregations are fcir's, over the replies in node order. The
 outputs that feed the round's server inputs become the next global arrays; the other
 scalar outputs are the round's metrics, by the program's own names (``train_loss``).
+
+Flower's wrappers take it as they take FedAvg: ``DifferentialPrivacyServerSideFixedClipping``,
+and ``DifferentialPrivacyClientSideFixedClipping`` with ``fixedclipping_mod`` on the
+ClientApp's train handler, clip the replies' model updates before the round's
+aggregation and add noise to its result (docs/flower_app.md). SecAgg+ takes only
+Flower's legacy strategies in flwr 1.42.
 
 With ``evaluation`` (a captured ``fcir.evaluation(program)``), Flower's evaluate stage
 runs it the same way; without, Flower's own evaluate stage runs the user's
@@ -37,12 +44,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fcir.errors import ExportError
 from fcir.ir import Module
 
 from . import as_flower
-from .app import runtime, training
-from .parts import RoundParts
+from .app import runtime
+from .parts import LAYOUT, RoundParts, from_reply, record_of
 
 __all__ = ["Strategy"]
 
@@ -83,37 +89,12 @@ class Strategy(FedAvg):
         )
         self.parts = RoundParts(module, "flower.Strategy")
         self.evaluation = None if evaluation is None else RoundParts(evaluation, "flower.Strategy(evaluation=...)")
-        self.state = self._state(state)
+        self.state = self.parts.state(state)
         # The global arrays of each round as the user keyed them, and the round's named
         # outputs (all of them, also those that are not metrics).
         self._keys: list[str] = []
         self._global: dict[int, list[np.ndarray]] = {}
         self.outputs: dict[int, dict[str, np.ndarray]] = {}
-
-    def _state(self, given) -> dict[int, int]:
-        parts = self.parts
-        if given is not None:
-            return {int(i): int(o) for i, o in given.items()}
-        mapping = training.infer(parts.plan)
-        used = set(mapping.values())
-        for i, s in enumerate(parts.server_inputs):
-            if i in mapping:
-                continue
-            o = next(
-                (o for o, out in enumerate(parts.outputs)
-                 if o not in used and training._same_type(s, out)),
-                None,
-            )
-            if o is None:
-                raise ExportError(
-                    f"flower.Strategy: no output of @{parts.module.name} has the type of its "
-                    f"server input {i} ({s['type']}, {s.get('path', '')}), so the round "
-                    "cannot update the global arrays: return the new model from the round, "
-                    "or give state={input: output}"
-                )
-            mapping[i] = o
-            used.add(o)
-        return dict(sorted(mapping.items()))
 
     def summary(self) -> None:
         """Flower's summary, after the round's name and its outputs."""
@@ -142,7 +123,7 @@ class Strategy(FedAvg):
     ) -> Iterable[Message]:
         leaves = self._leaves(arrays)
         self._global[server_round] = leaves
-        sent = runtime.to_record(self.parts.send(leaves))
+        sent = record_of(self.parts.send(leaves))
         return super().configure_train(server_round, sent, config, grid)
 
     def aggregate_train(
@@ -182,7 +163,7 @@ class Strategy(FedAvg):
             return super().configure_evaluate(server_round, arrays, config, grid)
         leaves = self._leaves(arrays)
         self._global[-server_round] = leaves
-        sent = runtime.to_record(self.evaluation.send(leaves))
+        sent = record_of(self.evaluation.send(leaves))
         messages = super().configure_evaluate(server_round, sent, config, grid)
         return messages
 
@@ -215,7 +196,7 @@ class Strategy(FedAvg):
         record = reply.content.array_records.get(self.arrayrecord_key)
         if record is None:
             record = next(iter(reply.content.array_records.values()))
-        return runtime.from_record(record)
+        return from_reply(record, reply.content.config_records.get(LAYOUT))
 
 
 def _in_node_order(replies: list[Message]) -> list[Message]:
