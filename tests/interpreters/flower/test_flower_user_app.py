@@ -244,8 +244,8 @@ def test_the_docs_page_shows_the_app_s_own_code():
 def test_flwr_run_of_the_user_s_app_on_the_simulation_engine(user_app, tmp_path):
     """``flwr run`` of the app (3 virtual nodes, 2 rounds): flower.Strategy, then the
     same inside DifferentialPrivacyServerSideFixedClipping, in one run. The final
-    models are bit for bit those of the same app in this process (for the order in
-    which the run's node ids sort the partitions: fcir aggregates in node order), the
+    models are within one ulp per round of the same app run in this process (FedAvg's
+    mean adds the replies in the order they arrive, which a real run does not fix), the
     DP one the oracle's; Flower's log shows its strategy lines and "Final results"."""
     pytest.importorskip("ray", reason="the Simulation Engine needs ray (pip install 'fcir[flower]')")
     import time
@@ -282,8 +282,15 @@ def test_flwr_run_of_the_user_s_app_on_the_simulation_engine(user_app, tmp_path)
         for ids in itertools.permutations((101, 102, 103))
     ]
     assert sorted(got) == sorted(refs[0]) == ["fedavg.0", "fedavg.1", "server-dp.0", "server-dp.1"]
-    same = [r for r in refs if all(got[k].tobytes() == r[k].tobytes() for k in got)]
-    assert same, {k: (got[k], refs[0][k]) for k in got}
+    # FedAvg's weighted mean adds the replies in the order they arrive, which a real run
+    # does not fix: each round's mean may differ from an in-process order in its last
+    # bit, so the run is within one float32 ulp per round (2 rounds) of one of them.
+    def ulps(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return int(np.max(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))))
+
+    closest = min(max(ulps(got[k], r[k]) for k in got) for r in refs)
+    assert closest <= 2, {k: (got[k], refs[0][k]) for k in got}
     plain, _ = oracle(user_app.task, "fedavg", clip=0.5, noise=0.0)
     dp, _ = oracle(user_app.task, "server-dp", clip=0.5, noise=0.0)
     np.testing.assert_allclose(final(got, "fedavg")[1], plain[-1][1], rtol=2e-6)
