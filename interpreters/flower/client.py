@@ -19,6 +19,10 @@ what ``flower.Strategy`` (and Flower's consistency checks) read. A round whose c
 outputs hold no such model replies with an empty ``arrays`` and every client output
 under ``fcir``, which Flower's clipping refuses. Evaluate replies carry the
 evaluation's client outputs in ``arrays``.
+
+``flower.Client(module, device_runtime="iree")`` runs the client work as IREE modules
+instead, compiled and verified against XLA when the Client is made, as ``fcir export
+--target flower --device-runtime iree`` does (docs/flower_app.md, "Client work on IREE").
 """
 
 from __future__ import annotations
@@ -49,19 +53,42 @@ class Client:
     runs a function it does not jit (Flower's JAX template trains so), for the bits a
     ClientApp that trained eagerly had (``as_flower``). JAX compiles a few
     ``jax.numpy`` helpers (``jnp.mean``) as one unit even then: a value computed inside
-    one can differ in its last bit."""
+    one can differ in its last bit.
 
-    def __init__(self, module: Module, *, evaluation: Module | None = None,
-                 state: dict[int, int] | None = None, jit: bool = True):
-        self.parts = RoundParts(module, "flower.Client", jit=jit)
+    ``device_runtime``: ``"jax"`` (default) runs the client work from its jax.export
+    artifact; ``"iree"`` compiles it with IREE for ``device_targets`` (default the
+    host's ``llvm-cpu``), checks each module against XLA on seeded inputs (ExportError
+    naming the part when none matches), and runs this host's module (or node config
+    ``device-target``'s, given as ``device_target``) through IREE's runtime, with no
+    jax call. Needs iree-base-compiler and iree-base-runtime (the ``iree`` extra)."""
+
+    def __init__(
+        self, module: Module, *, evaluation: Module | None = None,
+        state: dict[int, int] | None = None, jit: bool = True, device_runtime: str = "jax",
+        device_targets=(), device_target: str | None = None,
+    ):
+        if device_runtime not in ("jax", "iree"):
+            raise ExportError(f"flower.Client: device_runtime {device_runtime!r}: choose jax or iree")
+        if device_runtime != "iree" and (device_targets or device_target):
+            raise ExportError("flower.Client: device_targets/device_target go with device_runtime='iree'")
+        if device_runtime == "iree" and not jit:
+            raise ExportError(
+                "flower.Client: jit=False runs the client work op by op with jax; "
+                "device_runtime='iree' runs it as compiled IREE modules: choose one"
+            )
+        iree = dict(device_targets=list(device_targets), device_target=device_target)
+        kw = iree if device_runtime == "iree" else {}
+        self.device_runtime = device_runtime
+        self.parts = RoundParts(module, "flower.Client", jit=jit, **kw)
         # The client outputs that are the sent arrays' new values (flower.Strategy's
         # state=, which this takes too): the reply's ArrayRecord.
         try:
             self.model = self.parts.model(self.parts.state(state))
         except ExportError:  # no global arrays to pair (flower.Strategy refuses the round)
             self.model = None
-        self.evaluation = None if evaluation is None else RoundParts(
-            evaluation, "flower.Client(evaluation=...)", jit=jit
+        self.evaluation = (
+            None if evaluation is None
+            else RoundParts(evaluation, "flower.Client(evaluation=...)", jit=jit, **kw)
         )
 
     def train(self, msg: Message, *data, num_examples: int | None = None, metrics=None) -> Message:

@@ -36,13 +36,18 @@ class RoundParts:
     client work runs as one compiled function (the bits of ``jax.jit``), else op by op
     (``as_flower.op_by_op``)."""
 
-    def __init__(self, module: Module, who: str = "fcir.interpreters.flower", *, jit: bool = True):
+    def __init__(
+        self, module: Module, who: str = "fcir.interpreters.flower", device_targets=None,
+        device_target: str | None = None, *, jit: bool = True,
+    ):
         if not isinstance(module, Module):
             raise ExportError(
                 f"{who}: takes a captured round (fcir.capture(round, *args)), got "
                 f"{type(module).__name__}"
             )
-        plan, artifacts = build_plan(module)
+        # device_targets (a list): client work as IREE modules, compiled and verified
+        # against XLA as `--device-runtime iree` exports do (writer.build_plan).
+        plan, artifacts = build_plan(module, None if device_targets is None else list(device_targets))
         kinds = [s["kind"] for s in plan.get("steps", ())]
         if "loop" in plan or kinds != ["server", "exchange", "server"]:
             raise ExportError(
@@ -62,6 +67,7 @@ class RoundParts:
         self.output_names = [names[j] if not names[j].startswith("arr_") else f"arr_{o}"
                              for o, j in enumerate(plan["output_order"])]
         self._artifacts = artifacts
+        self.device_target = device_target  # node config device-target's role
         self._compiled: dict = {}
         self._lock = threading.Lock()
         self.jit = bool(jit)
@@ -71,6 +77,9 @@ class RoundParts:
 
     def _call(self, part: dict, env: dict) -> None:
         if not part["results"]:
+            return
+        if "iree" in part:
+            self._call_iree(part, env)
             return
         with self._lock:
             fn = self._compiled.get(part["artifact"])
@@ -90,6 +99,23 @@ class RoundParts:
                 self._op_by_op = as_flower.op_by_op(self.module)
         outs = self._op_by_op(*[env[tuple(p)] for p in part["params"]])
         env.update(zip((tuple(r) for r in part["results"]), (np.asarray(x) for x in outs)))
+
+    def _call_iree(self, part: dict, env: dict) -> None:
+        """``part`` through its IREE module for this host (or ``device_target``): no jax
+        runs. Modules are cached per instance, not in iree_runtime's process-wide table,
+        which is keyed by artifact name (``client_work@llvm-cpu``), the same for every
+        round: two Clients in one process would share one module there."""
+        from ..production import iree_runtime
+
+        entry = part["iree"]
+        target = iree_runtime.pick_target(entry["modules"], entry["host_arch"], self.device_target)
+        key = entry["modules"][target]["file"]
+        with self._lock:
+            fn = self._compiled.get(key)
+            if fn is None:
+                fn = self._compiled[key] = iree_runtime.Module(self._artifacts[key])
+        outs = fn(*[env[tuple(p)] for p in part["params"]])
+        env.update(zip((tuple(r) for r in part["results"]), outs))
 
     def _server_env(self, server_leaves) -> dict:
         leaves = list(server_leaves)

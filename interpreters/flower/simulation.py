@@ -153,6 +153,25 @@ def _declared_config(app: pathlib.Path) -> dict:
     with open(app / "pyproject.toml", "rb") as f:
         return tomllib.load(f).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
 
+# Run config keys whose value is a file or folder the ServerApp reads or writes.
+PATH_KEYS = ("output", "inputs", "metrics-file", "checkpoint-dir", "dataset")
+
+
+def absolute_paths(run_config: str, cwd) -> str:
+    """``run_config`` with each relative path of ``PATH_KEYS`` (a quoted value) taken
+    from ``cwd``: the ServerApp runs in the temporary SuperLink's folder, and a user
+    means the folder the command was started in (``output="none"`` stays)."""
+
+    def fix(m: re.Match) -> str:
+        key, value = m.group(2), m.group(3)
+        if not value or os.path.isabs(value) or (key == "output" and value == "none"):
+            return m.group(0)
+        return f'{m.group(1)}{key}="{pathlib.Path(cwd, value)}"'
+
+    keys = "|".join(re.escape(k) for k in PATH_KEYS)
+    return re.sub(rf'(^|\s)({keys})\s*=\s*"([^"]*)"', fix, run_config or "")
+
+
 def data_dir(data, nodes: int) -> pathlib.Path:
     """``data`` as an absolute folder holding node<i>.npz (or node<i>/) for every node."""
     root = pathlib.Path(data).resolve()
@@ -194,7 +213,7 @@ def simulate(
     app = pathlib.Path(app).resolve()
     if not (app / "pyproject.toml").is_file():
         raise FcirError(f"{app} is not an app directory (no pyproject.toml): export one first")
-    config = run_config
+    config = absolute_paths(run_config, pathlib.Path.cwd())
     if "output" in _declared_config(app) and not re.search(r"(?:^|\s)output\s*=", run_config or ""):
         # The ServerApp runs in the temporary SuperLink's directory: the final model goes
         # where the command was started instead, as with Flower's own local simulation.

@@ -8,7 +8,9 @@ of flwr 1.42 does not run two apps side by side reliably (concurrent runs fail w
 "task-token authentication failed"), so runs go one after another; the deployment is
 shared (each node's data-path is a template, ``node<i>/{round}.npz``), and semantics
 that need no network (minimum participation, bad data shapes, state mapping) are
-tested in-process by test_flower_app.py.
+tested in-process by test_flower_app.py. docs/flower.md's own commands (the quickstart's
+`flwr run`, `fcir flower run`'s failure, the scaffold app) run as written on the page's
+own `fcir flower up` in test_flower_doc_commands.py.
 """
 
 from __future__ import annotations
@@ -196,23 +198,6 @@ def test_flower_up_prints_how_to_run_and_stops_everything_on_ctrl_c_sigterm_and_
     assert _processes_with_home_under(root) == []
 
 
-def test_flower_run_exits_non_zero_with_the_serverapps_error(dep, tmp_path):
-    """`flwr run` exits 0 when the ServerApp raises; `fcir flower run` asks the
-    SuperLink how the run ended and exits 1 with the ServerApp's error."""
-    import os
-    import subprocess
-    import sys
-
-    r = _renamed(rounds.corpus_round("fedavg_mlp"), "fedavg_failing")
-    app = _stage(r, tmp_path, dep)
-    env = {**os.environ, "FLWR_HOME": str(dep.cli_home)}
-    cmd = [sys.executable, "-m", "fcir.cli", "flower", "run", str(app), "--run-config", 'state="0=9"']
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "finished:failed" in proc.stderr and "state='0=9'" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-
-
 def test_one_round_over_tls_with_a_generated_localhost_ca(tmp_path):
     """`fcir flower up --tls`'s deployment: the SuperLink serves HTTPS with a certificate
     of a CA made for localhost (plain HTTP is refused), the SuperNodes and flwr run
@@ -310,58 +295,3 @@ def test_per_client_state_survives_a_supernode_restart_mid_run(dep, tmp_path):
     got = _outputs(out)
     assert [(g.dtype, g.shape) for g in got] == [(np.dtype("float32"), w.shape) for w in want[:3]]
     assert_trees_match(got, [np.asarray(w) for w in want[:3]], rtol=1e-5, atol=1e-6)
-
-
-def _documented_commands() -> list[str]:
-    """The commands of docs/flower.md's first code block, as a user types them."""
-    text = (pathlib.Path(__file__).parents[3] / "docs" / "flower.md").read_text()
-    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
-    return [line.split("  #")[0].strip() for line in block.splitlines() if line and not line.startswith("#")]
-
-
-def test_the_documented_commands_run_and_write_final_model_npz(dep, tmp_path, monkeypatch):
-    """docs/flower.md's quickstart as written: `fcir flower data`, `fcir export`, then
-    `flwr run app/ local --stream --run-config '...'` (flwr 1.42: APP, then the
-    SuperLink connection) on the shared deployment (its nodes get parts/node<i>.npz, as
-    `fcir flower up --data parts/` would give them). The final outputs land in
-    final_model.npz in the ServerApp's working directory, equal to the same app run
-    in-process on the same data."""
-    import os
-    import re
-    import shlex
-    import shutil
-    import subprocess
-
-    from fcir.interpreters.flower.local import _bin
-    from flowerlib import files, inprocess
-
-    from fcir.cli import main
-
-    repo = pathlib.Path(__file__).parents[3]
-    commands = _documented_commands()
-    data, export, up, run = (next(c for c in commands if c.startswith(p)) for p in (
-        "fcir flower data", "fcir export", "fcir flower up", "FLWR_HOME="))
-    assert up.startswith("fcir flower up --nodes 3 --data parts/")  # what `dep` stands for
-    monkeypatch.chdir(tmp_path)
-    for line in (data, export):
-        argv = shlex.split(line.replace("examples/", f"{repo}/examples/"))[1:]
-        assert main(argv) == 0, line
-    name = "fedavg_round"
-    for i in range(NODES):
-        shutil.copy(tmp_path / "parts" / f"node{i}.npz", deployment.node_data(dep.root.parent, i, name))
-    home, argv = run.split(" ", 1)
-    assert home == "FLWR_HOME=dep/home-cli" and argv.startswith("flwr run app/ local --stream")
-    env = {**os.environ, "FLWR_HOME": str(dep.cli_home)}
-    argv = shlex.split(argv)
-    argv[0] = _bin("flwr")  # this venv's
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and log.count("3/3 clients replied") == 3, log[-3000:]
-    (written,) = re.findall(r"wrote \d+ output array\(s\) to (\S+)", log)
-    assert pathlib.Path(written) == dep.root / "home-superlink" / "final_model.npz", written
-    config = dict(kv.split("=", 1) for kv in shlex.split(argv[argv.index("--run-config") + 1]))
-    nodes = {101 + i: {"partition-id": i, "data-path": str(tmp_path / "parts" / f"node{i}.npz")}
-             for i in range(NODES)}
-    grid = inprocess.run(tmp_path / "app", nodes, config)
-    got = files.read_outputs(written)
-    assert [g.tobytes() for g in got] == [w.tobytes() for w in grid.final_model]

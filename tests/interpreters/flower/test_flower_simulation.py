@@ -1,6 +1,7 @@
 """Exported apps on Flower's Simulation Engine (``fcir flower simulate``): a SuperLink in
 simulation mode and Ray actors instead of SuperNode processes. One run costs ~20 s here
-(Ray's start-up, then jax in each actor)."""
+(Ray's start-up, then jax in each actor). A simulation bit for bit as run_bundle, quiet,
+with nothing left running, is docs/flower.md's own command in test_flower_doc_commands.py."""
 
 from __future__ import annotations
 
@@ -30,29 +31,6 @@ def _started_under(root) -> list[int]:
     from fcir.interpreters.flower.simulation import _pids_with_home_under
 
     return _pids_with_home_under(root.resolve())
-
-
-def test_simulation_runs_rounds_bit_for_bit_as_run_bundle_and_stops_everything(fedavg, tmp_path):
-    """Two rounds on 3 virtual nodes (node i reading data/node<i>.npz, state inferred)
-    equal two rounds of run_bundle bit for bit, as the deployment does
-    (test_flower.py), and no SuperLink, flwr-simulation or Ray process is left."""
-    r, app, data = fedavg
-    # No output: final_model.npz in the directory the command was started in.
-    proc = _simulate(app, data, "num-server-rounds=2", tmp_path / "sim", cwd=tmp_path)
-    out = tmp_path / "final_model.npz"
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("3/3 clients replied") == 2, proc.stdout[-3000:]
-    assert "finished:completed" in proc.stdout
-    # Quiet: no fork after JAX started (the ServerApp waits for Ray), no Python
-    # warnings, none of Flower's notes that do not apply (--nodes sets the size).
-    said = proc.stdout + proc.stderr
-    for noise in ("os.fork()", "Warning:", "default simulated SuperNodes", "simulation-config",
-                  "Manually terminating"):
-        assert noise not in said, said[-3000:]
-    assert f"to {out}\n" in proc.stdout, proc.stdout[-3000:]
-    outs = rounds.bundle_rounds(r, tmp_path / "b", 2)
-    assert [g.tobytes() for g in files.read_outputs(out)] == [o.tobytes() for o in outs]
-    assert _started_under(tmp_path / "sim") == []
 
 
 def test_a_failing_serverapp_fails_the_simulation_with_its_error(fedavg, tmp_path):
