@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from corpus import CASES, case
+from corpus import case
 from fcir.interpreters import xla
 from fcir.interpreters.xla import members as M
 from fcir.interpreters.xla.interpreter import XlaInterpreter
@@ -76,6 +76,18 @@ def cnn_module():
     return fcir.capture(cnn_round, *cnn_args())
 
 
+@pytest.fixture(scope="module")
+def cnn_runs(cnn_module):
+    """Each lowering's executable and results on ``cnn_args()``, compiled once."""
+    args = cnn_args()
+    runs = {}
+    for name, kw in [("vmap", {}), ("loop", {"members": "loop"}),
+                     ("streamed", {"members": "loop", "clients_per_step": 2})]:  # fmt: skip
+        exe = xla.compile(cnn_module, **kw)
+        runs[name] = (exe, exe(*args))
+    return runs
+
+
 @fcir.program(placements={"clients": N})
 def sequential_round(p, x, y):
     """``cnn_round`` with its ``fed.map`` written as a Python loop over the members."""
@@ -92,24 +104,20 @@ def dim_labels(exe) -> set[str]:
 CANONICAL = {"b01f_01io->b01f"}
 
 
-def test_loop_is_jit_of_the_members_one_after_another(cnn_module):
-    args = cnn_args()
-    got = xla.compile(cnn_module, members="loop")(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(sequential_round)(*args))):
+def test_loop_is_jit_of_the_members_one_after_another(cnn_runs):
+    got = cnn_runs["loop"][1]
+    want = jax.jit(sequential_round)(*cnn_args())
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    want = xla.compile(cnn_module)(*args)  # vmapped: grouped convolutions, to rounding
-    assert_streamed_equal(got, want, exact=False, what="loop vs vmap")
+    # vmapped (grouped convolutions) and streamed in chunks: the same to rounding
+    for other in ("vmap", "streamed"):
+        assert_streamed_equal(got, cnn_runs[other][1], exact=False, what=f"loop vs {other}")
 
 
-def test_every_convolution_handed_to_xla_is_canonical(cnn_module):
-    args = cnn_args()
-    assert dim_labels(xla.compile(cnn_module)) - CANONICAL  # the gradient's, as JAX writes it
-    assert dim_labels(xla.compile(cnn_module, members="loop")) == CANONICAL
-    streamed = xla.compile(cnn_module, clients_per_step=2, members="loop")
-    assert dim_labels(streamed) == CANONICAL
-    assert_streamed_equal(
-        streamed(*args), xla.compile(cnn_module)(*args), exact=False, what="streamed loop"
-    )
+def test_every_convolution_handed_to_xla_is_canonical(cnn_runs):
+    assert dim_labels(cnn_runs["vmap"][0]) - CANONICAL  # the gradient's, as JAX writes it
+    assert dim_labels(cnn_runs["loop"][0]) == CANONICAL
+    assert dim_labels(cnn_runs["streamed"][0]) == CANONICAL
 
 
 LAYOUTS = [  # (lhs shape, rhs shape, dimension numbers, other params)
@@ -136,8 +144,14 @@ def test_canonical_conv_is_the_convolution_it_rewrites(lhs_shape, rhs_shape, dn,
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-# tests/conftest.py marks all but its fast tier's programs slow, the transformer too.
-@pytest.mark.parametrize("name", [c.name for c in CASES])
+# One program per feature a member loop must carry (compile time is what these cost):
+# plain local training, nested placements, a map inside a scan of rounds, members'
+# keys, order statistics, integer secure sums, bfloat16 members.
+LOOPED = ("fedavg_mlp", "hierarchical_fedavg", "scan_rounds", "client_rng", "robust_agg",
+          "secure_histogram", "bf16_client")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LOOPED)
 def test_corpus_program_loops_like_vmapped(name):
     c = case(name)
     args = c.make_args()
