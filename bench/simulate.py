@@ -143,10 +143,11 @@ class Simulated:
 class PflWorker:
     """pfl in its own virtualenv's Python (bench/simulate_pfl.py), kept running."""
 
-    def __init__(self, cfg: dict, python: str):
+    def __init__(self, cfg: dict, python: str, threads: int | None = None):
         if not pathlib.Path(python).exists():
             raise Skipped(f"no {python}: install pfl there (docs: bench/README.md)")
         args = [str(cfg[k]) for k in ("clients", "examples", "cohort", "batch")]
+        args += [] if threads is None else [str(threads)]
         self.proc = subprocess.Popen(
             [python, str(BENCH / "simulate_pfl.py"), *args], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=BENCH,
@@ -253,7 +254,7 @@ def build(names, cfg: dict, a, work: pathlib.Path) -> tuple[dict, dict]:
             elif name == "drjax":
                 systems[name] = InProcess(cfg, pop)
             elif name == "pfl":
-                systems[name] = PflWorker(cfg, a.pfl_python)
+                systems[name] = PflWorker(cfg, a.pfl_python, a.pfl_threads)
             else:
                 if staged is None:
                     import flwr  # noqa: F401  (skips both Flower systems when absent)
@@ -275,6 +276,8 @@ def main() -> int:
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     ap.add_argument("--pfl-python", default=str(ROOT / ".venv-pfl" / "bin" / "python"))
+    ap.add_argument("--pfl-threads", type=int,
+                    help="torch's intra-op threads in pfl's worker (default: torch's)")
     ap.add_argument("--members", default="auto", choices=("auto", "loop", "vmap"),
                     help="fcir's fed.map lowering (xla.compile's members=)")  # fmt: skip
     for key in FULL:
