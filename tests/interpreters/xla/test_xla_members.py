@@ -120,6 +120,16 @@ def test_every_convolution_handed_to_xla_is_canonical(cnn_runs):
     assert dim_labels(cnn_runs["streamed"][0]) == CANONICAL
 
 
+def test_members_run_one_at_a_time_in_a_loop(cnn_runs):
+    """vmap groups the members' convolutions into one (a kernel per member); the loop
+    keeps one member's convolution, in a while loop of its own."""
+    grouped = re.compile(r"(?:feature|batch)_group_count=(\d+)")
+    vmap, loop = (cnn_runs[k][0].as_text("hlo") for k in ("vmap", "loop"))
+    assert {int(g) for g in grouped.findall(vmap)} == {N}
+    assert not grouped.findall(loop)
+    assert loop.count(" while(") == vmap.count(" while(") + 1  # the member loop
+
+
 LAYOUTS = [  # (lhs shape, rhs shape, dimension numbers, other params)
     ((2, 5, 6, 3), (3, 2, 3, 4), ("NHWC", "HWIO", "NHWC"), {}),
     ((2, 3, 6, 5), (4, 3, 3, 2), ("NCHW", "OIHW", "NCHW"), {"window_strides": (2, 1)}),
