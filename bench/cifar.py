@@ -1,6 +1,7 @@
 """The FedAvg experiment of bench/simulate.py, on CIFAR-10 shapes, as each JAX system
-runs it: the synthetic population, the round written once for fcir and DrJAX, and the
-hand-written sampling loop around a compiled round.
+runs it: the synthetic population, the round written once for fcir and DrJAX, fcir's
+population and compiled round for ``xla.simulate``, and DrJAX's hand-written sampling
+loop around its compiled round.
 
 The model is bench/flower_cifar/hand_cifar/cnn.py (pfl-research's CIFAR-10 CNN in JAX),
 shared with the hand-written Flower app. The population is synthetic (no download):
@@ -61,6 +62,47 @@ def fedavg(cohort: int, api):
     return api.program(placements={"clients": cohort})(cifar_fedavg)
 
 
+def fedavg_population(cohort: int):
+    """:func:`fedavg` on fcir as ``xla.simulate`` calls a round: ``(params, (x, y),
+    counts) -> (params, mean loss)``. Every client holds the same number of examples,
+    so nothing is masked and the counts go unused (the mean over clients, as above)."""
+    import jax
+
+    import fcir
+
+    cnn = model()
+
+    def cifar_round(params, data, counts):
+        del counts
+        x, y = data
+        deltas, losses = fcir.map_fn(cnn.client_update, (fcir.broadcast(params), x, y))
+        mean_delta = fcir.reduce_mean(deltas)
+        return jax.tree.map(lambda p, d: p + d, params, mean_delta), fcir.reduce_mean(losses)
+
+    return fcir.program(placements={"clients": cohort})(cifar_round)
+
+
+def population_fcir(pop, batch: int, cohort: int, seed: int = 0):
+    """The population as ``fcir.Population`` (each client's data as local steps) and its
+    uniform cohorts: what ``xla.simulate`` samples from (the sample differs from
+    :class:`HandLoop`'s, the same kind: ``cohort`` distinct clients a round)."""
+    import fcir
+
+    return fcir.Population(as_batches(*pop, batch)).uniform(cohort, seed=seed)
+
+
+def compile_population(cohorts, members: str = "auto", clients_per_step=None, seed: int = 0):
+    """fcir's round for ``xla.simulate``: captured on the cohorts' shapes and compiled
+    with ``members`` and ``clients_per_step`` (``xla.compile``), once."""
+    from fcir.interpreters import xla
+
+    import fcir
+
+    params = model().init_params(seed, cohorts.population.data[0].shape[3:])
+    module = fcir.capture(fedavg_population(cohorts.size), params, *cohorts.specs())
+    return xla.compile(module, clients_per_step=clients_per_step, members=members)
+
+
 def specs(cohort: int, examples: int, batch: int, shape=SHAPE):
     """ShapeDtypeStructs of the round's arguments."""
     import jax
@@ -71,18 +113,6 @@ def specs(cohort: int, examples: int, batch: int, shape=SHAPE):
     x = jax.ShapeDtypeStruct((cohort, steps, batch, *shape), np.float32)
     y = jax.ShapeDtypeStruct((cohort, steps, batch), np.int32)
     return p, x, y
-
-
-def compile_fcir(cohort: int, examples: int, batch: int, clients_per_step=None, shape=SHAPE):
-    """fcir's round: ``xla.compile(fcir.capture(round))`` (streamed ``clients_per_step``
-    members at a time when given), compiled for the round's argument types."""
-    from fcir.interpreters import xla
-
-    import fcir
-
-    args = specs(cohort, examples, batch, shape)
-    exe = xla.compile(fcir.capture(fedavg(cohort, fcir), *args), clients_per_step=clients_per_step)
-    return exe.compiled(*args)
 
 
 def compile_drjax(cohort: int, examples: int, batch: int, shape=SHAPE):
@@ -100,8 +130,8 @@ class HandLoop:
     data and puts it on the device; the next cohort is gathered and transferred while
     the current round runs (JAX dispatches asynchronously).
 
-    Written by hand the same way for fcir and DrJAX. (Once the population API of issue
-    35 lands, fcir's side becomes that API, keeping this loop for DrJAX.)"""
+    DrJAX's side of bench/simulate.py (fcir's is the population API, ``xla.simulate``,
+    which runs the same kind of loop)."""
 
     def __init__(self, round_fn, pop_x, pop_y, cohort: int, batch: int, seed: int = 0):
         self.round_fn, self.pop_x, self.pop_y = round_fn, pop_x, pop_y

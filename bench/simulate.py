@@ -12,11 +12,16 @@ without replacement; one local epoch of SGD in batches of 10 (5 steps, learning 
 
 Systems (each skipped, with the reason, when not installed):
 
-- ``fcir``: ``xla.compile(fcir.capture(round))`` driven by a hand-written sampling loop
-  (bench/cifar.py ``HandLoop``: sample, gather on the host, ``device_put`` the next
-  cohort while the round runs); ``fcir k=K`` the same compiled with
-  ``clients_per_step=K``;
-- ``drjax``: the same round on DrJAX 0.2.1 (``jax.jit``), the same sampling loop;
+- ``fcir``: the population API: ``fcir.Population`` of the clients' data, uniform
+  cohorts, ``xla.simulate`` of the round compiled by ``xla.compile(..., members=M)``
+  (``--members``, default ``auto``: on CPU the members one after another with
+  XLA:CPU's fast convolutions, ``fcir.interpreters.xla.members``), its host loop
+  (gather the next cohort and put it on the device while the round runs);
+  ``fcir k=K`` the same compiled with ``clients_per_step=K``; ``fcir vmap`` (only when
+  named in ``--systems``) with ``members="vmap"``, the lowering ``jax.jit`` gives;
+- ``drjax``: the same round on DrJAX 0.2.1 (``jax.jit``) and a hand-written sampling
+  loop (bench/cifar.py ``HandLoop``: sample, gather on the host, ``device_put`` the
+  next cohort while the round runs);
 - ``pfl``: pfl 0.6, PyTorch, set up as its CIFAR-10 benchmark (bench/simulate_pfl.py,
   a worker process in ``.venv-pfl``: pfl pins dp-accounting 0.5, fcir needs 0.6);
 - ``hand-flower``: bench/flower_cifar, FedAvg written by hand against Flower's Message
@@ -62,8 +67,10 @@ FULL = {"clients": 1000, "examples": 50, "cohort": 50, "batch": 10, "rounds": 20
 SMOKE = {"clients": 12, "examples": 20, "cohort": 4, "batch": 10, "rounds": 2, "reps": 1,
          "clients_per_step": 2}  # fmt: skip
 SYSTEMS = ("fcir", "fcir-k", "drjax", "pfl", "hand-flower", "fcir-flower")
+EXTRA = ("fcir-vmap",)  # run only when --systems names them
 RATIOS = (("fcir", "pfl"), ("fcir", "drjax"), ("fcir-flower", "hand-flower"),
-          ("fcir-k", "pfl"), ("fcir-k", "drjax"))  # fmt: skip
+          ("fcir-k", "pfl"), ("fcir-k", "drjax"), ("fcir", "fcir-vmap"),
+          ("fcir-vmap", "pfl"))  # fmt: skip
 GOALS = {"fcir/pfl": 5.0, "fcir/drjax": 1.0, "fcir-flower/hand-flower": 1.0}
 PROTOCOL = "FCIR-BENCH"
 
@@ -76,20 +83,15 @@ class Skipped(Exception):
 
 
 class InProcess:
-    """fcir or DrJAX: a compiled round and the hand sampling loop, in this process."""
+    """DrJAX: the compiled round and the hand sampling loop, in this process."""
 
-    def __init__(self, name: str, cfg: dict, pop):
+    def __init__(self, cfg: dict, pop):
         c, n, b = cfg["cohort"], cfg["examples"], cfg["batch"]
-        if name == "drjax":
-            try:
-                import drjax  # noqa: F401
-            except ImportError as e:
-                raise Skipped(f"drjax not installed ({e})") from None
-            compiled = cifar.compile_drjax(c, n, b)
-        else:
-            k = cfg["clients_per_step"] if name == "fcir-k" else None
-            compiled = cifar.compile_fcir(c, n, b, clients_per_step=k)
-        self.loop = cifar.HandLoop(compiled, *pop, c, b)
+        try:
+            import drjax  # noqa: F401
+        except ImportError as e:
+            raise Skipped(f"drjax not installed ({e})") from None
+        self.loop = cifar.HandLoop(cifar.compile_drjax(c, n, b), *pop, c, b)
         self.loop.run(1)  # warm-up
         self.rounds = cfg["rounds"]
 
@@ -102,13 +104,50 @@ class InProcess:
         pass
 
 
+class Simulated:
+    """fcir: ``xla.simulate`` (host loop) of the compiled round over the population's
+    uniform cohorts, each sample continuing from the rounds before it."""
+
+    def __init__(self, name: str, cfg: dict, pop, members: str):
+        import jax
+        from fcir.interpreters import xla
+
+        self.xla, self.jax = xla, jax
+        self.cohorts = cifar.population_fcir(pop, cfg["batch"], cfg["cohort"])
+        k = cfg["clients_per_step"] if name == "fcir-k" else None
+        self.exe = cifar.compile_population(
+            self.cohorts, "vmap" if name == "fcir-vmap" else members, k
+        )
+        self.params = cifar.model().init_params(0, pop[0].shape[2:])
+        self.round = 0
+        self._run(1)  # warm-up
+        self.rounds = cfg["rounds"]
+
+    def _run(self, rounds: int) -> None:
+        self.params, losses = self.xla.simulate(
+            self.exe, self.params, self.cohorts, rounds, first_round=self.round, loop="host"
+        )
+        self.jax.block_until_ready((self.params, losses))
+        self.losses = [float(v) for v in losses]
+        self.round += rounds
+
+    def sample(self) -> float:
+        t = time.perf_counter()
+        self._run(self.rounds)
+        return time.perf_counter() - t
+
+    def close(self):
+        pass
+
+
 class PflWorker:
     """pfl in its own virtualenv's Python (bench/simulate_pfl.py), kept running."""
 
-    def __init__(self, cfg: dict, python: str):
+    def __init__(self, cfg: dict, python: str, threads: int | None = None):
         if not pathlib.Path(python).exists():
             raise Skipped(f"no {python}: install pfl there (docs: bench/README.md)")
         args = [str(cfg[k]) for k in ("clients", "examples", "cohort", "batch")]
+        args += [] if threads is None else [str(threads)]
         self.proc = subprocess.Popen(
             [python, str(BENCH / "simulate_pfl.py"), *args], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=BENCH,
@@ -210,10 +249,12 @@ def build(names, cfg: dict, a, work: pathlib.Path) -> tuple[dict, dict]:
     for name in names:
         t = time.perf_counter()
         try:
-            if name in ("fcir", "fcir-k", "drjax"):
-                systems[name] = InProcess(name, cfg, pop)
+            if name in ("fcir", "fcir-k", "fcir-vmap"):
+                systems[name] = Simulated(name, cfg, pop, a.members)
+            elif name == "drjax":
+                systems[name] = InProcess(cfg, pop)
             elif name == "pfl":
-                systems[name] = PflWorker(cfg, a.pfl_python)
+                systems[name] = PflWorker(cfg, a.pfl_python, a.pfl_threads)
             else:
                 if staged is None:
                     import flwr  # noqa: F401  (skips both Flower systems when absent)
@@ -235,6 +276,10 @@ def main() -> int:
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     ap.add_argument("--pfl-python", default=str(ROOT / ".venv-pfl" / "bin" / "python"))
+    ap.add_argument("--pfl-threads", type=int,
+                    help="torch's intra-op threads in pfl's worker (default: torch's)")
+    ap.add_argument("--members", default="auto", choices=("auto", "loop", "vmap"),
+                    help="fcir's fed.map lowering (xla.compile's members=)")  # fmt: skip
     for key in FULL:
         ap.add_argument(f"--{key.replace('_', '-')}", type=int)
     a = ap.parse_args()
@@ -243,12 +288,13 @@ def main() -> int:
     if min(cfg.values()) < 1 or cfg["cohort"] > cfg["clients"]:
         ap.error("sizes must be positive and the cohort at most the population")
     names = [s for s in a.systems.split(",") if s]
-    if unknown := set(names) - set(SYSTEMS):
-        ap.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
-    label = {"fcir-k": f"fcir k={cfg['clients_per_step']}"}
+    if unknown := set(names) - set(SYSTEMS + EXTRA):
+        ap.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS + EXTRA)}")
+    label = {"fcir-k": f"fcir k={cfg['clients_per_step']}", "fcir-vmap": "fcir vmap"}
 
     load_before = os.getloadavg()
-    print(f"config: {cfg}; load average {load_before[0]:.1f} on {os.cpu_count()} cores")
+    print(f"config: {cfg}, members={a.members}; "
+          f"load average {load_before[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
     work = pathlib.Path(tempfile.mkdtemp(prefix="fcir-bench-simulate-"))
     systems, skipped = build(names, cfg, a, work)
     seconds = {n: [] for n in systems}
@@ -278,7 +324,8 @@ def main() -> int:
     print()
     for key, s in ratios.items():
         goal = f" (goal >= {GOALS[key]})" if key in GOALS else ""
-        print(f"{key.replace('fcir-k', label['fcir-k'])}: {_timing.format_ratio(s)}{goal}")
+        shown = key.replace("fcir-k", label["fcir-k"]).replace("fcir-vmap", label["fcir-vmap"])
+        print(f"{shown}: {_timing.format_ratio(s)}{goal}")
     versions = _record.versions("drjax", "flwr", "fcir")
     if "pfl" in systems:
         versions.update({f"pfl-worker {k}": v for k, v in systems["pfl"].versions.items()})
@@ -287,7 +334,8 @@ def main() -> int:
 
     result = {
         **{f"{n}/{d}": ratios.get(f"{n}/{d}", {}).get("median") for n, d in RATIOS[:3]},
-        "smoke": a.smoke, "config": cfg, "systems": list(systems), "skipped": skipped,
+        "smoke": a.smoke, "config": cfg, "members": a.members, "systems": list(systems),
+        "skipped": skipped,
         "seconds": seconds, "rounds_per_s": rps, "ratios": ratios, "versions": versions,
         **_record.machine(), "load_average": [load_before[0], load_after[0]],
     }  # fmt: skip

@@ -12,7 +12,12 @@ It runs in its own virtualenv (``.venv-pfl``: pfl 0.6 pins dp-accounting 0.5, fc
 iterations and answers ``FCIR-BENCH {"seconds": ...}``; ``quit`` ends it.
 The population is bench/cifar.py's (same seed, same data as the JAX systems).
 
-    .venv-pfl/bin/python bench/simulate_pfl.py CLIENTS EXAMPLES COHORT BATCH
+    .venv-pfl/bin/python bench/simulate_pfl.py CLIENTS EXAMPLES COHORT BATCH [THREADS]
+
+THREADS sets torch's intra-op threads (default: torch's own, one per core). On a
+loaded machine it matters more than anything pfl does: with 2 threads on the 2 shared
+cores at load 14-15, two rounds of 4 clients took 28-36 s, with 1 thread 1.7-2.9 s
+(torch's OpenMP workers wait for each other when the scheduler takes one away).
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ def setup(clients: int, examples: int, cohort: int, batch: int):
 
 def main() -> None:
     clients, examples, cohort, batch = (int(a) for a in sys.argv[1:5])
+    if len(sys.argv) > 5:
+        torch.set_num_threads(int(sys.argv[5]))
     run = setup(clients, examples, cohort, batch)
     versions = {d: metadata.version(d) for d in ("pfl", "torch", "numpy")}
     versions["torch_threads"] = torch.get_num_threads()

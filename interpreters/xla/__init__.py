@@ -6,6 +6,7 @@
 
     exe = xla.compile(module, mesh=None)      # mesh: jax.sharding.Mesh or None
     exe = xla.compile(module, mesh, clients_per_step=k)  # or "auto": members k at a time
+    exe = xla.compile(module, members="loop")  # members one after another (CPU, convs)
     exe(*args)                                # pytree in, pytree out (like reference.run)
     exe.as_text("stablehlo"); exe.as_text("hlo"); exe.as_text("optimized_hlo")
     report = exe.cost()                       # XLA cost analysis + per-round report
@@ -31,6 +32,11 @@ JAX's own trace does not (a second-order derivative op's cotangent under JAX 0.1
 Streaming (``clients_per_step``): :mod:`.streaming` plans each ``fed.map`` with the
 reductions it feeds into a loop over chunks of ``k`` members per device with running
 accumulators; :mod:`.budget` validates ``k`` or picks it from XLA's memory analysis.
+
+Member loop (``members="loop"``): :mod:`.members` runs each ``fed.map``'s members one
+after another in a compiled loop, every convolution in XLA:CPU's canonical layout
+(XLA canonicalizes only the entry computation's; one inside a loop otherwise runs
+30-70x slower). ``xla.simulate`` picks it on CPU for convolutional clients.
 
 Sharding (DrJAX's rules): a value placed at ``p`` has its member axis sharded along
 the mesh axis named ``p``; ``Auto`` axes get ``with_sharding_constraint`` with the

@@ -40,15 +40,20 @@ __all__ = [
 PROBE = 8  # the second k compiled to measure the bytes per member
 
 
-def streaming_executable(module, mesh, clients_per_step, memory_limit) -> Executable:
-    """``xla.compile``'s streamed executable (arguments as ``xla.compile`` got them)."""
+def streaming_executable(
+    module, mesh, clients_per_step, memory_limit, interpreter=None
+) -> Executable:
+    """``xla.compile``'s streamed executable (arguments as ``xla.compile`` got them).
+    ``interpreter(k)``: the interpreter factory for budget ``k`` (default: a
+    :class:`StreamingInterpreter`; ``members="loop"`` passes its own)."""
+    interpreter = interpreter or _interpreter
     if clients_per_step is None:
         raise InterpreterError(
             "xla.compile: memory_limit is only used with clients_per_step='auto'; pass "
             "clients_per_step='auto' (or drop memory_limit)"
         )
     if clients_per_step == "auto":
-        return _auto(module, mesh, memory_limit)
+        return _auto(module, mesh, memory_limit, interpreter)
     if memory_limit is not None:
         raise InterpreterError(
             f"xla.compile: memory_limit needs clients_per_step='auto', got "
@@ -58,7 +63,7 @@ def streaming_executable(module, mesh, clients_per_step, memory_limit) -> Execut
         k = members_per_step(clients_per_step)
     except InterpreterError as e:
         raise InterpreterError(f"xla.compile: {e}") from None
-    exe = _build(module, mesh, k)
+    exe = Executable(module, mesh, interpreter(k))
     exe.streaming = {"clients_per_step": clients_per_step, "mode": "fixed"}
     return exe
 
@@ -67,10 +72,6 @@ def streaming_executable(module, mesh, clients_per_step, memory_limit) -> Execut
 def _interpreter(k: int):
     """One factory per k: executables of a module with the same budget share a trace."""
     return functools.partial(StreamingInterpreter, clients_per_step=k)
-
-
-def _build(module, mesh, k: int) -> Executable:
-    return Executable(module, mesh, _interpreter(k))
 
 
 def device_memory(mesh) -> int:
@@ -95,7 +96,7 @@ def members_per_device(module, mesh) -> int:
     return most
 
 
-def _auto(module, mesh, memory_limit) -> Executable:
+def _auto(module, mesh, memory_limit, interpreter) -> Executable:
     if memory_limit is not None and (
         isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit < 1
     ):
@@ -108,7 +109,7 @@ def _auto(module, mesh, memory_limit) -> Executable:
 
     def peak(k: int) -> int:
         if k not in tried:
-            exe = _build(module, mesh, k)
+            exe = Executable(module, mesh, interpreter(k))
             tried[k] = (exe, predicted_peak(exe.compiled()))
         return tried[k][1]
 

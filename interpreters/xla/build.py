@@ -1,7 +1,8 @@
 """``xla.compile``: check the module, then build its Executable, plain or streamed.
 
-Imports go one way: this module uses ``executable`` (the Executable) and ``budget``
-(the streamed one and its client budget); ``budget`` uses ``executable``,
+Imports go one way: this module uses ``executable`` (the Executable), ``budget``
+(the streamed one and its client budget) and ``members`` (the member loop's
+interpreters); ``budget`` uses ``executable``,
 ``streaming`` (which validates ``clients_per_step``) and ``cost`` (XLA's memory
 analysis); nothing imports back.
 """
@@ -15,6 +16,7 @@ from fcir.frontend import jaxpr_cache as captured
 from fcir.ir import Module
 from fcir.ir.check import check
 
+from . import members as member_loop
 from .budget import streaming_executable
 from .executable import Executable
 
@@ -27,6 +29,7 @@ def compile(
     clients_per_step: int | str | None = None,
     *,
     memory_limit: int | None = None,
+    members: str = "vmap",
 ) -> Executable:
     """``module`` as a jit-compiled executable; placement axes sharded over ``mesh``.
 
@@ -34,6 +37,14 @@ def compile(
     reductions as running accumulators (``fcir.interpreters.xla.streaming``); ``"auto"``
     picks ``k`` from ``memory_limit`` bytes (default: the device's memory) with XLA's
     memory analysis (``fcir.interpreters.xla.budget``).
+
+    ``members="vmap"`` (the default) runs a ``fed.map``'s members at once, as
+    ``jax.jit`` of the program does (bit for bit); ``members="loop"`` runs them one
+    after another in a compiled loop, every convolution in XLA:CPU's fast layout
+    (``fcir.interpreters.xla.members``): for convolutional clients on CPU. One device
+    (no mesh); with ``clients_per_step`` the streamed chunks get the fast convolutions.
+    ``members="auto"``: ``"loop"`` on CPU for a program with a convolution inside a
+    ``fed.map``, else ``"vmap"``.
 
     ``exe(*args)`` takes and returns pytrees like ``reference.run``;
     ``exe.as_text("hlo" | "stablehlo")`` and ``exe.cost()`` need no arguments. The
@@ -50,6 +61,8 @@ def compile(
         )
     if mesh is not None and mesh.empty:
         mesh = None
+    loop = member_loop.check_members(members, mesh, module) == "loop"
     if clients_per_step is not None or memory_limit is not None:
-        return streaming_executable(module, mesh, clients_per_step, memory_limit)
-    return Executable(module, mesh)
+        factory = member_loop.interpreter if loop else None
+        return streaming_executable(module, mesh, clients_per_step, memory_limit, factory)
+    return Executable(module, mesh, member_loop.interpreter() if loop else None)

@@ -31,8 +31,11 @@ metrics)``: the metrics of every round come back stacked on a leading axis (else
 
 ``round_fn`` is an ``@fcir.program`` function whose placement has ``cohorts.size``
 members (captured here, with ``fcir.capture``, and compiled with ``xla.compile(module,
-mesh, clients_per_step)``), or an ``fcir.Module`` of that signature, or an
-``xla.compile``'d Executable.
+mesh, clients_per_step, members=members)``), or an ``fcir.Module`` of that signature, or
+an ``xla.compile``'d Executable. ``members="auto"`` (the default here; ``xla.compile``'s
+is ``"vmap"``) runs the members one after another on CPU when a convolution is inside
+their ``fed.map`` (``fcir.interpreters.xla.members``: XLA:CPU runs convolutions inside
+loops and vmapped ones slowly), else all at once.
 
 Two loops, one result (the same cohorts and keys; ``loop=`` picks, ``"auto"`` by size):
 
@@ -98,6 +101,7 @@ def simulate(
     loop: str = "auto",
     mesh=None,
     clients_per_step=None,
+    members: str = "auto",
     callback: Callable | None = None,
 ):
     """``rounds`` rounds of ``round_fn`` over ``cohorts``; returns ``(state, metrics)``
@@ -123,7 +127,9 @@ def simulate(
             "loop runs all rounds in one program: pass loop='host' (or no callback)"
         )
     rounds, first_round = int(rounds), int(first_round)
-    exe = _executable(round_fn, state, cohorts, key, first_round, mesh, clients_per_step)
+    exe = _executable(
+        round_fn, state, cohorts, key, first_round, mesh, clients_per_step, members
+    )
     call = _traced(exe)
     has_metrics = _has_metrics(call, state, cohorts, key, first_round)
     if rounds == 0:
@@ -148,12 +154,14 @@ def _args(state, cohort, key, r):
     return (state, data, counts) if key is None else (state, data, counts, _round_key(key, r))
 
 
-def _executable(round_fn, state, cohorts, key, first, mesh, clients_per_step) -> Executable:
+def _executable(
+    round_fn, state, cohorts, key, first, mesh, clients_per_step, members
+) -> Executable:
     if isinstance(round_fn, Executable):
-        if mesh is not None or clients_per_step is not None:
+        if mesh is not None or clients_per_step is not None or members != "auto":
             raise PopulationError(
                 "xla.simulate: round_fn is already compiled; pass mesh / clients_per_step "
-                "to xla.compile, not here"
+                "/ members to xla.compile, not here"
             )
         return round_fn
     if isinstance(round_fn, Module):
@@ -172,7 +180,7 @@ def _executable(round_fn, state, cohorts, key, first, mesh, clients_per_step) ->
             f"one placement of {cohorts.size} members: declare "
             "@fcir.program(placements={'clients': cohorts.size})"
         )
-    return xla_compile(module, mesh, clients_per_step)
+    return xla_compile(module, mesh, clients_per_step, members=members)
 
 
 def _traced(exe: Executable):

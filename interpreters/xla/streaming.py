@@ -477,9 +477,10 @@ class StreamingInterpreter(XlaInterpreter):
 
     def _members(self) -> StreamingInterpreter:
         """The interpreter for member regions: no mesh (inside shard_map and vmap the
-        member axis is the chunk's), same budget for nested placements."""
+        member axis is the chunk's), same budget for nested placements, same class (a
+        subclass's own op rules reach the member regions)."""
         if self._member_interp is None:
-            self._member_interp = StreamingInterpreter(None, clients_per_step=self.k)
+            self._member_interp = type(self)(None, clients_per_step=self.k)
             self._member_interp.module = self.module
         return self._member_interp
 
