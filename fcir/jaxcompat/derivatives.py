@@ -46,8 +46,9 @@ empty one it writes ``tanh_cotangent``, onto ``acc`` it writes ``tanh_cotangent_
 ct, ans, r)``, JAX's own backward pass of the rule started at ``acc``
 (:func:`_cotangent_add`). Which of the two capture writes depends on the order of the
 program's uses, on every JAX; only where JAX itself transposes ``tanh`` with an
-accumulator of its own (JAX 0.12's ``jnp.tanh`` is a ``jit`` its AD keeps until it
-transposes it, 0.10.2 inlines it while tracing) is it ``tanh_cotangent`` and an
+accumulator of its own (JAX 0.12's ``jnp.tanh`` is a ``jit`` its AD keeps at the top
+level of a differentiated function, though not in a scan's body; 0.10.2 inlines it
+while tracing) is it ``tanh_cotangent`` and an
 ``add_any`` on one JAX, ``tanh_cotangent_add`` on the other: the two JAX's ``jax.jit``
 compute different bits there anyway (their rules do). Under JAX 0.12 the rule reads
 ``g`` once and ``tanh_cotangent_add`` is ``acc + ct*r``, the ops ``jax.jit`` runs

@@ -17,6 +17,7 @@ reads ``g`` once (``g * one_minus_square(ans)``), so there it is ``acc + ct*r``,
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import jax
@@ -28,6 +29,7 @@ from test_xla import assert_bitwise, flops
 
 import fcir
 from fcir.frontend import jaxpr_cache as captured
+from fcir.jaxcompat import derivatives
 
 H, D, T, CLIENTS = 8, 4, 6, 4
 GOLDEN_DIR = pathlib.Path(__file__).parents[2] / "golden"
@@ -77,21 +79,25 @@ def _ops(module) -> set[str]:
     return {op.name for _, op in fcir.ir.walk(module.main.body)}
 
 
-def _assert_fidelity(fn, args, module=None):
+def _assert_fidelity(fn, args, module=None, want=None):
     """``xla.compile`` of ``module`` (default: ``fn``'s capture) rebuilt from its IR, as
-    from a file, is bitwise ``jax.jit(fn)`` with its XLA flops."""
+    from a file, is bitwise ``jax.jit(fn)`` (``want``: compiled already) with its XLA
+    flops."""
     module = fcir.capture(fn, *args) if module is None else module
     captured.forget(module)
     exe = xla.compile(module)
-    want = jax.jit(fn).lower(*args).compile()
+    want = jax.jit(fn).lower(*args).compile() if want is None else want
     assert_bitwise(exe(*args), want(*args))
     assert flops(exe.compiled(*args)) == flops(want)
     return module
 
 
+@functools.cache
 def _one_client():
+    """The gradient of one client's LSTM loss, its arguments, and its ``jax.jit``."""
     p, x, y = _args()
-    return jax.grad(_lstm_loss), (p, x[0], y[0])
+    fn, args = jax.grad(_lstm_loss), (p, x[0], y[0])
+    return fn, args, jax.jit(fn).lower(*args).compile()
 
 
 def test_an_lstm_round_compiles_bitwise_jit():
@@ -106,8 +112,8 @@ def test_the_gradient_of_an_lstm_round_compiles_bitwise_jit():
 
 
 def test_one_client_s_lstm_gradient_compiles_bitwise_jit_and_prints_one_text(golden):
-    fn, args = _one_client()
-    module = _assert_fidelity(fn, args)
+    fn, args, want = _one_client()
+    module = _assert_fidelity(fn, args, want=want)
     assert "jax.tanh_cotangent_add" in _ops(module)  # c's cotangent holds the carry's
     golden("lstm_grad", module.to_text())
 
@@ -120,12 +126,12 @@ def test_the_lstm_gradient_s_ir_file_runs_like_jit_on_the_jax_reading_it():
     module = fcir.parse(text)
     fcir.check(module)
     assert module.to_text() == text
-    fn, args = _one_client()
-    _assert_fidelity(fn, args, module)
-    for got, want in zip(
-        jax.tree.leaves(reference.run(module, *args)), jax.tree.leaves(jax.jit(fn)(*args))
+    fn, args, want = _one_client()
+    _assert_fidelity(fn, args, module, want)
+    for got, expected in zip(
+        jax.tree.leaves(reference.run(module, *args)), jax.tree.leaves(want(*args))
     ):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -167,3 +173,20 @@ def test_a_tanh_of_a_value_used_once_grads_bitwise_jit():
         return jnp.sum(jnp.tanh(x * 2.0) * w)
 
     assert "jax.tanh_cotangent_add" not in _ops(_assert_fidelity(jax.grad(f), (x,)))
+
+
+def test_a_captured_vjp_with_tanh_cotangent_add_transposes_back_to_the_jvp():
+    # tanh_cotangent_add is linear in (acc, ct): transposed, acc's cotangent is the
+    # incoming one and ct's is tanh_tangent of it (a VJP's transpose is the JVP).
+    rng = np.random.default_rng(0)
+    w, v, x, t = (jnp.asarray(rng.normal(size=(64,)), jnp.float32) for _ in range(4))
+
+    def f(x):
+        c = x * 2.0
+        return jax.lax.tanh(c) * w + c * v
+
+    with derivatives.capturing():
+        _, vjp = jax.vjp(f, x)
+        assert "tanh_cotangent_add" in str(jax.make_jaxpr(vjp)(t))
+        (got,) = jax.linear_transpose(vjp, x)((t,))
+    np.testing.assert_allclose(got, jax.jvp(f, (x,), (t,))[1], rtol=1e-6, atol=1e-6)
