@@ -48,9 +48,9 @@ ct, ans, r)``, JAX's own backward pass of the rule started at ``acc``
 program's uses, on every JAX; only where JAX itself transposes ``tanh`` with an
 accumulator of its own (JAX 0.12's ``jnp.tanh`` is a ``jit`` its AD keeps at the top
 level of a differentiated function, though not in a scan's body; 0.10.2 inlines it
-while tracing) is it ``tanh_cotangent`` and an
-``add_any`` on one JAX, ``tanh_cotangent_add`` on the other: the two JAX's ``jax.jit``
-compute different bits there anyway (their rules do). Under JAX 0.12 the rule reads
+while tracing) is it ``tanh_cotangent`` and an ``add_any`` on one JAX,
+``tanh_cotangent_add`` on the other: the two JAX's ``jax.jit`` compute different bits
+there anyway (their rules do). Under JAX 0.12 the rule reads
 ``g`` once and ``tanh_cotangent_add`` is ``acc + ct*r``, the ops ``jax.jit`` runs
 (tests/interpreters/xla/test_xla_lstm_bitwise.py). The corpus programs' goldens have
 no ``tanh_cotangent_add`` (no backward pass of theirs reaches ``tanh`` with a cotangent
@@ -318,9 +318,10 @@ def _tangent_transpose_onto(ct, g, ans, r):
     one ``tanh_cotangent`` added onto ``acc`` sums ``acc + (u + u*ans)``, another
     grouping and other last bits (issue 32 item 7). So there the accumulator becomes
     ``tanh_cotangent_add(acc, ct, ans, r)``, which sums as the running JAX does
-    (:func:`_cotangent_add`). On every JAX the same text: the choice depends on the
-    program only, not on the JAX that traces it (0.12 reads ``g`` once and sums
-    ``acc + ct*r`` either way, the ops jax.jit runs)."""
+    (:func:`_cotangent_add`). The choice follows the order of the program's uses, on
+    every JAX (the module doc says where a JAX's own ``jit`` around ``tanh`` changes
+    it); under 0.12, which reads ``g`` once, both forms sum ``acc + ct*r``, the ops
+    ``jax.jit`` runs."""
     if any(isinstance(x, ad.GradAccum) for x in (ans, r)):
         raise ValueError("tanh_tangent: transposed in an operand it is not linear in")
     if not isinstance(g, ad.GradAccum) or type(ct) is ad.Zero:
@@ -333,6 +334,7 @@ def _tangent_transpose_onto(ct, g, ans, r):
 
 
 def _cotangent_add_transpose(ct, acc, c, ans, r):
+    # Linear in (acc, c): acc's cotangent is ct, c's is tanh_cotangent's transpose of it.
     if ad.is_undefined_primal(ans) or ad.is_undefined_primal(r):
         raise ValueError("tanh_cotangent_add: transposed in an operand it is not linear in")
     if type(ct) is ad.Zero:
