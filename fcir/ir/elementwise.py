@@ -30,7 +30,8 @@ ELEMENTWISE = frozenset(
     tanh_residual tanh_tangent tanh_cotangent tanh_residual_jvp tanh_residual_jvp_tangent
     tanh_residual_jvp_cotangent tanh_tangent_jvp tanh_tangent_jvp_tangent
     tanh_tangent_jvp_cotangent tanh_cotangent_jvp tanh_cotangent_jvp_tangent
-    tanh_cotangent_jvp_cotangent""".split()  # fcir's derivative ops (docs/ops.md)
+    tanh_cotangent_jvp_cotangent tanh_cotangent_add tanh_cotangent_add_jvp
+    tanh_cotangent_add_jvp_tangent tanh_cotangent_add_jvp_cotangent""".split()  # fcir's derivative ops (docs/ops.md)
 )
 LAYOUT = frozenset({"sharding_constraint", "reshard", "mesh_cast"})
 PER_MEMBER = ELEMENTWISE | LAYOUT

@@ -35,11 +35,27 @@ does not split that way (a tangent read twice: JAX 0.10.2's forward-over-forward
 capture traces the program again with the running JAX's own rules
 (:func:`make_jaxpr`), whose text is then JAX's.
 
-Known limit (issue 32 item 7, tests/interpreters/xla/test_xla_lstm_bitwise.py): JAX
-0.10.2's rule reads ``g`` twice, so ``jax.jit``'s backward pass adds the cotangent of
-``tanh``'s input in two pieces, ``(other + u) + u*ans``, where that input has another
-use (an LSTM's cell state); ``tanh_cotangent`` gives one piece, ``other + (u + u*ans)``,
-and the last bit can differ. Under JAX 0.12 the rule reads ``g`` once: bitwise.
+Where ``tanh``'s input has another use after ``tanh`` (an LSTM's cell state, also the
+next step's carry), the backward pass reaches ``tanh`` with that input's cotangent
+holding ``acc`` already, and JAX adds what the rule's transpose writes onto it one piece
+at a time. JAX 0.10.2's rule reads ``g`` twice, so ``jax.jit`` sums ``(acc + u) +
+u*ans`` (``u = ct * (1 - ans)``); one ``tanh_cotangent`` added once would sum ``acc + (u
++ u*ans)``, other last bits (issue 32 item 7). So ``tanh_tangent``'s transpose is a
+"fancy" one, given the accumulator itself (:func:`_tangent_transpose_onto`): onto an
+empty one it writes ``tanh_cotangent``, onto ``acc`` it writes ``tanh_cotangent_add(acc,
+ct, ans, r)``, JAX's own backward pass of the rule started at ``acc``
+(:func:`_cotangent_add`). Which of the two capture writes depends on the order of the
+program's uses, on every JAX; only where JAX itself transposes ``tanh`` with an
+accumulator of its own (JAX 0.12's ``jnp.tanh`` is a ``jit`` its AD keeps at the top
+level of a differentiated function, though not in a scan's body; 0.10.2 inlines it
+while tracing) is it ``tanh_cotangent`` and an ``add_any`` on one JAX,
+``tanh_cotangent_add`` on the other: the two JAX's ``jax.jit`` compute different bits
+there anyway (their rules do). Under JAX 0.12 the rule reads
+``g`` once and ``tanh_cotangent_add`` is ``acc + ct*r``, the ops ``jax.jit`` runs
+(tests/interpreters/xla/test_xla_lstm_bitwise.py). The corpus programs' goldens have
+no ``tanh_cotangent_add`` (no backward pass of theirs reaches ``tanh`` with a cotangent
+of its input in hand); the LSTM's gradient there has one (golden ``lstm_grad``, one
+text on both JAX).
 
 A ``custom_jvp_call`` with unknown inputs is inlined while capturing, as JAX 0.10.2's
 partial evaluation does (see :func:`_inline_custom_jvp_call`).
@@ -66,6 +82,7 @@ __all__ = [
     "CAPTURE_MODE",
     "OPS",
     "capturing",
+    "tanh_cotangent_add_p",
     "tanh_cotangent_p",
     "tanh_residual_p",
     "tanh_tangent_p",
@@ -256,9 +273,23 @@ def _define(name: str, expression, results=None):
     return prim
 
 
+def _cotangent_add(acc, ct, ans, r):
+    """``acc`` plus ``tanh_cotangent(ct, ans, r)``, summed as the running JAX's backward
+    pass sums it onto a cotangent that already holds ``acc``: one add per piece its
+    transpose writes, in the order it writes them (0.10.2: ``(acc + u) + u*ans``, ``u =
+    ct * r``; 0.12: ``acc + ct * r``). It is JAX's own backward pass of the rule,
+    with ``g``'s accumulator starting at ``acc`` (the rule's function returns ``g``
+    too, and a backward pass adds the cotangents of its results before those of its
+    equations)."""
+    aval = jax.ShapeDtypeStruct(ans.shape, ans.dtype, sharding=core.typeof(ans).sharding)
+    (out,) = jax.linear_transpose(lambda g: (_tangent(g, ans, r), g), aval)((ct, acc))
+    return out
+
+
 tanh_residual_p = _define("tanh_residual", _residual)
 tanh_tangent_p = _define("tanh_tangent", _tangent)
 tanh_cotangent_p = _define("tanh_cotangent", _cotangent)
+tanh_cotangent_add_p = _define("tanh_cotangent_add", _cotangent_add)
 
 
 def _transpose(into):
@@ -274,6 +305,50 @@ def _transpose(into):
 
 ad.primitive_transposes[tanh_tangent_p] = _transpose(tanh_cotangent_p)
 ad.primitive_transposes[tanh_cotangent_p] = _transpose(tanh_tangent_p)
+
+
+def _tangent_transpose_onto(ct, g, ans, r):
+    """``tanh_tangent``'s transpose as a backward pass runs it (JAX's "fancy" transpose:
+    it gets ``g``'s accumulator itself). Where that accumulator holds nothing yet (the
+    only use of ``tanh``'s input, or its last one in program order) the cotangent is
+    ``tanh_cotangent``, added later as JAX adds it. Where it holds ``acc`` already (the
+    input has another use after ``tanh``: an LSTM's cell state, also the next carry),
+    the running JAX's rule may write more than one piece: 0.10.2's, ``(g + g*ans) *
+    (1 - ans)``, reads ``g`` twice, so ``jax.jit`` sums ``(acc + u) + u*ans``, where
+    one ``tanh_cotangent`` added onto ``acc`` sums ``acc + (u + u*ans)``, another
+    grouping and other last bits (issue 32 item 7). So there the accumulator becomes
+    ``tanh_cotangent_add(acc, ct, ans, r)``, which sums as the running JAX does
+    (:func:`_cotangent_add`). The choice follows the order of the program's uses, on
+    every JAX (the module doc says where a JAX's own ``jit`` around ``tanh`` changes
+    it); under 0.12, which reads ``g`` once, both forms sum ``acc + ct*r``, the ops
+    ``jax.jit`` runs."""
+    if any(isinstance(x, ad.GradAccum) for x in (ans, r)):
+        raise ValueError("tanh_tangent: transposed in an operand it is not linear in")
+    if not isinstance(g, ad.GradAccum) or type(ct) is ad.Zero:
+        return None
+    if isinstance(g, ad.ValAccum) and type(g.val) is not ad.Zero:
+        g.val = tanh_cotangent_add_p.bind(g.val, ct, ans, r)
+    else:
+        g.accum(tanh_cotangent_p.bind(ct, ans, r))
+    return None
+
+
+def _cotangent_add_transpose(ct, acc, c, ans, r):
+    # Linear in (acc, c): acc's cotangent is ct, c's is tanh_cotangent's transpose of it.
+    if ad.is_undefined_primal(ans) or ad.is_undefined_primal(r):
+        raise ValueError("tanh_cotangent_add: transposed in an operand it is not linear in")
+    if type(ct) is ad.Zero:
+        return [None, None, None, None]
+    return [
+        ct if ad.is_undefined_primal(acc) else None,
+        tanh_tangent_p.bind(ct, ans, r) if ad.is_undefined_primal(c) else None,
+        None,
+        None,
+    ]
+
+
+ad.fancy_transposes[tanh_tangent_p] = _tangent_transpose_onto
+ad.primitive_transposes[tanh_cotangent_add_p] = _cotangent_add_transpose
 
 
 def _tanh_jvp(primals, tangents, **params):
@@ -492,6 +567,7 @@ _EXPRESSIONS = {
     "tanh_residual": (_residual, 1),
     "tanh_tangent": (_tangent, 3),
     "tanh_cotangent": (_cotangent, 3),
+    "tanh_cotangent_add": (_cotangent_add, 4),
 }
 tanh_residual_jvp_p, tanh_residual_jvp_tangent_p, tanh_residual_jvp_cotangent_p = _second_order(
     "tanh_residual"
@@ -502,6 +578,11 @@ tanh_tangent_jvp_p, tanh_tangent_jvp_tangent_p, tanh_tangent_jvp_cotangent_p = _
 tanh_cotangent_jvp_p, tanh_cotangent_jvp_tangent_p, tanh_cotangent_jvp_cotangent_p = _second_order(
     "tanh_cotangent"
 )
+(
+    tanh_cotangent_add_jvp_p,
+    tanh_cotangent_add_jvp_tangent_p,
+    tanh_cotangent_add_jvp_cotangent_p,
+) = _second_order("tanh_cotangent_add")
 _SECOND = {
     "tanh_residual": (
         tanh_residual_jvp_p,
@@ -514,8 +595,13 @@ _SECOND = {
         tanh_cotangent_jvp_tangent_p,
         tanh_cotangent_jvp_cotangent_p,
     ),
+    "tanh_cotangent_add": (
+        tanh_cotangent_add_jvp_p,
+        tanh_cotangent_add_jvp_tangent_p,
+        tanh_cotangent_add_jvp_cotangent_p,
+    ),
 }
-for _prim in (tanh_residual_p, tanh_tangent_p, tanh_cotangent_p):
+for _prim in (tanh_residual_p, tanh_tangent_p, tanh_cotangent_p, tanh_cotangent_add_p):
     _derivative_jvp(_prim, _prim.name)
 
 #: fcir's derivative ops: name -> (operands, meaning), for docs/ops.md.
@@ -534,6 +620,14 @@ OPS = {
         "ct, ans, r",
         "the transpose of tanh_tangent in g: jax.linear_transpose of the running JAX's rule",
     ),
+    "tanh_cotangent_add": (
+        "acc, ct, ans, r",
+        "acc + tanh_cotangent(ct, ans, r), summed as the running JAX's backward pass sums "
+        "it onto a cotangent already holding acc: one add per piece its transpose writes "
+        "(JAX 0.10.2: (acc + u) + u*ans with u = ct*r; 0.12: acc + ct*r); capture writes it "
+        "where a backward pass reaches tanh with a cotangent of its input in hand (the "
+        "input used again after tanh)",
+    ),
 }
 for _name, (_operands, _) in list(OPS.items()):
     OPS[f"{_name}_jvp"] = (
@@ -551,9 +645,9 @@ for _name, (_operands, _) in list(OPS.items()):
         f"out_ct, {_operands}, s",
         f"the transpose of {_name}_jvp_tangent: one cotangent per tangent "
         "(jax.linear_transpose of the running JAX's equations); zero for a tangent the "
-        "running JAX's rule does not read (JAX 0.12's tanh_tangent and tanh_cotangent: "
-        "ans's), which the XLA backend drops with the adds of it (JAX adds no symbolic "
-        "zero)",
+        "running JAX's rule does not read (JAX 0.12's tanh_tangent, tanh_cotangent and "
+        "tanh_cotangent_add: ans's), which the XLA backend drops with the adds of it (JAX "
+        "adds no symbolic zero)",
     )
 
 

@@ -12,6 +12,9 @@ starting only from results the running JAX's rules make zero
 (``fcir.jaxcompat.derivatives.zero_results``):
 
 - ``add_any(x, 0)`` is ``x`` (as JAX's ``add_jaxvals`` of a symbolic zero);
+- ``tanh_cotangent_add(0, ct, ans, r)`` is ``tanh_cotangent(ct, ans, r)`` (a backward
+  pass whose accumulator holds a symbolic zero writes the cotangent alone) and
+  ``tanh_cotangent_add(acc, 0, ans, r)`` is ``acc`` (it writes nothing);
 - a scan's zero operands leave the scan (a const or ``xs`` always, a carry when the
   body's new carry is zero too whenever it is, to a fixed point) and so do its zero
   results (zero ``ys``; carries as above): their values become zeros outside;
@@ -114,6 +117,14 @@ class _Rewrite:
             a, b = ins
             env[op.results[0]] = b if isinstance(a, _Zero) else a
             return
+        if op.name == "jax.tanh_cotangent_add" and len(ins) == 4:
+            acc, ct = ins[:2]
+            if isinstance(ct, _Zero):
+                env[op.results[0]] = acc
+                return
+            if isinstance(acc, _Zero):
+                op = dataclasses.replace(op, name="jax.tanh_cotangent", operands=op.operands[1:])
+                ins = ins[1:]
         if op.name == "jax.scan":
             self.scan(op, ins, env, ops)
             return

@@ -96,14 +96,18 @@ def test_module_is_left_alone_without_structural_zeros():
     assert zeros.without_structural_zeros(grad) is grad
 
 
-@pytest.mark.parametrize("name", ["tanh_residual", "tanh_tangent", "tanh_cotangent"])
+@pytest.mark.parametrize(
+    "name", ["tanh_residual", "tanh_tangent", "tanh_cotangent", "tanh_cotangent_add"]
+)
 def test_zero_results_are_the_cotangents_that_are_zero_on_the_running_jax(name):
-    # On JAX 0.12 tanh_tangent (g * r) and tanh_cotangent (ct * r) read no ans, so the
-    # cotangent of ans's tangent is zero; on 0.10.2 every cotangent reads its tangent.
-    arity = 1 if name == "tanh_residual" else 3
+    # On JAX 0.12 tanh_tangent (g * r), tanh_cotangent (ct * r) and tanh_cotangent_add
+    # (acc + ct * r) read no ans, so the cotangent of ans's tangent is zero; on 0.10.2
+    # every cotangent reads its tangent.
+    arity = derivatives._EXPRESSIONS[name][1]
     rng = np.random.default_rng(1)
     ans = np.tanh(rng.normal(size=5)).astype(np.float32)
-    primals = [ans] if arity == 1 else [rng.normal(size=5).astype(np.float32), ans, 1 - ans * ans]
+    linear = [rng.normal(size=5).astype(np.float32) for _ in range(arity - 2)]
+    primals = [ans] if arity == 1 else [*linear, ans, 1 - ans * ans]
     primal_p, _, cotangent_p = derivatives._SECOND[name]
     found = {}
     for mask in range(1, 2**arity):
@@ -117,6 +121,37 @@ def test_zero_results_are_the_cotangents_that_are_zero_on_the_running_jax(name):
         assert {i for i, c in enumerate(cts) if not np.any(np.asarray(c))} == zero
         found[mask] = zero
     if name != "tanh_residual" and jax.__version_info__ >= (0, 11):
-        assert found[(1 << arity) - 1] == {1}  # (ct or g, ans, r): ans's cotangent
+        assert found[(1 << arity) - 1] == {arity - 2}  # (..., ans, r): ans's cotangent
     else:
         assert found and not any(found.values())
+
+
+# tanh_cotangent_add(acc, ct, ans, r) onto a zero acc (%5) and of a zero ct (%6).
+FUSED = """\
+fcir.module @fused ir_version=1 placements=[]
+func @main(%0: f32[3]@server, %1: f32[3]@server) -> (f32[3]@server, f32[3]@server) {
+  .args ($0, $1)
+  .results ($0, $1)
+  %2: f32[3]@server = jax.sub %0, %0
+  %3: f32[3]@server = jax.tanh %1 {accuracy=none}
+  %4: f32[3]@server = jax.tanh_residual %3
+  %5: f32[3]@server = jax.tanh_cotangent_add %2, %0, %3, %4
+  %6: f32[3]@server = jax.tanh_cotangent_add %1, %2, %3, %4
+  return %5, %6
+}
+"""
+
+
+def test_a_cotangent_added_onto_a_zero_is_the_cotangent_alone_and_of_a_zero_nothing():
+    # As JAX's backward pass: onto an accumulator holding a symbolic zero it writes
+    # tanh_cotangent alone, and a zero cotangent it does not write.
+    module = fcir.parse(FUSED)
+    out = zeros.without_structural_zeros(module, x_minus_x)
+    fcir.check(out)
+    names = [op.name for _, op in walk(out.main.body)]
+    assert "jax.tanh_cotangent_add" not in names and names.count("jax.tanh_cotangent") == 1
+    alone = FUSED.replace("tanh_cotangent_add %2, %0", "tanh_cotangent %0")
+    alone = alone.replace("return %5, %6", "return %5, %1")
+    a, b = _args()[1][:2]
+    assert_bitwise(xla.compile(out)(a, b), xla.compile(fcir.parse(alone))(a, b))
+    assert_bitwise(reference.run(out, a, b), reference.run(module, a, b))
