@@ -37,7 +37,10 @@ import fcir
 from fcir.errors import FcirError
 
 HERE = pathlib.Path(__file__).resolve()
-EIGHT_DEVICES = Child(HERE, "FCIR_XLA_STREAMING_TESTS", "-rA", "-k", "mesh")
+# At -O0 (eight_devices.Child's fast_codegen) the streamed gradient of
+# test_mesh_every_stage_runs_under_set_mesh differs from the unstreamed one by a
+# relative 5e-3 (jax 0.10.2, measured): this child compiles as users do.
+EIGHT_DEVICES = Child(HERE, "FCIR_XLA_STREAMING_TESTS", "-rA", "-k", "mesh", fast_codegen=False)
 on_8_devices = EIGHT_DEVICES.on_8_devices
 in_main_process = EIGHT_DEVICES.in_main_process
 
