@@ -272,6 +272,7 @@ def _one(name, n=N, **kw):
     return lambda a: prog({"a": a, "b": jnp.zeros((n, 4), a.dtype) + a[:, :1, 0]})[name]["a"]
 
 
+@pytest.mark.slow  # 17 s for the four: finite differences (docs/contributing.md)
 @pytest.mark.parametrize("name", ["krum", "multi_krum", "bulyan", "geomed"])
 def test_gradients_match_finite_differences(name):
     a = jnp.asarray(np.random.default_rng(7).normal(size=(N, 3, 2)), jnp.float32)

@@ -244,6 +244,7 @@ def test_squared_norms_are_exact_64_bit_integers():
     assert got == [int(sum(int(a) ** 2 for a in row)) for row in q]
 
 
+@pytest.mark.slow  # 10 s: the clip compiled in four batchings (docs/contributing.md)
 def test_the_clip_is_the_same_in_every_batch_and_program():
     """The clip's norm is a fixed pairwise sum (a float decision XLA must not reorder):
     a client's encoding under jit in a batch of 8, of 3, with an elementwise producer
@@ -841,6 +842,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # 9 s: a two-device child process (docs/contributing.md)
 def test_on_a_two_device_mesh_streamed_or_not_the_bits_are_the_references(tmp_path):
     import os
     import subprocess
