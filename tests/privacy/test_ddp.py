@@ -308,6 +308,7 @@ def test_rounding_is_unbiased():
     assert np.all(np.abs(np.asarray(dec.mean(0)) - np.asarray(x[0])) < 5 * sem)
 
 
+@pytest.mark.slow  # 6 s: a statistical check; the calibration itself stays (docs/contributing.md)
 def test_sum_noise_has_std_noise_multiplier_times_clip():
     n, d = 20, 2048
     xs = jnp.zeros((n, d))
