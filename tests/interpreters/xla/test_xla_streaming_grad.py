@@ -174,6 +174,7 @@ def test_meta_gradient_through_a_scan_of_rounds_equals_the_unstreamed_one():
     assert_streamed_equal(got, want, exact=False, what="meta-gradient")
 
 
+@pytest.mark.slow  # 24 s for the two (docs/contributing.md)
 @pytest.mark.parametrize("op", [fcir.dp_sum, fcir.dp_mean], ids=["dp_sum", "dp_mean"])
 def test_dp_aggregates_stream_as_accumulated_clipped_sums(op):
     n = 8
@@ -210,6 +211,7 @@ def elementwise_ddp_round(n):
     return round_
 
 
+@pytest.mark.slow  # 13 s (docs/contributing.md)
 def test_ddp_streams_bit_for_bit_and_differentiates_like_unstreamed():
     n = 8
     p, (x, y) = model(), data(n)
