@@ -404,6 +404,7 @@ def test_the_reference_compiles_a_clients_encoding_once_not_op_by_op():
     assert not np.array_equal(a, b)  # other keys, other noise: it did run
 
 
+@pytest.mark.slow  # 4 s (docs/contributing.md)
 def test_raw_uint32_keys_work_too():
     fn = _program(False)
     w, keys, x = _args()
@@ -805,6 +806,7 @@ def test_rotation_signs_are_a_fixed_public_constant():
     assert abs(float(np.asarray(ddp._signs(4096)).mean())) < 0.05
 
 
+@pytest.mark.slow  # 4 s (docs/contributing.md)
 def test_ddp_inside_silos_releases_per_silo_bit_for_bit():
     """Under {"silos": 2, "clients": 3}, a ddp_sum inside the silo map sums each silo's
     clients; reference and XLA agree bit for bit and the accountant counts it once."""

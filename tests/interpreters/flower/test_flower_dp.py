@@ -210,6 +210,7 @@ def _between(module, k: int) -> float:
     return (lo + hi) / 2
 
 
+@pytest.mark.slow  # 5 s (docs/contributing.md)
 def test_max_epsilon_stops_before_the_round_that_would_pass_it(tmp_path, capsys):
     """num-server-rounds=6 max-epsilon between epsilon(3 rounds) and epsilon(4 rounds): the app runs
     3 rounds, says why it stops before round 4, and writes the 3 rounds' outputs."""
