@@ -461,6 +461,7 @@ def test_min_clients_is_kept_only_below_n_and_runs_alike_everywhere():
             with_min(bad)
 
 
+@pytest.mark.slow  # 6 s (docs/contributing.md)
 def test_gradient_treats_noise_and_rounding_as_constant():
     """The gradient is dp_mean's: that of the mean of the clipped members."""
 
