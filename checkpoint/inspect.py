@@ -101,11 +101,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         lay = layout.read_layout(directory)
         problems, verified = ([], 0) if args.no_verify else verify(directory, lay)
     except (CheckpointError, OSError) as e:
-        if getattr(args, "debug", False):
-            traceback.print_exc()
-        else:
-            print(f"fcir ckpt inspect: error: {e}", file=sys.stderr)
-        return 1
+        return _failed(args, e)
     if args.json:
         doc = {
             "directory": str(directory),
@@ -132,6 +128,16 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 1 if problems else 0
 
 
+def _failed(args: argparse.Namespace, error: Exception) -> int:
+    """Reports what failed while reading a checkpoint (the traceback with ``--debug``);
+    returns the exit status 1."""
+    if getattr(args, "debug", False):
+        traceback.print_exc()
+    else:
+        print(f"fcir ckpt inspect: error: {error}", file=sys.stderr)
+    return 1
+
+
 def _run_orbax(directory: storage.Location, args: argparse.Namespace, out: TextIO) -> int:
     """An Orbax checkpoint: its items and arrays; reads every array unless --no-verify."""
     try:
@@ -140,11 +146,7 @@ def _run_orbax(directory: storage.Location, args: argparse.Namespace, out: TextI
         if not args.no_verify:
             nbytes = orbax.read_all(directory)
     except CheckpointError as e:
-        if getattr(args, "debug", False):
-            traceback.print_exc()
-        else:
-            print(f"fcir ckpt inspect: error: {e}", file=sys.stderr)
-        return 1
+        return _failed(args, e)
     if args.json:
         doc = {
             "directory": str(directory),

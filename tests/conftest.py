@@ -149,10 +149,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 # Folders whose tests no JAX version changes: checkpoint I/O, CLI plumbing, Flower and
 # Ray deployments (the client work they ship is jax.export's, which the production export
-# tests run on every JAX). Every test under them is marked ``jax_independent``, and so is
-# any other file that says ``pytestmark = pytest.mark.jax_independent``; CI runs them on
-# the newest JAX only (.ci/run, docs/contributing.md).
-JAX_INDEPENDENT_FOLDERS = ("checkpoint", "cli", "interpreters/flower")
+# tests run on every JAX), the benchmark scripts' smoke runs (tests/bench: that a script
+# runs and writes its record; what it times is the backends', whose results the backend
+# tests pin on every JAX, and a benchmark is recorded on the newest). Every test under
+# them is marked ``jax_independent``, and so is any other file that says
+# ``pytestmark = pytest.mark.jax_independent``; CI runs them on the newest JAX only
+# (.ci/run, docs/contributing.md).
+JAX_INDEPENDENT_FOLDERS = ("bench", "checkpoint", "cli", "interpreters/flower")
 # Corpus programs that take a minute or more to compile or differentiate on this
 # machine's CPU: every test run on one of them (a parameter naming it) is ``slow``.
 SLOW_CORPUS_CASES = frozenset({"fedavg_transformer"})

@@ -5,9 +5,15 @@ JAX fixes the number of CPU devices when it starts, so a file whose tests need a
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and an environment flag the file
 reads (``inside(flag)``) to tell which process it is in.
 
-The file declares its child at module level, ``EIGHT_DEVICES = Child(__file__, FLAG)``,
-and its main-process test ``test_on_8_simulated_devices`` calls
-``EIGHT_DEVICES.result()``. Declared at import, the children of the selected files are
+The file declares its child and its waiting test at module level::
+
+    EIGHT_DEVICES = Child(__file__, FLAG)
+    on_8_devices = EIGHT_DEVICES.on_8_devices  # the mark of the tests that run there
+    test_on_8_simulated_devices = EIGHT_DEVICES.waiting_test()
+
+(the waiting test calls ``EIGHT_DEVICES.result()`` in the main process and skips in the
+child; a file that checks more of the child's output writes its own, marked
+``EIGHT_DEVICES.in_main_process``). Declared at import, the children of the selected files are
 started by conftest.py as soon as collection ends (``start_in_background``): a child
 spends its minutes compiling, mostly on one core, while this process runs the rest of the
 suite on the other; its test then only collects the outcome. They run one at a time (each
@@ -26,6 +32,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 TIMEOUT = 900  # seconds a test waits for its child
 _REPO = pathlib.Path(__file__).resolve().parent.parent  # where the children run
 
@@ -37,7 +45,8 @@ def inside(flag: str) -> bool:
 
 class Child:
     """The 8-device child of ``test_file``: pytest on that file with ``flag`` set and
-    ``pytest_args``; ``test`` is the name of the file's test that waits for it."""
+    ``pytest_args``; ``test`` is the name of the file's test that waits for it;
+    ``fast_codegen`` compiles there with LLVM at -O0 (see ``_run``)."""
 
     def __init__(
         self,
@@ -45,10 +54,12 @@ class Child:
         flag: str,
         *pytest_args: str,
         test: str = "test_on_8_simulated_devices",
+        fast_codegen: bool = True,
     ):
         self.path = pathlib.Path(test_file).resolve()
         self.flag = flag
         self.test = test
+        self.fast_codegen = fast_codegen
         self.cmd = [sys.executable, "-m", "pytest", str(self.path), "-q", "-p", "no:cacheprovider"]
         self.cmd += pytest_args
         self.inside = inside(flag)
@@ -60,9 +71,19 @@ class Child:
 
     def _run(self) -> None:
         env = dict(os.environ, **{self.flag: "1"})
-        env["XLA_FLAGS"] = (
-            env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-        ).strip()
+        flags = [env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
+        if self.fast_codegen:
+            # Cheaper CPU codegen (LLVM at -O0, as test_drjax.py's mesh run): a child
+            # compiles some sixty programs, and what its tests compare (fcir's program
+            # and jax.jit's, or the reference's, on the same mesh, compiled alike; the
+            # HLO, its partitioning and its flops) does not depend on how LLVM optimizes
+            # the kernels. Measured: test_xla_mesh.py's child 78 -> 61 s of CPU (jax
+            # 0.10.2), the same outcomes.
+            flags += [
+                "--xla_backend_optimization_level=0",
+                "--xla_llvm_disable_expensive_passes=true",
+            ]
+        env["XLA_FLAGS"] = " ".join(flags).strip()
         try:
             self._proc = subprocess.Popen(
                 self.cmd, env=env, cwd=_REPO, text=True,
@@ -76,6 +97,29 @@ class Child:
             self._error = f"{type(e).__name__}: {e}"
         finally:
             self._done.set()
+
+    @property
+    def on_8_devices(self) -> pytest.MarkDecorator:
+        """The mark of a test that runs in the child only (skipped in the main process)."""
+        return pytest.mark.skipif(not self.inside, reason=f"runs in {self.test}")
+
+    @property
+    def in_main_process(self) -> pytest.MarkDecorator:
+        """The mark of a test that runs in the main process only (skipped in the child)."""
+        return pytest.mark.skipif(self.inside, reason="runs in the main test process")
+
+    def waiting_test(self):
+        """The main-process test that waits for the child and fails with its output
+        unless every test there passed; bind it to the name ``self.test``."""
+
+        def test():
+            if self.inside:
+                pytest.skip("this is the 8-device process")
+            self.result()
+
+        test.__name__ = test.__qualname__ = self.test
+        test.__doc__ = f"Runs {self.path.name}'s 8-device tests in a child process."
+        return test
 
     @property
     def started(self) -> bool:

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.jax_independent  # the suite's own bookkeeping
+# The suite's own bookkeeping, no JAX; slow: fresh pytest processes, 13 s (docs/contributing.md).
+pytestmark = [pytest.mark.jax_independent, pytest.mark.slow]
 
 CONFTEST = pathlib.Path(__file__).parent / "conftest.py"
 

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.jax_independent  # the suite's own machinery, no JAX
+# The suite's own machinery, no JAX; slow: fresh pytest processes (docs/contributing.md).
+pytestmark = [pytest.mark.jax_independent, pytest.mark.slow]
 
 HERE = pathlib.Path(__file__).parent
 

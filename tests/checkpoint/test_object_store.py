@@ -263,6 +263,7 @@ def test_an_unreachable_endpoint_is_a_checkpoint_error(tmp_path, monkeypatch):
         checkpoint.restore("s3://bucket/ckpt")
 
 
+@pytest.mark.slow  # two processes (docs/contributing.md)
 def test_two_processes_write_their_own_objects_and_one_commits(url, s3_endpoint, devices, tmp_path):
     from ckpt_testing import free_port
     from s3_testing import child_s3_env

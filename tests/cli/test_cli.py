@@ -340,6 +340,7 @@ def test_usage_errors_exit_2(argv, capsys):
 # --- as a process ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 9 s: fresh processes (docs/contributing.md)
 def test_python_dash_m_fcir_cli(files):
     paths, _, _ = files
     runs = {

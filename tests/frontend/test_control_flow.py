@@ -348,6 +348,7 @@ def _server_lr_objective():
     return objective, (lr, w, m, x, y)
 
 
+@pytest.mark.slow  # 5 s (docs/contributing.md)
 def test_hessian_and_batched_gradients_wrt_the_server_learning_rate():
     # JAX's scan batching stacks the batched per-round client residuals with the batch
     # axis first (transposes of placed values at the server); the IR keeps them placed,

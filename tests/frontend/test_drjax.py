@@ -750,6 +750,7 @@ def test_mesh_passed_as_argument_matches(mesh_results):
     assert ours["clients_constraints"] > 0
 
 
+@pytest.mark.slow  # an 8-device process: left out of the fast tier
 def test_explicit_mesh_without_placement_axis(mesh_results):
     """DrJAX raises under jit; fcir.drjax runs with the member axis replicated, and says
     why when operands' member axes are sharded differently."""

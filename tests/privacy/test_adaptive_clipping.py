@@ -209,6 +209,7 @@ def test_the_digits_example_adapts_its_clip_at_the_float_mode_s_epsilon(tmp_path
     np.testing.assert_allclose(curves["epsilon"], want, rtol=1e-6)
 
 
+@pytest.mark.slow  # 6 s (docs/contributing.md)
 def test_distributed_adaptive_clipping_is_accounted_at_the_declared_z():
     """fcir.ddp_mean_adaptive: both releases calibrated so the accountant's noise
     multipliers compose to Z (ε at most, and within 1e-6 of, the Gaussian's); streamed

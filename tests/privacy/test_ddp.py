@@ -244,6 +244,7 @@ def test_squared_norms_are_exact_64_bit_integers():
     assert got == [int(sum(int(a) ** 2 for a in row)) for row in q]
 
 
+@pytest.mark.slow  # 10 s: the clip compiled in four batchings (docs/contributing.md)
 def test_the_clip_is_the_same_in_every_batch_and_program():
     """The clip's norm is a fixed pairwise sum (a float decision XLA must not reorder):
     a client's encoding under jit in a batch of 8, of 3, with an elementwise producer
@@ -307,6 +308,7 @@ def test_rounding_is_unbiased():
     assert np.all(np.abs(np.asarray(dec.mean(0)) - np.asarray(x[0])) < 5 * sem)
 
 
+@pytest.mark.slow  # 6 s: a statistical check; the calibration itself stays (docs/contributing.md)
 def test_sum_noise_has_std_noise_multiplier_times_clip():
     n, d = 20, 2048
     xs = jnp.zeros((n, d))
@@ -349,7 +351,10 @@ def _args(clients=5, seed=0):
     )
 
 
-@pytest.mark.parametrize("mean", [False, True], ids=["ddp_sum", "ddp_mean"])
+# ddp_mean is slow; ddp_sum stays in the fast tier (docs/contributing.md)
+@pytest.mark.parametrize(
+    "mean", [pytest.param(False, id="ddp_sum"), pytest.param(True, id="ddp_mean", marks=pytest.mark.slow)]
+)
 def test_reference_xla_and_jit_agree_bit_for_bit(mean):
     fn, args = _program(mean), _args()
     m = fcir.capture(fn, *args)
@@ -399,6 +404,7 @@ def test_the_reference_compiles_a_clients_encoding_once_not_op_by_op():
     assert not np.array_equal(a, b)  # other keys, other noise: it did run
 
 
+@pytest.mark.slow  # 4 s (docs/contributing.md)
 def test_raw_uint32_keys_work_too():
     fn = _program(False)
     w, keys, x = _args()
@@ -455,6 +461,7 @@ def test_min_clients_is_kept_only_below_n_and_runs_alike_everywhere():
             with_min(bad)
 
 
+@pytest.mark.slow  # 6 s (docs/contributing.md)
 def test_gradient_treats_noise_and_rounding_as_constant():
     """The gradient is dp_mean's: that of the mean of the clipped members."""
 
@@ -800,6 +807,7 @@ def test_rotation_signs_are_a_fixed_public_constant():
     assert abs(float(np.asarray(ddp._signs(4096)).mean())) < 0.05
 
 
+@pytest.mark.slow  # 4 s (docs/contributing.md)
 def test_ddp_inside_silos_releases_per_silo_bit_for_bit():
     """Under {"silos": 2, "clients": 3}, a ddp_sum inside the silo map sums each silo's
     clients; reference and XLA agree bit for bit and the accountant counts it once."""
@@ -841,6 +849,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # 9 s: a two-device child process (docs/contributing.md)
 def test_on_a_two_device_mesh_streamed_or_not_the_bits_are_the_references(tmp_path):
     import os
     import subprocess

@@ -80,6 +80,7 @@ def _through_bwd(_, g):
 _through.defvjp(_through_fwd, _through_bwd)
 
 
+@pytest.mark.slow  # 10 s: four transformations of a private round (docs/contributing.md)
 def test_jit_vmap_scan_bodies_and_custom_vjp_around_a_private_round_are_private():
     private_round = dp_round()
 
@@ -106,6 +107,7 @@ def test_jit_vmap_scan_bodies_and_custom_vjp_around_a_private_round_are_private(
     assert not fcir.capture(outer(jax.jit(dp_round(private=False))), W, KEY, X).private
 
 
+@pytest.mark.slow  # 11 s: a vmapped dp round on every backend (docs/contributing.md)
 def test_vmap_of_a_dp_round_over_server_models_checks_and_runs_like_jit():
     # The DP batching rule takes each model's slice of the client values inside a
     # fed.map (a slice at the server of client data is client-to-client communication).

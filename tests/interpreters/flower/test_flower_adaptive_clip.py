@@ -30,6 +30,7 @@ def adaptive_rounds(w, clip, r, key, x):
     return w + mean, clip, r + 1
 
 
+@pytest.mark.slow  # 9 s (docs/contributing.md)
 def test_the_bundle_and_a_flower_run_carry_the_reference_clip(tmp_path):
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.normal(size=(N, 4)) * np.array([[0.2], [1.0], [4.0]]), jnp.float32)

@@ -46,6 +46,7 @@ def _out(path):
         return f["arr_0"]
 
 
+@pytest.mark.slow  # 4 s (docs/contributing.md)
 def test_ddp_round_goes_through_secagg_plus_bit_for_bit(tmp_path):
     module, app, nodes, args = _setup(tmp_path)
     plan = rounds.plan_of(app)
@@ -92,6 +93,7 @@ def ddp_round_two_shares(w, r, seeds, x):
     return w + fcir.ddp_mean(upd, 1.0, 1.0, keys, bits=BITS, min_clients=2)
 
 
+@pytest.mark.slow  # 6 s (docs/contributing.md)
 def test_a_ddp_round_with_fewer_replies_than_min_clients_is_refused(tmp_path):
     """The plan states each exchange's min_replies (the ddp op's min_clients, the
     cardinality by default); the ServerApp refuses an exchange with fewer replies,

@@ -152,6 +152,7 @@ def test_dp_aggregates_end_phases_and_their_costs_compose(tmp_path):
     assert_trees_match(files.read_outputs(tmp_path / "o.npz"), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # 7 s (docs/contributing.md)
 def test_progress_lines_state_cumulative_epsilon_for_the_sampling_used(tmp_path, capsys):
     """fraction < 1 on a private app: each round Poisson-samples the online nodes with
     secret randomness (once per round) and its line states epsilon after r rounds with
@@ -209,6 +210,7 @@ def _between(module, k: int) -> float:
     return (lo + hi) / 2
 
 
+@pytest.mark.slow  # 5 s (docs/contributing.md)
 def test_max_epsilon_stops_before_the_round_that_would_pass_it(tmp_path, capsys):
     """num-server-rounds=6 max-epsilon between epsilon(3 rounds) and epsilon(4 rounds): the app runs
     3 rounds, says why it stops before round 4, and writes the 3 rounds' outputs."""
@@ -236,6 +238,7 @@ def test_max_epsilon_stops_before_the_round_that_would_pass_it(tmp_path, capsys)
     assert type(e.value).__name__ == "AppError"
 
 
+@pytest.mark.slow  # 7 s (docs/contributing.md)
 def test_a_resumed_run_keeps_spending_the_checkpointed_budget(tmp_path, capsys):
     """Two rounds checkpointed with their budget, then num-server-rounds=6 again: the resumed run
     counts the 2 rounds spent, so it runs round 3 only (from zero it would run 3 more),
@@ -309,6 +312,7 @@ def test_max_epsilon_on_a_training_program_loop_is_a_clear_error(tmp_path):
     assert type(e.value).__name__ == "AppError"
 
 
+@pytest.mark.slow  # 5 s (docs/contributing.md)
 def test_exact_mode_sends_grid_integers_and_releases_the_reference_s_lattice_points(tmp_path):
     """dp_mean(exact=True) (fcir.mechanisms.lattice): each node sends its clipped update
     rounded to the grid as int32, the ServerApp sums integers and releases k * gamma,

@@ -90,6 +90,7 @@ def drift(w, r, key, x):
     return w + fcir.dp_mean(upd, 1.0, 1.0, jax.random.fold_in(key, r)), r + 1
 
 
+@pytest.mark.slow  # 4 s (docs/contributing.md)
 def test_a_round_folding_its_state_fed_counter_draws_fresh_noise_each_round(tmp_path):
     w, r = jnp.zeros((3,), jnp.float32), jnp.int32(0)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(N, 4, 3)), jnp.float32)

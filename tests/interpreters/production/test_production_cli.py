@@ -124,6 +124,7 @@ def test_help(command, capsys):
     assert "Example: fcir" in text
 
 
+@pytest.mark.slow  # a fresh process (docs/contributing.md)
 def test_run_plan_in_a_fresh_process_without_the_source(tmp_path):
     """The bundle alone runs: copied away from the program, in a new process whose
     working directory and import path know nothing of the program's Python source."""

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
 from production import doc_runner
+
+# Runs the whole page (exports, bundles, run-plan): 8 s, like the examples (docs/contributing.md).
+pytestmark = pytest.mark.slow
 
 PAGE = pathlib.Path(__file__).resolve().parents[3] / "docs" / "production.md"
 

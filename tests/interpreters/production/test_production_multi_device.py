@@ -19,25 +19,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eight_devices import Child, inside
+from eight_devices import Child
 from fcir.interpreters import production, reference
 from fcir.interpreters.production import checks
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import fcir
 
-INSIDE = inside("FCIR_PRODUCTION_MULTI_DEVICE_TESTS")
-on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 HERE = pathlib.Path(__file__).resolve()
 EIGHT_DEVICES = Child(HERE, "FCIR_PRODUCTION_MULTI_DEVICE_TESTS")
+on_8_devices = EIGHT_DEVICES.on_8_devices
+test_on_8_simulated_devices = EIGHT_DEVICES.waiting_test()
 sys.path.insert(0, str(HERE.parent.parent / "reference"))
 from test_shard_map_regions import model_parallel_args, model_parallel_round  # noqa: E402
-
-
-def test_on_8_simulated_devices():
-    if INSIDE:
-        pytest.skip("this is the 8-device process")
-    EIGHT_DEVICES.result()
 
 
 def _constrained_round():

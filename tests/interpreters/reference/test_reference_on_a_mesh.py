@@ -19,23 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eight_devices import Child, inside
+from eight_devices import Child
 from fcir.interpreters import reference, xla
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from test_shard_map_regions import model_parallel_args, model_parallel_round
 
 import fcir
 
-INSIDE = inside("FCIR_REFERENCE_ON_A_MESH_TESTS")
-on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 EIGHT_DEVICES = Child(pathlib.Path(__file__).resolve(), "FCIR_REFERENCE_ON_A_MESH_TESTS")
+on_8_devices = EIGHT_DEVICES.on_8_devices
+test_on_8_simulated_devices = EIGHT_DEVICES.waiting_test()
 CLIENTS = 8
-
-
-def test_on_8_simulated_devices():
-    if INSIDE:
-        pytest.skip("this is the 8-device process")
-    EIGHT_DEVICES.result()
 
 
 def _local_step(w, x, y):

@@ -35,24 +35,18 @@ import numpy as np
 import pytest
 import test_xla_mesh as mesh_tests
 from corpus import case
-from eight_devices import Child, inside
+from eight_devices import Child
 from fcir.interpreters import xla
 from jax.sharding import AxisType, PartitionSpec
 
 import fcir
 from fcir.ir import walk
 
-INSIDE = inside("FCIR_XLA_EXPLICIT_MESH_TESTS")
-on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 HERE = pathlib.Path(__file__).resolve()
 EIGHT_DEVICES = Child(HERE, "FCIR_XLA_EXPLICIT_MESH_TESTS")
+INSIDE, on_8_devices = EIGHT_DEVICES.inside, EIGHT_DEVICES.on_8_devices
+test_on_8_simulated_devices = EIGHT_DEVICES.waiting_test()
 AXIS_TYPES = {"explicit": (AxisType.Explicit,), "auto": (AxisType.Auto,), "default": None}
-
-
-def test_on_8_simulated_devices():
-    if INSIDE:
-        pytest.skip("this is the 8-device process")
-    EIGHT_DEVICES.result()
 
 
 def _corpus(name):

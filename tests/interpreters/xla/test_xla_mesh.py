@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus import CASES, case
-from eight_devices import Child, inside
+from eight_devices import Child
 from fcir.interpreters import xla
 from jax.sharding import AxisType, PartitionSpec
 
@@ -30,21 +30,14 @@ import fcir
 from fcir.interpreter import Interpreter, impl
 from fcir.ir import walk
 
-INSIDE = inside("FCIR_XLA_MESH_TESTS")
-on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
-
 HERE = pathlib.Path(__file__).resolve()
 EIGHT_DEVICES = Child(HERE, "FCIR_XLA_MESH_TESTS")
+on_8_devices = EIGHT_DEVICES.on_8_devices
+test_on_8_simulated_devices = EIGHT_DEVICES.waiting_test()
 AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
 SKIP_CASES = {"fedavg_transformer"}  # minutes to compile
 WEAK_LITERALS = {"secure_histogram", "minmax_agg"}  # see test_xla.py
 NAMES = [c.name for c in CASES if c.name not in SKIP_CASES]
-
-
-def test_on_8_simulated_devices():
-    if INSIDE:
-        pytest.skip("this is the 8-device process")
-    EIGHT_DEVICES.result()
 
 
 # --- helpers (used inside the 8-device process) ------------------------------------------

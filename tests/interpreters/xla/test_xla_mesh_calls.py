@@ -20,22 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from eight_devices import Child, inside
+from eight_devices import Child
 from fcir.interpreters import xla
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import fcir
 
-INSIDE = inside("FCIR_XLA_MESH_CALLS_TESTS")
-on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
 EIGHT_DEVICES = Child(pathlib.Path(__file__).resolve(), "FCIR_XLA_MESH_CALLS_TESTS")
+on_8_devices = EIGHT_DEVICES.on_8_devices
+test_on_8_simulated_devices = EIGHT_DEVICES.waiting_test()
 CLIENTS = 8
-
-
-def test_on_8_simulated_devices():
-    if INSIDE:
-        pytest.skip("this is the 8-device process")
-    EIGHT_DEVICES.result()
 
 
 def _local_step(w, x, y):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from corpus import CASES, case
-from eight_devices import Child, inside
+from eight_devices import Child
 from fcir.interpreters import reference, xla
 from fcir.interpreters.xla import budget
 from fcir.interpreters.xla.interpreter import XlaInterpreter
@@ -36,11 +36,13 @@ from jax.sharding import PartitionSpec as PSpec
 import fcir
 from fcir.errors import FcirError
 
-INSIDE = inside("FCIR_XLA_STREAMING_TESTS")
-on_8_devices = pytest.mark.skipif(not INSIDE, reason="runs in test_on_8_simulated_devices")
-in_main_process = pytest.mark.skipif(INSIDE, reason="runs in the main test process")
 HERE = pathlib.Path(__file__).resolve()
-EIGHT_DEVICES = Child(HERE, "FCIR_XLA_STREAMING_TESTS", "-rA", "-k", "mesh")
+# At -O0 (eight_devices.Child's fast_codegen) the streamed gradient of
+# test_mesh_every_stage_runs_under_set_mesh differs from the unstreamed one by a
+# relative 5e-3 (jax 0.10.2, measured): this child compiles as users do.
+EIGHT_DEVICES = Child(HERE, "FCIR_XLA_STREAMING_TESTS", "-rA", "-k", "mesh", fast_codegen=False)
+on_8_devices = EIGHT_DEVICES.on_8_devices
+in_main_process = EIGHT_DEVICES.in_main_process
 
 FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 SLOW = {"fedavg_transformer"}
