@@ -1,5 +1,7 @@
 """Every ```python block in the README and docs/ runs. Blocks of one file run in order
-in one namespace, so a page can build on its earlier blocks."""
+in one namespace, so a page can build on its earlier blocks. A block fenced
+```python excerpt shows lines of a file at their place in it: the test of that file
+checks it is a verbatim excerpt (docs/flower_app.md's wrappers: test_flower_user_app.py)."""
 
 from __future__ import annotations
 

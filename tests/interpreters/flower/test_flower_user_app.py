@@ -229,7 +229,9 @@ def test_the_docs_page_shows_the_app_s_own_code():
     verbatim excerpt of the app that the tests here run."""
     page = DOCS.read_text()
     section = page.split("## Flower's wrappers", 1)[1].split("\n## ", 1)[0]
-    snippets = re.findall(r"```python\n(.*?)```", section, re.S)
+    # Marked ``python excerpt``: lines of the app at their place in it, which
+    # tests/examples/test_docs.py does not run on their own.
+    snippets = re.findall(r"```python excerpt\n(.*?)```", section, re.S)
     assert len(snippets) >= 2
     sources = "\n".join(p.read_text() for p in sorted((APP / "userapp").glob("*.py")))
     sources += (APP / "pyproject.toml").read_text()
