@@ -176,7 +176,14 @@ def test_flower_up_prints_how_to_run_and_stops_everything_on_ctrl_c_sigterm_and_
 
     root = tmp_path / "up"
     cmd = [sys.executable, "-m", "fcir.cli", "flower", "up", "--nodes", "2", "--dir", str(root)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # As from a terminal, where Ctrl-C reaches the child: a SIGINT that this process
+    # ignores (something run in it earlier may have left it so) would be ignored by the
+    # child too, which inherits an ignored signal across exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         lines = []
         for line in proc.stdout:

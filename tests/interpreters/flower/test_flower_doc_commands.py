@@ -149,10 +149,11 @@ def _current() -> str:
 
 def _short_tmp(tmp_path) -> pathlib.Path:
     """A TMPDIR for a command that puts its files there: short, since Ray's sockets go
-    under it and an AF_UNIX path has at most 107 bytes (pytest's tmp_path is too long)."""
+    under it and an AF_UNIX path has at most 107 bytes (pytest's tmp_path is too long,
+    and so is a TMPDIR of CI's own, /tmp/fcir-ci-leg2.XXXXXX: hence /tmp itself)."""
     import tempfile
 
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="fcir-doc-")).resolve()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="fd-", dir="/tmp" if os.path.isdir("/tmp") else None)).resolve()
     (tmp_path / "tmp").symlink_to(tmp)  # removed with tmp_path's; the folder itself:
     _CLEANUP.append(tmp)
     return tmp
