@@ -56,6 +56,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _record  # bench/, the script's own folder
 import jax
 import jaxlib
 import numpy as np
@@ -826,12 +827,7 @@ def run(args: argparse.Namespace) -> int:
         "first_restore": first,
         "load_average_at_end": os.getloadavg(),
     }
-    results = pathlib.Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = results / f"checkpoint-{'quick-' if args.quick else ''}{stamp}.json"
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    _record.write(args.results, "checkpoint", result, "quick" if args.quick else None)
     return 0
 
 
@@ -974,12 +970,7 @@ def run_first_restore(args: argparse.Namespace) -> int:
         "summary": summary,
         "load_average_at_end": os.getloadavg(),
     }
-    results = pathlib.Path(args.results)
-    results.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = results / f"checkpoint-first-{stamp}.json"
-    out.write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out}")
+    _record.write(args.results, "checkpoint-first", result)
     return 0
 
 
