@@ -2,7 +2,12 @@
 
 os.fsync, os.pwrite, os.open and os.rename are wrapped to log, in order, when each
 starts and returns (fsyncs made slow, so that overlap is visible); the commit is the
-rename of the temporary directory to the checkpoint's name.
+rename of the temporary directory to the checkpoint's name. Where the overlap is between
+files written by one thread, a sleep cannot show it on a loaded machine (the writer may
+finish every file before a fsync thread is scheduled), so there the wrappers hand off:
+the first write to a second file waits until a fsync has started, and the first fsync
+waits until another file is written; a save that does not overlap makes each wait time
+out (HANDOFF_SECONDS) and fails the test.
 """
 
 from __future__ import annotations
@@ -23,10 +28,16 @@ from fcir import checkpoint
 pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
 
+#: How long a hand-off waits for the other side before the save goes on without it.
+HANDOFF_SECONDS = 10.0
+
+
 class Log:
-    def __init__(self, monkeypatch, fsync_seconds: float) -> None:
+    def __init__(self, monkeypatch, fsync_seconds: float, handoff: bool = False) -> None:
         self.events: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._handoff = {"first write waits": handoff, "first fsync waits": handoff}
         real_fsync, real_pwrite, real_open, real_rename = os.fsync, os.pwrite, os.open, os.rename
 
         def name(fd: int) -> str:
@@ -37,14 +48,20 @@ class Log:
 
         def fsync(fd):
             who = name(fd)
-            self.add("fsync-start", who)
+            start = self.add("fsync-start", who)
             if os.path.isfile(f"/proc/self/fd/{fd}"):
+                if self._take("first fsync waits"):
+                    self._wait(lambda: any(k == "pwrite" and w != who for k, w in self.events[start:]))
                 time.sleep(fsync_seconds)
             real_fsync(fd)
             self.add("fsync-end", who)
 
         def pwrite(fd, data, offset):
-            self.add("pwrite", name(fd))
+            who = name(fd)
+            written = self.files("pwrite")
+            if written and who not in written and self._take("first write waits"):
+                self._wait(lambda: any(k == "fsync-start" for k, _ in self.events))
+            self.add("pwrite", who)
             return real_pwrite(fd, data, offset)
 
         def open_(path, flags, *args, **kwargs):
@@ -61,15 +78,29 @@ class Log:
         monkeypatch.setattr(os, "open", open_)
         monkeypatch.setattr(os, "rename", rename)
 
-    def add(self, kind: str, who: str) -> None:
-        with self._lock:
+    def add(self, kind: str, who: str) -> int:
+        """Logs an event; returns its index."""
+        with self._changed:
             self.events.append((kind, who))
+            self._changed.notify_all()
+            return len(self.events) - 1
+
+    def _take(self, handoff: str) -> bool:
+        """True the first time a hand-off is asked for (when hand-offs are on)."""
+        with self._lock:
+            on, self._handoff[handoff] = self._handoff[handoff], False
+            return on
+
+    def _wait(self, done) -> None:
+        with self._changed:
+            self._changed.wait_for(done, timeout=HANDOFF_SECONDS)
 
     def index(self, kind: str, who: str) -> int:
         return self.events.index((kind, who))
 
     def files(self, kind: str) -> set[str]:
-        return {w for k, w in self.events if k == kind}
+        with self._lock:
+            return {w for k, w in self.events if k == kind}
 
 
 def _tree(devices):
@@ -102,7 +133,7 @@ def test_the_layout_is_written_while_the_data_file_is_fsynced_and_the_rename_com
 def test_orbax_chunk_files_are_fsynced_while_later_ones_are_written(tmp_path, monkeypatch, devices):
     tree = _tree(devices)
     monkeypatch.setattr(parallel, "THREADS", 1)  # one writer: overlap needs the fsync workers
-    log = Log(monkeypatch, fsync_seconds=0.05)
+    log = Log(monkeypatch, fsync_seconds=0.05, handoff=True)
     checkpoint.save(tmp_path / "c", tree, format="orbax")
     monkeypatch.undo()
     events = log.events
