@@ -45,8 +45,8 @@ def inside(flag: str) -> bool:
 
 class Child:
     """The 8-device child of ``test_file``: pytest on that file with ``flag`` set and
-    ``pytest_args``; ``test`` is the name of the file's test that waits for it;
-    ``fast_codegen`` compiles there with LLVM at -O0 (see ``_run``)."""
+    ``pytest_args``; ``test`` is the name of the file's test that waits for it. The
+    child compiles with LLVM at -O0 (see ``_run``)."""
 
     def __init__(
         self,
@@ -54,12 +54,10 @@ class Child:
         flag: str,
         *pytest_args: str,
         test: str = "test_on_8_simulated_devices",
-        fast_codegen: bool = True,
     ):
         self.path = pathlib.Path(test_file).resolve()
         self.flag = flag
         self.test = test
-        self.fast_codegen = fast_codegen
         self.cmd = [sys.executable, "-m", "pytest", str(self.path), "-q", "-p", "no:cacheprovider"]
         self.cmd += pytest_args
         self.inside = inside(flag)
@@ -72,17 +70,13 @@ class Child:
     def _run(self) -> None:
         env = dict(os.environ, **{self.flag: "1"})
         flags = [env.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
-        if self.fast_codegen:
-            # Cheaper CPU codegen (LLVM at -O0, as test_drjax.py's mesh run): a child
-            # compiles some sixty programs, and what its tests compare (fcir's program
-            # and jax.jit's, or the reference's, on the same mesh, compiled alike; the
-            # HLO, its partitioning and its flops) does not depend on how LLVM optimizes
-            # the kernels. Measured: test_xla_mesh.py's child 78 -> 61 s of CPU (jax
-            # 0.10.2), the same outcomes.
-            flags += [
-                "--xla_backend_optimization_level=0",
-                "--xla_llvm_disable_expensive_passes=true",
-            ]
+        # Cheaper CPU codegen (LLVM at -O0, as test_drjax.py's mesh run): a child
+        # compiles some sixty programs, and what its tests compare (fcir's program
+        # and jax.jit's, or the reference's, on the same mesh, compiled alike; the
+        # HLO, its partitioning and its flops) does not depend on how LLVM optimizes
+        # the kernels. Measured: test_xla_mesh.py's child 78 -> 61 s of CPU (jax
+        # 0.10.2), the same outcomes.
+        flags += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
         env["XLA_FLAGS"] = " ".join(flags).strip()
         try:
             self._proc = subprocess.Popen(

@@ -8,14 +8,16 @@ meaning is its table entry. The families:
   :class:`Weighted`, ``weighted_mean``): a running sum in the accumulation dtype of the
   result dtype (f32 for f16/bf16, as the reference and ``jnp.sum``), finished once at
   the end (rounded, divided by the cohort or the weight sum, wrapped to the bitwidth);
-- :class:`Extremum`: ``fed.min`` / ``fed.max``, the running extremum and the count of
-  members at it (the gradient is shared among them, as ``jnp.min``'s is);
+- :class:`Extremum`: ``fed.min`` / ``fed.max``, the running extremum, the count of
+  members at it (the gradient is shared among them, as ``jnp.min``'s is) and the first
+  of them (where it is the only one, the gradient goes to it by its index);
 - :class:`Gaussian`: the central DP aggregates, each member clipped and summed, the
   noise drawn once at the end from the key that lives with the result;
 - ``streaming_ddp.Distributed``: the distributed DP aggregates.
 
 Every method takes the op (its operands, attributes and declared result types) and
-works on lists of arrays, one per *part* of the accumulator.
+works on lists of arrays, one per *part* of the accumulator. ``members`` (``step``,
+``part_cotangent``) holds the cohort indices of the chunk's ``k`` rows (int32).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class Accumulator:
     def contribution(self, op: Op, vals: dict, valid) -> list:
         raise NotImplementedError
 
-    def step(self, op: Op, acc: list, vals: dict, valid, n: int) -> list:
+    def step(self, op: Op, acc: list, vals: dict, valid, n: int, *, members=None) -> list:
         return [a + p for a, p in zip(acc, self.contribution(op, vals, valid))]
 
     def combine(self, op: Op, partial: list) -> list:
@@ -100,7 +102,7 @@ class Accumulator:
         """From the cotangents of the op's results (arrays, none symbolic)."""
         raise NotImplementedError
 
-    def part_cotangent(self, op: Op, seed: list, part: list, valid) -> list:
+    def part_cotangent(self, op: Op, seed: list, part: list, valid, *, members=None) -> list:
         return seed
 
 
@@ -194,15 +196,25 @@ class Weighted(Linear):
 
 
 class Extremum(Accumulator):
-    """``fed.min`` (``smallest=True``) or ``fed.max``: the running extremum and the
-    count of members at it, which shares the gradient among them."""
+    """``fed.min`` (``smallest=True``) or ``fed.max``: the running extremum, the count of
+    members at it, which shares the gradient among them, and the cohort index of the
+    first member at it.
+
+    The backward loop recomputes each chunk's values, and a recomputed value need not
+    have the forward's bits (XLA fuses and vectorizes the two programs differently:
+    measured at LLVM -O0, a member's value a few ulps off made ``x == extremum`` false
+    and dropped its whole gradient). So where one member is at the extremum (the usual
+    case) the gradient goes to it by its index; only ties are found by equality."""
+
+    #: The index part's value before any member is seen (no member has it).
+    NO_MEMBER = np.iinfo(np.int32).max
 
     def __init__(self, *, smallest: bool):
         self.smallest = smallest
         self.fold, self.reduce = (jnp.minimum, jnp.min) if smallest else (jnp.maximum, jnp.max)
 
     def parts(self, op):
-        return 2
+        return 3
 
     def identity(self, dtype):
         """The value a masked-out member contributes: leaves the extremum unchanged."""
@@ -216,13 +228,22 @@ class Extremum(Accumulator):
 
     def init(self, op, shapes, n):
         x = shapes[op.operands[0]]
-        dt = np.dtype(x.dtype)
-        return [jnp.full(x.shape[1:], self.identity(dt), dt), jnp.zeros(x.shape[1:], jnp.int32)]
+        dt, shape = np.dtype(x.dtype), x.shape[1:]
+        return [
+            jnp.full(shape, self.identity(dt), dt),
+            jnp.zeros(shape, jnp.int32),
+            jnp.full(shape, self.NO_MEMBER, jnp.int32),
+        ]
 
     def contribution(self, op, vals, valid):
         return [vals[op.operands[0]]]  # the members' values: the gradient picks among them
 
-    def step(self, op, acc, vals, valid, n):
+    def _first(self, at, members):
+        """Per element, the smallest index among the members where ``at``."""
+        idx = jnp.broadcast_to(members.reshape((-1,) + (1,) * (at.ndim - 1)), at.shape)
+        return jnp.min(jnp.where(at, idx, self.NO_MEMBER), axis=0)
+
+    def step(self, op, acc, vals, valid, n, *, members=None):
         x = vals[op.operands[0]]
         part = masked(x, valid, self.identity(x.dtype))
         m = self.reduce(part, axis=0)
@@ -230,25 +251,39 @@ class Extremum(Accumulator):
         if valid is not None:
             at = masked(at, valid, False)
         new = self.fold(acc[0], m)
-        count = jnp.where(acc[0] == new, acc[1], 0) + jnp.where(
-            m == new, jnp.sum(at, axis=0, dtype=jnp.int32), 0
+        kept, arrived = acc[0] == new, m == new
+        count = jnp.where(kept, acc[1], 0) + jnp.where(
+            arrived, jnp.sum(at, axis=0, dtype=jnp.int32), 0
         )
-        return [new, count]
+        first = jnp.minimum(
+            jnp.where(kept, acc[2], self.NO_MEMBER),
+            jnp.where(arrived, self._first(at, members), self.NO_MEMBER),
+        )
+        return [new, count, first]
 
     def combine(self, op, partial):
         m = self.reduce(partial[0], axis=0)
-        return [m, jnp.sum(jnp.where(partial[0] == m, partial[1], 0), axis=0, dtype=jnp.int32)]
+        at = partial[0] == m
+        return [
+            m,
+            jnp.sum(jnp.where(at, partial[1], 0), axis=0, dtype=jnp.int32),
+            jnp.min(jnp.where(at, partial[2], self.NO_MEMBER), axis=0),
+        ]
 
     def finish(self, op, acc, n, server):
         return [acc[0].astype(declared_dtype(op))]
 
     def seed(self, op, acc, cts, n):
-        return [acc[0], cts[0] / acc[1].astype(cts[0].dtype)]
+        return [acc[0], cts[0] / acc[1].astype(cts[0].dtype), acc[1], acc[2]]
 
-    def part_cotangent(self, op, seed, part, valid):
+    def part_cotangent(self, op, seed, part, valid, *, members=None):
         (x,) = part
-        at = (x == seed[0]) if valid is None else masked(x == seed[0], valid, False)
-        return [jnp.where(at, seed[1], jnp.zeros((), seed[1].dtype))]
+        extremum, share, count, first = seed
+        idx = jnp.broadcast_to(members.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
+        at = jnp.where(count == 1, idx == first, x == extremum)
+        if valid is not None:
+            at = masked(at, valid, False)
+        return [jnp.where(at, share, jnp.zeros((), share.dtype))]
 
 
 class Gaussian(Accumulator):
@@ -287,7 +322,7 @@ class Gaussian(Accumulator):
         clipped = [c.astype(P.accumulation_dtype(c.dtype)) for c in clipped]
         return [jnp.sum(masked(c, valid, 0), axis=0) for c in clipped]
 
-    def step(self, op, acc, vals, valid, n):
+    def step(self, op, acc, vals, valid, n, *, members=None):
         if "gamma" not in op.attrs:
             return super().step(op, acc, vals, valid, n)
         # Exact mode (fcir.mechanisms.lattice): integers, so any chunking sums the same.

@@ -540,7 +540,10 @@ class StreamingInterpreter(XlaInterpreter):
             devices = mesh.shape[axis]
 
             def local(batched, unbatched):
-                accs, bufs = self._stream_local(s, batched, unbatched, s.n // devices)
+                n = s.n // devices
+                accs, bufs = self._stream_local(
+                    s, batched, unbatched, n, offset=lax.axis_index(axis) * n
+                )
                 return [[a[None] for a in acc] for acc in accs], bufs
 
             # Each device returns its partial accumulators along the mesh axis; they are
@@ -601,8 +604,10 @@ class StreamingInterpreter(XlaInterpreter):
             devices = mesh.shape[axis]
 
             def local(batched, unbatched, seeds, buf_cts):
+                n = s.n // devices
                 ct_b, ct_u = self._backward_local(
-                    s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, s.n // devices
+                    s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, n,
+                    offset=lax.axis_index(axis) * n,
                 )
                 return ct_b, [c[None] for c in ct_u]
 
@@ -678,8 +683,9 @@ class StreamingInterpreter(XlaInterpreter):
 
         return values
 
-    def _stream_local(self, s: Stream, batched, unbatched, n: int):
-        """Loops over ``n`` local members in chunks; (accumulators, full-shape outputs)."""
+    def _stream_local(self, s: Stream, batched, unbatched, n: int, offset=0):
+        """Loops over ``n`` local members in chunks; (accumulators, full-shape outputs).
+        ``offset``: the cohort index of the first local member (a device's share)."""
         k = min(self.k, n)
         values = self._chunk_values(s, k)
         chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
@@ -690,8 +696,10 @@ class StreamingInterpreter(XlaInterpreter):
         def step(state, start, valid):
             accs, bufs = state
             vals = values([lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched], unbatched)
+            members = offset + start + jnp.arange(k, dtype=jnp.int32)
             accs = [
-                _accumulator(op).step(op, a, vals, valid, s.n) for op, a in zip(s.reductions, accs)
+                _accumulator(op).step(op, a, vals, valid, s.n, members=members)
+                for op, a in zip(s.reductions, accs)
             ]
             new_bufs = []
             for v, buf in zip(s.materialized, bufs):
@@ -729,10 +737,13 @@ class StreamingInterpreter(XlaInterpreter):
             outs.append(_by_passes(op).run(cls, op.attrs, n, shape, dtype, over_chunks))
         return outs
 
-    def _backward_local(self, s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, n):
-        """The reverse loop over ``n`` local members: each chunk's values recomputed
-        under ``jax.vjp``, pulled back with the chunk's share of the cotangents;
-        (cotangents of the differentiable batched inputs, of the unbatched ones)."""
+    def _backward_local(
+        self, s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, n, offset=0
+    ):
+        """The reverse loop over ``n`` local members (the first at cohort index
+        ``offset``): each chunk's values recomputed under ``jax.vjp``, pulled back with
+        the chunk's share of the cotangents; (cotangents of the differentiable batched
+        inputs, of the unbatched ones)."""
         k = min(self.k, n)
         values = self._chunk_values(s, k)
         mat_values = [s.materialized[j] for j in mats]
@@ -758,8 +769,11 @@ class StreamingInterpreter(XlaInterpreter):
                 [b_chunk[j] for j in diff_b],
                 [unbatched[j] for j in diff_u],
             )
+            members = offset + start + jnp.arange(k, dtype=jnp.int32)
             part_cts = [
-                None if seed is None else _accumulator(op).part_cotangent(op, seed, part, valid)
+                None
+                if seed is None
+                else _accumulator(op).part_cotangent(op, seed, part, valid, members=members)
                 for op, seed, part in zip(s.reductions, seeds, parts)
             ]
             mat_cts = [_mask(lax.dynamic_slice_in_dim(c, start, k, 0), valid) for c in buf_cts]

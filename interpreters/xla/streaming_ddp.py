@@ -35,7 +35,7 @@ class Distributed(Accumulator):
     def init(self, op, shapes, n):
         return [jnp.zeros((_params(op, shapes, n).padded_dim,), jnp.uint32)]
 
-    def step(self, op, acc, vals, valid, n):
+    def step(self, op, acc, vals, valid, n, *, members=None):
         p = _params(op, vals, n)
         leaves = [vals[v] for v in op.operands[:-1]]
         shares = ddp.encode_batch(leaves, vals[op.operands[-1]], p)
