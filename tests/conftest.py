@@ -118,9 +118,8 @@ def _xdist_worker(config) -> bool:
 # Flower node, a jax.distributed peer) inherits it, and one cache per process, so that
 # no entry is read while another process writes it (JAX writes entries in place).
 # The key covers the HLO, the compile options, XLA_FLAGS and the devices. A cache the
-# user set (JAX_COMPILATION_CACHE_DIR) is used as it is. Measured (2026-12-05, jax 0.12,
-# tests/interpreters/xla and tests/privacy's fast tier on two workers, two alternating
-# runs each): 172-173 CPU s with it, 193 without; the whole fast tier 4:01 (was 4:28).
+# user set (JAX_COMPILATION_CACHE_DIR) is used as it is. What it saves, measured: the
+# CI and fast-tier sections of docs/contributing.md.
 _OWN_JAX_CACHE: str | None = None
 
 
