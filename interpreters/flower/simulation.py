@@ -16,6 +16,11 @@ only above 98% host memory (``RAY_memory_usage_threshold``; its default, 95%, is
 reached on a shared machine by other people's processes). Environment variables of
 the same names override these.
 
+Ray gives its node 30 s to start (a constant in Ray); on a machine whose CPUs are busy
+with other work it can take longer, and the run then fails before any ClientApp exists.
+Such a run is started again on a fresh SuperLink, up to ``RAY_START_TRIES`` times in
+all, with a line saying so; any other failure is returned as it is.
+
 ``flwr run`` leaves nothing running here: the SuperLink (and the flwr-simulation and
 Ray processes under it) is stopped when the run ends, and every process whose
 environment names this simulation's ``FLWR_HOME`` is stopped by PID.
@@ -147,11 +152,11 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-
 def _declared_config(app: pathlib.Path) -> dict:
     """The run config keys an app's pyproject.toml declares ([tool.flwr.app.config])."""
     with open(app / "pyproject.toml", "rb") as f:
         return tomllib.load(f).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+
 
 # Run config keys whose value is a file or folder the ServerApp reads or writes.
 PATH_KEYS = ("output", "inputs", "metrics-file", "checkpoint-dir", "dataset")
@@ -226,21 +231,47 @@ def simulate(
         f"num-supernodes={nodes} client-resources-num-cpus=1 init-args-num-cpus={actors}"
     )
     root = pathlib.Path(root or tempfile.mkdtemp(prefix="fcir-simulate-")).resolve()
-    link = SimulationLink(root)
-    link.start()
-    try:
-        cmd = [
-            _bin("flwr"),
-            "run",
-            str(app),
-            FEDERATION,
-            "--stream",
-            "--federation-config",
-            federation_config,
-        ]
-        if config:
-            cmd += ["--run-config", config]
-        echo = None if echo is None else Quiet(echo)
-        return flwr_run(cmd, env_for(link.cli_home), FEDERATION, echo=echo, timeout=timeout)
-    finally:
-        link.stop()
+    cmd = [
+        _bin("flwr"),
+        "run",
+        str(app),
+        FEDERATION,
+        "--stream",
+        "--federation-config",
+        federation_config,
+    ]
+    if config:
+        cmd += ["--run-config", config]
+    echo = None if echo is None else Quiet(echo)
+    for attempt in range(1, RAY_START_TRIES + 1):
+        # Each try on a SuperLink of its own, in a folder of its own under ``root``.
+        home = root if attempt == 1 else root / f"try{attempt}"
+        link = SimulationLink(home)
+        link.start()
+        try:
+            result = flwr_run(cmd, env_for(link.cli_home), FEDERATION, echo=echo, timeout=timeout)
+        finally:
+            link.stop()
+        if result.ok or not ray_did_not_start(result) or attempt == RAY_START_TRIES:
+            return result
+        notice = (
+            f"fcir: Ray did not start within its 30 s (a busy machine?); no ClientApp "
+            f"ran, so the run starts again ({attempt + 1} of {RAY_START_TRIES})\n"
+        )
+        (echo or sys.stderr).write(notice)
+
+
+# How often ``simulate`` starts a run whose Ray did not come up (see ray_did_not_start).
+RAY_START_TRIES = 3
+
+# What Ray raises when its raylet has not registered within 30 s (a constant in Ray's
+# node.py): on a machine whose CPUs are busy with other work, Ray's own start-up is what
+# fails, before any ClientApp exists.
+_RAY_START_TIMEOUT = "The current node timed out during startup"
+
+
+def ray_did_not_start(result: RunResult) -> bool:
+    """Whether a failed run failed because Ray's node did not start in time: the
+    Simulation Engine then stops before it runs any ClientApp, so no round could have
+    finished and nothing was released; starting the run again is safe."""
+    return not result.ok and _RAY_START_TIMEOUT in result.log
