@@ -143,6 +143,42 @@ def pytest_configure(config):
     _use_own_jax_cache(config)
 
 
+# FCIR_TEST_CPU=FILE: each test's CPU seconds (its process's, and those of the processes
+# it started and waited for: CLIs, 8-device children, Flower's SuperLinks) and wall
+# seconds are appended to FILE, one line per test, by every pytest process. CI sets it
+# for each leg and prints tools/test_cpu.py's summary: the machine's two cores are busy
+# for the whole run, so CPU seconds, not a test's wall time, are what CI's time is made of.
+_CPU_LOG = os.environ.get("FCIR_TEST_CPU")
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN
+    )
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+    import time
+
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    line = f"{_cpu_seconds() - cpu:.2f}\t{time.monotonic() - wall:.2f}\t{item.nodeid}\n"
+    # One write of a short line to a file opened for appending: the processes' lines
+    # do not interleave.
+    fd = os.open(_CPU_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hooks: absent without it
 def pytest_configure_node(node):
     """Tells each xdist worker the distribution mode (a worker's own is "no")."""
