@@ -13,8 +13,8 @@ Sized for a small machine: Ray gets ``actors`` CPUs and each ClientApp one, so a
 ``actors`` ClientApps run at once (each a Ray worker process holding jax); Ray's
 object store takes 5% of memory instead of 30%, and its memory monitor kills workers
 only above 98% host memory (``RAY_memory_usage_threshold``; its default, 95%, is
-reached on a shared machine by other people's processes). Environment variables of
-the same names override these.
+reached on a shared machine by other people's processes); it starts no idle workers
+ahead of the actors. Environment variables of the same names override these.
 
 Ray gives its node 30 s to start (a constant in Ray); on a machine whose CPUs are busy
 with other work it can take longer, and the run then fails before any ClientApp exists.
@@ -50,6 +50,11 @@ RAY_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",
     # Ray's FutureWarning about a future default for accelerator env vars (no GPU here).
     "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    # Ray starts a Python worker per CPU ahead of the first task; Flower's actors ask for
+    # a runtime environment (PYTHONPATH) those workers were not started with, so none is
+    # ever used: two processes and ~2 CPU seconds per run for nothing (measured).
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 # Lines of a simulation's log that say nothing to an fcir user: Flower's notes on its
