@@ -109,38 +109,71 @@ def _xdist_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
-# Each pytest process of a session (a worker, or the one process without -n) compiles
-# through a JAX persistent compilation cache of its own, in a folder made for it and
-# removed at its end: many tests compile a computation another test of the process
-# already compiled (a corpus program's oracle, the same round in another file), which
-# jax.jit's in-memory cache does not see across function objects; the second compile
-# is then a read. Set through jax.config, so that no process a test starts (a CLI, a
-# Flower node, a jax.distributed peer) inherits it, and one cache per process, so that
-# no entry is read while another process writes it (JAX writes entries in place).
-# The key covers the HLO, the compile options, XLA_FLAGS and the devices. A cache the
-# user set (JAX_COMPILATION_CACHE_DIR) is used as it is. What it saves, measured: the
-# CI and fast-tier sections of docs/contributing.md.
-_OWN_JAX_CACHE: str | None = None
+# The pytest processes of a session (the workers under -n, or the one process without
+# it) compile through one JAX persistent compilation cache, in a folder the session
+# makes and removes at its end: many tests compile a computation another test already
+# compiled (a corpus program's oracle, the same round in another file, the reference
+# interpreter's one-primitive computations), which jax.jit's in-memory cache does not
+# see across function objects or processes; the second compile is then a read. Set
+# through jax.config, so that no process a test starts (a CLI, a Flower node, a
+# jax.distributed peer) inherits it. JAX writes an entry in place, so another worker
+# could read one half written: here each entry is written to a file of the worker's
+# own, then renamed into place (``_atomic_put``), so a reader finds a whole entry or
+# none. The key covers the HLO, the compile options, XLA_FLAGS and the devices, so
+# nothing compiled differently is shared. A cache the user set
+# (JAX_COMPILATION_CACHE_DIR) is used as it is. What it saves, measured: the CI and
+# fast-tier sections of docs/contributing.md.
+_SESSION_JAX_CACHE: str | None = None  # the folder this process made (and removes)
 
 
-def _use_own_jax_cache(config) -> None:
-    global _OWN_JAX_CACHE
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or (
-        getattr(config.option, "numprocesses", None) and not _xdist_worker(config)
-    ):
-        return  # the user's cache, or an xdist controller (it runs no test)
+def _atomic_put(self, key: str, value: bytes) -> None:
+    """jax's ``LRUCache.put`` (no eviction: tests set no size limit), writing the entry
+    to a temporary file and renaming it into place."""
+    from jax._src import lru_cache
+
+    if not key:
+        raise ValueError("key cannot be empty")
+    path = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+    if path.exists():
+        return
+    tmp = self.path / f".{key}.{os.getpid()}.tmp"
+    tmp.write_bytes(value)
+    os.replace(tmp, path)
+
+
+def _use_session_jax_cache(config) -> None:
+    global _SESSION_JAX_CACHE
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return  # the user's cache
     import tempfile
 
+    if _xdist_worker(config):
+        folder = config.workerinput.get("fcir_jax_cache")
+    else:
+        folder = _SESSION_JAX_CACHE = tempfile.mkdtemp(prefix="fcir-tests-jax-cache-")
+        if getattr(config.option, "numprocesses", None):
+            return  # an xdist controller: it runs no test, its workers use the folder
+    if not folder:
+        return
     import jax
 
-    _OWN_JAX_CACHE = tempfile.mkdtemp(prefix="fcir-tests-jax-cache-")
-    jax.config.update("jax_compilation_cache_dir", _OWN_JAX_CACHE)
+    try:
+        from jax._src import lru_cache
+
+        lru_cache.LRUCache.put, lru_cache._CACHE_SUFFIX  # noqa: B018 (what _atomic_put needs)
+    except (ImportError, AttributeError):
+        # A JAX whose cache is laid out otherwise: a folder of this process's own, which
+        # no other process reads.
+        folder = _SESSION_JAX_CACHE = tempfile.mkdtemp(prefix="fcir-tests-jax-cache-")
+    else:
+        lru_cache.LRUCache.put = _atomic_put
+    jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_configure(config):
-    _use_own_jax_cache(config)
+    _use_session_jax_cache(config)
 
 
 # FCIR_TEST_CPU=FILE: each test's CPU seconds (its process's, and those of the processes
@@ -183,6 +216,7 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_configure_node(node):
     """Tells each xdist worker the distribution mode (a worker's own is "no")."""
     node.workerinput["fcir_dist"] = node.config.getoption("dist")
+    node.workerinput["fcir_jax_cache"] = _SESSION_JAX_CACHE
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -328,7 +362,7 @@ def pytest_unconfigure(config):
 
     if "eight_devices" in sys.modules:
         sys.modules["eight_devices"].stop_background()
-    if _OWN_JAX_CACHE is not None:
+    if _SESSION_JAX_CACHE is not None:
         import shutil
 
-        shutil.rmtree(_OWN_JAX_CACHE, ignore_errors=True)
+        shutil.rmtree(_SESSION_JAX_CACHE, ignore_errors=True)
