@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os as _os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,13 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from fcir import jaxcompat as jc
 from fcir.errors import PlacementError
 from fcir.ir import is_name
-
-# Source locations (and filtered tracebacks) point at the user's code, not at fcir's
-# own frames, as JAX does for its internals.
-jc.source_info_util.register_exclusion(_os.path.dirname(_os.path.abspath(__file__)))
 
 __all__ = ["PRIVATE_SCOPE", "Placements", "program"]
 

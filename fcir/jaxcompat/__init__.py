@@ -28,6 +28,7 @@ What changed between the versions, and how it is handled:
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 from jax._src import ad_util, api_util, config, core, dtypes, named_sharding, source_info_util
@@ -82,6 +83,16 @@ __all__ = [
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
+
+# An op's source location (``fcir show --locations``) and an error's "at file.py:12" are
+# JAX's innermost user frame of the traceback it records when a primitive is bound.
+# A fed op binds its primitive inside fcir (``fcir/fed/mean.py``), so every frame of
+# the fcir package is excluded, as JAX excludes its own: the frame found is then the
+# user's line that called the op, as it already is for local ops. The separator keeps
+# a sibling folder whose name starts with ``fcir`` a user's.
+source_info_util.register_exclusion(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+)
 
 # 0.12 merged ClosedJaxpr into Jaxpr (a Jaxpr carries its constants).
 _MERGED = not hasattr(core, "ClosedJaxpr")

@@ -221,3 +221,30 @@ def test_capture_error_names_the_source_line_without_locations():
     # The module of a successful capture stays without locations (text and goldens).
     ok = fcir.capture(_round, jnp.zeros(3), jnp.ones((N, 3)))
     assert all(op.location == "" or op.location is None for op in ok.main.body.ops)
+
+
+def test_every_op_is_located_at_the_user_s_line_that_called_it():
+    """A fed op binds its primitive inside fcir (fcir/fed/), a local op inside JAX: both
+    are located at the user's line that called them, not at fcir's own."""
+    import inspect
+
+    @fcir.program(placements={"clients": N})
+    def rnd(w, x):
+        at_clients = fcir.broadcast(w)
+        updates = fcir.map_fn(lambda w, x: w + x, (at_clients, x))
+        total = fcir.reduce_sum(updates)
+        return fcir.reduce_mean(updates) * total
+
+    first = inspect.getsourcelines(rnd)[1]  # the decorator's line
+    module = fcir.capture(rnd, jnp.zeros(3), jnp.ones((N, 3)), locations=True)
+    got = {op.name: op.location for op in module.main.body.ops}
+    here = "test_capture_errors.py"
+    assert got == {
+        "fed.broadcast": f"{here}:{first + 2}",
+        "fed.map": f"{here}:{first + 3}",
+        "fed.sum": f"{here}:{first + 4}",
+        "fed.mean": f"{here}:{first + 5}",
+        "jax.mul": f"{here}:{first + 5}",
+    }, got
+    member = [op for op in module.main.body.ops if op.name == "fed.map"][0].regions[0].ops
+    assert [op.location for op in member if op.name == "jax.add"] == [f"{here}:{first + 3}"]
