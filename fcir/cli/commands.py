@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import pathlib
 import sys
 
@@ -347,6 +348,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # What is still buffered goes out here, inside the handler below, rather
+            # than in the interpreter's own flush at exit.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _reader_left() -> int:
+    """The reader of the output left before its end (``fcir diff A B | head``): exit 1
+    with no traceback and no message, as Python's documentation recommends (its
+    "Note on SIGPIPE"). Standard output goes to /dev/null, so that the interpreter's
+    flush at exit does not fail on the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 1
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Errors name the command as typed, `fcir ckpt inspect`, as its usage errors do: a
@@ -369,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        raise  # the reader left: main's handler
     except Exception as e:  # user code failed while being traced or run: no traceback
         if args.debug:
             raise

@@ -149,6 +149,27 @@ def test_diff_exit_codes(files, capsys):
     assert code == 1
 
 
+@pytest.mark.parametrize("argv", [["diff", "fcir", "other"], ["show", "fcir"], ["--help"]],
+                         ids=["diff", "show", "help"])
+def test_output_cut_by_a_pipe_ends_quietly(files, capsys, monkeypatch, argv):
+    """``fcir diff A B | head``: the reader closes the pipe before the output ends. Every
+    command (and the help) then exits 1 with nothing on stderr, and leaves nothing
+    unwritten for the interpreter's flush at exit to fail on."""
+    paths, _, _ = files
+    read, write = os.pipe()
+    os.close(read)  # the reader has left
+    stdout = open(write, "w")  # noqa: SIM115 (closed below)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    try:
+        code = cli.main([str(paths.get(a, a)) for a in argv])
+        stdout.write("more\n")
+        stdout.flush()  # what the interpreter does at exit: not a BrokenPipeError
+    finally:
+        stdout.close()
+    assert code == 1
+    assert capsys.readouterr().err == ""
+
+
 # --- run ------------------------------------------------------------------------------------
 
 
