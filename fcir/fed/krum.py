@@ -30,6 +30,7 @@ import numpy as np
 
 from fcir.frontend import autodiff as AD
 from fcir.frontend import primitives as P
+from fcir.frontend.sharding import gather_members
 from fcir.ir.types import TensorType
 
 from .base import Reduction, public
@@ -170,7 +171,9 @@ def define_selection(cls, impl):
 
     def lower(x, *, placement, n, **attrs):
         del placement
-        return impl(x, n=n, **attrs)
+        # On Explicit mesh axes the member axis is typed as sharded, and the distances'
+        # lax.map refuses to scan over it: the whole op runs on the gathered members.
+        return impl(gather_members(x), n=n, **attrs)
 
     prim = P.define_primitive(
         f"fed_{cls.name.removeprefix('fed.')}", lower, abstract_eval, unrolled_batch(lambda: prim)

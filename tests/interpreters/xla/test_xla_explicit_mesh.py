@@ -16,7 +16,8 @@ bitwise ``jax.jit`` on that mesh with its flops, directly or inside a nested ``j
 
 Order statistics (``fed.median``, ``fed.trimmed_mean``) sort over the member axis, which
 Explicit axes type as sharded, and JAX refuses such a sort: they gather the members
-first (``fcir.frontend.sharding.gather_members``).
+first (``fcir.frontend.sharding.gather_members``). So do the robust selections (Krum,
+Multi-Krum, Bulyan), whose distances scan over the members with ``lax.map``.
 
 JAX fixes the number of CPU devices when it starts, so ``test_on_8_simulated_devices``
 runs the other tests of this file in a fresh process with 8 simulated devices (as
@@ -266,3 +267,31 @@ def test_robust_agg_on_its_explicit_mesh_is_bitwise_jit_with_its_flops(grad):
     _, compiled = mesh_tests.jit_on_mesh(fn, mesh, args)
     mesh_tests.assert_bitwise(exe(*args), compiled(*args))
     assert mesh_tests.flops(exe.compiled(*args)) == mesh_tests.flops(compiled)
+
+
+# --- the robust selections over members, under Explicit axes -----------------------------
+
+
+@fcir.program(placements={"clients": 8})
+def robust_selections(x):
+    return {
+        "krum": fcir.reduce_krum(x, 1),
+        "multi_krum": fcir.reduce_multi_krum(x, 1, 3),
+        "bulyan": fcir.reduce_bulyan(x, 1),
+    }
+
+
+@on_8_devices
+def test_krum_multi_krum_and_bulyan_run_on_an_explicit_mesh_as_without_one():
+    # Was: "0th dimension of all xs should be replicated. Got P('clients', None)", from
+    # the distances' lax.map over members split over 'clients' by the placed argument.
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(8, 5)), jnp.float32)
+    module = fcir.capture(robust_selections, x)
+    want = xla.compile(module)(x)
+    for types in [(AxisType.Explicit,), (AxisType.Auto,)]:
+        mesh = jax.make_mesh((8,), ("clients",), axis_types=types)
+        exe = xla.compile(module, mesh=mesh)
+        (placed,) = mesh_tests.placed_args(exe, (x,))
+        mesh_tests.assert_bitwise(exe(placed), want)
+        _, compiled = mesh_tests.jit_on_mesh(robust_selections, mesh, (placed,))
+        mesh_tests.assert_bitwise(compiled(placed), want)
