@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +178,8 @@ def test_the_device_loop_runs_every_round_in_one_program_without_the_host(
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     (run,) = xpop._SCANS[uniform_exe].values()  # one compiled loop, reused
     idx, _ = cohorts.plan(0, 3)
-    text = str(jax.make_jaxpr(run)(jnp.zeros(2), population.data, population.counts, idx,
+    slabs = [xpop._slab(x) for x in jax.tree.leaves(population.data)]
+    text = str(jax.make_jaxpr(run)(jnp.zeros(2), slabs, population.counts, idx,
                                    np.arange(3, dtype=np.int32), None))  # fmt: skip
     assert text.count(" scan[") == 1 and "length=3" in text
 
@@ -230,24 +232,68 @@ def test_metrics_are_stacked_per_round_and_streaming_runs_the_same_cohorts(popul
     np.testing.assert_allclose(np.asarray(streamed), np.asarray(w), rtol=1e-6)
 
 
-def test_the_next_cohort_is_put_while_the_round_runs(population, uniform_exe, monkeypatch):
-    """Round r is dispatched, then cohort r+1 is gathered and put, then round r is
-    waited for: never more than one cohort ahead."""
-    events = []
-    gather, call, block = Cohorts.gather, type(uniform_exe).__call__, jax.block_until_ready
-    monkeypatch.setattr(Cohorts, "gather", lambda self, r: events.append(("gather", r)) or gather(self, r))
-    monkeypatch.setattr(type(uniform_exe), "__call__",
-                        lambda self, *a: events.append(("dispatch",)) or call(self, *a))
-    monkeypatch.setattr(xpop.jax, "block_until_ready", lambda x: events.append(("wait",)) or block(x))
+def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
+    population, uniform_exe, monkeypatch
+):
+    """The next cohorts are gathered and put by the feed thread while rounds run; a
+    round is dispatched before the one ahead of it has finished, and is waited for
+    (then its callback runs) one dispatch later; never more than DEPTH cohorts exist,
+    whose host arrays are reused in turn."""
+    events, lock = [], threading.Lock()
+    take, call, block = Cohorts.take, type(uniform_exe).__call__, jax.block_until_ready
+    live = {"now": 0, "most": 0}
+    host_arrays = set()
+
+    def log(*e):
+        with lock:
+            events.append((threading.current_thread() is threading.main_thread(), *e))
+
+    def take_logged(self, idx, valid, out=None):
+        if out is None:  # by_hand's gather, below
+            return take(self, idx, valid)
+        live["now"] += 1
+        live["most"] = max(live["most"], live["now"])
+        host_arrays.add(id(jax.tree.leaves(out)[0]))
+        log("gather")
+        return take(self, idx, valid, out=out)
+
+    def done(self, _release=xpop._Feed.done):
+        live["now"] -= 1
+        _release(self)
+
+    monkeypatch.setattr(Cohorts, "take", take_logged)
+    monkeypatch.setattr(xpop._Feed, "done", done)
+    monkeypatch.setattr(type(uniform_exe), "__call__", lambda self, *a: log("dispatch") or call(self, *a))
+    monkeypatch.setattr(xpop.jax, "block_until_ready", lambda x: log("wait") or block(x))
     cohorts = population.uniform(K, seed=3)
-    xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 3, loop="host",
-                 callback=lambda r, w, m: events.append(("done", r)))  # fmt: skip
-    assert events == [
-        ("gather", 0),
-        ("dispatch",), ("gather", 1), ("wait",), ("done", 0),
-        ("dispatch",), ("gather", 2), ("wait",), ("done", 1),
-        ("dispatch",), ("wait",), ("done", 2),
-    ]  # fmt: skip
+    w, _ = xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 6, loop="host",
+                        callback=lambda r, w, m: log("done", r))  # fmt: skip
+    main = [e[1:] for e in events if e[0]]
+    assert main == [("dispatch",), ("dispatch",), ("wait",), ("done", 0),
+                    ("dispatch",), ("wait",), ("done", 1), ("dispatch",), ("wait",), ("done", 2),
+                    ("dispatch",), ("wait",), ("done", 3), ("dispatch",), ("wait",), ("done", 4),
+                    ("wait",), ("done", 5)]  # fmt: skip
+    assert all(e[1:] == ("gather",) for e in events if not e[0])
+    assert sum(1 for e in events if not e[0]) == 6
+    assert live["most"] <= xpop.DEPTH and len(host_arrays) <= xpop.DEPTH < 6
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(by_hand(uniform_exe, jnp.zeros(2), cohorts, 0, 6)))
+
+
+def test_an_error_in_the_feed_or_a_callback_ends_the_run_and_its_thread(population, uniform_exe):
+    cohorts = population.uniform(K, seed=3)
+
+    def stop(r, w, m):
+        if r == 1:
+            raise KeyboardInterrupt("stop")
+
+    before = threading.active_count()
+    with pytest.raises(KeyboardInterrupt):
+        xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 5, loop="host", callback=stop)
+    poisson = population.poisson(0.9, seed=0, max_size=3)  # rounds over 3 members raise
+    module = fcir.capture(make_round(3), jnp.zeros(2), *population.uniform(3).gather(0))
+    with pytest.raises(fcir.PopulationError, match="more than the cohort's fixed size"):
+        xla.simulate(module, jnp.zeros(2), poisson, 2, loop="host")
+    assert threading.active_count() == before
 
 
 def test_auto_keeps_a_population_over_the_device_budget_on_the_host(

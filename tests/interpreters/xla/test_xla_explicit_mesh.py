@@ -295,3 +295,37 @@ def test_krum_multi_krum_and_bulyan_run_on_an_explicit_mesh_as_without_one():
         mesh_tests.assert_bitwise(exe(placed), want)
         _, compiled = mesh_tests.jit_on_mesh(robust_selections, mesh, (placed,))
         mesh_tests.assert_bitwise(compiled(placed), want)
+
+
+@on_8_devices
+@pytest.mark.parametrize("axes", ["explicit", "auto"])
+def test_simulate_runs_both_loops_on_a_mesh_as_the_rounds_by_hand(axes):
+    """``xla.simulate(..., mesh=)``: the device loop keeps the population replicated on
+    the mesh and gathers each cohort there, the host loop puts each cohort laid out as
+    the round's arguments; both give the rounds run one by one, and results that
+    differentiate outside ``jax.set_mesh`` as the executable's own do."""
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(2, 9, 40)
+    clients = [(rng.normal(size=(n, 3)).astype(np.float32),) for n in sizes]
+    cohorts = fcir.Population.from_clients(clients).uniform(8, seed=0)
+
+    @fcir.program(placements={"clients": 8})
+    def fedavg(w, data, counts):
+        def client(w, x, n):
+            mask = (jnp.arange(x.shape[0]) < n)[:, None]
+            return jnp.sum(x * mask, 0) / jnp.maximum(n, 1.0) - w
+
+        deltas = fcir.map_fn(client, (fcir.broadcast(w), *data, counts))
+        return w + 0.5 * fcir.reduce_weighted_mean(deltas, counts), fcir.reduce_sum(counts)
+
+    mesh = jax.make_mesh((8,), ("clients",), axis_types=AXIS_TYPES[axes])
+    exe = xla.compile(fcir.capture(fedavg, jnp.zeros(3), *cohorts.specs()), mesh=mesh)
+    w = jnp.zeros(3)
+    for r in range(3):
+        w, _ = exe(w, *cohorts.gather(r))
+    for loop in ("host", "device"):
+        got, totals = xla.simulate(exe, jnp.zeros(3), cohorts, 3, loop=loop)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-6, atol=1e-7)
+        want = [sum(sizes[i] for i in cohorts.indices(r)[0]) for r in range(3)]
+        np.testing.assert_array_equal(np.asarray(totals), want)
+        jax.grad(lambda v: jnp.sum(v * got))(jnp.ones(3))  # outside any jax.set_mesh
