@@ -328,4 +328,4 @@ def test_simulate_runs_both_loops_on_a_mesh_as_the_rounds_by_hand(axes):
         np.testing.assert_allclose(np.asarray(got), np.asarray(w), rtol=1e-6, atol=1e-7)
         want = [sum(sizes[i] for i in cohorts.indices(r)[0]) for r in range(3)]
         np.testing.assert_array_equal(np.asarray(totals), want)
-        jax.grad(lambda v: jnp.sum(v * got))(jnp.ones(3))  # outside any jax.set_mesh
+        jax.grad(lambda v, got=got: jnp.sum(v * got))(jnp.ones(3))  # outside jax.set_mesh
