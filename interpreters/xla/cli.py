@@ -31,7 +31,15 @@ def _say_chosen_k(exe) -> None:
     s = getattr(exe, "streaming", None)
     if not s or s.get("mode") != "auto":
         return
-    tried = ", ".join(f"k={k}: {int(b):,} B" for k, b in s.get("candidates", {}).items())
-    print(f"clients-per-step auto: k={s['clients_per_step']} members per step and device "
-          f"(predicted peak {int(s['predicted_peak_bytes']):,} B of a "
-          f"{int(s['memory_limit_bytes']):,} B limit; tried {tried})", file=sys.stderr)
+    tried = [f"k={k}: {int(b):,} B" for k, b in s.get("candidates", {}).items()]
+    tried += [
+        f"k={k}: out of memory" + ("" if b is None else f" ({int(b):,} B asked)")
+        for k, b in s.get("out_of_memory", {}).items()
+    ]
+    tried = ", ".join(tried)
+    print(
+        f"clients-per-step auto: k={s['clients_per_step']} members per step and device "
+        f"(predicted peak {int(s['predicted_peak_bytes']):,} B of a "
+        f"{int(s['memory_limit_bytes']):,} B limit; tried {tried})",
+        file=sys.stderr,
+    )

@@ -1,14 +1,17 @@
-"""What one round of a program costs: XLA's cost analysis and a per-placement report.
+"""What one round of a program costs: flops counted from the HLO, and a per-placement report.
 
 ``cost_report(exe)`` (``exe.cost()``) returns a JSON-serializable dict:
 
 - ``flops``, ``bytes_accessed``, ``transcendentals``: XLA's cost analysis of the
-  compiled executable (``Compiled.cost_analysis()``); on a mesh that is the SPMD
-  partitioned program, i.e. per device (``xla_scope``). ``xla`` holds every number
-  XLA reported and ``hlo_flops`` the flops of the HLO before XLA's optimizations.
+  compiled executable (``Compiled.cost_analysis()``, what the platform's compiler says
+  of the optimized program); on a mesh that is the SPMD partitioned program, i.e. per
+  device (``xla_scope``). ``xla`` holds every number XLA reported.
+- ``hlo_flops``: the flops of the HLO before XLA's optimizations, each loop body once,
+  counted by :mod:`.hlo_flops` from the HLO text (the rules of XLA's own analysis, which
+  JAX runs on CPU only: counted so, the report is the same on every platform).
 - ``server.flops``: the server's own work (local ops at the top level, the
-  aggregations), from the cost analysis of ``main`` lowered alone with every
-  ``fed.map`` replaced by zeros of its result types.
+  aggregations), counted from ``main`` lowered alone with every ``fed.map`` replaced by
+  zeros of its result types.
 - ``placements``: one entry per placement, outermost first, with ``members`` (how
   many members it has in all, e.g. silos × clients per silo), ``flops_per_member``
   (each ``fed.map`` region at that placement lowered alone with ``jax.jit`` for one
@@ -17,15 +20,26 @@
   ``bytes_aggregated_per_member`` (bytes each member contributes to reductions) and
   the totals over all members. Bytes come from the IR types of the federated ops'
   operands and results (dtype size × elements), so they are exact for any program.
+- ``flops_per_call``: the server's flops plus every member's, every loop iteration
+  counted; with ``timing`` (below), ``flops_per_second``: ``flops_per_call`` over the
+  median seconds of a timed call.
 
 A round is one call of ``main``. A federated op inside a ``scan`` counts ``length``
 times; inside a ``while`` loop once (the trip count is not static) and inside a
-``cond`` once per branch, each with a note in ``notes``. Region flops are from the
-HLO before optimization, so ``flops_accounted`` (the server's, plus each member region
-vmapped over its members as the program runs it, loop bodies once) compares with
-``hlo_flops``. ``flops_per_member`` is what one member computes alone: it includes work
-no member's data reaches (a client's ``1 / batch_size``), which the vmapped program
-does once for all members.
+``cond`` once per branch, each with a note in ``notes``. Local loops count every
+iteration where the HLO's loop has a static trip count (a ``scan``, a ``fori_loop``;
+:mod:`.hlo_flops`), else once, with a note. ``flops_accounted`` (the server's, plus each
+member region vmapped over its members as the program runs it, loop bodies once)
+compares with ``hlo_flops``. ``flops_per_member`` is what one member computes alone: it
+includes work no member's data reaches (a client's ``1 / batch_size``), which the
+vmapped program does once for all members.
+
+Timing: ``exe.timed(*args)`` calls the program, waits for its results and records the
+wall seconds of the call (the first call of an argument signature is run once untimed
+before, so that compiling is not timed); ``exe.cost(*args)`` for the same argument
+types then adds ``timing`` (the calls timed, their median and fastest seconds) and
+``flops_per_second``. An ordinary ``exe(*args)`` is never timed: it returns before the
+device has finished, and blocking it would cost every caller the overlap.
 """
 
 from __future__ import annotations
@@ -43,8 +57,9 @@ from fcir.ir.types import runtime_type
 from fcir.privacy import format_round_cost, round_cost
 from fcir.report.traffic import call_unit, transfers
 
-__all__ = ["cost_report", "format_cost"]
+from . import hlo_flops
 
+__all__ = ["cost_report", "format_cost"]
 
 
 def cost_report(exe, *args) -> dict:
@@ -52,7 +67,7 @@ def cost_report(exe, *args) -> dict:
     abstract parameter specs)."""
     module = exe.module
     xla = _cost_dict(exe.compiled(*args).cost_analysis())
-    hlo = _cost_dict(exe.lower(*args).cost_analysis())
+    hlo = hlo_flops.count(exe.lower(*args).as_text("hlo"))
     devices = 1 if exe.mesh is None else int(exe.mesh.devices.size)
 
     levels = _levels(module)
@@ -89,7 +104,7 @@ def cost_report(exe, *args) -> dict:
         "flops": xla.get("flops", 0.0),
         "bytes_accessed": xla.get("bytes accessed", 0.0),
         "transcendentals": xla.get("transcendentals", 0.0),
-        "hlo_flops": hlo.get("flops", 0.0),
+        "hlo_flops": hlo.flops_loops_once,
         "xla": xla,
         "server": {"flops": server_flops},
         "placements": [lv.as_dict() for lv in levels.values()],
@@ -98,6 +113,15 @@ def cost_report(exe, *args) -> dict:
         "unit": call_unit(module),
         "notes": notes,
     }
+    if hlo.unknown_trip_counts:
+        notes.append(
+            f"{hlo.unknown_trip_counts} while loop(s) whose trip count depends on the data "
+            "are counted once per call"
+        )
+    timing = exe.timing(*args) if hasattr(exe, "timing") else None
+    if timing is not None:
+        report["timing"] = timing
+        report["flops_per_second"] = per_call / timing["median_seconds"]
     if getattr(exe, "streaming", None) is not None:  # xla.compile(..., clients_per_step=)
         report["streaming"] = {**exe.streaming, "memory": memory_stats(exe.compiled(*args))}
     privacy = round_cost(module)
@@ -184,8 +208,7 @@ def _visit(module, region: Region, times: float, once: float, levels, maps, note
             _visit_control_flow(module, op, times, once, levels, maps, notes)
 
 
-def _visit_control_flow(module, op: Op, times: float, once: float, levels, maps,
-                        notes) -> None:
+def _visit_control_flow(module, op: Op, times: float, once: float, levels, maps, notes) -> None:
     name = op.name.removeprefix("jax.")
     if name == "scan":
         times *= scan_length(op)
@@ -224,54 +247,33 @@ def _zeros(t):
 
 class _Flops:
     """Flops of one execution of a region (one member, or the server), not counting
-    nested fed.map regions: XLA's cost analysis of the region lowered alone, which
-    counts each loop body once, plus ``length - 1`` more runs of each ``jax.scan`` body
-    (nested scans likewise). ``loops_once=True``: XLA's count alone."""
+    nested fed.map regions: the HLO of the region lowered alone, counted by
+    :mod:`.hlo_flops`, every iteration of its loops (``loops_once=True``: each loop
+    body once, as XLA counts)."""
 
     def __init__(self, module: Module):
         self.module = module
-        self.cache: dict[tuple[int, bool], float] = {}
+        self.cache: dict[tuple[int, int | None], hlo_flops.HloCount] = {}
 
     def own(self, region: Region, loops_once: bool = False) -> float:
-        key = (id(region), loops_once)
-        if key not in self.cache:
-            flops = self.xla(region)
-            if not loops_once:
-                flops += self.more_iterations(region)
-            self.cache[key] = flops
-        return self.cache[key]
-
-    def more_iterations(self, region: Region) -> float:
-        extra = 0.0
-        for op in region.ops:
-            if F.op_class(op) is F.Map or not op.regions:
-                continue  # member regions are costed on their own
-            if op.name == "jax.scan" and isinstance(op.attrs.get("length"), int):
-                body = op.regions[0]
-                length = op.attrs["length"]
-                extra += (length - 1) * self.xla(body) + length * self.more_iterations(body)
-            else:  # while (trip count unknown: once), cond, calls
-                extra += sum(self.more_iterations(sub) for sub in op.regions)
-        return extra
-
-    def xla(self, region: Region) -> float:
-        key = (id(region), None)
-        if key not in self.cache:
-            self.cache[key] = _xla_flops(self.module, region)
-        return self.cache[key]
+        counted = self._count(region, None)
+        return counted.flops_loops_once if loops_once else counted.flops
 
     def vmapped(self, region: Region, members: int) -> float:
-        """XLA's count (loop bodies once) of a member region run for ``members`` members
+        """The count (loop bodies once) of a member region run for ``members`` members
         at once, as the program runs it: vmapped, so what no member's data reaches runs
         once."""
+        return self._count(region, members).flops_loops_once
+
+    def _count(self, region: Region, members: int | None) -> hlo_flops.HloCount:
         key = (id(region), members)
         if key not in self.cache:
-            self.cache[key] = _xla_flops(self.module, region, members)
+            self.cache[key] = _region_flops(self.module, region, members)
         return self.cache[key]
 
 
-def _xla_flops(module: Module, region: Region, members: int | None = None) -> float:
-    """XLA's flops for one execution of ``region`` lowered alone (fed.maps as zeros), or
+def _region_flops(module: Module, region: Region, members: int | None) -> hlo_flops.HloCount:
+    """The HLO count of one execution of ``region`` lowered alone (fed.maps as zeros), or
     with ``members``: of the region vmapped over that many members."""
     interp = _OwnWork()
     interp.module = module
@@ -285,7 +287,7 @@ def _xla_flops(module: Module, region: Region, members: int | None = None) -> fl
         return interp.run_region(region, leaves)
 
     fn = own if members is None else jax.vmap(own, axis_size=members)
-    return _cost_dict(jax.jit(fn).lower(*specs).cost_analysis()).get("flops", 0.0)
+    return hlo_flops.count(jax.jit(fn).lower(*specs).as_text("hlo"))
 
 
 def _cost_dict(analysis) -> dict:
@@ -370,6 +372,12 @@ def format_cost(cost: dict) -> str:
             f"  flops accounted for: {_num(cost['flops_accounted'])} of "
             f"{_num(cost['hlo_flops'])} in the unoptimized HLO, both counting each loop "
             f"body once as XLA does; with every iteration (the table): {_num(per_call)}"
+        )
+    timing = cost.get("timing")
+    if timing:
+        lines.append(
+            f"  timed: {timing['calls']} call(s), median {timing['median_seconds'] * 1e3:,.3f} ms"
+            f": {cost['flops_per_second'] / 1e12:,.3f} TFLOP/s (flops per call / median)"
         )
     lines.extend(f"  note: {n}" for n in cost.get("notes", []))
     stream = cost.get("streaming")

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -106,6 +108,8 @@ class Executable:
         # (flat argument index, op) of the fed.ddp_* ops whose keys are an argument: the
         # one place the members' keys are concrete (inside jit they are traced).
         self._ddp_keys = dp_keys.ddp_key_arguments(module)
+        # Wall seconds of the calls made through timed(), per argument types.
+        self._timings: dict[tuple, list[float]] = {}
 
     def __repr__(self) -> str:
         where = "1 device" if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
@@ -327,6 +331,40 @@ class Executable:
         if dialect == "optimized_hlo":
             return self.compiled(*args, **kwargs).as_text()
         return self.lower(*args, **kwargs).as_text(dialect)
+
+    def timed(self, *args, **kwargs):
+        """``self(*args)``, waited for (``jax.block_until_ready``), its wall seconds
+        recorded for :meth:`cost` (``timing``, ``flops_per_second``). The first timed
+        call of an argument signature runs the program once untimed before, so that
+        compiling it is not timed."""
+        key = self._timing_key(args, kwargs)
+        if key not in self._timings:
+            jax.block_until_ready(self(*args, **kwargs))
+            self._timings[key] = []
+        start = time.perf_counter()
+        out = jax.block_until_ready(self(*args, **kwargs))
+        self._timings[key].append(time.perf_counter() - start)
+        return out
+
+    def timing(self, *args, **kwargs) -> dict | None:
+        """The calls :meth:`timed` timed with arguments of these types (or of
+        :attr:`in_specs`' types): their count, median and fastest seconds; None if none."""
+        seconds = self._timings.get(self._timing_key(args, kwargs))
+        if not seconds:
+            return None
+        return {
+            "calls": len(seconds),
+            "median_seconds": statistics.median(seconds),
+            "min_seconds": min(seconds),
+        }
+
+    def _timing_key(self, args, kwargs) -> tuple:
+        if kwargs:
+            args = (self._keywords(args, kwargs, "timed"),)
+        leaves = jax.tree_util.tree_leaves(args) if args else self.in_specs
+        return tuple(
+            (tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves
+        )
 
     def cost(self, *args, **kwargs) -> dict:
         """XLA's cost analysis and the per-round communication and compute report for
