@@ -8,6 +8,7 @@ from fcir.errors import (
     FcirError,
     InterpreterError,
     IRTypeError,
+    LearningError,
     ParseError,
     PlacementError,
     PopulationError,

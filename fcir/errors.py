@@ -54,6 +54,11 @@ class PopulationError(FcirError):
     """A population, its cohorts' sampling, or a simulation over them is malformed."""
 
 
+class LearningError(FcirError):
+    """An ``fcir.learning`` algorithm, aggregator or round got an argument out of its
+    range (the message names the argument and the range), or data of the wrong shape."""
+
+
 # Packages whose frames are never the user's line: fcir (its backends import as
 # fcir.interpreters), JAX, and numpy (np.mean(x) of a traced x fails in numpy's code).
 _NOT_USER = ("fcir", "jax", "jaxlib", "numpy")
