@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from fcir.checkpoint import keypaths, layout, orbax, parallel, reader, shardings, storage
-from fcir.checkpoint.progress import Progress
+from fcir.checkpoint.progress_bar import Progress
 from google.protobuf import json_format
 
 from fcir._proto import checkpoint_pb2 as pb

@@ -33,7 +33,7 @@ from typing import Self
 import numpy as np
 from fcir.checkpoint import checksums, shardings
 from fcir.checkpoint.layout import dtype_from_name
-from fcir.checkpoint.progress import Progress
+from fcir.checkpoint.progress_bar import Progress
 from fcir.checkpoint.shardings import Box
 from fcir.checkpoint.storage import ObjectStore
 

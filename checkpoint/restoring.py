@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from fcir.checkpoint import keypaths, orbax, parallel, reader, shardings, storage, targets
 from fcir.checkpoint.layout import dtype_from_name, read_layout
-from fcir.checkpoint.progress import Progress
+from fcir.checkpoint.progress_bar import Progress
 
 from fcir._proto import checkpoint_pb2 as pb
 from fcir.errors import CheckpointError

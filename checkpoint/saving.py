@@ -41,7 +41,7 @@ from fcir.checkpoint import (
     writer,
 )
 from fcir.checkpoint.coordination import Coordinator
-from fcir.checkpoint.progress import Progress
+from fcir.checkpoint.progress_bar import Progress
 
 from fcir._proto import checkpoint_pb2 as pb
 from fcir.errors import CheckpointError

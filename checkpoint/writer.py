@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from fcir.checkpoint import checksums, parallel
-from fcir.checkpoint.progress import Progress
+from fcir.checkpoint.progress_bar import Progress
 from fcir.checkpoint.reader import aligned_empty
 from fcir.checkpoint.storage import ObjectStore
 

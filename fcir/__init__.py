@@ -2,6 +2,8 @@
 
 from fcir import fed as _fed  # every fed op's module: its primitive and JAX rules
 from fcir import privacy
+from fcir.base_interpreter import Interpreter, impl
+from fcir.checker.check import check, verify
 from fcir.errors import (
     CheckpointError,
     ExportError,
@@ -18,11 +20,9 @@ from fcir.errors import (
 )
 from fcir.frontend.capture import capture
 from fcir.frontend.evaluation import evaluation
-from fcir.frontend.program import program
-from fcir.interpreter import Interpreter, impl
 from fcir.ir import IR_VERSION, Module
-from fcir.ir.check import check, verify
 from fcir.ir.text import parse
+from fcir.opkit.placement import program
 from fcir.population import Cohorts, Population
 from fcir.version import __version__
 

@@ -2,7 +2,7 @@
 
 ``program``, ``broadcast``, ``map_fn``, ``reduce_sum``, ``reduce_mean`` and
 ``reduce_weighted_mean`` take DrJAX's arguments, raise DrJAX's errors and lay values out
-on a mesh by DrJAX's rules (see ``fcir.frontend.sharding``). Programs written against this module
+on a mesh by DrJAX's rules (see ``fcir.opkit.sharding``). Programs written against this module
 bind fcir's primitives, so they capture into the fcir IR like ``fcir.program`` code.
 
 Nothing global is patched: DrJAX swaps this module's functions while a program runs,
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from fcir.errors import PlacementError
 from fcir.fed import FUNCTIONS as _FED
-from fcir.frontend import program as _api
-from fcir.frontend import sharding as _sharding
+from fcir.opkit import placement as _api
+from fcir.opkit import sharding as _sharding
 
 __all__ = [
     "OperatorUndefinedError",

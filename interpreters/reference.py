@@ -14,23 +14,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from fcir import fed as F
+from fcir.base_interpreter import Interpreter, impl, is_placed
+from fcir.checker.check import check
 from fcir.errors import InterpreterError
 from fcir.fed.dp_sum import exact_params
 from fcir.frontend import jaxpr_cache as captured
-from fcir.frontend.primitives import (
+from fcir.ir import Module, Op, walk
+from fcir.ir.control_flow import scan_axis
+from fcir.ir.types import runtime_type
+from fcir.mechanisms import ddgauss as ddp
+from fcir.mechanisms import lattice
+from fcir.opkit.primitives import (
     accumulation_dtype,
     clip_member,
     dp_noise,
     mean_result_dtype,
     sum_result_dtype,
 )
-from fcir.interpreter import Interpreter, impl, is_placed
-from fcir.ir import Module, Op, walk
-from fcir.ir.check import check
-from fcir.ir.control_flow import scan_axis
-from fcir.ir.types import runtime_type
-from fcir.mechanisms import ddgauss as ddp
-from fcir.mechanisms import lattice
 from fcir.privacy import keys as dp_keys
 
 

@@ -14,6 +14,7 @@ import os
 import pathlib
 import sys
 
+from fcir.checker.check import verify
 from fcir.cli import plugins
 from fcir.errors import FcirError, user_location
 from fcir.frontend.capture import capture_unchecked
@@ -25,7 +26,6 @@ from fcir.frontend.loading import (
     load_module_and_names,
     load_python_target,
 )
-from fcir.ir.check import verify
 from fcir.privacy import format_round_cost, round_cost
 from fcir.report import dot
 

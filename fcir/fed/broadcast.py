@@ -13,12 +13,12 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from fcir.errors import PlacementError
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
-from fcir.frontend import sharding
 from fcir.ir.types import PlacedType
 from fcir.jaxcompat import core
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
+from fcir.opkit import sharding
 
 from .base import FedOp, arity, public
 

@@ -17,11 +17,11 @@ import jax
 import numpy as np
 
 from fcir.errors import PlacementError
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
 from fcir.ir.types import PlacedType, TensorType
 from fcir.mechanisms import ddgauss as ddp
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
 
 from .base import FedOp, public
 from .dp_sum import DpSum, check_leaves_then_key, define_dp, dp_jvp, float_members

@@ -43,9 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fcir.errors import PlacementError
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
 from fcir.mechanisms import ddgauss
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
 
 from .base import public
 from .broadcast import broadcast

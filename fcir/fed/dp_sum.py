@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fcir.errors import IRTypeError, PlacementError
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
 from fcir.ir.types import TensorType
 from fcir.jaxcompat import batching, core, mlir
 from fcir.jaxcompat import core as _core
 from fcir.mechanisms import lattice
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
 
 from .base import FedOp, public
 from .map import member_map, member_slices

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
 from fcir.ir.types import TensorType
+from fcir.opkit import autodiff as AD
+from fcir.opkit import primitives as P
 
 from .base import Reduction, public
 from .broadcast import broadcast_p

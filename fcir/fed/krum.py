@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend.sharding import gather_members
 from fcir.ir.types import TensorType
+from fcir.opkit import autodiff as AD
+from fcir.opkit import primitives as P
+from fcir.opkit.sharding import gather_members
 
 from .base import Reduction, public
 from .broadcast import broadcast_p
@@ -276,7 +276,7 @@ def flatten_members(x, what: str):
     import jax
     import jax.numpy as jnp
 
-    from fcir.frontend.program import _check_placed, _current
+    from fcir.opkit.placement import _check_placed, _current
 
     frame = _current(what)
     name, n = frame.child(what)

@@ -30,10 +30,6 @@ from jax.sharding import PartitionSpec
 
 from fcir import jaxcompat as jc
 from fcir.errors import PlacementError
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
-from fcir.frontend import sharding
 from fcir.ir.types import PlacedType
 from fcir.jaxcompat import (
     ad,
@@ -47,6 +43,10 @@ from fcir.jaxcompat import (
     split_list,
     weakref_lru_cache,
 )
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
+from fcir.opkit import sharding
 
 from .base import FedOp, public
 from .broadcast import broadcast_p

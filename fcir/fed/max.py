@@ -7,9 +7,9 @@ import functools
 
 import jax.numpy as jnp
 
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
 
 from .base import Reduction, public
 from .min import chooser_jvp

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_from_name, dtype_name
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
 
 from .base import Reduction, public
 from .broadcast import broadcast_like

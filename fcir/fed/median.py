@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
 
 from .base import Reduction, public
 from .trimmed_mean import (

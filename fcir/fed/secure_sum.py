@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fcir.errors import PlacementError
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
 from fcir.ir.types import TensorType, dtype_name
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
 
 from .base import Reduction, public
 

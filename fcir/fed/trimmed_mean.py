@@ -30,11 +30,11 @@ from __future__ import annotations
 import numpy as np
 
 from fcir.errors import PlacementError
-from fcir.frontend import autodiff as AD
-from fcir.frontend import primitives as P
-from fcir.frontend import program as api
-from fcir.frontend.sharding import gather_members
 from fcir.ir.types import TensorType, dtype_name
+from fcir.opkit import autodiff as AD
+from fcir.opkit import placement as api
+from fcir.opkit import primitives as P
+from fcir.opkit.sharding import gather_members
 
 from .base import Reduction, public
 from .broadcast import broadcast_like

@@ -21,15 +21,14 @@ import numpy as np
 
 from fcir import gcpause
 from fcir import jaxcompat as jc
+from fcir.checker.check import check
 from fcir.errors import FcirError, IRTypeError, PlacementError, UnsupportedError, user_location
 from fcir.fed import Broadcast, Map, by_primitive
 from fcir.frontend import jaxpr_cache as captured
 from fcir.frontend import pytrees
-from fcir.frontend.program import PRIVATE_SCOPE
 from fcir.ir import Func, Module, Op, Region, Value, canonical, is_name, sanitize_name
 from fcir.ir import attrs as A
 from fcir.ir import control_flow as CF
-from fcir.ir.check import check
 from fcir.ir.elementwise import LAYOUT, PER_MEMBER
 from fcir.ir.types import (
     SERVER,
@@ -41,6 +40,7 @@ from fcir.ir.types import (
     tensor_of,
 )
 from fcir.jaxcompat import core, derivatives, scan_outputs, schema, source_info_util
+from fcir.opkit.placement import PRIVATE_SCOPE
 
 # Primitives applied member by member (fcir.ir.elementwise): on values placed at one
 # placement they stay per-member computations, so capture keeps the placement.

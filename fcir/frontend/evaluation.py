@@ -23,7 +23,7 @@ from fcir.errors import PlacementError
 from fcir.fed.broadcast import broadcast
 from fcir.fed.map import map_fn
 from fcir.fed.weighted_mean import reduce_weighted_mean
-from fcir.frontend.program import program as fcir_program
+from fcir.opkit.placement import program as fcir_program
 
 __all__ = ["evaluation", "num_examples"]
 

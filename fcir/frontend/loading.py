@@ -17,9 +17,9 @@ import sys
 
 import jax
 
+from fcir.base_interpreter import as_input
 from fcir.errors import FcirError, ParseError
 from fcir.frontend.capture import capture
-from fcir.interpreter import as_input
 from fcir.ir import Module
 from fcir.ir.text import _Parser, parse, parse_located
 from fcir.ir.types import dtype_name, runtime_type
@@ -397,7 +397,7 @@ def load_inputs(path: str, module=None, names: list[str] | None = None) -> list:
     in ``jax.tree_util`` flatten order (what ``np.savez(path, *leaves)`` writes). An
     error names each missing or unexpected array and lists the leaves the program
     takes (with no ``module``: every ``arr_i`` the file holds, which must be
-    contiguous). Leaves are converted as ``jax.jit`` would (``fcir.interpreter.as_input``:
+    contiguous). Leaves are converted as ``jax.jit`` would (``fcir.base_interpreter.as_input``:
     float64 -> float32), with a note on stderr for each one converted naming the
     argument it is (by ``names``, the function's positional parameters, when given)."""
     import re

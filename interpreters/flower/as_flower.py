@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from fcir.interpreter import Interpreter
+from fcir.base_interpreter import Interpreter
 from fcir.ir import Func, Module
 
 from ..production.splitting import split

@@ -32,9 +32,9 @@ import jax
 import numpy as np
 
 import fcir
+from fcir.base_interpreter import as_input
 from fcir.errors import FcirError
 from fcir.frontend import pytrees
-from fcir.interpreter import as_input
 from fcir.ir import Module
 from fcir.ir.types import dtype_name, runtime_type
 

@@ -11,10 +11,10 @@ ops to parts; the structural ones are found here first.
 from __future__ import annotations
 
 from fcir import fed as F
+from fcir.checker.check import verify
 from fcir.errors import ExportError
 from fcir.ir import Module, Op, describe, value_numbering, walk
 from fcir.ir.attrs import Record
-from fcir.ir.check import verify
 from fcir.ir.control_flow import is_placed
 
 # Reasons, quoted in messages and named in tests.

@@ -3,7 +3,7 @@ what a DistributeAggregateForm round runs where.
 
 One DP op becomes
 
-* a ``fed.map`` that clips each client's pytree (``fcir.frontend.primitives.clip_member``):
+* a ``fed.map`` that clips each client's pytree (``fcir.opkit.primitives.clip_member``):
   client_work;
 * one ``fed.sum`` per leaf: client_to_server_aggregation, as ``federated_sum``;
 * server ops drawing ``noise_multiplier * clip_norm * normal(fold_in(key, i))`` per leaf,
@@ -26,14 +26,14 @@ import jax
 
 import fcir
 from fcir import fed as F
+from fcir.checker.check import check
 from fcir.errors import ExportError
 from fcir.fed.dp_sum import exact_params
 from fcir.frontend.capture import capture
-from fcir.frontend.primitives import clip_member, dp_noise
 from fcir.ir import Func, Module, Op, Region, Value, walk
-from fcir.ir.check import check
 from fcir.ir.types import runtime_type
 from fcir.mechanisms import lattice
+from fcir.opkit.primitives import clip_member, dp_noise
 from fcir.privacy import round_cost
 
 from .ddp import mechanism

@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from fcir import jaxcompat as jc
+from fcir.base_interpreter import Interpreter
 from fcir.errors import ExportError
-from fcir.interpreter import Interpreter
 from fcir.ir import Func, Module
 from fcir.ir.types import runtime_type
 from fcir.jaxcompat import config

@@ -49,10 +49,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from fcir import fed as F
-from fcir.frontend.primitives import mean_result_dtype
 from fcir.ir import Func, Module, Op, Region, Value, value_numbering
 from fcir.ir.elementwise import LAYOUT
 from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, dtype_bits, dtype_name
+from fcir.opkit.primitives import mean_result_dtype
 
 from . import checks, ddp, dp
 from .rewrite import clone_op, clone_region, member_type, named, prune, shift, splice, tensor

@@ -18,7 +18,7 @@ its JAX meaning by binding the op's primitive. Run under ``jax.jit`` tracing, it
 rebuilds the captured jaxpr, so ``xla.compile(fcir.capture(f, *args))(*args)`` is
 bitwise what ``jax.jit(f)(*args)`` computes, with the same HLO and the same flops.
 :class:`XlaInterpreter` overrides two ops, ``fed.broadcast`` and ``fed.map``, to add
-the sharding constraints of ``fcir.frontend.sharding`` when a mesh is given; every other op
+the sharding constraints of ``fcir.opkit.sharding`` when a mesh is given; every other op
 falls back to the base class. That is the pattern for any backend that maps the IR
 onto JAX (``interpreter.py``); :mod:`.executable` wraps it in ``jax.jit`` and
 :mod:`.cost` reads XLA's cost analysis, per program and per fed.map region. Without a
@@ -31,7 +31,7 @@ JAX's own trace does not (a second-order derivative op's cotangent under JAX 0.1
 
 Streaming (``clients_per_step``): :mod:`.streaming` plans each ``fed.map`` with the
 reductions it feeds into a loop over chunks of ``k`` members per device with running
-accumulators; :mod:`.budget` validates ``k`` or picks it from XLA's memory analysis.
+accumulators; :mod:`.memory_budget` validates ``k`` or picks it from XLA's memory analysis.
 
 Member loop (``members="loop"``): :mod:`.members` runs each ``fed.map``'s members one
 after another in a compiled loop, every convolution in XLA:CPU's canonical layout
@@ -51,7 +51,7 @@ from .build import compile
 from .cost import cost_report, format_cost
 from .executable import Executable, default_sharding, placement_spec, trace_count
 from .interpreter import XlaInterpreter
-from .population import device_budget, simulate
+from .simulation import device_budget, simulate
 
 __all__ = [
     "Executable",

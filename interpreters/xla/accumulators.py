@@ -27,10 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fcir.fed.dp_sum import exact_params_of
-from fcir.frontend import primitives as P
 from fcir.ir import Op, Value
 from fcir.ir.types import PlacedType
 from fcir.mechanisms import lattice
+from fcir.opkit import primitives as P
 
 __all__ = [
     "Accumulator",

@@ -1,8 +1,8 @@
 """``xla.compile``: check the module, then build its Executable, plain or streamed.
 
-Imports go one way: this module uses ``executable`` (the Executable), ``budget``
+Imports go one way: this module uses ``executable`` (the Executable), ``memory_budget``
 (the streamed one and its client budget) and ``members`` (the member loop's
-interpreters); ``budget`` uses ``executable``,
+interpreters); ``memory_budget`` uses ``executable``,
 ``streaming`` (which validates ``clients_per_step``) and ``cost`` (XLA's memory
 analysis); nothing imports back.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
+from fcir.checker.check import check
 from fcir.errors import PlacementError
 from fcir.frontend import jaxpr_cache as captured
 from fcir.ir import Module
-from fcir.ir.check import check
 
 from . import members as member_loop
-from .budget import streaming_executable
 from .executable import Executable
+from .memory_budget import streaming_executable
 
 __all__ = ["compile"]
 
@@ -36,7 +36,7 @@ def compile(
     ``clients_per_step=k`` streams every ``fed.map``: ``k`` members at a time per device,
     reductions as running accumulators (``fcir.interpreters.xla.streaming``); ``"auto"``
     picks ``k`` from ``memory_limit`` bytes (default: the device's memory) with XLA's
-    memory analysis (``fcir.interpreters.xla.budget``).
+    memory analysis (``fcir.interpreters.xla.memory_budget``).
 
     ``members="vmap"`` (the default) runs a ``fed.map``'s members at once, as
     ``jax.jit`` of the program does (bit for bit); ``members="loop"`` runs them one

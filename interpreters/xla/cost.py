@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from fcir import fed as F
-from fcir.interpreter import Interpreter, impl
+from fcir.base_interpreter import Interpreter, impl
 from fcir.ir import Module, Op, Region
 from fcir.ir.control_flow import scan_length
 from fcir.ir.types import runtime_type

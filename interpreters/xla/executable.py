@@ -44,10 +44,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fcir import gcpause
+from fcir.base_interpreter import check_leaf
 from fcir.errors import FcirError, InterpreterError, PlacementError
 from fcir.frontend import jaxpr_cache as captured
 from fcir.frontend import pytrees
-from fcir.interpreter import check_leaf
 from fcir.ir import Module
 from fcir.ir.types import PlacedType, Type, runtime_type
 from fcir.jaxcompat import core

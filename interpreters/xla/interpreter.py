@@ -3,24 +3,24 @@
 Run under ``jax.jit`` tracing, the base class already reproduces the captured program:
 every op binds its JAX primitive, so the traced jaxpr is the original one. What this
 subclass adds is the layout a mesh asks for. Placed values are sharded along their
-placement's mesh axis exactly where the frontend (``fcir.frontend.program``) puts its constraints,
+placement's mesh axis exactly where the frontend (``fcir.opkit.placement``) puts its constraints,
 so a program compiled from its IR and the same program run with ``jax.jit`` on the
 same mesh lower to the same HLO:
 
-- ``fed.broadcast``: the broadcast value is constrained (``fcir.frontend.sharding.constrain_broadcast``);
+- ``fed.broadcast``: the broadcast value is constrained (``fcir.opkit.sharding.constrain_broadcast``);
 - ``fed.map``: every operand and every result is constrained
-  (``fcir.frontend.sharding.constrain_placed``), and the member region is traced with each
-  member's typed layout (``fcir.frontend.sharding.member_sharding``), as ``map_fn`` traces it;
+  (``fcir.opkit.sharding.constrain_placed``), and the member region is traced with each
+  member's typed layout (``fcir.opkit.sharding.member_sharding``), as ``map_fn`` traces it;
 - reductions are left as they are: the result's layout is XLA's to choose;
 - under Explicit axes, a param that is a NamedSharding over the empty mesh (what a
   capture without a mesh records where JAX copied an aval's sharding into a param) is
   put on the mesh in context, the param tracing on that mesh records: the base class
-  does that (``fcir.frontend.sharding.on_context_mesh``), for any interpreter run under ``jax.jit``
+  does that (``fcir.opkit.sharding.on_context_mesh``), for any interpreter run under ``jax.jit``
   on such a mesh.
 
 The rules themselves (``Auto`` axes get ``with_sharding_constraint``, ``Explicit``
 axes get ``reshard``, a mesh without the placement's axis gets no constraint and a
-warning) live in ``fcir.frontend.sharding``, shared with the frontend, so there is one place
+warning) live in ``fcir.opkit.sharding``, shared with the frontend, so there is one place
 that decides a layout.
 """
 
@@ -31,10 +31,10 @@ from jax.sharding import AxisType, PartitionSpec
 
 from fcir import fed as F
 from fcir import jaxcompat as jc
-from fcir.frontend import sharding
-from fcir.interpreter import Interpreter, impl
+from fcir.base_interpreter import Interpreter, impl
 from fcir.ir import Op, Region
 from fcir.ir.types import runtime_type
+from fcir.opkit import sharding
 
 __all__ = ["XlaInterpreter"]
 

@@ -38,9 +38,9 @@ import jax
 from jax import lax
 
 from fcir import fed as F
+from fcir.base_interpreter import impl, jax_primitive
 from fcir.errors import InterpreterError
 from fcir.fed import FedOp
-from fcir.interpreter import impl, jax_primitive
 from fcir.ir import Op, walk
 from fcir.jaxcompat import core
 

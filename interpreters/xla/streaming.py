@@ -60,10 +60,10 @@ from jax.sharding import PartitionSpec
 from fcir import fed as F
 from fcir.errors import InterpreterError
 from fcir.fed.map import mixed_layout_error
-from fcir.frontend import primitives as P
 from fcir.ir import Op, Region, Value
 from fcir.ir import elementwise as E
 from fcir.ir.types import PlacedType, runtime_type
+from fcir.opkit import primitives as P
 
 from . import accumulators as A
 from . import streaming_order as _order

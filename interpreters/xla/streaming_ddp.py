@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fcir.frontend import primitives as P
 from fcir.mechanisms import ddgauss as ddp
+from fcir.opkit import primitives as P
 
 from .accumulators import Accumulator, masked
 

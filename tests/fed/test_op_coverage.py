@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fcir import fed as F
-from fcir.interpreter import Interpreter, impl, own_rules
+from fcir.base_interpreter import Interpreter, impl, own_rules
 
 
 def backend_tables() -> dict[str, dict]:
@@ -155,7 +155,7 @@ def constraint_tables() -> list[dict[str, str]]:
     import importlib
 
     check, check_local, privacy = (
-        importlib.import_module(f"fcir.{m}") for m in ("ir.check", "ir.check_jax_ops", "privacy")
+        importlib.import_module(f"fcir.{m}") for m in ("checker.check", "checker.local_ops", "privacy")
     )
     fed = {f"{cls.name}/{c}": t for cls in F.ops().values() for c, t in cls.constraints.items()}
     return [fed, check.CONSTRAINTS, check_local.CONSTRAINTS, privacy.CONSTRAINTS]
@@ -237,7 +237,7 @@ def test_an_interpreter_subclass_runs_every_fed_op_through_the_base_class():
 # --- each op's JAX rules are in its own module -------------------------------------------
 
 _GENERIC_RULES = {
-    ("fcir.frontend.autodiff", "linear_jvp"),  # the same primitive on the tangent
+    ("fcir.opkit.autodiff", "linear_jvp"),  # the same primitive on the tangent
     ("jax._src.interpreters.ad", "zero_jvp"),  # AD.def_jvp_zero: never differentiable
 }
 
@@ -259,7 +259,7 @@ def test_every_fed_op_s_derivative_rules_are_defined_in_a_fed_op_module():
             home = _rule_home(rule)
             assert home[0].startswith("fcir.fed.") or home in _GENERIC_RULES, (
                 f"{name}'s {what} rule is {home}: it belongs in the op's module (or its "
-                "kind's base module), registered with fcir.frontend.autodiff.def_jvp/def_transpose"
+                "kind's base module), registered with fcir.opkit.autodiff.def_jvp/def_transpose"
             )
 
 
@@ -268,7 +268,7 @@ def test_the_generic_primitive_and_autodiff_machinery_names_no_fed_op():
     import re
 
     root = pathlib.Path(__file__).resolve().parents[2] / "fcir"
-    for module in ("frontend/primitives.py", "frontend/autodiff.py"):
+    for module in ("opkit/primitives.py", "opkit/autodiff.py"):
         code = (root / module).read_text()
         for name, cls in F.ops().items():
             if cls is F.Map:  # the shared helpers run per-member work in a fed.map region
@@ -283,7 +283,7 @@ def test_an_op_s_primitive_is_named_by_its_module_not_by_the_generic_machinery()
     from fcir.fed.ddp_mean import ddp_mean_p
     from fcir.fed.map import map_p
     from fcir.fed.sum import sum_p
-    from fcir.frontend import primitives as P
+    from fcir.opkit import primitives as P
 
     assert sum_p is F.Sum.primitive and map_p is F.Map.primitive
     assert ddp_mean_p is F.DdpMean.primitive

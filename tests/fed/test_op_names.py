@@ -87,7 +87,7 @@ def test_the_scan_sees_op_names_and_prefixed_texts_but_not_other_fed_words():
 
 def test_the_parser_and_the_op_modules_are_the_only_files_allowed_to_name_ops():
     assert _allowed("fcir/fed/sum.py")
-    assert not _allowed("fcir/interpreter.py") and not _allowed("interpreters/reference.py")
+    assert not _allowed("fcir/base_interpreter.py") and not _allowed("interpreters/reference.py")
     parser = inspect.getsourcefile(fcir.parse)
     assert _allowed(pathlib.Path(parser).resolve().relative_to(ROOT).as_posix())
 

@@ -11,8 +11,8 @@ import pytest
 
 import fcir
 from fcir import fed as F
-from fcir.frontend import program as api
-from fcir.interpreter import Interpreter, impl, own_rules
+from fcir.base_interpreter import Interpreter, impl, own_rules
+from fcir.opkit import placement as api
 
 # The op -> public function pairs fcir's API documents (design/api.md).
 PUBLIC = {
@@ -44,7 +44,7 @@ def test_each_public_function_is_defined_in_its_op_s_module_and_exported_from_th
     assert not hasattr(api, name), f"fcir.api still defines {name}"
 
 
-def test_the_frontend_module_keeps_only_the_shared_context():
+def test_the_placement_module_keeps_only_the_shared_context():
     assert set(api.__all__) == {"PRIVATE_SCOPE", "Placements", "program"}
     assert fcir.program is api.program
 

@@ -83,7 +83,7 @@ def test_vmap_over_client_data_batched_in_front_of_the_members_says_use_in_axes_
 
 
 def test_a_map_fn_body_that_returns_a_string_is_an_fcir_error():
-    """Before: JAX's 'function flat_body at fcir/frontend/program.py traced for jit returned a value of
+    """Before: JAX's 'function flat_body at fcir/opkit/placement.py traced for jit returned a value of
     type <class 'str'>', naming fcir's internals instead of the user's body."""
 
     @fcir.program(placements={"clients": N})

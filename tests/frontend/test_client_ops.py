@@ -14,8 +14,8 @@ import pytest
 from fcir.interpreters import production, reference, xla
 
 import fcir
+from fcir.checker.check import verify
 from fcir.ir import Module
-from fcir.ir.check import verify
 
 N = 3
 

@@ -15,8 +15,8 @@ import pytest
 from fcir.interpreters import production, reference, xla
 
 import fcir
+from fcir.checker.check import verify
 from fcir.errors import ExportError, PlacementError
-from fcir.ir.check import verify
 from fcir.ir.types import PlacedType, TensorType
 
 N = 3

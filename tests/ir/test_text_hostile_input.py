@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 import fcir
 from fcir import cli
 from fcir._proto import module_pb2 as pb
+from fcir.checker.check import verify
 from fcir.errors import FcirError, IRTypeError, ParseError, PlacementError
 from fcir.frontend.capture import _name_of
 from fcir.ir import is_name
-from fcir.ir.check import verify
 from fcir.report import dot, traffic
 
 # --- shared ------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ import pytest
 from fcir.interpreters import reference, xla
 
 import fcir
-from fcir.frontend.primitives import clip_member
 from fcir.mechanisms import ddgauss as ddp
+from fcir.opkit.primitives import clip_member
 
 # --- the discrete Gaussian sampler ----------------------------------------------------------
 

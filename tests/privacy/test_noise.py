@@ -12,8 +12,8 @@ import scipy.stats
 from fcir.interpreters import reference, xla
 
 import fcir
-from fcir.frontend import primitives as P
 from fcir.mechanisms import gaussian as dp_noise
+from fcir.opkit import primitives as P
 
 N = 4
 KEY = jax.random.key(3)

@@ -241,7 +241,7 @@ def embedded_inputs() -> list[np.ndarray] | None:
 
 # --- aggregation over the clients that replied --------------------------------------------
 #
-# The same jnp calls as fcir's primitives (fcir/frontend/primitives.py), over a leading axis of
+# The same jnp calls as fcir's primitives (fcir/opkit/primitives.py), over a leading axis of
 # the k replies instead of the round's static client count: with every client replying,
 # the result is bit for bit the bundle's aggregation part.
 

@@ -16,7 +16,7 @@ bitwise ``jax.jit`` on that mesh with its flops, directly or inside a nested ``j
 
 Order statistics (``fed.median``, ``fed.trimmed_mean``) sort over the member axis, which
 Explicit axes type as sharded, and JAX refuses such a sort: they gather the members
-first (``fcir.frontend.sharding.gather_members``). So do the robust selections (Krum,
+first (``fcir.opkit.sharding.gather_members``). So do the robust selections (Krum,
 Multi-Krum, Bulyan), whose distances scan over the members with ``lax.map``.
 
 JAX fixes the number of CPU devices when it starts, so ``test_on_8_simulated_devices``

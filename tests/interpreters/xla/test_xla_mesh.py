@@ -27,7 +27,7 @@ from fcir.interpreters import xla
 from jax.sharding import AxisType, PartitionSpec
 
 import fcir
-from fcir.interpreter import Interpreter, impl
+from fcir.base_interpreter import Interpreter, impl
 from fcir.ir import walk
 
 HERE = pathlib.Path(__file__).resolve()

@@ -27,7 +27,7 @@ import pytest
 from corpus import CASES, case
 from eight_devices import Child
 from fcir.interpreters import reference, xla
-from fcir.interpreters.xla import budget
+from fcir.interpreters.xla import memory_budget
 from fcir.interpreters.xla.interpreter import XlaInterpreter
 from fcir.interpreters.xla.streaming import StreamingInterpreter, plan_region
 from jax.sharding import NamedSharding
@@ -300,7 +300,7 @@ def test_streaming_memory_depends_on_k_not_on_the_cohort():
 
     def temp(n, k):
         exe = xla.compile(training(n)[0], clients_per_step=k)
-        return budget.memory_stats(exe.compiled())["temp_bytes"]
+        return memory_budget.memory_stats(exe.compiled())["temp_bytes"]
 
     assert temp(64, 1) == temp(16, 1) < temp(64, 16)
 
@@ -308,8 +308,8 @@ def test_streaming_memory_depends_on_k_not_on_the_cohort():
 @pytest.mark.slow  # compiles the round at several budgets
 def test_auto_budget_fits_the_memory_limit():
     module, args = training(40)
-    small = budget.predicted_peak(xla.compile(module, clients_per_step=1).compiled())
-    big = budget.predicted_peak(xla.compile(module, clients_per_step=40).compiled())
+    small = memory_budget.predicted_peak(xla.compile(module, clients_per_step=1).compiled())
+    big = memory_budget.predicted_peak(xla.compile(module, clients_per_step=40).compiled())
     limit = (small + big) // 2
     exe = xla.compile(module, clients_per_step="auto", memory_limit=limit)
     k = exe.streaming["clients_per_step"]
@@ -536,7 +536,7 @@ def test_mesh_streaming_memory_under_set_mesh_does_not_grow_with_the_cohort(axis
         )
         with jax.set_mesh(mesh):
             exe = xla.compile(fcir.capture(_fedavg_round(n), w, x), mesh, clients_per_step=2)
-            return budget.memory_stats(exe.compiled())["temp_bytes"]
+            return memory_budget.memory_stats(exe.compiled())["temp_bytes"]
 
     assert temp(512) == temp(64)
 

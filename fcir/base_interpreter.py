@@ -26,14 +26,15 @@ import jax
 import numpy as np
 
 from fcir import jaxcompat as jc
+from fcir.checker.opnames import FCIR_OPS, closest_op
 from fcir.errors import FcirError, InterpreterError, UnsupportedError
 from fcir.fed import FedOp, Unsupported
-from fcir.frontend import pytrees, sharding
+from fcir.frontend import pytrees
 from fcir.ir import Module, Op, Region, control_flow, describe, expect_module, value_numbering, walk
 from fcir.ir import attrs as A
-from fcir.ir.opnames import FCIR_OPS, closest_op
 from fcir.ir.types import PlacedType, TensorType, dtype_name, runtime_type
 from fcir.jaxcompat import core, pe, schema
+from fcir.opkit import sharding
 
 _log = logging.getLogger("fcir.interpreter")
 

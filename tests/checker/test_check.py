@@ -23,11 +23,11 @@ import pytest
 
 import fcir
 from fcir import cli
+from fcir.checker.check import verify
 from fcir.errors import IRTypeError, PlacementError
 from fcir.fed import ops as _fed_ops
 from fcir.frontend.capture import capture_unchecked
 from fcir.ir import Module, Op, Region, Value, walk
-from fcir.ir.check import verify
 from fcir.ir.types import PlacedType, TensorType
 
 FED_OPS = _fed_ops()
@@ -570,7 +570,7 @@ CASES = [
     ),
     # control flow: operands -> region parameters, yields -> results
     # A binding the attributes cannot describe is what the primitive's own type rule
-    # rejects too: fcir.ir.check_jax_ops's local/C5 reports it in its stead.
+    # rejects too: fcir.checker.local_ops's local/C5 reports it in its stead.
     Case("flow", "C1", ROBUST_OR_MEAN.replace("[^0, ^1]", "[^0, ^2]"), _noop,
          "cond branch names no region", IRTypeError, reported="local/C5"),
     Case("flow", "C1", CARRY_LOOP.replace("num_consts=0", "num_consts=2"), _noop,
@@ -714,7 +714,7 @@ def test_violation_is_reported(case: Case):
 def checker_codes() -> set[str]:
     """Every ``area/Cn`` code the checker reports or documents."""
     # fcir.check is also the name of the function; import the module itself.
-    src = inspect.getsource(importlib.import_module("fcir.ir.check"))
+    src = inspect.getsource(importlib.import_module("fcir.checker.check"))
     return set(re.findall(r"\b((?:local|region|module|fed|op|flow)/C\d+)\b", src))
 
 

@@ -1,5 +1,5 @@
 """Populations and cohorts (fcir/population.py) and ``xla.simulate``
-(fcir/interpreters/xla/population.py): the sampling is what it declares and
+(fcir/interpreters/xla/simulation.py): the sampling is what it declares and
 reproducible, a simulated run is the round run by hand on the same cohorts, padding is
 masked by the counts, the next cohort is put while the round runs, and the accountant
 takes the sampling rate."""
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fcir.interpreters import xla
-from fcir.interpreters.xla import population as xpop
+from fcir.interpreters.xla import simulation as xsim
 
 import fcir
 from fcir.population import Cohorts, Population
@@ -176,9 +176,9 @@ def test_the_device_loop_runs_every_round_in_one_program_without_the_host(
     monkeypatch.setattr(type(uniform_exe), "__call__", host_side)
     got, _ = xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 3, loop="device")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    (run,) = xpop._SCANS[uniform_exe].values()  # one compiled loop, reused
+    (run,) = xsim._SCANS[uniform_exe].values()  # one compiled loop, reused
     idx, _ = cohorts.plan(0, 3)
-    slabs = [xpop._slab(x) for x in jax.tree.leaves(population.data)]
+    slabs = [xsim._slab(x) for x in jax.tree.leaves(population.data)]
     text = str(jax.make_jaxpr(run)(jnp.zeros(2), slabs, population.counts, idx,
                                    np.arange(3, dtype=np.int32), None))  # fmt: skip
     assert text.count(" scan[") == 1 and "length=3" in text
@@ -257,14 +257,14 @@ def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
         log("gather")
         return take(self, idx, valid, out=out)
 
-    def done(self, _release=xpop._Feed.done):
+    def done(self, _release=xsim._Feed.done):
         live["now"] -= 1
         _release(self)
 
     monkeypatch.setattr(Cohorts, "take", take_logged)
-    monkeypatch.setattr(xpop._Feed, "done", done)
+    monkeypatch.setattr(xsim._Feed, "done", done)
     monkeypatch.setattr(type(uniform_exe), "__call__", lambda self, *a: log("dispatch") or call(self, *a))
-    monkeypatch.setattr(xpop.jax, "block_until_ready", lambda x: log("wait") or block(x))
+    monkeypatch.setattr(xsim.jax, "block_until_ready", lambda x: log("wait") or block(x))
     cohorts = population.uniform(K, seed=3)
     w, _ = xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 6, loop="host",
                         callback=lambda r, w, m: log("done", r))  # fmt: skip
@@ -275,7 +275,7 @@ def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
                     ("wait",), ("done", 5)]  # fmt: skip
     assert all(e[1:] == ("gather",) for e in events if not e[0])
     assert sum(1 for e in events if not e[0]) == 6
-    assert live["most"] <= xpop.DEPTH and len(host_arrays) <= xpop.DEPTH < 6
+    assert live["most"] <= xsim.DEPTH and len(host_arrays) <= xsim.DEPTH < 6
     np.testing.assert_array_equal(np.asarray(w), np.asarray(by_hand(uniform_exe, jnp.zeros(2), cohorts, 0, 6)))
 
 
@@ -301,10 +301,10 @@ def test_auto_keeps_a_population_over_the_device_budget_on_the_host(
 ):
     cohorts = population.uniform(K, seed=3)
     loops = []
-    monkeypatch.setattr(xpop, "_device_loop", lambda *a: loops.append("device") or (None, None))
-    monkeypatch.setattr(xpop, "_host_loop", lambda *a: loops.append("host") or (None, None))
+    monkeypatch.setattr(xsim, "_device_loop", lambda *a: loops.append("device") or (None, None))
+    monkeypatch.setattr(xsim, "_host_loop", lambda *a: loops.append("host") or (None, None))
     xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
-    monkeypatch.setattr(xpop, "device_budget", lambda: population.nbytes - 1)
+    monkeypatch.setattr(xsim, "device_budget", lambda: population.nbytes - 1)
     xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
     assert loops == ["device", "host"]
 
@@ -352,7 +352,7 @@ def test_uniform_cohorts_are_accounted_only_as_an_acknowledged_approximation(
 # -- the modules' own examples ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", [fcir.population, xpop], ids=["population", "simulate"])
+@pytest.mark.parametrize("module", [fcir.population, xsim], ids=["population", "simulate"])
 def test_the_docstring_examples_run(module):
     (code,) = re.findall(r"^```python\n(.*?)^```", module.__doc__, re.S | re.M)
     exec(compile(code, f"{module.__name__} docstring", "exec"), {"__name__": "__doc__"})

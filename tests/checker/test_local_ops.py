@@ -18,11 +18,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fcir
+from fcir.checker import local_ops as check_local
+from fcir.checker.check import verify
 from fcir.errors import FcirError, InterpreterError, IRTypeError
 from fcir.ir import attrs as A
-from fcir.ir import check_jax_ops as check_local
 from fcir.ir import walk
-from fcir.ir.check import verify
 from fcir.ir.types import PlacedType, TensorType
 
 GOLDEN = pathlib.Path(__file__).parents[1] / "golden"

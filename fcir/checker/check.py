@@ -24,8 +24,8 @@ diagnostics in the message. Local (``jax.*``) ops follow two rules:
 * ``module/C5``: module, func and placement names are ASCII identifiers.
 
 Local ops' result types and attributes, and the size of every value, are checked by
-``fcir.ir.check_jax_ops`` (its docstring lists those constraints, its tests are in
-tests/ir/test_check_local_types.py).
+``fcir.checker.local_ops`` (its docstring lists those constraints, its tests are in
+tests/checker/test_local_ops.py).
 
 A private module (``@fcir.program(..., private=True)``) also gets the leak check of
 ``fcir.privacy`` (``privacy/C1``-``C4``, raised as PrivacyError).
@@ -35,20 +35,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from fcir.checker import local_ops as check_local
+from fcir.checker.local_ops import COLLECTIVES
+from fcir.checker.opnames import FCIR_OPS, closest_op
 from fcir.errors import IRTypeError, PlacementError, PrivacyError
 from fcir.fed import Context, Violation, ops
-from fcir.ir import check_jax_ops as check_local
 from fcir.ir import control_flow as CF
 from fcir.ir import expect_module
-from fcir.ir.check_jax_ops import COLLECTIVES
 from fcir.ir.elementwise import PER_MEMBER as ELEMENTWISE
 from fcir.ir.nodes import Module, Op, Region, Value, describe, is_name, value_numbering
-from fcir.ir.opnames import FCIR_OPS, closest_op
 from fcir.ir.types import SERVER, PlacedType, TensorType
 from fcir.privacy import leaks
 
 # The checker's own constraints (the fed ops' are in their classes, fcir.fed; local
-# ops' types in fcir.ir.check_jax_ops.CONSTRAINTS; the leak check's in fcir.privacy).
+# ops' types in fcir.checker.local_ops.CONSTRAINTS; the leak check's in fcir.privacy).
 CONSTRAINTS = {
     "module/C1": "placement names must be unique and not 'server'",
     "module/C2": "every placement's cardinality must be a positive int",
@@ -200,7 +200,7 @@ class _Checker:
             problem = check_local.result_types_problem(self.types, self.as_bound(op))
             if problem is not None:
                 # A binding that does not fit in shape or dtype is what the primitive's
-                # own type rule rejects too; its words (fcir.ir.check_jax_ops) are the ones.
+                # own type rule rejects too; its words (fcir.checker.local_ops) are the ones.
                 del self.diags[before:]
                 self.report(problem[0], problem[1], path, op, False)
         for r, sub in enumerate(op.regions):

@@ -2,7 +2,7 @@
 
 A ``jax.*`` op's result types are not taken on trust. The checker rebuilds the op's
 primitive and params from its attributes, as the interpreters bind them
-(``fcir.interpreter``), and re-derives the result types by the primitive's abstract
+(``fcir.base_interpreter``), and re-derives the result types by the primitive's abstract
 evaluation on the operands' run-time types: shapes and dtypes only, no FLOPs, no
 tracing of regions. A region an attribute refers to (``cond`` branches, a ``scan``
 body, a ``jit`` callee) stands in as a jaxpr with the region's parameter and result
@@ -17,7 +17,7 @@ Results are cached per signature (op name, attributes, operand and region types)
 program of 1e5 ops with few distinct signatures costs 1e5 dictionary look-ups.
 
 Constraints (quoted in errors as ``local/C4: ...``; negative tests in
-tests/ir/test_check_local_types.py):
+tests/checker/test_local_ops.py):
 
 * ``local/C4``: an op's result types are those its primitive's abstract evaluation gives
   for its operand types and attributes (for ``fcir.constant``: its value's type).
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from fcir import jaxcompat as jc
+from fcir.base_interpreter import jax_primitive
 from fcir.errors import FcirError
-from fcir.interpreter import jax_primitive
 from fcir.ir import attrs as A
 from fcir.ir.nodes import Op, Region
 from fcir.ir.text import format_attr

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from fcir.checkpoint import progress
+from fcir.checkpoint import progress_bar
 
 from fcir import checkpoint
 
@@ -19,13 +19,13 @@ class FakeTerminal(io.StringIO):
 
 @pytest.fixture
 def no_delay(monkeypatch):
-    monkeypatch.setattr(progress, "DELAY_S", 0.0)
-    monkeypatch.setattr(progress, "_REDRAW_S", 0.0)
+    monkeypatch.setattr(progress_bar, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress_bar, "_REDRAW_S", 0.0)
 
 
 def test_the_bar_draws_on_a_terminal(no_delay):
     term = FakeTerminal()
-    bar = progress.Progress("saving x", 4 * 2**20, stream=term)
+    bar = progress_bar.Progress("saving x", 4 * 2**20, stream=term)
     bar.advance(2**20)
     bar.advance(3 * 2**20)
     bar.close()
@@ -36,7 +36,7 @@ def test_the_bar_draws_on_a_terminal(no_delay):
 
 def test_the_bar_is_silent_when_output_is_not_a_terminal(no_delay):
     pipe = io.StringIO()
-    bar = progress.Progress("saving x", 100, stream=pipe)
+    bar = progress_bar.Progress("saving x", 100, stream=pipe)
     bar.advance(100)
     bar.close()
     assert pipe.getvalue() == ""
@@ -44,7 +44,7 @@ def test_the_bar_is_silent_when_output_is_not_a_terminal(no_delay):
 
 def test_short_operations_draw_nothing():
     term = FakeTerminal()
-    bar = progress.Progress("saving x", 100, stream=term)
+    bar = progress_bar.Progress("saving x", 100, stream=term)
     bar.advance(100)
     bar.close()
     assert term.getvalue() == ""

@@ -1,4 +1,4 @@
-"""``fcir.frontend.sharding``: which mesh is used and what constraint a placed value gets.
+"""``fcir.opkit.sharding``: which mesh is used and what constraint a placed value gets.
 
 One-device meshes are enough to see the rules in the jaxpr; the 8-device comparison
 with DrJAX's compiled shardings is in ``test_drjax.py``.
@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fcir
-from fcir.frontend import sharding
+from fcir.opkit import sharding
 
 
 def mesh1(name="clients", axis_type=AxisType.Auto, other=None):
