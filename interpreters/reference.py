@@ -24,13 +24,9 @@ from fcir.ir.control_flow import scan_axis
 from fcir.ir.types import runtime_type
 from fcir.mechanisms import ddgauss as ddp
 from fcir.mechanisms import lattice
-from fcir.opkit.primitives import (
-    accumulation_dtype,
-    clip_member,
-    dp_noise,
-    mean_result_dtype,
-    sum_result_dtype,
-)
+from fcir.mechanisms.clipping import clip_member
+from fcir.mechanisms.gaussian import dp_noise
+from fcir.opkit.primitives import accumulation_dtype, mean_result_dtype, sum_result_dtype
 from fcir.privacy import keys as dp_keys
 
 

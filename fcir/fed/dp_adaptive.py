@@ -44,8 +44,8 @@ import numpy as np
 
 from fcir.errors import PlacementError
 from fcir.mechanisms import ddgauss
+from fcir.mechanisms.clipping import pairwise_sum
 from fcir.opkit import placement as api
-from fcir.opkit import primitives as P
 
 from .base import public
 from .broadcast import broadcast
@@ -101,8 +101,8 @@ def _static(what: str, name: str, value, low: float, high: float) -> float:
 def _member(c, *leaves):
     """One member: its leaves divided by the clip ``c``, and ``[norm <= c] - 1/2``."""
     acc = jnp.promote_types(c.dtype, jnp.float32)
-    sq = P.pairwise_sum(
-        jnp.stack([P.pairwise_sum(jnp.square(leaf.astype(acc)).reshape(-1)) for leaf in leaves])
+    sq = pairwise_sum(
+        jnp.stack([pairwise_sum(jnp.square(leaf.astype(acc)).reshape(-1)) for leaf in leaves])
     )
     # A NaN norm compares False: such a member counts as above the clip (dp_mean
     # already makes its update zero).

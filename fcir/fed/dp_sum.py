@@ -25,6 +25,8 @@ from fcir.ir.types import TensorType
 from fcir.jaxcompat import batching, core, mlir
 from fcir.jaxcompat import core as _core
 from fcir.mechanisms import lattice
+from fcir.mechanisms.clipping import clip_member
+from fcir.mechanisms.gaussian import dp_noise
 from fcir.opkit import autodiff as AD
 from fcir.opkit import placement as api
 from fcir.opkit import primitives as P
@@ -44,7 +46,7 @@ __all__ = ["DpSum", "define_dp", "define_dp_op", "dp_jvp", "dp_release", "dp_sum
 def _impl(*args, placement, n, clip_norm, noise_multiplier, mean, gamma=None):
     del placement
     *xs, key = args
-    clipped = jax.vmap(lambda *m: P.clip_member(m, clip_norm))(*xs)
+    clipped = jax.vmap(lambda *m: clip_member(m, clip_norm))(*xs)
     if gamma is not None:  # exact mode: integers from the grid on (fcir.mechanisms.lattice)
         p = exact_params(
             n, clip_norm, noise_multiplier, gamma, [x.shape[1:] for x in xs], [x.dtype for x in xs]
@@ -62,7 +64,7 @@ def _impl(*args, placement, n, clip_norm, noise_multiplier, mean, gamma=None):
         ]
     out = []
     for i, c in enumerate(clipped):
-        total = jnp.sum(c, axis=0) + P.dp_noise(
+        total = jnp.sum(c, axis=0) + dp_noise(
             key, i, c.shape[1:], c.dtype, clip_norm, noise_multiplier
         )
         out.append(total / n if mean else total)
@@ -178,7 +180,7 @@ def _clip_tangent_region(clip_norm: float, nonzero: tuple[bool, ...]):
         k = len(nonzero)
         xs, given = list(args[:k]), iter(args[k:])
         ts = [next(given) if nz else jnp.zeros_like(x) for x, nz in zip(xs, nonzero)]
-        _, out = jax.jvp(lambda *m: P.clip_member(m, clip_norm), xs, ts)
+        _, out = jax.jvp(lambda *m: clip_member(m, clip_norm), xs, ts)
         return list(out)
 
     return clip_tangent
@@ -417,7 +419,7 @@ def dp_sum(x, clip_norm, noise_multiplier, key, *, exact=False, gamma=None):
     error of the clip, so the clipped norm is at most ``clip_norm``: docs/privacy.md),
     the clipped members are summed,
     and where the result lives leaf ``i`` gets
-    ``noise_multiplier * clip_norm * fcir.dp_noise.standard_normal(fold_in(key, i), ...)``.
+    ``noise_multiplier * clip_norm * fcir.mechanisms.gaussian.standard_normal(fold_in(key, i), ...)``.
     ``key`` is a PRNG key at the server (the current placement). ``clip_norm`` and
     ``noise_multiplier`` are Python numbers: they are attributes of the op, read by
     ``fcir.privacy.epsilon``. Gradients treat the noise as a constant.

@@ -9,7 +9,7 @@ aggregation sums them modulo ``2**bits``, and the server decodes the sum.
 Client (``encode``), for a member's pytree with ``d`` elements in all:
 
 1. flatten (as float32) and zero-pad to ``D = 2**ceil(log2 d)``; clip to global L2
-   norm ``clip_norm`` (``fcir.opkit.primitives.clip_member``'s rule, as ``dp_*``, with the
+   norm ``clip_norm`` (``fcir.mechanisms.clipping.clip_member``'s rule, as ``dp_*``, with the
    squared norm summed in a fixed pairwise order: ``_clip_rows``);
 2. rotate: ``R x = H S x / sqrt(D)``,
    ``H`` the ``D x D`` Walsh-Hadamard matrix, ``S`` random signs. ``R`` is orthonormal
@@ -125,7 +125,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fcir.errors import IRTypeError
-from fcir.opkit.primitives import clip_scale, pairwise_sum
+
+from .clipping import clip_scale, pairwise_sum
 
 __all__ = [
     "DdpParams",
@@ -499,8 +500,8 @@ def encode_batch(leaves, keys, p: DdpParams):
 def _clip_rows(flat, clip_norm: float):
     """Each row (one client's flattened, zero-padded ``float32[D]``) scaled by ``min(1,
     clip_norm / norm)``, an all-zero row kept and a row with a non-finite entry zeroed
-    (``fcir.opkit.primitives.clip_member``'s rule),
-    the squared norm summed in ``fcir.opkit.primitives.pairwise_sum``'s fixed order: the clip is a float
+    (``fcir.mechanisms.clipping.clip_member``'s rule),
+    the squared norm summed in ``fcir.mechanisms.clipping.pairwise_sum``'s fixed order: the clip is a float
     decision, and it must be the same in every program that encodes the row. The
     computed norm is within ``(log2 D / 2 + 2) * 2**-24`` relative of the true one, so
     the clipped row's norm is at most ``clip_norm * (1 + (log2 D / 2 + 4) * 2**-24)``

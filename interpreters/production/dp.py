@@ -3,7 +3,7 @@ what a DistributeAggregateForm round runs where.
 
 One DP op becomes
 
-* a ``fed.map`` that clips each client's pytree (``fcir.opkit.primitives.clip_member``):
+* a ``fed.map`` that clips each client's pytree (``fcir.mechanisms.clipping.clip_member``):
   client_work;
 * one ``fed.sum`` per leaf: client_to_server_aggregation, as ``federated_sum``;
 * server ops drawing ``noise_multiplier * clip_norm * normal(fold_in(key, i))`` per leaf,
@@ -33,7 +33,8 @@ from fcir.frontend.capture import capture
 from fcir.ir import Func, Module, Op, Region, Value, walk
 from fcir.ir.types import runtime_type
 from fcir.mechanisms import lattice
-from fcir.opkit.primitives import clip_member, dp_noise
+from fcir.mechanisms.clipping import clip_member
+from fcir.mechanisms.gaussian import dp_noise
 from fcir.privacy import round_cost
 
 from .ddp import mechanism

@@ -30,6 +30,8 @@ from fcir.fed.dp_sum import exact_params_of
 from fcir.ir import Op, Value
 from fcir.ir.types import PlacedType
 from fcir.mechanisms import lattice
+from fcir.mechanisms.clipping import clip_member
+from fcir.mechanisms.gaussian import dp_noise
 from fcir.opkit import primitives as P
 
 __all__ = [
@@ -318,7 +320,7 @@ class Gaussian(Accumulator):
     def contribution(self, op, vals, valid):
         leaves = [vals[v] for v in op.operands[:-1]]
         clip = op.attrs["clip_norm"]
-        clipped = jax.vmap(lambda *m: P.clip_member(m, clip))(*leaves)
+        clipped = jax.vmap(lambda *m: clip_member(m, clip))(*leaves)
         clipped = [c.astype(P.accumulation_dtype(c.dtype)) for c in clipped]
         return [jnp.sum(masked(c, valid, 0), axis=0) for c in clipped]
 
@@ -328,7 +330,7 @@ class Gaussian(Accumulator):
         # Exact mode (fcir.mechanisms.lattice): integers, so any chunking sums the same.
         leaves = [vals[v] for v in op.operands[:-1]]
         g = op.attrs["gamma"]
-        clipped = jax.vmap(lambda *m: P.clip_member(m, op.attrs["clip_norm"]))(*leaves)
+        clipped = jax.vmap(lambda *m: clip_member(m, op.attrs["clip_norm"]))(*leaves)
         grid = [masked(lattice.to_grid(c, g), valid, 0) for c in clipped]
         return [a + jnp.sum(q, axis=0, dtype=jnp.int32) for a, q in zip(acc, grid)]
 
@@ -350,7 +352,7 @@ class Gaussian(Accumulator):
         out = []
         for i, total in enumerate(acc):
             total = total.astype(declared_dtype(op, i))  # the noise is added in it
-            total = total + P.dp_noise(
+            total = total + dp_noise(
                 key, i, total.shape, total.dtype, a["clip_norm"], a["noise_multiplier"]
             )
             out.append(total / n if self.mean else total)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from fcir.mechanisms import ddgauss as ddp
-from fcir.opkit import primitives as P
+from fcir.mechanisms.clipping import clip_member
 
 from .accumulators import Accumulator, masked
 
@@ -46,7 +46,7 @@ class Distributed(Accumulator):
     def contribution(self, op, vals, valid):
         leaves = [vals[v] for v in op.operands[:-1]]
         clip = op.attrs["clip_norm"]
-        clipped = jax.vmap(lambda *m: P.clip_member(m, clip))(*leaves)
+        clipped = jax.vmap(lambda *m: clip_member(m, clip))(*leaves)
         return [jnp.sum(masked(c, valid, 0), axis=0) for c in clipped]
 
     def finish(self, op, acc, n, server):

@@ -52,7 +52,7 @@ def test_a_clipped_half_precision_member_never_exceeds_the_clip_norm(dtype):
     """The accountant assumes each member's clipped norm is at most clip_norm. Before:
     scaling bf16 leaves by a bf16-rounded ``min(1, c / norm)`` and rounding the product
     gave norms up to 1.0034 * c (f16: 1.0005 * c), a sensitivity above the accounted."""
-    from fcir.opkit.primitives import clip_member
+    from fcir.mechanisms.clipping import clip_member
 
     rng = np.random.default_rng(0)
     worst = 0.0
@@ -71,7 +71,7 @@ def test_a_clipped_float32_member_never_exceeds_the_clip_norm_exactly(sizes):
     """The same bound in float32, where the error is the norm's own: scaling by
     ``clip_norm / norm`` with a computed norm a few ulps low left about half the clipped
     members above clip_norm (by up to ~1e-7 relative) before ``clip_margin``."""
-    from fcir.opkit.primitives import clip_member
+    from fcir.mechanisms.clipping import clip_member
 
     rng = np.random.default_rng(len(sizes))
     clip = jax.jit(lambda leaves: clip_member(leaves, 1.0))

@@ -15,7 +15,7 @@ from fcir.interpreters import reference, xla
 
 import fcir
 from fcir.mechanisms import ddgauss as ddp
-from fcir.opkit.primitives import clip_member
+from fcir.mechanisms.clipping import clip_member
 
 # --- the discrete Gaussian sampler ----------------------------------------------------------
 

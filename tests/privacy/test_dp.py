@@ -19,8 +19,8 @@ import pytest
 from fcir.interpreters import reference, xla
 
 import fcir
+from fcir.mechanisms.clipping import clip_margin, pairwise_sum
 from fcir.mechanisms.gaussian import standard_normal
-from fcir.opkit.primitives import clip_margin, pairwise_sum
 
 N = 4
 CLIP, Z = 1.5, 0.8
