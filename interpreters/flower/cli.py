@@ -1,7 +1,10 @@
-"""``fcir export --target flower`` (dispatched from the export command) and
-``fcir flower up`` (a local SuperLink and SuperNodes to run exported apps on)."""
+"""``fcir export --target flower`` (a target this module adds to production's export
+command) and ``fcir flower up`` (a local SuperLink and SuperNodes to run exported apps
+on)."""
 
 from __future__ import annotations
+
+from fcir.interpreters.production import cli as production_cli
 
 from fcir.errors import FcirError
 from fcir.frontend.capture import capture
@@ -85,7 +88,8 @@ def run_hint(appdir) -> str:
 
 
 def register(subparsers) -> None:
-    """Adds ``fcir flower up``."""
+    """Adds ``fcir flower up`` (and its siblings) and ``fcir export --target flower``."""
+    production_cli.add_export_target("flower", cmd_export_flower)
     p = subparsers.add_parser(
         "flower",
         help="run exported Flower apps: a local deployment, the Simulation Engine, node data",
