@@ -1,4 +1,4 @@
-"""``clients_per_step="auto"``'s search (fcir/interpreters/xla/budget.py) against a
+"""``clients_per_step="auto"``'s search (interpreters/xla/memory_budget.py) against a
 compiler that refuses what does not fit, as an accelerator's does: on a TPU a candidate
 over the chip's memory fails to compile with ``RESOURCE_EXHAUSTED: XLA:TPU compile
 permanent error. Ran out of memory in memory space hbm. Used 20.27G of 15.75G hbm.``
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from fcir.interpreters import xla
-from fcir.interpreters.xla import budget
+from fcir.interpreters.xla import memory_budget
 
 import fcir
 
@@ -45,15 +45,15 @@ def asked_as_printed(n: float) -> int:
 # -- the search alone, on the FAX round's figures measured on a TPU v5e ------------------
 
 
-def fax_round_on_a_v5e(k: int) -> budget.Probe:
+def fax_round_on_a_v5e(k: int) -> memory_budget.Probe:
     """The FAX 368M-parameter round, 16 clients, as one TPU v5e chip (15.75 GiB) compiled
     it: k = 1 and 2 fit (7.19 and 12.64 GiB), k = 4 ran out at 20.27 GiB, and so would
     any larger k (5.45 GiB more per member)."""
     peaks = {1: 7.19 * GIB, 2: 12.64 * GIB, 4: 20.27 * GIB}
     peak = peaks.get(k, 7.19 * GIB + (k - 1) * 5.45 * GIB)
     if peak > 15.75 * GIB:
-        return budget.out_of_memory(tpu_out_of_memory(peak, 15.75 * GIB))
-    return budget.Probe(peak=int(peak))
+        return memory_budget.out_of_memory(tpu_out_of_memory(peak, 15.75 * GIB))
+    return memory_budget.Probe(peak=int(peak))
 
 
 def test_the_fax_round_on_a_v5e_gets_two_clients_per_step_from_two_compiles():
@@ -63,7 +63,7 @@ def test_the_fax_round_on_a_v5e_gets_two_clients_per_step_from_two_compiles():
         compiled.append(k)
         return fax_round_on_a_v5e(k)
 
-    search = budget.search_budget(compile_k, top=16, limit=int(15.75 * GIB))
+    search = memory_budget.search_budget(compile_k, top=16, limit=int(15.75 * GIB))
     assert search.k == 2
     assert compiled == [1, 2]  # the line through them says 2: nothing larger compiled
 
@@ -80,10 +80,10 @@ def test_a_candidate_that_runs_out_of_memory_is_the_next_bound_and_its_bytes_the
     def compile_k(k):
         compiled.append(k)
         if peak(k) > 40 * GIB:
-            return budget.out_of_memory(tpu_out_of_memory(peak(k), 40 * GIB))
-        return budget.Probe(peak=int(peak(k)))
+            return memory_budget.out_of_memory(tpu_out_of_memory(peak(k), 40 * GIB))
+        return memory_budget.Probe(peak=int(peak(k)))
 
-    search = budget.search_budget(compile_k, top=64, limit=40 * GIB)
+    search = memory_budget.search_budget(compile_k, top=64, limit=40 * GIB)
     assert compiled == [1, 2, 10, 4, 5] and search.k == 5 and peak(6) > 40 * GIB
     assert search.tried[10].peak == asked_as_printed(peak(10))
 
@@ -91,10 +91,10 @@ def test_a_candidate_that_runs_out_of_memory_is_the_next_bound_and_its_bytes_the
 def test_when_the_compiler_gives_no_figure_the_search_halves():
     def compile_k(k):
         if k > 5:
-            return budget.out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: OOM"))
-        return budget.Probe(peak=k)  # flat: the line says every member fits
+            return memory_budget.out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: OOM"))
+        return memory_budget.Probe(peak=k)  # flat: the line says every member fits
 
-    search = budget.search_budget(compile_k, top=40, limit=100)
+    search = memory_budget.search_budget(compile_k, top=40, limit=100)
     assert search.k == 5 and sorted(search.tried) == [1, 2, 4, 5, 6, 11, 21, 40]
 
 
@@ -112,13 +112,13 @@ def test_when_the_compiler_gives_no_figure_the_search_halves():
     ],
 )  # fmt: skip
 def test_out_of_memory_reads_what_the_compiler_asked_for(text, asked):
-    probe = budget.out_of_memory(jax.errors.JaxRuntimeError(text))
+    probe = memory_budget.out_of_memory(jax.errors.JaxRuntimeError(text))
     assert probe.peak == asked and probe.message == text
 
 
 def test_other_compile_errors_are_not_out_of_memory():
-    assert budget.out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed")) is None
-    assert budget.out_of_memory(ValueError("RESOURCE_EXHAUSTED: not from XLA")) is None
+    assert memory_budget.out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed")) is None
+    assert memory_budget.out_of_memory(ValueError("RESOURCE_EXHAUSTED: not from XLA")) is None
 
 
 # -- through xla.compile, with a fake TPU compiler over XLA:CPU --------------------------
@@ -151,7 +151,7 @@ def chip(monkeypatch):
 
         def compile_like_a_tpu(lowered, *args, **kwargs):
             compiled = compile_(lowered, *args, **kwargs)
-            peak = budget.predicted_peak(compiled)
+            peak = memory_budget.predicted_peak(compiled)
             peaks.append(peak)
             error = fail(peak) if fail else None
             if error is None and peak > capacity:
@@ -161,7 +161,7 @@ def chip(monkeypatch):
             return compiled
 
         monkeypatch.setattr(jax.stages.Lowered, "compile", compile_like_a_tpu)
-        monkeypatch.setattr(budget, "device_memory", lambda mesh: capacity)
+        monkeypatch.setattr(memory_budget, "device_memory", lambda mesh: capacity)
         return peaks
 
     return install
