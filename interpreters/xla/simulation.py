@@ -31,8 +31,12 @@ metrics)``: the metrics of every round come back stacked on a leading axis (else
 
 ``round_fn`` is an ``@fcir.program`` function whose placement has ``cohorts.size``
 members (captured here, with ``fcir.capture``, and compiled with ``xla.compile(module,
-mesh, clients_per_step, members=members)``), or an ``fcir.Module`` of that signature, or
-an ``xla.compile``'d Executable. ``members="auto"`` (the default here; ``xla.compile``'s
+mesh, clients_per_step, members=members)``, once per cohort shape and kept for later
+calls while the function lives, as ``jax.jit`` keeps its traces), or an ``fcir.Module``
+of that signature, or an ``xla.compile``'d Executable. Cohorts padded round by round
+(``padding="bucket"``) have a shape per example length: the round must then be the
+function (compiled for each length that occurs, before the first round), and the
+rounds run in the host loop. ``members="auto"`` (the default here; ``xla.compile``'s
 is ``"vmap"``) runs the members one after another on CPU when a convolution is inside
 their ``fed.map`` (``fcir.interpreters.xla.members``: XLA:CPU runs convolutions inside
 loops and vmapped ones slowly), else all at once.
@@ -42,14 +46,18 @@ Two loops, one result (the same cohorts and keys; ``loop=`` picks, ``"auto"`` by
 - ``"device"``: the population is put on the device once (on a mesh, replicated on
   each of its devices) and all the rounds run in one compiled ``lax.scan``; each step
   gathers its cohort on the device from the cohorts' indices, sampled beforehand on the
-  host. One dispatch for the whole run. ``"auto"`` picks it when the population takes at
-  most a quarter of the device's memory (1 GiB where JAX does not say, as on CPU), there
-  is no mesh and no callback.
+  host. One dispatch for the whole run. A ragged population stays ragged there (its
+  examples concatenated; a member is a window of examples, zeroed past its count).
+  ``"auto"`` picks it when the population takes at most a quarter of the device's
+  memory (1 GiB where JAX does not say, as on CPU), there is no mesh, no callback and
+  one cohort shape.
 - ``"host"``: the population stays in host memory. A thread gathers each round's cohort
   on the host and puts it on the devices ahead of the rounds, and each round is
   dispatched before the one ahead of it has finished, then that one is waited for:
   neither the gather, the transfer nor a wait leaves the device idle, and at most three
-  cohorts exist at once (the running round's, the queued round's, the one being put).
+  cohorts exist at once (the running round's, the queued round's, the one being put),
+  in host arrays reused round after round (for bucketed cohorts, one buffer a leaf
+  viewed at each round's length, as large as the longest needs).
   ``callback(r, state, metrics)`` is called after each round has finished (host loop
   only), while the next round runs.
 
@@ -113,6 +121,34 @@ def simulate(
 ):
     """``rounds`` rounds of ``round_fn`` over ``cohorts``; returns ``(state, metrics)``
     (metrics stacked per round, or None). See the module docstring."""
+    _check_arguments(cohorts, rounds, first_round, loop, callback)
+    rounds, first_round = int(rounds), int(first_round)
+    if cohorts.bucketed:
+        _check_bucketed(round_fn, loop)
+        plan = cohorts.plan(first_round, rounds)
+        lengths = sorted({cohorts._length(i, v) for i, v in zip(*plan)})  # noqa: SLF001
+    else:
+        plan, lengths = None, [cohorts._round_length(None, "specs")]  # noqa: SLF001
+    exes = {
+        n: _executable(round_fn, state, cohorts, n, key, first_round, mesh,
+                       clients_per_step, members)
+        for n in lengths
+    }  # fmt: skip
+    has_metrics = _has_metrics(exes, state, cohorts, key, first_round)
+    if rounds == 0:
+        return state, None
+    if loop == "auto":
+        fits = cohorts.population.nbytes <= device_budget()
+        device = fits and callback is None and mesh is None and not cohorts.bucketed
+        loop = "device" if device else "host"
+    if loop == "device":
+        (exe,) = exes.values()
+        return _device_loop(exe, state, cohorts, rounds, key, first_round, has_metrics)
+    return _host_loop(exes, state, cohorts, rounds, key, first_round, has_metrics, callback,
+                      plan)  # fmt: skip
+
+
+def _check_arguments(cohorts, rounds, first_round, loop, callback) -> None:
     if not isinstance(cohorts, Cohorts):
         raise PopulationError(
             f"xla.simulate: cohorts must be fcir.Cohorts (Population.uniform / .poisson), "
@@ -120,12 +156,12 @@ def simulate(
         )
     if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 0:
         raise PopulationError(f"xla.simulate: rounds must be an int >= 0, got {rounds!r}")
-    if isinstance(first_round, bool) or not isinstance(first_round, (int, np.integer)) or (
-        first_round < 0
+    if (
+        isinstance(first_round, bool)
+        or not isinstance(first_round, (int, np.integer))
+        or (first_round < 0)
     ):
-        raise PopulationError(
-            f"xla.simulate: first_round must be an int >= 0, got {first_round!r}"
-        )
+        raise PopulationError(f"xla.simulate: first_round must be an int >= 0, got {first_round!r}")
     if loop not in LOOPS:
         raise PopulationError(f"xla.simulate: loop must be one of {LOOPS}, got {loop!r}")
     if callback is not None and loop == "device":
@@ -133,20 +169,25 @@ def simulate(
             "xla.simulate: callback runs after each round of the host loop; the device "
             "loop runs all rounds in one program: pass loop='host' (or no callback)"
         )
-    rounds, first_round = int(rounds), int(first_round)
-    exe = _executable(
-        round_fn, state, cohorts, key, first_round, mesh, clients_per_step, members
-    )
-    call = _traced(exe)
-    has_metrics = _has_metrics(call, state, cohorts, key, first_round)
-    if rounds == 0:
-        return state, None
-    if loop == "auto":
-        fits = cohorts.population.nbytes <= device_budget()
-        loop = "device" if fits and callback is None and mesh is None else "host"
+
+
+def _check_bucketed(round_fn, loop: str) -> None:
+    """Bucketed cohorts have a shape per example length: the round is compiled once per
+    length, so it must be a function, and the rounds run in the host loop."""
+    if isinstance(round_fn, (Module, Executable)):
+        what = "an fcir.Module" if isinstance(round_fn, Module) else "an xla Executable"
+        raise PopulationError(
+            f"xla.simulate: round_fn is {what}, of one fixed cohort shape, but these "
+            "cohorts are padded round by round (a shape per example length): pass the "
+            "@fcir.program function itself (captured and compiled once per length), or "
+            "sample the cohorts with padding='population' (one shape)"
+        )
     if loop == "device":
-        return _device_loop(exe, call, state, cohorts, rounds, key, first_round, has_metrics)
-    return _host_loop(exe, state, cohorts, rounds, key, first_round, has_metrics, callback)
+        raise PopulationError(
+            "xla.simulate: the device loop runs every round in one compiled program of one "
+            "cohort shape, but these cohorts are padded round by round: pass loop='host' "
+            "(or 'auto'), or sample the cohorts with padding='population'"
+        )
 
 
 # -- the round --------------------------------------------------------------------------
@@ -161,9 +202,15 @@ def _args(state, cohort, key, r):
     return (state, data, counts) if key is None else (state, data, counts, _round_key(key, r))
 
 
+# Rounds given as functions, captured and compiled: per function (weakly, as jax.jit
+# caches a function's traces), per argument types, cohort size and compile options.
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _executable(
-    round_fn, state, cohorts, key, first, mesh, clients_per_step, members
+    round_fn, state, cohorts, length, key, first, mesh, clients_per_step, members
 ) -> Executable:
+    """The compiled round for cohorts of example length ``length``."""
     if isinstance(round_fn, Executable):
         if mesh is not None or clients_per_step is not None or members != "auto":
             raise PopulationError(
@@ -172,14 +219,31 @@ def _executable(
             )
         return round_fn
     if isinstance(round_fn, Module):
-        module = round_fn
-    elif callable(round_fn):
-        module = capture(round_fn, *_args(state, cohorts.specs(), key, first))
-    else:
+        return _compile(round_fn, cohorts, mesh, clients_per_step, members)
+    if not callable(round_fn):
         raise PopulationError(
             f"xla.simulate: round_fn must be an @fcir.program function, an fcir.Module or "
             f"an xla Executable, got {type(round_fn).__name__}"
         )
+    args = _args(state, cohorts._specs(length), key, first)  # noqa: SLF001
+    leaves, treedef = jax.tree.flatten(args)
+    kind = (treedef, tuple(_type_of(x) for x in leaves), cohorts.size, mesh,
+            clients_per_step, members)  # fmt: skip
+    try:
+        per_fn = _COMPILED.setdefault(round_fn, {})
+    except TypeError:  # not weakly referable: compiled for this call only
+        per_fn = {}
+    if kind not in per_fn:
+        module = capture(round_fn, *args)
+        per_fn[kind] = _compile(module, cohorts, mesh, clients_per_step, members)
+    return per_fn[kind]
+
+
+def _type_of(x) -> tuple:
+    return (tuple(np.shape(x)), str(x.dtype), bool(getattr(x, "weak_type", False)))
+
+
+def _compile(module: Module, cohorts, mesh, clients_per_step, members) -> Executable:
     placed = [(p, n) for p, n in module.placements if p != "server"]
     if len(placed) != 1 or placed[0][1] != cohorts.size:
         raise PopulationError(
@@ -204,18 +268,30 @@ def _traced(exe: Executable):
     return call
 
 
-def _has_metrics(call, state, cohorts, key, first) -> bool:
-    """Whether the round returns ``(state, metrics)`` rather than the state alone."""
-    out = jax.eval_shape(call, *_args(state, cohorts.specs(), key, first))
+def _has_metrics(exes: dict, state, cohorts, key, first) -> bool:
+    """Whether the round returns ``(state, metrics)`` rather than the state alone (the
+    same for every example length, metrics of the same shapes: they are stacked)."""
     want = jax.tree.structure(state)
-    if jax.tree.structure(out) == want:
-        return False
-    if isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == want:
-        return True
-    raise PopulationError(
-        f"xla.simulate: the round must return the new state (structure {want}) or "
-        f"(state, metrics); it returns {jax.tree.structure(out)}"
-    )
+    outs = []
+    for length, exe in exes.items():
+        specs = cohorts._specs(length)  # noqa: SLF001
+        out = jax.eval_shape(_traced(exe), *_args(state, specs, key, first))
+        if jax.tree.structure(out) == want:
+            outs.append(None)
+        elif isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == want:
+            outs.append(out[1])
+        else:
+            raise PopulationError(
+                f"xla.simulate: the round must return the new state (structure {want}) or "
+                f"(state, metrics); it returns {jax.tree.structure(out)}"
+            )
+    if any(m != outs[0] for m in outs):
+        raise PopulationError(
+            f"xla.simulate: the round's metrics differ between the cohorts' example lengths "
+            f"{list(exes)} ({outs}); they are stacked round by round: return metrics whose "
+            "shapes do not depend on the number of examples"
+        )
+    return bool(outs) and outs[0] is not None
 
 
 def _split(out, has_metrics):
@@ -247,11 +323,15 @@ class _Feed:
     own, ahead of the rounds, so that neither the gather nor the transfer waits for a
     round or makes one wait. At most :data:`DEPTH` cohorts exist at once: the thread
     takes room for one before gathering it, and the loop gives room back when a round
-    has finished (:meth:`done`). The host arrays are :data:`DEPTH` sets, reused in turn:
-    a set is written again only after the round that read its transfer has finished."""
+    has finished (:meth:`done`). The host arrays are :data:`DEPTH` sets
+    (:class:`_HostArrays`), reused in turn: a set is written again only after the round
+    that read its transfer has finished.
 
-    def __init__(self, cohorts: Cohorts, rounds: range, put: Callable):
-        self._cohorts, self._rounds, self._put = cohorts, rounds, put
+    ``plan``: the rounds' (indices, valid) sampled beforehand, or None to sample each
+    round here. ``put(length, cohort)`` puts a cohort of that example length."""
+
+    def __init__(self, cohorts: Cohorts, rounds: range, put: Callable, plan=None):
+        self._cohorts, self._rounds, self._put, self._plan = cohorts, rounds, put, plan
         self._room = threading.Semaphore(DEPTH)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
@@ -259,26 +339,30 @@ class _Feed:
         self._thread.start()
 
     def _run(self) -> None:
-        host = [None] * DEPTH
+        host = [_HostArrays(self._cohorts) for _ in range(DEPTH)]
+        cohorts = self._cohorts
         try:
             for i, r in enumerate(self._rounds):
                 self._room.acquire()
                 if self._stop:
                     return
-                if host[i % DEPTH] is None:
-                    host[i % DEPTH] = self._cohorts.empty()
-                cohort = self._cohorts.take(*self._cohorts.indices(r), out=host[i % DEPTH])
-                self._ready.put((r, self._put(cohort)))
+                if self._plan is None:
+                    idx, valid = cohorts.indices(r)
+                else:
+                    idx, valid = self._plan[0][i], self._plan[1][i]
+                length = cohorts._length(idx, valid)  # noqa: SLF001
+                cohort = cohorts.take(idx, valid, out=host[i % DEPTH].arrays(length))
+                self._ready.put((r, length, self._put(length, cohort)))
         except BaseException as e:  # noqa: BLE001  raised in the loop's thread by get()
-            self._ready.put((None, e))
+            self._ready.put((None, None, e))
 
     def get(self, r: int):
-        """Round ``r``'s cohort on the devices (waits for the thread)."""
-        got, cohort = self._ready.get()
+        """Round ``r``'s (example length, cohort on the devices); waits for the thread."""
+        got, length, cohort = self._ready.get()
         if got is None:
             raise cohort
         assert got == r, (got, r)
-        return cohort
+        return length, cohort
 
     def done(self) -> None:
         """A round has finished: room for the next cohort."""
@@ -290,14 +374,44 @@ class _Feed:
         self._thread.join()
 
 
-def _host_loop(exe, state, cohorts, rounds, key, first, has_metrics, callback):
+class _HostArrays:
+    """One of the feed's sets of host arrays for a cohort: a flat buffer per leaf,
+    viewed in the shape of the round's cohort and grown to the largest shape seen, so
+    that rounds of several example lengths (bucketed cohorts) reuse the same memory,
+    as much as the longest needs. The views of the last length are kept: rounds of one
+    length write into the very same arrays."""
+
+    def __init__(self, cohorts: Cohorts):
+        self._cohorts = cohorts
+        self._flat: list[np.ndarray] = []
+        self._length: object = ()  # no length yet
+        self._views = None
+
+    def arrays(self, length):
+        if length != self._length:
+            specs, treedef = jax.tree.flatten(self._cohorts._specs(length))  # noqa: SLF001
+            sizes = [math.prod(s.shape) for s in specs]
+            if not self._flat:
+                self._flat = [np.empty(0, s.dtype) for s in specs]
+            self._flat = [
+                f if f.size >= n else np.empty(n, s.dtype)
+                for f, n, s in zip(self._flat, sizes, specs)
+            ]
+            views = [f[:n].reshape(s.shape) for f, n, s in zip(self._flat, sizes, specs)]
+            self._views, self._length = treedef.unflatten(views), length
+        return self._views
+
+
+def _host_loop(exes, state, cohorts, rounds, key, first, has_metrics, callback, plan):
     metrics = []
     n = len(jax.tree.leaves(state))
-    feed = _Feed(cohorts, range(first, first + rounds), lambda c: _put(exe, c, n))
+    feed = _Feed(cohorts, range(first, first + rounds),
+                 lambda length, c: _put(exes[length], c, n), plan)  # fmt: skip
     running = None  # the round dispatched before this one: (r, state, metrics)
     try:
         for r in range(first, first + rounds):
-            out = exe(*_args(state, feed.get(r), key, r))  # dispatched: runs after `running`
+            length, cohort = feed.get(r)
+            out = exes[length](*_args(state, cohort, key, r))  # runs after `running`
             state, m = _split(out, has_metrics)
             if has_metrics:
                 metrics.append(m)
@@ -350,51 +464,116 @@ def _unslab(members, shape) -> jax.Array:
     return members.reshape(k, -1)[:, :d].reshape(k, *shape)
 
 
-def _device_loop(exe, call, state, cohorts, rounds, key, first, has_metrics):
+def _device_loop(exe, state, cohorts, rounds, key, first, has_metrics):
     pop = cohorts.population
-    shapes = [x.shape[1:] for x in jax.tree.leaves(pop.data)]
-    slabs = [_slab(np.asarray(x)) for x in jax.tree.leaves(pop.data)]
+    if pop.offsets is None:
+        arrays, gather, kind = _dense_layout(pop)
+    else:
+        arrays, gather, kind = _ragged_layout(pop, cohorts.lengths[0])
     where = None if exe.mesh is None else NamedSharding(exe.mesh, PartitionSpec())
-    slabs, counts = jax.device_put((slabs, pop.counts), where)
+    arrays = jax.device_put(arrays, where)
     idx, _ = cohorts.plan(first, rounds)
     rs = np.arange(first, first + rounds, dtype=np.int32)
-    treedef = jax.tree.structure(pop.data)
-    run = _scan(exe, call, has_metrics, key is not None, treedef, tuple(shapes))
+    run = _scan(exe, has_metrics, key is not None, kind, gather)
     explicit = exe._context  # noqa: SLF001  the mesh has Explicit axes
     # Outside the caller's jax.set_mesh, results come back relabelled as the
     # executable's own calls return them (Executable._outside_mesh).
     retype = explicit and exe._outside_mesh()  # noqa: SLF001
     with _mesh_context(exe.mesh if explicit else None):
-        out = run(state, slabs, counts, idx, rs, key)
+        out = run(state, arrays, idx, rs, key)
     return jax.tree.map(exe._on_auto_axes, out) if retype else out  # noqa: SLF001
+
+
+def _dense_layout(pop):
+    """A dense population on the device, ``(arrays, gather, kind)``: each leaf as
+    :func:`_slab`s, ``gather(arrays, idx)`` a cohort's (data, counts) from them, and
+    ``kind`` what the compiled loop depends on."""
+    leaves = jax.tree.leaves(pop.data)
+    shapes = tuple(x.shape[1:] for x in leaves)
+    treedef = jax.tree.structure(pop.data)
+
+    def gather(arrays, i):
+        slabs, counts = arrays
+
+        # Padding members' index N is past the end: their rows are filled with zeros.
+        def take(x):
+            return jnp.take(x, i, 0, mode="fill", fill_value=0)
+
+        data = treedef.unflatten([_unslab(take(x), sh) for x, sh in zip(slabs, shapes)])
+        return data, take(counts)
+
+    arrays = ([_slab(np.asarray(x)) for x in leaves], pop.counts)
+    return arrays, gather, ("dense", treedef, shapes)
+
+
+def _ragged_layout(pop, length: int):
+    """A ragged population on the device, as :func:`_dense_layout`: each leaf's examples
+    concatenated as they are on the host, followed by ``length`` zero examples (a
+    member's window of ``length`` examples never runs off the end, and padding members,
+    index ``N``, start there), each example's values as whole rows of 128 where it has
+    at least 128 (:func:`_slab`), else all the values in one flat array (on a TPU a
+    minor dimension under 128 is padded to 128 lanes). ``gather`` slices each member's
+    window and zeroes its examples past its count."""
+    leaves = jax.tree.leaves(pop.data)
+    shapes = tuple(x.shape[1:] for x in leaves)
+    treedef = jax.tree.structure(pop.data)
+    slabs, flat = [], []
+    for x in leaves:
+        slab = _slab(np.concatenate([x, np.zeros((length, *x.shape[1:]), x.dtype)]))
+        one = slab.ndim == 2 and slab.size < 2**31  # int32 offsets into the values
+        slabs.append(slab.reshape(-1) if one else slab)
+        flat.append(math.prod(x.shape[1:]) if one else None)
+    starts = pop.offsets.astype(np.int32)  # [N + 1]: index N starts at the zeros
+    rows = np.append(pop._rows, 0).astype(np.int32)  # noqa: SLF001
+    counts = np.append(pop.counts, np.float32(0))
+
+    def gather(arrays, i):
+        slabs, starts, rows, counts = arrays
+        keep = jnp.arange(length) < rows[i][:, None]  # [k, length]: the member's own
+        data = [_window(x, starts[i], length, per, sh, keep)
+                for x, per, sh in zip(slabs, flat, shapes)]  # fmt: skip
+        return treedef.unflatten(data), counts[i]
+
+    arrays = (slabs, starts, rows, counts)
+    return arrays, gather, ("ragged", treedef, shapes, length, tuple(flat))
+
+
+def _window(x, start, length: int, per: int | None, shape, keep) -> jax.Array:
+    """Members ``[k, length, *shape]``: the ``length`` examples from each of ``start``
+    of the leaf ``x`` (a slab, or flat with ``per`` values an example), zero where not
+    ``keep``."""
+    k = start.shape[0]
+    if length == 0:
+        return jnp.zeros((k, 0, *shape), x.dtype)
+    if per is None:
+        w = jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(x, s, length, 0))(start)
+    else:
+        w = jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(x, s * per, length * per, 0))(start)
+    examples = _unslab(w.reshape(k * length, -1), shape).reshape(k, length, *shape)
+    keep = keep.reshape(k, length, *(1,) * len(shape))
+    return jnp.where(keep, examples, jnp.zeros((), x.dtype))
 
 
 _SCANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _scan(exe, call, has_metrics: bool, keyed: bool, treedef, shapes):
+def _scan(exe, has_metrics: bool, keyed: bool, kind, gather):
     """One jitted scan over the rounds per (executable, kind of round, population
     layout): a second simulate of the same executable reuses the compiled loop."""
     per_exe = _SCANS.setdefault(exe, {})
-    kind = (has_metrics, keyed, treedef, shapes)
-    if kind not in per_exe:
-        per_exe[kind] = _make_scan(call, has_metrics, keyed, treedef, shapes)
-    return per_exe[kind]
+    which = (has_metrics, keyed, kind)
+    if which not in per_exe:
+        per_exe[which] = _make_scan(_traced(exe), has_metrics, keyed, gather)
+    return per_exe[which]
 
 
-def _make_scan(call, has_metrics: bool, keyed: bool, treedef, shapes):
+def _make_scan(call, has_metrics: bool, keyed: bool, gather):
 
-    def run(state, slabs, counts, idx, rs, key):
+    def run(state, arrays, idx, rs, key):
         def step(s, xs):
             i, r = xs
-            # Padding members' index N is past the end: their rows are filled with zeros.
-            def take(x):
-                return jnp.take(x, i, 0, mode="fill", fill_value=0)
-
-            data = treedef.unflatten([_unslab(take(x), sh) for x, sh in zip(slabs, shapes)])
-            out = call(*_args(s, (data, take(counts)), key if keyed else None, r))
-            s, m = _split(out, has_metrics)
-            return s, m
+            out = call(*_args(s, gather(arrays, i), key if keyed else None, r))
+            return _split(out, has_metrics)
 
         state, ms = jax.lax.scan(step, state, (idx, rs))
         return state, (ms if has_metrics else None)

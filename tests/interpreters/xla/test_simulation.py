@@ -1,14 +1,18 @@
 """Populations and cohorts (fcir/population.py) and ``xla.simulate``
 (fcir/interpreters/xla/simulation.py): the sampling is what it declares and
-reproducible, a simulated run is the round run by hand on the same cohorts, padding is
+reproducible, a ragged population holds its examples and no padding while its cohorts
+are the padded ones bit for bit, bucketed cohorts take a shape per round and a compile
+per length, a simulated run is the round run by hand on the same cohorts, padding is
 masked by the counts, the next cohort is put while the round runs, and the accountant
 takes the sampling rate."""
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +33,43 @@ def ragged_clients(n=N, seed=0):
     """``n`` clients with 1..6 examples of (x f32[., 2], y i32[.])."""
     rng = np.random.default_rng(seed)
     return [
-        {"x": rng.normal(size=(m, 2)).astype(np.float32), "y": rng.integers(0, 9, m).astype(np.int32)}
+        {
+            "x": rng.normal(size=(m, 2)).astype(np.float32),
+            "y": rng.integers(0, 9, m).astype(np.int32),
+        }
         for m in rng.integers(1, 7, n)
     ]
+
+
+def padded(clients):
+    """The clients padded to the longest with zeros, clients on axis 0, and their
+    counts: what ``Population(data, counts)`` takes (the dense layout)."""
+    rows = [len(c["y"]) for c in clients]
+    longest = max(rows)
+
+    def pad(x):
+        return np.concatenate([x, np.zeros((longest - len(x), *x.shape[1:]), x.dtype)])
+
+    return jax.tree.map(lambda *xs: np.stack([pad(x) for x in xs]), *clients), np.array(rows)
+
+
+def skewed_clients(seed=0):
+    """30 clients, most with 1 or 2 examples and a few with many (up to 30): cohorts of
+    3 have their longest member in several buckets."""
+    rng = np.random.default_rng(seed)
+    sizes = [1] * 14 + [2] * 8 + [3, 3, 5, 6, 9, 12, 20, 30]
+    return [
+        {
+            "x": rng.normal(size=(m, 2)).astype(np.float32),
+            "y": rng.integers(0, 9, m).astype(np.int32),
+        }
+        for m in sizes
+    ]
+
+
+@pytest.fixture(scope="module")
+def skewed():
+    return Population.from_clients(skewed_clients())
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +116,9 @@ def test_uniform_cohorts_are_k_distinct_clients_equally_often_and_reproducible(p
     # Each client is in a cohort with probability k/N: 500 draws each on average.
     hits = np.bincount(idx.ravel(), minlength=N)
     assert np.abs(hits - 3000 * K / N).max() < 5 * np.sqrt(3000 * K / N)
-    np.testing.assert_array_equal(cohorts.indices(7)[0], population.uniform(K, seed=1).indices(7)[0])
+    np.testing.assert_array_equal(
+        cohorts.indices(7)[0], population.uniform(K, seed=1).indices(7)[0]
+    )
     assert not np.array_equal(cohorts.plan(0, 5)[0], population.uniform(K, seed=2).plan(0, 5)[0])
 
 
@@ -94,6 +134,7 @@ def test_poisson_cohorts_take_each_client_at_rate_q_padded_to_a_fixed_size(popul
     assert abs(sizes.mean() - Q * N) < 0.2 and abs(sizes.var() - N * Q * (1 - Q)) < 0.6
     hits = np.bincount(idx[valid], minlength=N)
     assert np.abs(hits - 3000 * Q).max() < 5 * np.sqrt(3000 * Q)
+
     # The default size: the smallest that a round passes with probability below 1e-9.
     def over(m):
         return sum(math.comb(N, j) * Q**j * (1 - Q) ** (N - j) for j in range(m + 1, N + 1))
@@ -109,21 +150,91 @@ def test_a_poisson_round_over_the_fixed_size_is_an_error_not_a_dropped_client(po
         cohorts.plan(0, 5)
 
 
-def test_from_clients_pads_with_zeros_and_gather_masks_padding_members():
-    clients = ragged_clients(4)
+def test_from_clients_keeps_the_examples_ragged_in_as_many_bytes_as_the_examples():
+    clients = ragged_clients(40)
     pop = Population.from_clients(clients)
-    longest = max(len(c["y"]) for c in clients)
-    assert pop.data["x"].shape == (4, longest, 2)
-    np.testing.assert_array_equal(pop.counts, [len(c["y"]) for c in clients])
+    rows = np.array([len(c["y"]) for c in clients])
+    total = rows.sum()
+    assert pop.data["x"].shape == (total, 2) and pop.data["y"].shape == (total,)
+    np.testing.assert_array_equal(pop.offsets, np.concatenate([[0], np.cumsum(rows)]))
+    np.testing.assert_array_equal(pop.counts, rows)
+    assert pop.longest == rows.max()
     for i, c in enumerate(clients):
-        m = len(c["y"])
-        np.testing.assert_array_equal(pop.data["x"][i, :m], c["x"])
-        assert not pop.data["x"][i, m:].any() and not pop.data["y"][i, m:].any()
-    cohorts = pop.poisson(0.5, seed=4, max_size=4)
-    idx, valid = cohorts.indices(0)
-    data, counts = cohorts.gather(0)
-    np.testing.assert_array_equal(data["x"][valid], pop.data["x"][idx[valid]])
-    assert not data["x"][~valid].any() and not counts[~valid].any()
+        got = pop.client(i)
+        np.testing.assert_array_equal(got["x"], c["x"])
+        np.testing.assert_array_equal(got["y"], c["y"])
+    example = 2 * 4 + 4  # bytes of an example: x f32[2], y i32
+    per_client = pop.counts.nbytes + pop.offsets.nbytes
+    assert pop.nbytes == total * example + per_client
+    dense = Population(*padded(clients))
+    assert dense.nbytes == 40 * rows.max() * example + dense.counts.nbytes
+    assert dense.offsets is None and dense.longest is None
+
+
+def test_gather_of_a_ragged_population_is_the_padded_gather_bit_for_bit():
+    """Members padded with zeros to the population's longest, as a population of
+    clients padded beforehand gives them; Poisson padding members all zeros."""
+    # Members mostly examples (1..6 of 6: one gather of all the windows' rows) and
+    # mostly padding (1..30 of 30, most 1 or 2: a copy and a fill per member).
+    pairs = []
+    for clients in (ragged_clients(40), skewed_clients()):
+        ragged, dense = Population.from_clients(clients), Population(*padded(clients))
+        pairs += [(ragged.poisson(0.2, seed=4), dense.poisson(0.2, seed=4)),
+                  (ragged.uniform(7, seed=1), dense.uniform(7, seed=1))]  # fmt: skip
+    for a, b in pairs:
+        assert a.specs() == b.specs() and a.lengths == (a.population.longest,)
+        assert b.lengths is None
+        out = a.empty()
+        for r in range(4):
+            want = b.gather(r)
+            for got in (a.gather(r), a.take(*a.indices(r), out=out)):
+                for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                    assert x.dtype == y.dtype
+                    np.testing.assert_array_equal(x, y)
+        idx, valid = a.indices(0)
+        data, counts = a.gather(0)
+        if (~valid).any():
+            assert not data["x"][~valid].any() and not counts[~valid].any()
+
+
+def test_bucketed_cohorts_pad_each_round_to_the_bucket_of_its_longest_member(skewed):
+    cohorts = skewed.uniform(3, seed=0, padding="bucket")
+    assert cohorts.bucketed and cohorts.lengths == (1, 2, 4, 8, 16, 30)
+    assert skewed.uniform(3, padding=[3, 10, 50]).lengths == (3, 10, 30)
+    assert skewed.uniform(3, padding="population").lengths == (30,)
+    whole = skewed.uniform(3, seed=0)  # the same members, padded to the longest client
+    seen = set()
+    for r in range(8):
+        idx, valid = cohorts.indices(r)
+        longest = skewed.counts[idx].max()
+        length = cohorts.length(r)
+        assert length == min(b for b in cohorts.lengths if b >= longest)
+        seen.add(length)
+        data, counts = cohorts.gather(r)
+        assert data["x"].shape == (3, length, 2) and data["y"].shape == (3, length)
+        assert jax.tree.map(lambda s: s.shape, cohorts.specs(r)) == jax.tree.map(
+            np.shape, (data, counts)
+        )
+        want, want_counts = whole.gather(r)
+        np.testing.assert_array_equal(counts, want_counts)
+        for x, y in zip(jax.tree.leaves(data), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(x, y[:, :length])
+            assert not y[:, length:].any()
+        assert cohorts.empty(r)[0]["x"].shape == (3, length, 2)
+    assert len(seen) >= 3, seen  # the test's population must give several buckets
+    with pytest.raises(fcir.PopulationError, match=r"pass it, specs\(r\)"):
+        cohorts.specs()
+    with pytest.raises(fcir.PopulationError, match="cohorts.empty"):
+        r = next(r for r in range(8) if cohorts.length(r) != 30)
+        cohorts.take(*cohorts.indices(r), out=whole.empty())
+
+
+def test_bad_paddings_are_population_errors(skewed):
+    with pytest.raises(fcir.PopulationError, match="Population.from_clients"):
+        Population(*padded(skewed_clients())).uniform(3, padding="bucket")
+    for bad in ("cohort", [0, 4], [], 4, [2.5]):
+        with pytest.raises(fcir.PopulationError, match="padding must be"):
+            skewed.poisson(0.1, padding=bad)
 
 
 def test_bad_populations_are_population_errors():
@@ -157,6 +268,15 @@ def test_the_host_loop_is_the_round_by_hand_bitwise_and_the_device_loop_agrees(
     np.testing.assert_array_equal(np.asarray(host), want)
     device, _ = xla.simulate(uniform_exe, w0, cohorts, 4, loop="device")
     np.testing.assert_allclose(np.asarray(device), want, rtol=1e-6, atol=1e-7)
+    # The device loop keeps a ragged population ragged (each member's window of
+    # examples, zeroed past its count); over the same clients padded beforehand (dense:
+    # whole client slices) it runs the same rounds.
+    dense = Population(*padded(ragged_clients())).uniform(K, seed=3)
+    for loop in ("host", "device"):
+        got, _ = xla.simulate(uniform_exe, w0, dense, 4, loop=loop)
+        np.testing.assert_array_equal(
+            np.asarray(got), np.asarray(host if loop == "host" else device)
+        )
     # A run resumes at any round: the cohorts are a function of (seed, round).
     half, _ = xla.simulate(uniform_exe, w0, cohorts, 2, loop="host")
     rest, _ = xla.simulate(uniform_exe, half, cohorts, 2, first_round=2, loop="host")
@@ -176,11 +296,11 @@ def test_the_device_loop_runs_every_round_in_one_program_without_the_host(
     monkeypatch.setattr(type(uniform_exe), "__call__", host_side)
     got, _ = xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 3, loop="device")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    (run,) = xsim._SCANS[uniform_exe].values()  # one compiled loop, reused
+    # One compiled loop over the ragged population, reused (a dense one may be there too).
+    (run,) = [v for k, v in xsim._SCANS[uniform_exe].items() if k[2][0] == "ragged"]
     idx, _ = cohorts.plan(0, 3)
-    slabs = [xsim._slab(x) for x in jax.tree.leaves(population.data)]
-    text = str(jax.make_jaxpr(run)(jnp.zeros(2), slabs, population.counts, idx,
-                                   np.arange(3, dtype=np.int32), None))  # fmt: skip
+    arrays, _, _ = xsim._ragged_layout(population, population.longest)
+    text = str(jax.make_jaxpr(run)(jnp.zeros(2), arrays, idx, np.arange(3, dtype=np.int32), None))
     assert text.count(" scan[") == 1 and "length=3" in text
 
 
@@ -192,12 +312,12 @@ def test_counts_weight_unequal_clients_and_padding_members_count_nothing(populat
     idx, valid = cohorts.plan(0, 3)
     assert (~valid).any(), "the test needs padding members"
     real = idx[0][valid[0]]
-    rows = np.concatenate([population.data["x"][i, : int(population.counts[i])] for i in real])
+    rows = np.concatenate([population.client(i)["x"] for i in real])
     for loop in ("host", "device"):
         _, (totals, sums) = xla.simulate(step, jnp.zeros(2), cohorts, 3, loop=loop)
         want = [population.counts[i[v]].sum() for i, v in zip(idx, valid)]
         np.testing.assert_allclose(np.asarray(totals), want)
-        want = [population.data["x"][i[v]].sum() for i, v in zip(idx, valid)]
+        want = [sum(population.client(j)["x"].sum() for j in i[v]) for i, v in zip(idx, valid)]
         np.testing.assert_allclose(np.asarray(sums), want, rtol=1e-5, atol=1e-5)
         first, _ = xla.simulate(step, jnp.zeros(2), cohorts, 1, loop=loop)
         np.testing.assert_allclose(np.asarray(first), 0.5 * rows.mean(0), rtol=1e-5)
@@ -263,7 +383,9 @@ def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
 
     monkeypatch.setattr(Cohorts, "take", take_logged)
     monkeypatch.setattr(xsim._Feed, "done", done)
-    monkeypatch.setattr(type(uniform_exe), "__call__", lambda self, *a: log("dispatch") or call(self, *a))
+    monkeypatch.setattr(
+        type(uniform_exe), "__call__", lambda self, *a: log("dispatch") or call(self, *a)
+    )
     monkeypatch.setattr(xsim.jax, "block_until_ready", lambda x: log("wait") or block(x))
     cohorts = population.uniform(K, seed=3)
     w, _ = xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 6, loop="host",
@@ -276,7 +398,9 @@ def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
     assert all(e[1:] == ("gather",) for e in events if not e[0])
     assert sum(1 for e in events if not e[0]) == 6
     assert live["most"] <= xsim.DEPTH and len(host_arrays) <= xsim.DEPTH < 6
-    np.testing.assert_array_equal(np.asarray(w), np.asarray(by_hand(uniform_exe, jnp.zeros(2), cohorts, 0, 6)))
+    np.testing.assert_array_equal(
+        np.asarray(w), np.asarray(by_hand(uniform_exe, jnp.zeros(2), cohorts, 0, 6))
+    )
 
 
 def test_an_error_in_the_feed_or_a_callback_ends_the_run_and_its_thread(population, uniform_exe):
@@ -316,6 +440,79 @@ def test_a_round_for_another_cohort_size_or_a_callback_on_the_device_is_refused(
         xla.simulate(module, jnp.zeros(2), cohorts, 1)
     with pytest.raises(fcir.PopulationError, match="callback"):
         xla.simulate(make_round(K), jnp.zeros(2), cohorts, 1, loop="device", callback=print)
+
+
+def test_simulate_compiles_a_round_once_per_bucket_and_runs_the_rounds_by_hand(skewed, monkeypatch):
+    """A round given as a function over bucketed cohorts: captured and compiled once per
+    example length that occurs (kept for the next call, not keeping the function
+    alive), each round run by the executable of its length, bitwise as by hand; to
+    float rounding what padding to the population's longest gives."""
+    cohorts = skewed.poisson(0.15, seed=0, padding="bucket")
+    step = make_round(cohorts.size, metrics=True)
+    captures = []
+    capture = xsim.capture
+    monkeypatch.setattr(xsim, "capture", lambda *a: captures.append(1) or capture(*a))
+    w0 = jnp.array([0.5, -1.0], jnp.float32)
+    w, (totals, _) = xla.simulate(step, w0, cohorts, 6)  # "auto": the host loop
+    lengths = [cohorts.length(r) for r in range(6)]
+    assert len(set(lengths)) >= 3 and len(captures) == len(set(lengths)), lengths
+    by_length = {}
+    want = w0
+    for r in range(6):
+        if lengths[r] not in by_length:
+            module = fcir.capture(step, w0, *cohorts.specs(r))
+            by_length[lengths[r]] = xla.compile(module)
+        want, (total, _) = by_length[lengths[r]](want, *cohorts.gather(r))
+        assert total == totals[r]
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(want))
+    whole, _ = xla.simulate(step, w0, skewed.poisson(0.15, seed=0), 6, loop="host")
+    np.testing.assert_allclose(np.asarray(w), np.asarray(whole), rtol=1e-6, atol=1e-7)
+    # A second run compiles nothing new.
+    again, _ = xla.simulate(step, w0, cohorts, 6, loop="host")
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(w))
+    assert len(captures) == len(set(lengths)) + 1  # + the population-padded run's
+    gone = weakref.ref(step)
+    del step
+    gc.collect()
+    assert gone() is None
+
+
+def test_the_feeds_host_arrays_are_one_buffer_per_leaf_viewed_at_each_length(skewed):
+    cohorts = skewed.uniform(3, padding="bucket")
+    arrays = xsim._HostArrays(cohorts)
+    eight = arrays.arrays(8)
+    assert eight[0]["x"].shape == (3, 8, 2) and eight[1].shape == (3,)
+    assert arrays.arrays(8) is eight  # one length: the very same arrays
+    four = arrays.arrays(4)
+    assert four[0]["x"].shape == (3, 4, 2) and np.shares_memory(four[0]["x"], eight[0]["x"])
+    assert four[0]["x"].flags.c_contiguous  # a view of the buffer's start, not a slice
+    thirty = arrays.arrays(30)  # grown
+    assert not np.shares_memory(thirty[0]["x"], eight[0]["x"])
+    assert np.shares_memory(arrays.arrays(8)[0]["y"], thirty[0]["y"])
+
+
+def test_bucketed_cohorts_refuse_one_shape_rounds_and_the_device_loop(skewed, monkeypatch):
+    cohorts = skewed.uniform(3, seed=0, padding="bucket")
+    step = make_round(3)
+    module = fcir.capture(step, jnp.zeros(2), *cohorts.specs(0))
+    for fixed in (module, xla.compile(module)):
+        with pytest.raises(fcir.PopulationError, match="pass the @fcir.program function"):
+            xla.simulate(fixed, jnp.zeros(2), cohorts, 2)
+    with pytest.raises(fcir.PopulationError, match="loop='host'"):
+        xla.simulate(step, jnp.zeros(2), cohorts, 2, loop="device")
+
+    @fcir.program(placements={"clients": 3})
+    def per_example(w, data, counts):  # metrics as long as the examples
+        return w, fcir.reduce_sum(fcir.map_fn(lambda d: d["x"][:, 0], data))
+
+    with pytest.raises(fcir.PopulationError, match="metrics differ between"):
+        xla.simulate(per_example, jnp.zeros(2), cohorts, 4)
+    loops = []
+    monkeypatch.setattr(xsim, "_device_loop", lambda *a: loops.append("device") or (None, None))
+    monkeypatch.setattr(xsim, "_host_loop", lambda *a: loops.append("host") or (None, None))
+    xla.simulate(step, jnp.zeros(2), cohorts, 1)
+    xla.simulate(step, jnp.zeros(2), skewed.uniform(3, seed=0), 1)
+    assert loops == ["host", "device"]
 
 
 # -- the accountant ---------------------------------------------------------------------
