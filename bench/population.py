@@ -1,7 +1,8 @@
 """A skewed population's memory and rounds: padded to its longest client, or per cohort.
 
     python bench/population.py [--json PATH]     # the sizes below, 5 repetitions
-    python bench/population.py --smoke           # tiny sizes, one repetition (CI)
+    python bench/population.py --device-loop     # and the device loop, dense against ragged
+    python bench/population.py --smoke           # tiny sizes, one repetition, both (CI)
 
 The population: ``--clients`` clients (10,000) whose numbers of examples are lognormal,
 as real federated data sets' are (median ``--median`` 20, sigma ``--sigma`` 1.5, at
@@ -27,6 +28,16 @@ Reported, in one run:
   each padding, alternating which goes first, ``--reps`` repetitions (5) after a
   warm-up run that compiles every length; rounds per second (median, min, max) and
   the per-repetition ratio bucket/population of the time a round takes.
+
+``--device-loop`` adds the device loop (``loop="device"``, the population on the device,
+padded to its longest) over the same clients kept dense (padded beforehand:
+``fcir.Population(data, counts)``, a member a whole client slice) and ragged (a member
+a window of the concatenated examples, zeroed past its count), alternating:
+``--device-clients`` (1,000) CIFAR-shaped clients of ``--device-examples`` (50)
+examples each (``f32[32, 32, 3]``, every client full: only the layout differs) under a
+round that reads every value of its cohort, and the lognormal population above under
+its round. A round's time is that of ``2 R`` rounds less that of ``R`` (the population's
+transfer, in both, cancels out).
 """
 
 from __future__ import annotations
@@ -46,8 +57,10 @@ sys.path.insert(0, str(BENCH))
 import _record  # noqa: E402  (bench/, the script's own folder)
 import _timing  # noqa: E402
 
-FULL = {"clients": 10_000, "median": 20, "sigma": 1.5, "cohort": 50, "rounds": 20, "reps": 5}
-SMOKE = {"clients": 300, "median": 5, "sigma": 1.0, "cohort": 5, "rounds": 3, "reps": 1}
+FULL = {"clients": 10_000, "median": 20, "sigma": 1.5, "cohort": 50, "rounds": 20, "reps": 5,
+        "device_clients": 1000, "device_examples": 50}  # fmt: skip
+SMOKE = {"clients": 300, "median": 5, "sigma": 1.0, "cohort": 5, "rounds": 3, "reps": 1,
+         "device_clients": 12, "device_examples": 3}  # fmt: skip
 FEATURES, HIDDEN, CLASSES = 16, 32, 10
 CIFAR_EXAMPLE = 32 * 32 * 3 + 4  # uint8 pixels and an int32 label
 PADDINGS = ("population", "bucket")
@@ -163,20 +176,42 @@ def round_memory(pop, cohorts, fedavg, params, rounds: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition")
+    ap.add_argument("--device-loop", action="store_true", help="also the device loop")
     ap.add_argument("--json", help="write the summary (and the record) here")
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     for key in FULL:
-        ap.add_argument(f"--{key}", type=float if key == "sigma" else int)
+        flag = f"--{key.replace('_', '-')}"
+        ap.add_argument(flag, type=float if key == "sigma" else int)
     a = ap.parse_args()
     cfg = dict(SMOKE if a.smoke else FULL)
     cfg.update({k: v for k, v in vars(a).items() if k in FULL and v is not None})
     if cfg["reps"] < 1 or cfg["rounds"] < 1:
         ap.error("--reps and --rounds must be positive")
 
+    load_before = os.getloadavg()
+    result = {"config": cfg, "smoke": a.smoke, **paddings(cfg)}
+    if a.device_loop or a.smoke:  # the smoke run keeps it from rotting
+        result["device_loop"] = device_loops(cfg)
+    load_after = os.getloadavg()
+    print(f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}, {os.cpu_count()} cores")
+    import jax
+
+    result.update({
+        "versions": _record.versions("fcir"), **_record.machine(),
+        "devices": [str(d) for d in jax.devices()],
+        "load_average": [load_before[0], load_after[0]],
+    })  # fmt: skip
+    _record.write(a.out_dir, "population", result, "smoke" if a.smoke else None)
+    if a.json:
+        pathlib.Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def paddings(cfg: dict) -> dict:
+    """The population's bytes and its rounds padded to the longest and bucketed."""
     import jax
     from fcir.interpreters import xla
 
-    load_before = os.getloadavg()
     t = time.perf_counter()
     pop = population(cfg)
     built = time.perf_counter() - t
@@ -199,23 +234,94 @@ def main() -> int:
             run(p)
             wall[p].append((time.perf_counter() - w0) / cfg["rounds"])
             cpu[p].append((time.process_time() - c0) / cfg["rounds"])
-    load_after = os.getloadavg()
-    losses = {p: [float(v) for v in results[p][1]] for p in PADDINGS}
-
     ratio = _timing.ratio_stats(wall["bucket"], wall["population"])
     report(cfg, sizes, memory, wall, ratio, built)
-    print(f"load average {load_before[0]:.1f} -> {load_after[0]:.1f}, {os.cpu_count()} cores")
-    result = {
-        "config": cfg, "smoke": a.smoke, "host_bytes": sizes, "round_memory": memory,
+    return {
+        "host_bytes": sizes, "round_memory": memory,
         "timing": {"round_s": wall, "cpu_round_s": cpu, "bucket/population": ratio},
-        "losses": losses, "build_s": built,
-        "versions": _record.versions("fcir"), **_record.machine(),
-        "load_average": [load_before[0], load_after[0]],
+        "losses": {p: [float(v) for v in results[p][1]] for p in PADDINGS}, "build_s": built,
     }  # fmt: skip
-    _record.write(a.out_dir, "population", result, "smoke" if a.smoke else None)
-    if a.json:
-        pathlib.Path(a.json).write_text(json.dumps(result, indent=1))
-    return 0
+
+
+def pixel_round(cohort: int):
+    """A round that reads every value of its cohort: each member's pixels weighted by
+    the state, summed; the state moves by a tiny multiple of their mean."""
+    import jax.numpy as jnp
+
+    import fcir
+
+    @fcir.program(placements={"clients": cohort})
+    def read_all(w, data, counts):
+        sums = fcir.map_fn(lambda w, x: jnp.sum(x * w), (fcir.broadcast(w), *data))
+        return w + 1e-9 * fcir.reduce_weighted_mean(sums, counts)
+
+    return read_all
+
+
+def device_loops(cfg: dict) -> dict:
+    """Seconds a round of the device loop over the same clients, dense and ragged."""
+    import numpy as np
+
+    import fcir
+
+    rng = np.random.default_rng(2)
+    n, e = cfg["device_clients"], cfg["device_examples"]
+    x = rng.normal(size=(n, e, 32, 32, 3)).astype(np.float32)
+    cifar = {"dense": fcir.Population((x,), np.full(n, e)),
+             "ragged": fcir.Population.from_clients([(x[i],) for i in range(n)])}  # fmt: skip
+    del x
+    pixels = np.full((32, 32, 3), 0.5, np.float32)
+    out = {"cifar": _device_times(cfg, cifar, pixel_round(cfg["cohort"]), pixels)}
+    del cifar
+    ragged = population(cfg)
+    skewed = {"dense": fcir.Population(_padded(ragged), ragged.counts), "ragged": ragged}
+    out["lognormal"] = _device_times(cfg, skewed, make_round(cfg["cohort"]), init_params())
+    for case, t in out.items():
+        med = {k: statistics.median(v) for k, v in t["round_s"].items()}
+        print(f"device loop, {case}: a round {1e3 * med['dense']:.2f} ms dense, "
+              f"{1e3 * med['ragged']:.2f} ms ragged; ragged/dense "
+              f"{_timing.format_ratio(t['ragged/dense'])}")  # fmt: skip
+    return out
+
+
+def _padded(pop):
+    """A ragged population's data padded to its longest client, clients on axis 0 (the
+    dense layout ``Population.from_clients`` used to build)."""
+    import jax
+    import numpy as np
+
+    longest, starts, rows = pop.longest, pop.offsets[:-1], np.diff(pop.offsets)
+
+    def pad(x):
+        out = np.zeros((pop.size, longest, *x.shape[1:]), x.dtype)
+        for i, (a, c) in enumerate(zip(starts.tolist(), rows.tolist())):
+            out[i, :c] = x[a : a + c]
+        return out
+
+    return jax.tree.map(pad, pop.data)
+
+
+def _device_times(cfg: dict, pops: dict, round_fn, state) -> dict:
+    """Per repetition, alternating, the seconds of a device-loop round for each
+    population of ``pops``: (time of 2R rounds - time of R rounds) / R."""
+    import jax
+    from fcir.interpreters import xla
+
+    r = cfg["rounds"]
+    cohorts = {k: p.uniform(cfg["cohort"], seed=0) for k, p in pops.items()}
+
+    def run(k, rounds):
+        t = time.perf_counter()
+        jax.block_until_ready(xla.simulate(round_fn, state, cohorts[k], rounds, loop="device"))
+        return time.perf_counter() - t
+
+    for k in pops:  # warm-up: both scan lengths compiled
+        run(k, r), run(k, 2 * r)
+    times = {k: [] for k in pops}
+    for rep in range(cfg["reps"]):
+        for k in _timing.rotated(list(pops), rep):
+            times[k].append((run(k, 2 * r) - run(k, r)) / r)
+    return {"round_s": times, "ragged/dense": _timing.ratio_stats(times["ragged"], times["dense"])}
 
 
 def _mib(b: float) -> str:

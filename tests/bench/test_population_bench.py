@@ -1,5 +1,6 @@
 """bench/population.py --smoke runs end to end (the ragged population against the
-padded layout's bytes, both paddings' rounds timed alternately), so the skewed
+padded layout's bytes, both paddings' rounds timed alternately, the device loop over
+dense and ragged populations), so the skewed
 population benchmark cannot rot; and its figures are what they say."""
 
 from __future__ import annotations
@@ -27,3 +28,6 @@ def test_population_benchmark_smoke_mode(tmp_path):
         assert len(data["losses"][padding]) == cfg["rounds"]
         lengths, cohort = memory[padding]["length"], memory[padding]["cohort_bytes"]
         assert cohort == [cfg["cohort"] * (n * example + 4) for n in lengths]
+    for case in ("cifar", "lognormal"):
+        times = data["device_loop"][case]["round_s"]
+        assert {k: len(v) for k, v in times.items()} == {"dense": 1, "ragged": 1}
