@@ -36,8 +36,8 @@ a window of the concatenated examples, zeroed past its count), alternating:
 ``--device-clients`` (1,000) CIFAR-shaped clients of ``--device-examples`` (50)
 examples each (``f32[32, 32, 3]``, every client full: only the layout differs) under a
 round that reads every value of its cohort, and the lognormal population above under
-its round. A round's time is that of ``2 R`` rounds less that of ``R`` (the population's
-transfer, in both, cancels out).
+its round; the population put on the device beforehand, the compiled loop of
+``xla.simulate`` timed over ``R`` rounds.
 """
 
 from __future__ import annotations
@@ -303,24 +303,36 @@ def _padded(pop):
 
 def _device_times(cfg: dict, pops: dict, round_fn, state) -> dict:
     """Per repetition, alternating, the seconds of a device-loop round for each
-    population of ``pops``: (time of 2R rounds - time of R rounds) / R."""
+    population of ``pops``: ``xla.simulate``'s compiled loop over ``rounds`` rounds,
+    called with the population already on the device. (Timing ``simulate`` itself
+    times the population's transfer too, which it makes at each call: on a TPU its
+    variation exceeded a round's time.)"""
     import jax
-    from fcir.interpreters import xla
+    import numpy as np
+    from fcir.interpreters.xla import simulation as xsim
 
     r = cfg["rounds"]
-    cohorts = {k: p.uniform(cfg["cohort"], seed=0) for k, p in pops.items()}
-
-    def run(k, rounds):
-        t = time.perf_counter()
-        jax.block_until_ready(xla.simulate(round_fn, state, cohorts[k], rounds, loop="device"))
-        return time.perf_counter() - t
-
-    for k in pops:  # warm-up: both scan lengths compiled
-        run(k, r), run(k, 2 * r)
+    runs = {}
+    for k, pop in pops.items():
+        cohorts = pop.uniform(cfg["cohort"], seed=0)
+        length = None if cohorts.lengths is None else cohorts.lengths[0]
+        exe = xsim._executable(round_fn, state, cohorts, length, None, 0, None, None, "auto")
+        metrics = xsim._has_metrics({length: exe}, state, cohorts, None, 0)
+        if pop.offsets is None:
+            arrays, gather, kind = xsim._dense_layout(pop)
+        else:
+            arrays, gather, kind = xsim._ragged_layout(pop, length)
+        loop = xsim._scan(exe, metrics, False, kind, gather)
+        args = (state, jax.device_put(arrays), cohorts.plan(0, r)[0], np.arange(r, dtype=np.int32))
+        jax.block_until_ready(loop(*args, None))  # compiles
+        runs[k] = (loop, args)
     times = {k: [] for k in pops}
     for rep in range(cfg["reps"]):
         for k in _timing.rotated(list(pops), rep):
-            times[k].append((run(k, 2 * r) - run(k, r)) / r)
+            loop, args = runs[k]
+            t = time.perf_counter()
+            jax.block_until_ready(loop(*args, None))
+            times[k].append((time.perf_counter() - t) / r)
     return {"round_s": times, "ragged/dense": _timing.ratio_stats(times["ragged"], times["dense"])}
 
 

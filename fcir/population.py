@@ -197,8 +197,7 @@ class Population:
         """Cohorts of ``k`` distinct clients, drawn uniformly without replacement;
         ``padding`` as :meth:`poisson`'s."""
         k = _count("fcir.Population.uniform", "k", k, 1, self.size)
-        lengths = _lengths("fcir.Population.uniform", self, padding)
-        return Cohorts(self, "uniform", k, k / self.size, _seed(seed), padding, lengths)
+        return Cohorts(self, "uniform", k, k / self.size, _seed(seed), padding)
 
     def poisson(
         self, q: float, seed: int = 0, max_size: int | None = None, *, padding="population"
@@ -220,8 +219,7 @@ class Population:
         if max_size is None:
             max_size = _binomial_quantile(self.size, float(q), OVERFLOW)
         max_size = _count("fcir.Population.poisson", "max_size", max_size, 1, self.size)
-        lengths = _lengths("fcir.Population.poisson", self, padding)
-        return Cohorts(self, "poisson", max_size, float(q), _seed(seed), padding, lengths)
+        return Cohorts(self, "poisson", max_size, float(q), _seed(seed), padding)
 
 
 def _lengths(who: str, population: Population, padding) -> tuple[int, ...] | None:
@@ -291,7 +289,6 @@ class Cohorts:
         rate: float,
         seed: int,
         padding="population",
-        lengths: tuple[int, ...] | None = None,
     ):
         self.population = population
         self.kind = kind
@@ -299,7 +296,7 @@ class Cohorts:
         self.sampling_rate = rate  # k/N or q: what the accountant takes
         self.seed = seed
         self.padding = padding
-        self.lengths = lengths
+        self.lengths = _lengths(f"fcir.Population.{kind}", population, padding)
 
     @property
     def bucketed(self) -> bool:
