@@ -17,7 +17,8 @@ Systems (each skipped, with the reason, when not installed):
   (``--members``, default ``auto``: on CPU the members one after another with
   XLA:CPU's fast convolutions, ``fcir.interpreters.xla.members``), its host loop
   (gather the next cohort and put it on the device while the round runs);
-  ``fcir k=K`` the same compiled with ``clients_per_step=K``; ``fcir vmap`` (only when
+  ``fcir k=K`` the same compiled with ``clients_per_step=K`` (``--clients-per-step
+  auto``: the k ``xla.compile`` picks for the device's memory); ``fcir vmap`` (only when
   named in ``--systems``) with ``members="vmap"``, the lowering ``jax.jit`` gives;
 - ``drjax``: the same round on DrJAX 0.2.1 (``jax.jit``) and a hand-written sampling
   loop (bench/cifar.py ``HandLoop``: sample, gather on the host, ``device_put`` the
@@ -35,7 +36,9 @@ of ``1 + ROUNDS`` rounds for the Flower systems (the first round, which starts R
 workers and compiles, is not counted: their time is the sum of the rounds' times their
 ServerApps print). Reported: rounds per second per system (median, min, max) and per
 repetition the ratios fcir/pfl, fcir/drjax and fcir-flower/hand-flower (median, min,
-max); versions of every system; the load average before and after. ``--json PATH``
+max); versions of every system; the load average before and after. A system that runs
+out of the device's memory, compiling or running, is recorded as such (table and JSON,
+``out_of_memory``) and the others go on. ``--json PATH``
 writes the median ratios under those keys; the full record goes to
 bench/results/simulate[-smoke]-<time>.json.
 """
@@ -118,6 +121,7 @@ class Simulated:
         self.exe = cifar.compile_population(
             self.cohorts, "vmap" if name == "fcir-vmap" else members, k
         )
+        self.streaming = self.exe.streaming  # with "auto": the k chosen, the candidates
         self.params = cifar.model().init_params(0, pop[0].shape[2:])
         self.round = 0
         self._run(1)  # warm-up
@@ -242,9 +246,11 @@ def stage_flower(cfg: dict, pop, work: pathlib.Path) -> dict:
 # --- the run -----------------------------------------------------------------------------
 
 
-def build(names, cfg: dict, a, work: pathlib.Path) -> tuple[dict, dict]:
+def build(names, cfg: dict, a, work: pathlib.Path) -> tuple[dict, dict, dict]:
+    """The systems that are ready to run, those skipped (why), and those that ran out
+    of the device's memory while compiling or warming up (recorded, not run)."""
     pop = cifar.population(cfg["clients"], cfg["examples"])
-    systems, skipped = {}, {}
+    systems, skipped, out_of_memory = {}, {}, {}
     staged = None
     for name in names:
         t = time.perf_counter()
@@ -265,8 +271,19 @@ def build(names, cfg: dict, a, work: pathlib.Path) -> tuple[dict, dict]:
             skipped[name] = str(e)
             print(f"{name}: skipped: {e}", flush=True)
             continue
+        except Exception as e:
+            if (record := _record.out_of_memory(e)) is None:
+                raise
+            out_of_memory[name] = record
+            print(f"{name}: {_record.describe(record)}: {record['message']}", flush=True)
+            continue
         print(f"{name}: ready in {time.perf_counter() - t:.1f} s", flush=True)
-    return systems, skipped
+    return systems, skipped, out_of_memory
+
+
+def _budget(text: str):
+    """``--clients-per-step``: a positive int, or ``auto`` (xla.compile picks k)."""
+    return text if text == "auto" else int(text)
 
 
 def main() -> int:
@@ -281,11 +298,12 @@ def main() -> int:
     ap.add_argument("--members", default="auto", choices=("auto", "loop", "vmap"),
                     help="fcir's fed.map lowering (xla.compile's members=)")  # fmt: skip
     for key in FULL:
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int)
+        kind = _budget if key == "clients_per_step" else int
+        ap.add_argument(f"--{key.replace('_', '-')}", type=kind)
     a = ap.parse_args()
     cfg = dict(SMOKE if a.smoke else FULL)
     cfg.update({k: getattr(a, k) for k in FULL if getattr(a, k) is not None})
-    if min(cfg.values()) < 1 or cfg["cohort"] > cfg["clients"]:
+    if min(v for v in cfg.values() if v != "auto") < 1 or cfg["cohort"] > cfg["clients"]:
         ap.error("sizes must be positive and the cohort at most the population")
     names = [s for s in a.systems.split(",") if s]
     if unknown := set(names) - set(SYSTEMS + EXTRA):
@@ -296,12 +314,25 @@ def main() -> int:
     print(f"config: {cfg}, members={a.members}; "
           f"load average {load_before[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
     work = pathlib.Path(tempfile.mkdtemp(prefix="fcir-bench-simulate-"))
-    systems, skipped = build(names, cfg, a, work)
+    systems, skipped, out_of_memory = build(names, cfg, a, work)
+    chosen = getattr(systems.get("fcir-k"), "streaming", None)
+    if chosen and chosen.get("mode") == "auto":
+        label["fcir-k"] = f"fcir k=auto ({chosen['clients_per_step']})"
     seconds = {n: [] for n in systems}
     try:
         for r in range(cfg["reps"]):
             for name in _timing.rotated(list(systems), r):
-                seconds[name].append(systems[name].sample())
+                if name in out_of_memory:
+                    continue
+                try:
+                    seconds[name].append(systems[name].sample())
+                except Exception as e:  # a run that fails to allocate: recorded, not retried
+                    if (record := _record.out_of_memory(e)) is None:
+                        raise
+                    out_of_memory[name] = record
+                    seconds.pop(name)
+                    print(f"rep {r}: {label.get(name, name)} {_record.describe(record)}")
+                    continue
                 rps = cfg["rounds"] / seconds[name][-1]
                 print(f"rep {r}: {label.get(name, name)} {rps:.3f} rounds/s", flush=True)
     finally:
@@ -321,6 +352,8 @@ def main() -> int:
         print(f"{label.get(n, n):<14} {m:>16.3f} {min(v):>8.3f} {max(v):>8.3f} {m * 3600:>12.0f}")
     for n, why in skipped.items():
         print(f"{label.get(n, n):<14} skipped: {why}")
+    for n, record in out_of_memory.items():
+        print(f"{label.get(n, n):<14} {_record.describe(record)}")
     print()
     for key, s in ratios.items():
         goal = f" (goal >= {GOALS[key]})" if key in GOALS else ""
@@ -335,7 +368,7 @@ def main() -> int:
     result = {
         **{f"{n}/{d}": ratios.get(f"{n}/{d}", {}).get("median") for n, d in RATIOS[:3]},
         "smoke": a.smoke, "config": cfg, "members": a.members, "systems": list(systems),
-        "skipped": skipped,
+        "skipped": skipped, "out_of_memory": out_of_memory, "fcir-k streaming": chosen,
         "seconds": seconds, "rounds_per_s": rps, "ratios": ratios, "versions": versions,
         **_record.machine(), "load_average": [load_before[0], load_after[0]],
     }  # fmt: skip

@@ -176,6 +176,30 @@ def pytest_configure(config):
     _use_session_jax_cache(config)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _float32_matmuls_on_accelerators():
+    """On an accelerator, float32 matrix products at float32 precision, as on a CPU.
+
+    A TPU multiplies float32 matrices in one bfloat16 pass by default (about three
+    digits): a result that feeds another product is rounded to bfloat16 there, so two
+    programs that compute the same thing in another order (streamed and unstreamed, a
+    vmapped batch and a loop, fcir and a plain-JAX oracle) drift apart by far more than
+    the float32 tolerances the tests hold them to on CPU. Under
+    ``jax_default_matmul_precision="highest"`` a product is exact to float32 again and
+    the comparisons mean what they mean on CPU; both sides of a bitwise comparison are
+    traced under it alike. Set when the first test runs (the backend is chosen then),
+    never on CPU, where it changes nothing."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        yield
+        return
+    previous = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    yield
+    jax.config.update("jax_default_matmul_precision", previous)
+
+
 # FCIR_TEST_CPU=FILE: each test's CPU seconds (its process's, and those of the processes
 # it started and waited for: CLIs, 8-device children, Flower's SuperLinks) and wall
 # seconds are appended to FILE, one line per test, by every pytest process. CI sets it
@@ -273,6 +297,76 @@ FAST_CORPUS_CASES = frozenset(
 )
 
 
+# The device tier (docs/contributing.md, "On an accelerator"): the tests whose outcome
+# the device can change (XLA's programs and their numbers, streaming and its memory,
+# populations, the robust aggregators, checkpoints of arrays in device memory), run on
+# an accelerator in one process with ``cd tests && python -m pytest -m device``. Marked
+# ``device``: the fast-tier tests of these files, the slow ones in DEVICE_TIER_SLOW
+# (what the device's memory decides), and the corpus sweeps
+# on DEVICE_CORPUS_CASES; not the 8-device children, which are CPU meshes. With
+# ``-m device`` no other test file is collected, so the tier runs where Flower, IREE or
+# moto are not installed.
+DEVICE_TIER_FILES = frozenset(
+    {
+        "interpreters/xla/test_xla.py",
+        "interpreters/xla/test_xla_call.py",
+        "interpreters/xla/test_xla_members.py",
+        "interpreters/xla/test_xla_zeros.py",
+        "interpreters/xla/test_xla_lstm_bitwise.py",
+        "interpreters/xla/test_streaming_numbers.py",
+        "interpreters/xla/test_xla_streaming.py",
+        "interpreters/xla/test_xla_streaming_grad.py",
+        "interpreters/xla/test_simulation.py",
+        "interpreters/xla/test_cost_accounting.py",
+        "interpreters/xla/test_hlo_flops.py",
+        "interpreters/xla/test_memory_budget.py",
+        "fed/test_robust_aggregators.py",
+        "fed/test_robust_aggregates.py",
+        "checkpoint/test_device_memory.py",
+    }
+)
+DEVICE_TIER_SLOW = frozenset(
+    {
+        "test_streaming_memory_depends_on_k_not_on_the_cohort",
+        "test_auto_budget_fits_the_memory_limit",
+        "test_gradient_and_dp_temp_memory_is_flat_in_the_cohort",
+    }
+)
+# The fast tier's corpus programs and the one whose members compute in bfloat16.
+DEVICE_CORPUS_CASES = FAST_CORPUS_CASES | {"bf16_client"}
+
+
+def _device_tier_run(config) -> bool:
+    """Whether ``-m`` selects the device tier (``device``, not ``not device``)."""
+    return re.search(r"(?<!not )\bdevice\b", config.option.markexpr or "") is not None
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m device``, test files outside the tier are not even imported."""
+    if not _device_tier_run(config) or collection_path.suffix != ".py":
+        return None
+    name = collection_path.name
+    if not (name.startswith("test_") or name == "conftest.py"):
+        return None
+    root = pathlib.Path(__file__).parent.resolve()
+    try:
+        relative = collection_path.resolve().relative_to(root).as_posix()
+    except ValueError:
+        return None
+    return None if name == "conftest.py" or relative in DEVICE_TIER_FILES else True
+
+
+def _in_device_tier(item, relative: str, named: set[str], explicit_slow: bool) -> bool:
+    child = getattr(getattr(item, "module", None), "EIGHT_DEVICES", None)
+    if relative not in DEVICE_TIER_FILES:
+        return False
+    if child is not None and getattr(item, "originalname", None) == child.test:
+        return False  # an 8-device CPU child
+    if explicit_slow and getattr(item, "originalname", None) not in DEVICE_TIER_SLOW:
+        return False
+    return named <= DEVICE_CORPUS_CASES
+
+
 def _corpus_names() -> frozenset[str]:
     try:
         from corpus import CASES
@@ -285,11 +379,14 @@ def pytest_collection_modifyitems(config, items):
     """Marks the tests under ``JAX_INDEPENDENT_FOLDERS`` ``jax_independent``; marks
     ``slow`` the test that waits for a file's 8-device child (eight_devices.py: the child
     compiles for minutes), every test of a ``SLOW_CORPUS_CASES`` program, and every test
-    of a corpus program outside ``FAST_CORPUS_CASES``."""
+    of a corpus program outside ``FAST_CORPUS_CASES``; marks ``device`` the device tier
+    (``DEVICE_TIER_FILES``)."""
     root = pathlib.Path(__file__).parent.resolve()
     folders = [tuple(f.split("/")) for f in JAX_INDEPENDENT_FOLDERS]
     corpus = _corpus_names()
     for item in items:
+        explicit_slow = item.get_closest_marker("slow") is not None
+        named = set()
         child = getattr(getattr(item, "module", None), "EIGHT_DEVICES", None)
         if child is not None and getattr(item, "originalname", None) == child.test:
             item.add_marker("slow")
@@ -310,6 +407,8 @@ def pytest_collection_modifyitems(config, items):
             continue
         if any(parts[: len(f)] == f for f in folders):
             item.add_marker("jax_independent")
+        if _in_device_tier(item, "/".join(parts), named, explicit_slow):
+            item.add_marker("device")
 
 
 def pytest_collection_finish(session):

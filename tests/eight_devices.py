@@ -78,6 +78,9 @@ class Child:
         # 0.10.2), the same outcomes.
         flags += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
         env["XLA_FLAGS"] = " ".join(flags).strip()
+        # Simulated CPU devices, whatever else the machine has: on an accelerator the
+        # parent holds the device, which one process at a time may open.
+        env["JAX_PLATFORMS"] = "cpu"
         try:
             self._proc = subprocess.Popen(
                 self.cmd, env=env, cwd=_REPO, text=True,

@@ -137,7 +137,8 @@ def _auto(module, mesh, memory_limit, interpreter) -> Executable:
 
     search = search_budget(compile_k, members_per_device(module, mesh), limit)
     if search.k is None:
-        raise InterpreterError(_none_fits(search.tried[1], device, memory_limit))
+        one = search.tried[1]
+        raise InterpreterError(_none_fits(one, device, memory_limit)) from one.error
     k = search.k
     exe = executables[k]
     exe.streaming = {
@@ -163,6 +164,7 @@ class Probe:
 
     peak: int | None
     message: str | None = None
+    error: BaseException | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +249,7 @@ def out_of_memory(error: BaseException) -> Probe | None:
     text = str(error)
     if not isinstance(error, RuntimeError) or _OOM_STATUS not in text.split(":", 1)[0]:
         return None
-    return Probe(peak=_asked_bytes(text), message=text.strip().splitlines()[0][:300])
+    return Probe(peak=_asked_bytes(text), message=text.strip().splitlines()[0][:300], error=error)
 
 
 def _asked_bytes(text: str) -> int | None:

@@ -25,7 +25,8 @@ if str(HERE) not in sys.path:
 
 @pytest.fixture(scope="session")
 def devices() -> list[jax.Device]:
-    devs = jax.devices()
+    # CPU devices by name: on a machine with an accelerator, jax.devices() is its.
+    devs = jax.devices("cpu")
     if len(devs) < 8:
         pytest.fail(
             f"checkpoint tests need 8 CPU devices, got {len(devs)}: the backend started "

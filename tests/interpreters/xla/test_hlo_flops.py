@@ -127,6 +127,11 @@ def test_dot_and_convolution_counts_are_multiply_adds_times_two():
     assert hlo_flops.count(conv.as_text("hlo")).flops == 2 * 4 * 3 * 2 * 3
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="about XLA:CPU's optimized module: another platform's compiler rewrites the "
+    "ops it is given (a TPU's dot can become a convolution), so its count is its own",
+)
 def test_the_text_of_an_optimized_module_counts_too():
     """The compiled module's text (fusions, XLA's ``%``-prefixed names on some versions)
     counts its fused computations."""

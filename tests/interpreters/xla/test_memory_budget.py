@@ -91,7 +91,9 @@ def test_a_candidate_that_runs_out_of_memory_is_the_next_bound_and_its_bytes_the
 def test_when_the_compiler_gives_no_figure_the_search_halves():
     def compile_k(k):
         if k > 5:
-            return memory_budget.out_of_memory(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: OOM"))
+            return memory_budget.out_of_memory(
+                jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: OOM")
+            )
         return memory_budget.Probe(peak=k)  # flat: the line says every member fits
 
     search = memory_budget.search_budget(compile_k, top=40, limit=100)
@@ -117,7 +119,9 @@ def test_out_of_memory_reads_what_the_compiler_asked_for(text, asked):
 
 
 def test_other_compile_errors_are_not_out_of_memory():
-    assert memory_budget.out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed")) is None
+    assert (
+        memory_budget.out_of_memory(jax.errors.JaxRuntimeError("INTERNAL: Mosaic failed")) is None
+    )
     assert memory_budget.out_of_memory(ValueError("RESOURCE_EXHAUSTED: not from XLA")) is None
 
 
@@ -138,6 +142,18 @@ def module():
     return fcir.capture(_round, np.zeros((32, 32), np.float32), np.ones((16, 32), np.float32))
 
 
+@pytest.fixture(scope="module")
+def peaks(module):
+    """The predicted peaks of k = 1 and k = 2 on this backend (each step holds k
+    members' [32, 32] states: k = 2 needs more)."""
+    one, two = (
+        memory_budget.predicted_peak(xla.compile(module, clients_per_step=k).compiled())
+        for k in (1, 2)
+    )
+    assert one < two
+    return one, two
+
+
 @pytest.fixture
 def chip(monkeypatch):
     """``chip(capacity, fail=None)``: compiles refuse programs whose predicted peak is
@@ -147,12 +163,12 @@ def chip(monkeypatch):
     compile_ = jax.stages.Lowered.compile
 
     def install(capacity, fail=None):
-        peaks = []
+        seen = []
 
         def compile_like_a_tpu(lowered, *args, **kwargs):
             compiled = compile_(lowered, *args, **kwargs)
             peak = memory_budget.predicted_peak(compiled)
-            peaks.append(peak)
+            seen.append(peak)
             error = fail(peak) if fail else None
             if error is None and peak > capacity:
                 error = tpu_out_of_memory(peak, capacity)
@@ -162,42 +178,44 @@ def chip(monkeypatch):
 
         monkeypatch.setattr(jax.stages.Lowered, "compile", compile_like_a_tpu)
         monkeypatch.setattr(memory_budget, "device_memory", lambda mesh: capacity)
-        return peaks
+        return seen
 
     return install
 
 
-def test_auto_keeps_searching_past_a_compile_that_runs_out_of_memory(module, chip):
-    peaks = chip(60_000)
+def test_auto_takes_a_compile_that_runs_out_of_memory_as_does_not_fit(module, peaks, chip):
+    one, two = peaks
+    seen = chip((one + two) // 2)  # k = 1 fits, k = 2 runs out of memory
     exe = xla.compile(module, clients_per_step="auto")
     s = exe.streaming
-    k = s["clients_per_step"]
-    assert s["predicted_peak_bytes"] <= 60_000 and 1 < k < 16
-    assert s["out_of_memory"] and all(int(c) > k for c in s["out_of_memory"])
-    assert len(peaks) <= 4  # k = 1, 2, the line's candidate, one more below it
+    assert s["clients_per_step"] == 1 and s["predicted_peak_bytes"] == one
+    assert s["out_of_memory"] == {"2": asked_as_printed(two)} and list(s["candidates"]) == ["1"]
+    assert seen == [one, two]
     w, x = np.ones((32, 32), np.float32) / 8, np.ones((16, 32), np.float32) / 4
     np.testing.assert_allclose(exe(w, x), xla.compile(module)(w, x), rtol=1e-5, atol=1e-6)
 
 
-def test_when_one_member_does_not_fit_the_error_names_its_bytes_and_the_device(module, chip):
-    peaks = chip(20_000)
+def test_when_one_member_does_not_fit_the_error_names_its_bytes_and_the_device(module, peaks, chip):
+    one, _ = peaks
+    chip(one // 2)
     with pytest.raises(fcir.FcirError) as e:
         xla.compile(module, clients_per_step="auto")
     message = str(e.value)
-    assert f"needs {asked_as_printed(peaks[0]):,} bytes per device" in message
-    assert "the device has 20,000 bytes" in message and "Used " in message
+    assert f"needs {asked_as_printed(one):,} bytes per device" in message
+    assert f"the device has {one // 2:,} bytes" in message and "Used " in message
 
 
-def test_a_message_without_the_bytes_says_so(module, chip):
-    chip(20_000, fail=lambda peak: jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: no room"))
+def test_a_message_without_the_bytes_says_so(module, peaks, chip):
+    chip(peaks[0] // 2, fail=lambda peak: jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: none"))
     with pytest.raises(fcir.FcirError, match="does not say how many bytes it asked for"):
         xla.compile(module, clients_per_step="auto")
 
 
-def test_a_compile_error_that_is_not_out_of_memory_propagates(module, chip):
+def test_a_compile_error_that_is_not_out_of_memory_propagates(module, peaks, chip):
     def fail(peak):
-        return jax.errors.JaxRuntimeError("INTERNAL: the compiler broke") if peak > 30_000 else None
+        broken = jax.errors.JaxRuntimeError("INTERNAL: the compiler broke")
+        return broken if peak > peaks[0] else None
 
-    chip(10**9, fail=fail)
+    chip(10 * peaks[1], fail=fail)
     with pytest.raises(fcir.FcirError, match="INTERNAL: the compiler broke"):
         xla.compile(module, clients_per_step="auto")

@@ -336,6 +336,21 @@ def test_format_cost_table():
     assert "712 B" in clients  # the model, f32: (16 + 2 + 8*16 + 16*2) * 4 bytes
 
 
+def test_cost_reports_the_achieved_flops_per_second_of_timed_calls():
+    _, args, exe = fedavg()
+    exe(*args)  # an ordinary call is not timed
+    assert "timing" not in exe.cost() and "flops_per_second" not in exe.cost(*args)
+    out = exe.timed(*args)
+    exe.timed(*args)
+    assert_bitwise(out, exe(*args))
+    report = exe.cost()  # the abstract specs have the arrays' types: the same timings
+    timing = report["timing"]
+    assert timing["calls"] == 2 and 0 < timing["min_seconds"] <= timing["median_seconds"]
+    assert report["flops_per_second"] == report["flops_per_call"] / timing["median_seconds"]
+    json.dumps(report)
+    assert "TFLOP/s (flops per call / median)" in xla.format_cost(report)
+
+
 @fcir.program(placements={"clients": 3})
 def _mean_update(w, x):
     return fcir.reduce_mean(fcir.map_fn(lambda w, x: x - w, (fcir.broadcast(w), x)))

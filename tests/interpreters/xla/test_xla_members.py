@@ -23,7 +23,7 @@ from corpus import case
 from fcir.interpreters import xla
 from fcir.interpreters.xla import members as M
 from fcir.interpreters.xla.interpreter import XlaInterpreter
-from test_xla_streaming import EXACT, FAST, assert_streamed_equal
+from test_xla_streaming import EXACT, FAST, assert_streamed_equal, tolerance
 
 import fcir
 from fcir.errors import FcirError
@@ -171,12 +171,16 @@ def test_corpus_program_loops_like_vmapped(name):
         return XlaInterpreter().run(module, *a), M.LoopInterpreter().run(module, *a)
 
     want, got = jax.jit(both).lower(*args).compile(FAST)(*args)
-    assert_streamed_equal(got, want, exact=name in EXACT, what=f"{name} loop")
+    what = f"{name} loop"
+    assert_streamed_equal(got, want, exact=name in EXACT, what=what, tol=tolerance(name))
 
 
 def test_auto_loops_for_convolutional_clients_on_cpu_only(cnn_module):
     plain = fcir.capture(case("fedavg_mlp").fn, *case("fedavg_mlp").make_args())
-    assert M.check_members("auto", None, cnn_module) == "loop"
+    # The loop is for XLA:CPU's convolutions (the module docstring); an accelerator
+    # runs the vmapped members' convolutions as one batched convolution.
+    on_cpu = jax.default_backend() == "cpu"
+    assert M.check_members("auto", None, cnn_module) == ("loop" if on_cpu else "vmap")
     assert M.check_members("auto", None, plain) == "vmap"
     mesh = jax.make_mesh((1,), ("clients",))
     assert M.check_members("auto", mesh, cnn_module) == "vmap"
@@ -209,7 +213,8 @@ def test_simulate_runs_the_rounds_with_the_member_loop():
     module = fcir.capture(round_, p, *cohorts.specs())
     run = {m: xla.simulate(module, p, cohorts, 2, loop="host", members=m)[0]
            for m in ("auto", "loop", "vmap")}  # fmt: skip
-    for a, b in zip(jax.tree.leaves(run["auto"]), jax.tree.leaves(run["loop"])):
+    auto = "loop" if jax.default_backend() == "cpu" else "vmap"  # convolutions: see above
+    for a, b in zip(jax.tree.leaves(run["auto"]), jax.tree.leaves(run[auto])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_streamed_equal(run["loop"], run["vmap"], exact=False, what="simulate loop")
     exe = xla.compile(module)

@@ -50,6 +50,21 @@ TOL = 1e-6
 # they may differ from the unchunked program's in the last bits (1.05e-6 measured).
 GRAD_TOL = 4e-6
 LOW_PRECISION_TOL = 1e-2  # bfloat16 leaves: 8 bits of mantissa
+# Programs whose members compute in bfloat16 and return it cast to float32. XLA:CPU
+# computes a bfloat16 dot the same way however it is batched, so their float32 leaves
+# compare at TOL there. An accelerator's matrix unit accumulates it in an order that
+# depends on the batch (a chunk of k members, the whole cohort vmapped, one member in
+# a loop), so a member's result can round to the neighbouring bfloat16 (8.6e-4
+# relative measured on a TPU v5e, bf16_client looped against vmapped): there they
+# compare at the precision they were computed in. jax_default_matmul_precision does
+# not apply: the operands already are bfloat16.
+BF16_MEMBERS = {"bf16_client"}
+
+
+def tolerance(name: str, tol: float = TOL) -> float:
+    """The tolerance of corpus program ``name``'s float leaves on this backend."""
+    on_cpu = jax.default_backend() == "cpu"
+    return LOW_PRECISION_TOL if name in BF16_MEMBERS and not on_cpu else tol
 
 
 def budgets(module, full: bool = True) -> tuple[int, ...]:
@@ -130,7 +145,8 @@ def test_corpus_program_streams_like_unchunked(name):
     ks = budgets(module, full=name not in SLOW)
     want, outs = run_budgets(module, args, ks)
     for k, got in zip(ks, outs):
-        assert_streamed_equal(got, want, exact=name in EXACT, what=f"{name} k={k}")
+        what = f"{name} k={k}"
+        assert_streamed_equal(got, want, exact=name in EXACT, what=what, tol=tolerance(name))
 
 
 # Gradient programs are the largest (compile time); all three budgets run for two of
@@ -162,7 +178,8 @@ def test_corpus_gradient_streams_like_unchunked(name):
     options = None if name in DEFAULT_OPTIONS_GRADIENTS else FAST
     want, outs = run_budgets(module, args, ks, options)
     for k, got in zip(ks, outs):
-        assert_streamed_equal(got, want, exact=False, what=f"grad {name} k={k}", tol=GRAD_TOL)
+        what = f"grad {name} k={k}"
+        assert_streamed_equal(got, want, exact=False, what=what, tol=tolerance(name, GRAD_TOL))
 
 
 @in_main_process

@@ -228,7 +228,9 @@ def test_ddp_streams_bit_for_bit_and_differentiates_like_unstreamed():
     m = fcir.capture(elementwise_ddp_round(n), p, x, y, keys)
     got = xla.compile(m, clients_per_step=K)(p, x, y, keys)
     assert_streamed_equal(got, xla.compile(m)(p, x, y, keys), exact=True, what="ddp")
-    if jax.__version_info__ < (0, 11):  # where the map's dot is batch-invariant too
+    # Where the map's dot is batch-invariant too: XLA:CPU under jax 0.10 (an
+    # accelerator's matrix unit tiles a batch of 3 members otherwise than one of 8).
+    if jax.__version_info__ < (0, 11) and jax.default_backend() == "cpu":
         assert_streamed_equal(
             streamed(p, x, y, keys), plain(p, x, y, keys), exact=True, what="ddp local_step"
         )
