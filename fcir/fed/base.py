@@ -90,6 +90,9 @@ class FedOp:
     # unset (so a module that does not use one prints, serializes and hashes as before)
     optional_attributes: ClassVar[dict[str, type]] = {}
     constraints: ClassVar[dict[str, str]]
+    # Module-level functions the op's ``server_aggregate`` calls, self-contained like it:
+    # their source travels with its (``server_aggregate_source``).
+    server_helpers: ClassVar[tuple] = ()
     placement_constraints: ClassVar[frozenset[str]] = frozenset()
     registry: ClassVar[dict[str, type[FedOp]]] = {}
 
@@ -125,6 +128,14 @@ class FedOp:
         raise NotImplementedError
 
     @classmethod
+    def min_replies(cls, attrs: dict) -> int:
+        """The fewest members an aggregate is defined over. A Flower server that got
+        fewer replies than the round's cardinality computes the op over those that
+        came (its ``server_aggregate``), down to this many; below it the round has no
+        aggregate (Flower's ``Bulyan`` skips it)."""
+        return 1
+
+    @classmethod
     def placed_operands(cls, n_operands: int) -> range:
         """Indices of the operands that are placed at the members (a DP op's last
         operand, the key, is not)."""
@@ -151,18 +162,22 @@ class FedOp:
 
     @classmethod
     def server_aggregate_source(cls) -> str | None:
-        """The source of the op's ``server_aggregate(x, **attrs)``, if it has one: how a
-        server with every client's value (stacked on axis 0) computes the op, in jnp
-        and numpy only. The Flower export copies it into the app (which cannot import
-        fcir) for a reduction with no intrinsic of its own."""
+        """The source of the op's ``server_aggregate(x, **attrs)``, if it has one, after
+        that of the ``server_helpers`` it calls: how a server with every client's value
+        (stacked on axis 0) computes the op, in jnp and numpy only. The Flower export
+        copies it into the app (which cannot import fcir) for a reduction with no
+        intrinsic of its own."""
         import inspect
         import textwrap
 
         fn = getattr(cls, "server_aggregate", None)
         if fn is None:
             return None
-        lines = textwrap.dedent(inspect.getsource(fn)).splitlines()
-        return "\n".join(line for line in lines if not line.startswith("@")) + "\n"
+        parts = []
+        for f in (*cls.server_helpers, fn):
+            lines = textwrap.dedent(inspect.getsource(f)).splitlines()
+            parts.append("\n".join(line for line in lines if not line.startswith("@")) + "\n")
+        return "\n\n".join(parts)
 
     @classmethod
     def placed_operand(cls, ctx: Context, v, code_placement: str, allow_all_equal=True):

@@ -5,7 +5,10 @@ function ``reduce_geometric_median``.
 ``w_i = 1 / max(||x_i - z||, eps)``, the norm over the whole member value (the public
 function flattens a pytree into one vector per member first, ``fcir.fed.krum``'s
 ``flatten_members``, so the norm covers every leaf). Computed in float32 or wider,
-rounded to the member dtype once at the end. A NaN member makes every coordinate NaN
+rounded to the member dtype once at the end. The sums over members add one member
+after another in member order, and a norm's squares in ``fcir.fed.krum.row_sums``'s
+order (``weiszfeld_fold``): a stream over chunks of members adds the same numbers in
+the same order, so streamed and unstreamed agree to the bit. A NaN member makes every coordinate NaN
 (its norm is NaN); ``eps`` bounds every weight, so a step never divides by zero.
 
 Not secure: whoever aggregates sees every member's value.
@@ -28,12 +31,34 @@ from fcir.opkit import primitives as P
 
 from .base import Reduction, public
 from .broadcast import broadcast_p
-from .krum import _float, _int_attr, flatten_members, int_arg, unrolled_batch
+from .krum import _float, _int_attr, flatten_members, int_arg, row_sums, unrolled_batch
 from .map import member_map
 from .mean import mean_p
 from .sum import sum_p
 
 __all__ = ["GeometricMedian", "geometric_median_p", "reduce_geometric_median"]
+
+
+def weiszfeld_fold(total, rows, z, p, eps, valid=None):
+    """``total``, the running ``(sum_i w_i x_i, sum_i w_i)``, after the rows ``x_i`` of
+    ``rows`` (``[k, s]``, float32 or wider) added one by one in their order (``valid``:
+    which rows to add); in pass ``p = 0`` every ``w_i`` is 1 (the mean), after it ``1 /
+    max(||x_i - z||, eps)``. The same adds in the same order whether the members come
+    all at once or a chunk at a time: a streamed Weiszfeld step has the unstreamed
+    one's bits. Self-contained: the Flower app copies its source."""
+    import jax
+    import jax.numpy as jnp
+
+    w = 1 / jnp.maximum(jnp.sqrt(row_sums(jnp.square(rows - z))), eps)
+    w = jnp.where(p == 0, jnp.ones_like(w), w)
+
+    def add(i, t):
+        new = (t[0] + w[i] * rows[i], t[1] + w[i])
+        if valid is None:
+            return new
+        return tuple(jnp.where(valid[i], a, b) for a, b in zip(new, t))
+
+    return jax.lax.fori_loop(0, rows.shape[0], add, total)
 
 
 class GeometricMedian(Reduction):
@@ -49,22 +74,25 @@ class GeometricMedian(Reduction):
         "C6": "attribute 'eps' must be a finite float > 0",
     }
 
+    server_helpers = (row_sums, weiszfeld_fold)
+
     @staticmethod
     def server_aggregate(x, *, iters, eps):
         """Weiszfeld over the replies (axis 0), as a Flower ServerApp computes it
-        (self-contained: the app copies this source, it cannot import fcir)."""
+        (self-contained, with ``server_helpers``)."""
         import jax
         import jax.numpy as jnp
         import numpy as np
 
         acc = np.result_type(x.dtype, np.float32)
         flat = x.reshape(x.shape[0], -1).astype(acc)
+        zero = (jnp.zeros(flat.shape[1:], acc), jnp.zeros((), acc))
 
-        def step(_, z):
-            w = 1 / jnp.maximum(jnp.sqrt(jnp.sum(jnp.square(flat - z), axis=1)), eps)
-            return jnp.sum(w[:, None] * flat, axis=0) / jnp.sum(w)
+        def one_pass(p, z):
+            total, weight = weiszfeld_fold(zero, flat, z, p, eps)
+            return total / weight
 
-        z = jax.lax.fori_loop(0, iters, step, jnp.mean(flat, axis=0))
+        z = jax.lax.fori_loop(0, iters + 1, one_pass, zero[0])
         return z.reshape(x.shape[1:]).astype(x.dtype)
 
     @classmethod

@@ -1,15 +1,19 @@
-"""``fed.krum``: the ``m`` members with the lowest Krum scores (Blanchard et al. 2017),
-and the public functions ``reduce_krum`` (``m = 1``) and ``reduce_multi_krum`` (the
-mean of the ``m`` chosen members).
+"""``fed.krum``: the members with the lowest Krum scores (Blanchard et al. 2017), and the
+public function ``reduce_krum`` (``m = 1``: that member); ``fed.multi_krum``
+(``fcir.fed.multi_krum``) is the mean of the ``m`` chosen members.
 
 A member's score is the sum of its squared L2 distances to its ``n - f - 2`` nearest
 other members, as Flower's ``Krum``/``MultiKrum`` strategies compute it (row ``i`` of
 the distance matrix sorted, its first entry, the member itself at distance 0,
-skipped). The op's result is the chosen members' values stacked in increasing score
-order, ties to the lower member index: ``{fN[s]}@child -> fN[m, s]``. Distances span
-the whole member value; the public functions flatten a pytree into one vector per
-member first (one ``fed.map``), so the distance covers every leaf, as Flower's covers
-every array of an update, and split the result back at the server.
+skipped). ``fed.krum``'s result is the chosen members' values stacked in increasing
+score order, ties to the lower member index: ``{fN[s]}@child -> fN[m, s]``. Distances
+span the whole member value; the public functions flatten a pytree into one vector per member
+first (one ``fed.map``), so the distance covers every leaf, as Flower's covers every
+array of an update, and split the result back at the server.
+
+Every sum over a member's coordinates (a distance, a score) adds in a fixed order that
+does not depend on how many rows are summed at once (``row_sums``): the streamed
+distance matrix, built chunk by chunk, then has the unstreamed one's bits.
 
 Not secure: whoever aggregates sees every member's value (production gathers every
 client's value with ``federated_aggregate``; Flower's ServerApp runs
@@ -20,8 +24,10 @@ tangent of the member chosen there. No member knows its own index, so the rule f
 it by value: member ``i`` passes ``t_i / c_j`` to slot ``j`` when its value equals the
 chosen one, ``c_j`` the number of members holding that value (a ``fed.sum``). Equal
 members have equal scores, so sharing among them is the order statistics' tie rule.
-``fed.bulyan_select`` (``fcir.fed.bulyan``) chooses members too and shares this rule
-(``selection_jvp``) and the pytree helpers (``flatten_members``).
+The ops that choose members or aggregate chosen ones (``fed.multi_krum``,
+``fed.bulyan_select``, ``fed.bulyan``) share this module's primitive factory
+(``define_gathered``), this rule (``selection_jvp``; ``aggregate_jvp`` for an aggregate
+of the chosen), the distances and the pytree helpers (``flatten_members``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from .broadcast import broadcast_p
 from .map import member_map, member_slices
 from .sum import sum_p
 
-__all__ = ["Krum", "krum_p", "reduce_krum", "reduce_multi_krum"]
+__all__ = ["Krum", "krum_p", "reduce_krum"]
 
 
 def _float(dtype: str) -> bool:
@@ -49,7 +55,56 @@ def _int_attr(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
-# --- the scores ---------------------------------------------------------------------------
+# --- the server's computations ------------------------------------------------------------
+#
+# Self-contained (jnp and numpy, imports inside): the Flower app copies their source with
+# the ops' server_aggregate (``server_helpers``), and streaming runs them on the distance
+# matrix it builds chunk by chunk (interpreters/xla/streaming_robust.py).
+
+
+def row_sums(v):
+    """The sums over the last axis of ``v`` (``[rows, s]``), each added in an order that
+    depends on ``s`` only: lanes accumulated block by block, then folded in halves.
+    XLA's own reduction associates a row's adds differently for different numbers of
+    rows (measured on CPU for s = 130 and 1000), which would give a distance computed
+    for a chunk of members other bits than the same distance computed for all."""
+    import jax
+    import jax.numpy as jnp
+
+    rows, s = v.shape
+    if s == 0:
+        return jnp.zeros((rows,), v.dtype)
+    lanes = min(128, 1 << (s - 1).bit_length())
+    blocks = -(-s // lanes)
+    v = jnp.pad(v, ((0, 0), (0, blocks * lanes - s))).reshape(rows, blocks, lanes)
+    t = jax.lax.fori_loop(1, blocks, lambda j, t: t + v[:, j], v[:, 0])
+    while lanes > 1:
+        lanes //= 2
+        t = t[:, :lanes] + t[:, lanes:]
+    return t[:, 0]
+
+
+def sq_distances(a, b):
+    """``[p, q]``: the squared L2 distances between the rows of ``a`` (``[p, s]``) and of
+    ``b`` (``[q, s]``), in float32 or wider; entry ``(i, j)`` has the same bits whatever
+    other rows ``a`` and ``b`` hold, and ``(j, i)``'s."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    acc = np.result_type(a.dtype, np.float32)
+    b = b.astype(acc)
+    return jax.lax.map(lambda row: row_sums(jnp.square(b - row.astype(acc))), a)
+
+
+def krum_order(d, f, m):
+    """The ``m`` members with the lowest Krum scores in the distance matrix ``d``, by
+    increasing score (ties to the lower index; a NaN score last)."""
+    import jax.numpy as jnp
+
+    n = d.shape[0]
+    scores = row_sums(jnp.sort(d, axis=1)[:, 1 : max(1, n - f - 2) + 1])
+    return jnp.argsort(scores, stable=True)[:m]
 
 
 def scores_numpy(x: np.ndarray, q: int) -> np.ndarray:
@@ -64,13 +119,7 @@ def neighbours(n: int, f: int) -> int:
     return max(1, n - f - 2)
 
 
-def _krum(x, *, n, f, m):
-    # The Flower app's copy of the op (server_aggregate) is the op's one definition.
-    del n
-    return Krum.server_aggregate(x, f=f, m=m)
-
-
-# --- the op -------------------------------------------------------------------------------
+# --- the ops ------------------------------------------------------------------------------
 
 
 class Krum(Reduction):
@@ -88,20 +137,27 @@ class Krum(Reduction):
         "others)",
         "C6": "attribute 'm' must be an int with 1 <= m <= n",
     }
+    server_helpers = (row_sums, sq_distances, krum_order)
 
     @staticmethod
     def server_aggregate(x, *, f, m):
         """The ``m`` lowest-score replies stacked, as a Flower ServerApp computes them
-        (self-contained: the app copies this source, it cannot import fcir)."""
-        import jax
+        (self-contained: the app copies this source and ``server_helpers``')."""
         import jax.numpy as jnp
-        import numpy as np
 
-        n = x.shape[0]
-        flat = x.reshape(n, -1).astype(np.result_type(x.dtype, np.float32))
-        d = jax.lax.map(lambda row: jnp.sum(jnp.square(flat - row), axis=1), flat)
-        scores = jnp.sum(jnp.sort(d, axis=1)[:, 1 : max(1, n - f - 2) + 1], axis=1)
-        return jnp.take(x, jnp.argsort(scores, stable=True)[:m], axis=0)
+        flat = x.reshape(x.shape[0], -1)
+        return jnp.take(x, krum_order(sq_distances(flat, flat), f, m), axis=0)
+
+    @classmethod
+    def choose(cls, d, attrs: dict):
+        """The chosen members' indices, in the result's order, from the members'
+        squared distances ``d`` (``[n, n]``, ``sq_distances``)."""
+        return krum_order(d, attrs["f"], attrs["m"])
+
+    @classmethod
+    def from_chosen(cls, chosen, attrs: dict):
+        """The op's result from the chosen members' values stacked in that order."""
+        return chosen
 
     @classmethod
     def problem(cls, dtype: str, n: int | None, attrs: dict) -> tuple[str, str] | None:
@@ -117,7 +173,7 @@ class Krum(Reduction):
         return None
 
     @classmethod
-    def result_shape(cls, shape: tuple, attrs: dict, n: int | None = None) -> tuple:
+    def result_shape(cls, shape: tuple, attrs: dict, n: int | None = None) -> tuple | None:
         return (attrs["m"], *shape)
 
     @classmethod
@@ -148,14 +204,15 @@ class Krum(Reduction):
         return np.asarray(x)[np.argsort(s, kind="stable")[: attrs["m"]]]
 
 
-# --- the primitive (shared with fed.bulyan_select) ----------------------------------------
+# --- the primitives (shared with fed.multi_krum, fed.bulyan_select and fed.bulyan) --------
 
 
-def define_selection(cls, impl):
-    """The primitive of a member-choosing op ``cls``: ``impl(x, n=..., **attrs)`` gives
-    the chosen members stacked, ``cls.result_shape`` their shape; its abstract
-    evaluation raises ``cls``'s constraints; batching unrolls the batch axis (a
-    choice per batch element); derivative ``selection_jvp``."""
+def define_gathered(cls, jvp=None):
+    """The primitive of ``cls``, an op over every member's value whose impl and
+    lowering are its ``server_aggregate`` and whose result shape is
+    ``cls.result_shape``: its abstract evaluation raises ``cls``'s constraints;
+    batching unrolls the batch axis (a choice per batch element); derivative ``jvp``
+    (``(prim, primals, tangents, **params)``), by default ``selection_jvp``."""
 
     from fcir.ir.types import dtype_name
 
@@ -170,20 +227,22 @@ def define_selection(cls, impl):
         return core.ShapedArray(shape, member.dtype)
 
     def lower(x, *, placement, n, **attrs):
-        del placement
+        # The op's one definition is the copy the Flower app runs (server_aggregate).
         # On Explicit mesh axes the member axis is typed as sharded, and the distances'
         # lax.map refuses to scan over it: the whole op runs on the gathered members.
-        return impl(gather_members(x), n=n, **attrs)
+        del placement, n
+        return cls.server_aggregate(gather_members(x), **attrs)
 
     prim = P.define_primitive(
         f"fed_{cls.name.removeprefix('fed.')}", lower, abstract_eval, unrolled_batch(lambda: prim)
     )
     cls.primitive = prim
+    rule = selection_jvp if jvp is None else jvp
 
-    def jvp(primals, tangents, **params):
-        return selection_jvp(prim, primals, tangents, **params)
+    def prim_jvp(primals, tangents, **params):
+        return rule(prim, primals, tangents, **params)
 
-    AD.def_jvp(prim, jvp)
+    AD.def_jvp(prim, prim_jvp)
     return prim
 
 
@@ -252,9 +311,29 @@ def selection_jvp(prim, primals, tangents, *, placement, n, **attrs):
     return y, sum_p.bind(parts, **kw)
 
 
-krum_p = define_selection(Krum, _krum)
+def aggregate_jvp(selection, finish):
+    """The derivative of an aggregate of chosen members (``fed.multi_krum``,
+    ``fed.bulyan``): ``finish(chosen, **attrs)`` of the chosen members' values that the
+    selection primitive ``selection()`` gives, differentiated through ``selection_jvp``
+    and JAX's rules for ``finish`` (plain jnp at the server)."""
+
+    def jvp(prim, primals, tangents, *, placement, n, **attrs):
+        import jax
+
+        (x,), (t,) = primals, tangents
+        ans = prim.bind(x, placement=placement, n=n, **attrs)
+        if AD.is_zero(t):
+            return ans, AD.zero_tangent(ans)
+        chosen, dchosen = selection_jvp(
+            selection(), primals, tangents, placement=placement, n=n, **attrs
+        )
+        _, tangent = jax.jvp(lambda c: finish(c, n=n, **attrs), (chosen,), (dchosen,))
+        return ans, tangent
+
+    return jvp
 
 
+krum_p = define_gathered(Krum)
 # --- pytrees: one vector per member -------------------------------------------------------
 
 
@@ -344,22 +423,3 @@ def reduce_krum(x, f: int):
     flat, name, n, unflatten = flatten_members(x, what)
     y = krum_p.bind(flat, placement=name, n=n, f=f, m=1)
     return unflatten(y[0], 0)
-
-
-@public
-def reduce_multi_krum(x, f: int, m: int):
-    """The mean of the ``m`` members with the lowest Krum scores: ``{T}@child -> T@p``.
-
-    Scores as :func:`reduce_krum` (``m = 1`` gives Krum's member); the mean is taken
-    at the server in float32 or wider, in increasing score order (Flower's
-    ``MultiKrum`` with equal example counts). Needs ``n >= f + 3`` and ``1 <= m <= n``.
-    Not secure: whoever aggregates sees every member's value.
-    """
-    import jax.numpy as jnp
-
-    what = "fcir.reduce_multi_krum"
-    f, m = int_arg(what, "f", f), int_arg(what, "m", m)
-    flat, name, n, unflatten = flatten_members(x, what)
-    chosen = krum_p.bind(flat, placement=name, n=n, f=f, m=m)
-    mean = jnp.mean(chosen.astype(np.result_type(chosen.dtype, np.float32)), axis=0)
-    return unflatten(mean.astype(chosen.dtype), 0)

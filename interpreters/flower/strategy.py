@@ -14,12 +14,13 @@ round's server part before the exchange on the global arrays and sends what it
 broadcasts; each ClientApp runs the round's client work (``flower.Client``) and replies
 with the trained model under the sent keys, its other client outputs and
 ``num-examples``; ``aggregate_train`` runs the round's aggregations and server part
-after them. A ``reduce_weighted_mean`` of float values by
-one weight per client is FedAvg's average and is computed as FedAvg computes it (each
-weight over the total in Python floats, the products added in the values' dtype, in
-the order the replies came), so a round that is FedAvg gives FedAvg's bits; the other
-aggregations are fcir's, over the replies in node order. The
-outputs that feed the round's server inputs become the next global arrays; the other
+after them, over the replies that came (a robust aggregate below the fewest replies it
+is defined for skips the round, as Flower's ``Bulyan`` does). A ``reduce_weighted_mean``
+of float values by one weight per client is FedAvg's average and is computed as FedAvg
+computes it (each weight over the total in Python floats, the products added in the
+values' dtype, in the order the replies came), so a round that is FedAvg gives FedAvg's
+bits; the other aggregations are fcir's, over the replies in node order. The outputs
+that feed the round's server inputs become the next global arrays; the other
 scalar outputs are the round's metrics, by the program's own names (``train_loss``).
 
 Flower's wrappers take it as they take FedAvg: ``DifferentialPrivacyServerSideFixedClipping``,
@@ -36,7 +37,7 @@ runs it the same way; without, Flower's own evaluate stage runs the user's
 from __future__ import annotations
 
 from collections.abc import Iterable
-from logging import INFO
+from logging import INFO, WARN
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -130,9 +131,20 @@ class Strategy(FedAvg):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _ = self._check_and_log_replies(list(replies), is_train=True)
-        if not valid:
+        leaves = self._global.pop(server_round, None)
+        if not valid or leaves is None:
             return None, None
-        leaves = self._global.pop(server_round)
+        need = self.parts.exchange.get("min_replies", 0)
+        if len(valid) < need:
+            # Fewer replies than the round's aggregates are defined for (Bulyan's 4f + 3):
+            # skipped, as Flower's own Bulyan skips it; the global arrays stay.
+            log(
+                WARN,
+                "Insufficient replies, skipping the round's aggregation: Required at least "
+                "%d (%s), but received %d.",
+                need, self.parts.exchange["min_replies_why"], len(valid),
+            )  # fmt: skip
+            return None, None
         # Weighted means are FedAvg's own average: computed as FedAvg computes it, over
         # the replies in the order FedAvg takes them, they are its bits.
         means = as_flower.fedavg_means(

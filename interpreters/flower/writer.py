@@ -180,16 +180,35 @@ def _phase_steps(plan, phase, k: int, multi: bool, device=None) -> tuple[list, d
 
 
 def _min_replies(module) -> dict:
-    """``{"min_replies": m}`` for a phase with distributed DP releases: the most of
-    their ``min_clients`` (the cardinality where an op declares none). Fewer replies
-    would sum fewer noise shares than the accountant assumed, so the ServerApp refuses
-    the exchange (docs/privacy.md, "Dropouts"); ``{}`` without such releases."""
-    need = [
-        op.attrs.get("min_clients") or module.cardinality(op.operands[0].type.placement)
-        for op in module.main.body.ops
-        if op.name in F.of_kind("ddp")
-    ]
-    return {"min_replies": max(need)} if need else {}
+    """``{"min_replies": m, "min_replies_why": text}``: the fewest replies the exchange's
+    aggregations are defined for, and why, or ``{}``. A distributed DP release needs
+    its ``min_clients`` noise shares (the cardinality where an op declares none):
+    fewer would sum less noise than the accountant assumed (docs/privacy.md,
+    "Dropouts"); a robust aggregate needs its op's ``min_replies`` (Bulyan: 4f + 3).
+    The ServerApp refuses an exchange with fewer; ``flower.Strategy`` skips the round,
+    as Flower's own ``Bulyan`` does."""
+    need = []
+    for op in module.main.body.ops:
+        cls = F.op_class(op)
+        if cls is None or cls.kind not in ("reduction", "ddp"):
+            continue
+        if cls.kind == "ddp":
+            m = op.attrs.get("min_clients") or module.cardinality(op.operands[0].type.placement)
+            why = (
+                f"the distributed DP release (fed.ddp_*) needs the noise shares of at least "
+                f"{m} clients (its min_clients): fewer would carry less noise than its "
+                "epsilon assumes"
+            )
+        else:
+            m = cls.min_replies(op.attrs)
+            attrs = ", ".join(f"{k}={v}" for k, v in sorted(op.attrs.items()))
+            why = f"{op.name} ({attrs}) is defined over at least {m} clients"
+        if m > 1:
+            need.append((m, why))
+    if not need:
+        return {}
+    m, why = max(need, key=lambda e: e[0])
+    return {"min_replies": m, "min_replies_why": why}
 
 
 def build_plan(module, device_targets=None, server_inputs=None) -> tuple[dict, dict[str, bytes]]:

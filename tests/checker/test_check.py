@@ -235,16 +235,20 @@ SS = "fed.secure_sum"
 MED = "fed.median"
 TM = "fed.trimmed_mean"
 KR = "fed.krum"
+MK = "fed.multi_krum"
 BS = "fed.bulyan_select"
+BY = "fed.bulyan"
 GM = "fed.geometric_median"
 # The robust selections' results feed the program's results directly here, so that a
 # retyped result breaks only the op's own C3.
 ROBUST = """fcir.module @robust ir_version=1 placements=[clients:3]
-func @main(%0: f32[2]@server, %1: {f32[2]}@clients, %2: {i32[2]}@clients) -> (f32[2,2]@server, f32[3,2]@server, f32[2]@server) {
+func @main(%0: f32[2]@server, %1: {f32[2]}@clients, %2: {i32[2]}@clients) -> (f32[2,2]@server, f32[3,2]@server, f32[2]@server, f32[2]@server, f32[2]@server) {
   %3: f32[2,2]@server = fed.krum %1 {f=0, m=2}
   %4: f32[3,2]@server = fed.bulyan_select %1 {f=0}
   %5: f32[2]@server = fed.geometric_median %1 {eps=1e-06, iters=2}
-  return %3, %4, %5
+  %6: f32[2]@server = fed.multi_krum %1 {f=0, m=2}
+  %7: f32[2]@server = fed.bulyan %1 {f=0}
+  return %3, %4, %5, %6, %7
 }
 """
 
@@ -449,9 +453,16 @@ CASES = [
     Case(KR, "C5", ROBUST, set_attr(KR, "f", -1), "f -1"),
     Case(KR, "C6", ROBUST, set_attr(KR, "m", 0), "m 0"),
     Case(KR, "C6", ROBUST, set_attr(KR, "m", 4), "m 4 of 3 members"),
+    *reduction_cases(MK, server(t("f32", 3)), ROBUST),
+    Case(MK, "C4", ROBUST, set_operand(MK, 0, lambda m: param(m, 2)), "i32 operand"),
+    Case(MK, "C5", ROBUST, set_attr(MK, "f", 1), "f 1 of 3 members leaves no neighbour"),
+    Case(MK, "C6", ROBUST, set_attr(MK, "m", 4), "m 4 of 3 members"),
     *reduction_cases(BS, server(t("f32", 2, 2)), ROBUST),
     Case(BS, "C4", ROBUST, set_operand(BS, 0, lambda m: param(m, 2)), "i32 operand"),
     Case(BS, "C5", ROBUST, set_attr(BS, "f", 1), "f 1 needs 7 members, not 3"),
+    *reduction_cases(BY, server(t("f32", 3)), ROBUST),
+    Case(BY, "C4", ROBUST, set_operand(BY, 0, lambda m: param(m, 2)), "i32 operand"),
+    Case(BY, "C5", ROBUST, set_attr(BY, "f", 1), "f 1 needs 7 members, not 3"),
     *reduction_cases(GM, server(t("f32", 3)), ROBUST),
     Case(GM, "C4", ROBUST, set_operand(GM, 0, lambda m: param(m, 2)), "i32 operand"),
     Case(GM, "C5", ROBUST, set_attr(GM, "iters", -1), "iters -1"),

@@ -15,6 +15,13 @@ from jax.test_util import check_grads
 import fcir
 
 N, F = 7, 1
+ROBUST_OPS = (
+    fcir.fed.Krum,
+    fcir.fed.MultiKrum,
+    fcir.fed.BulyanSelect,
+    fcir.fed.Bulyan,
+    fcir.fed.GeometricMedian,
+)
 
 
 # --- the numpy oracles: loops over members, as the papers state them --------------------
@@ -146,17 +153,17 @@ def test_export_gathers_every_value_and_says_it_is_not_secure(tmp_path):
 
     from fcir.interpreters.production import splitting
 
-    for cls in (fcir.fed.Krum, fcir.fed.BulyanSelect, fcir.fed.GeometricMedian):
+    for cls in ROBUST_OPS:
         assert "every client's value" in str(splitting.OP_RULES[cls])
         assert "not secure" in cls.__doc__.lower() or "Not secure" in cls.__doc__
     x = updates()
     production.export(fcir.capture(robust_program(), x)).write(tmp_path / "b")
     aggs = json.loads((tmp_path / "b" / "manifest.json").read_text())["aggregations"]
     assert sorted((a["fed_op"], a["intrinsic"]) for a in aggs) == [
-        ("fed.bulyan_select", "federated_aggregate"),
+        ("fed.bulyan", "federated_aggregate"),
         ("fed.geometric_median", "federated_aggregate"),
         ("fed.krum", "federated_aggregate"),
-        ("fed.krum", "federated_aggregate"),
+        ("fed.multi_krum", "federated_aggregate"),
     ]
 
 
@@ -367,9 +374,9 @@ def test_tracing_cites_the_numbered_constraints():
         fcir.IRTypeError, match=r"fed\.krum/C5: attribute 'f' must be an int >= 0 with n >= f \+ 3"
     ):
         run(lambda x: fcir.reduce_krum(x, 2))
-    with pytest.raises(fcir.IRTypeError, match=r"fed\.krum/C6: attribute 'm'"):
+    with pytest.raises(fcir.IRTypeError, match=r"fed\.multi_krum/C6: attribute 'm'"):
         run(lambda x: fcir.reduce_multi_krum(x, 0, 5))
-    with pytest.raises(fcir.IRTypeError, match=r"fed\.bulyan_select/C5: .* n >= 4f \+ 3"):
+    with pytest.raises(fcir.IRTypeError, match=r"fed\.bulyan/C5: .* n >= 4f \+ 3"):
         run(lambda x: fcir.reduce_bulyan(x, 1))
     with pytest.raises(fcir.IRTypeError, match=r"fed\.geometric_median/C6: attribute 'eps'"):
         run(lambda x: fcir.reduce_geometric_median(x, 3, 0.0))
@@ -385,7 +392,8 @@ def test_text_round_trip_and_privacy_and_traffic():
     x = updates()
     module = fcir.capture(robust_program(), x)
     text = module.to_text()
-    assert "fed.krum %" in text and "{f=1, m=3}" in text and "fed.bulyan_select" in text
+    assert "fed.krum %" in text and "fed.multi_krum %" in text and "{f=1, m=3}" in text
+    assert "fed.bulyan %" in text
     assert fcir.parse(text).to_text() == text
     per_member = (3 * 2 + 4) * 4
     assert traffic.communication_bytes(module)["clients"]["aggregate"] == 4 * N * per_member

@@ -40,7 +40,8 @@ Flower's (runtime.RENAMED_RUN_CONFIG).
 Aggregations run over the clients that replied (an error reply or no reply within
 ``timeout`` leaves a client out); fewer than ``min-train-nodes`` replies fail the round
 before anything of it is saved, and so do fewer than an exchange's ``min_replies``
-(plan.json: the ``min_clients`` of its distributed DP releases).
+(plan.json: the ``min_clients`` of its distributed DP releases, the fewest replies its
+robust aggregates are defined for; ``min_replies_why`` says which).
 
 Messages (a plain exchange) follow Flower's layout: the server sends ``arrays`` (an
 ArrayRecord of the values the clients need, keyed ``group/name``), ``config`` (a
@@ -368,13 +369,12 @@ def exchange(grid, cfg, step_index: int, step: dict, env: dict, rnd: int, stats:
         )
     need = step.get("min_replies", 0)
     if len(replies) < need:
-        # Each client added the noise for min_clients shares: a sum of fewer carries less
-        # noise than the accountant assumed, so nothing of the round is released.
+        # A distributed DP release's clients added the noise for min_clients shares (a sum
+        # of fewer carries less noise than the accountant assumed); a robust aggregate
+        # (Bulyan) is not defined over fewer: nothing of the round is released.
         raise AppError(
-            f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, but the "
-            f"distributed DP release (fed.ddp_*) needs the noise shares of at least {need} "
-            f"clients (its min_clients): fewer would carry less noise than its epsilon "
-            f"assumes, so the round is refused and nothing of it released"
+            f"round {rnd}: {len(replies)} of {len(nodes)} sampled clients replied, but "
+            f"{step['min_replies_why']}, so the round is refused and nothing of it released"
             + (f" ({'; '.join(errors)})" if errors else "")
         )
     if aggregations:

@@ -249,3 +249,80 @@ def test_a_sampled_fraction_aggregates_the_replies_that_came(captured):
     for got, key in zip(seen[1], ["b", "w"]):
         want = np.mean([np.asarray(p[key]) for p in trained], axis=0)  # equal num-examples
         assert np.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --- robust rounds with missing replies -------------------------------------------------
+
+ROBUST_NODES = 9  # Bulyan with f = 1 needs 4f + 3 = 7 replies
+
+
+def _robust_round():
+    import jax
+
+    import fcir
+
+    @fcir.program(placements={"clients": ROBUST_NODES}, client_data=("x", "y"))
+    def robust_round(params, x, y):
+        def local(params, x, y):
+            return jax_template.train(params, jax.grad(jax_template.loss_fn), x, y)[0]
+
+        new = fcir.map_fn(local, (fcir.broadcast(params), x, y))
+        # m = 9: with fewer replies than m, Flower's MultiKrum averages them all
+        return {"params": fcir.reduce_bulyan(new, 1), "multi": fcir.reduce_multi_krum(new, 1, 9)}
+
+    x, y = jax_template.load_data(0)[:2]
+    params = jax_template.load_model((3,))
+    spec = lambda a: jax.ShapeDtypeStruct((ROBUST_NODES, *a.shape), np.float32)  # noqa: E731
+    return fcir.capture(robust_round, params, spec(x), spec(y))
+
+
+def _run_robust(module, client, silent):
+    """One round of ``module`` on ROBUST_NODES in-process nodes, ``silent`` never
+    replying: (the strategy, the trained model of each node that replied)."""
+    import jax
+    from flwr.supercore.task_identity import TaskIdentity
+
+    nodes = {101 + i: {"partition-id": i} for i in range(ROBUST_NODES)}
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0
+    grid = inprocess.Grid(types.SimpleNamespace(client=types.SimpleNamespace(app=client)), nodes,
+                          silent=silent)  # fmt: skip
+    config = {**jax_template.RUN_CONFIG, "num-server-rounds": 1}
+    for c in grid.contexts.values():
+        c.run_config = config
+    made = {}
+    server = jax_template.template_server(
+        lambda **kw: made.setdefault("s", flower.Strategy(module, fraction_evaluate=0.0))
+    )
+    server(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config))
+    start = jax_template.load_model((3,))
+    trained = [
+        jax_template.train(dict(start), jax.grad(jax_template.loss_fn), *jax_template.load_data(i)[:2])[0]
+        for i in range(ROBUST_NODES) if 101 + i not in silent
+    ]  # fmt: skip
+    return made["s"], trained
+
+
+def test_bulyan_and_multi_krum_rounds_aggregate_the_replies_that_came(caplog):
+    """8 of 9 nodes reply: Bulyan (f = 1) over the 8 is Flower's aggregate_bulyan over
+    them, and Multi-Krum with m = 9 averages all 8, as Flower's MultiKrum does with fewer
+    replies than m. 6 reply, below Bulyan's 4f + 3: the round is skipped with Flower's
+    Bulyan's warning and the global model stays. (Was: JAX's TypeError from the server
+    part compiled for 7 chosen members and called with 6.)"""
+    flwr_aggregate = pytest.importorskip("flwr.server.strategy.aggregate")
+    module = _robust_round()
+    client = jax_template.fcir_client(module, jit=True)
+
+    strategy, trained = _run_robust(module, client, silent={109})
+    got = strategy.outputs[1]
+    results = [([np.asarray(p["b"]), np.asarray(p["w"])], 30) for p in trained]
+    want = flwr_aggregate.aggregate_bulyan(results, 1, flwr_aggregate.aggregate_krum, to_keep=0)
+    np.testing.assert_allclose(got["params.b"], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["params.w"], want[1], rtol=1e-5, atol=1e-6)
+    mean = {k: np.mean([np.asarray(p[k]) for p in trained], axis=0) for k in ("b", "w")}
+    np.testing.assert_allclose(got["multi.b"], mean["b"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["multi.w"], mean["w"], rtol=1e-5, atol=1e-6)
+
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        strategy, _ = _run_robust(module, client, silent={107, 108, 109})
+    assert strategy.outputs == {}
+    assert "Required at least 7 (fed.bulyan (f=1) is defined over at least 7 clients)" in caplog.text
