@@ -2,7 +2,8 @@
 computes: Flower's own strategy class runs in this process (its ``start``: sampling,
 the records, its aggregation) on a grid whose nodes reply with the same client work as
 the fcir round's members (the algorithm's own local SGD, jitted), and after 3 rounds
-its global arrays equal ``reference.run``'s of the fcir round to float32 ulps.
+its global arrays equal ``reference.run``'s of the fcir round to float32 ulps (the XLA
+backend's are the reference's: tests/interpreters/xla/test_xla_learning.py).
 
 The clients differ in their numbers of examples (``num-examples`` = count * batch, the
 round's ``counts``), so the weighting is checked too; the robust strategies weigh
