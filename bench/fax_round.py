@@ -136,6 +136,14 @@ def programs_at(clients: int, k, model: dict, args, drjax: bool) -> tuple[dict, 
     return {n: p for n, p in programs.items() if p is not None}, records
 
 
+def compiles(records: dict) -> int:
+    """How many programs a cohort compiled (the auto search's candidates each count)."""
+    streaming = records["fcir"].get("streaming") or {}
+    tried = len(streaming.get("candidates", {})) + len(streaming.get("out_of_memory", {}))
+    others = sum(records[n]["status"] != "not run" for n in ("hand-written", "drjax"))
+    return max(1, tried if streaming.get("mode") == "auto" else 1) + others
+
+
 def round_flops(exe, args, clients: int, first: dict | None) -> tuple[float, dict]:
     """The round's flops from its HLO (``exe.cost()``'s ``flops_per_call``), and what
     gives them at another cohort: counted at the first (lowering the member's update
@@ -201,6 +209,7 @@ def main() -> int:
 
 def run(a, start: float) -> int:
     import jax
+    import numpy as np
     from corpus import transformer
 
     model = scale.SMOKE_MODEL if a.smoke else scale.FAX_350M
@@ -217,21 +226,29 @@ def run(a, start: float) -> int:
         "config": {"cohorts": cohorts, "steps": steps, "batch": batch, "reps": reps},
         "cohorts": {}, "versions": _record.versions("drjax"), **_record.machine(),
     }  # fmt: skip
-    path, k, last, first = None, "auto", None, None
+    path, k, last, first, params = None, "auto", None, None, None
+    tag = "smoke" if a.smoke else None
+    seq_vocab = (model["seq"], model["vocab"])
     for clients in cohorts:
         if last is not None and a.deadline_s is not None:
-            before, compiling, running = last  # the cohort before: its compiles and rounds
-            estimate = compiling + running * clients / before
+            # From the cohort before: seconds per compile (the next compiles two: fcir at
+            # its k, the hand-written round) and its rounds' seconds, scaled by the cohort.
+            before, per_compile, running = last
+            estimate = 2 * per_compile + running * clients / before
             if time.perf_counter() - start + estimate > a.deadline_s:
                 result["cohorts"][str(clients)] = {"status": "cut", "reason": "time limit"}
                 print(f"{clients:>7}  cut: would not end within {a.deadline_s:.0f} s", flush=True)
+                path = _record.write(a.out_dir, "fax_round", result, tag, path)
                 continue
         t = time.perf_counter()
-        params, tokens = transformer.make_args(
-            clients, vocab=model["vocab"], seq=model["seq"], d=model["d"],
-            layers=model["layers"], local_steps=steps, batch=batch,
-        )  # fmt: skip
-        args = (params, tokens)
+        programs = args = None  # the cohort before's: off the device before this one's
+        if params is None:  # one model for every cohort (368M parameters: 1.5 GB)
+            params, _ = transformer.make_args(
+                1, vocab=model["vocab"], seq=model["seq"], d=model["d"],
+                layers=model["layers"], local_steps=steps, batch=batch,
+            )  # fmt: skip
+        shape = (clients, steps, batch)
+        args = (params, transformer.make_tokens(np.random.default_rng(0), shape, *seq_vocab))
         programs, records = programs_at(clients, k, model, args, clients == cohorts[0])
         flops = None
         if "fcir" in programs:
@@ -245,8 +262,8 @@ def run(a, start: float) -> int:
         k = chosen if isinstance(chosen, int) else k
         print_cohort(clients, records, ratios)
         result["cohorts"][str(clients)] = {"programs": records, "ratios": ratios}
-        last = (clients, compiling, time.perf_counter() - t - compiling)
-        path = _record.write(a.out_dir, "fax_round", result, "smoke" if a.smoke else None, path)
+        last = (clients, compiling / compiles(records), time.perf_counter() - t - compiling)
+        path = _record.write(a.out_dir, "fax_round", result, tag, path)
     return 0
 
 
