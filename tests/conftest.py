@@ -200,6 +200,19 @@ def _float32_matmuls_on_accelerators():
     jax.config.update("jax_default_matmul_precision", previous)
 
 
+@pytest.fixture
+def traced_at_default_precision():
+    """For a test of IR as JAX traces it by default (a golden, an IR file): the session's
+    matmul precision (``_float32_matmuls_on_accelerators``) off for its duration, so that
+    captures and ``jax.jit`` record no precision on a ``dot_general``, as the files have
+    none; else a program read from one and ``jax.jit`` of its function would multiply at
+    different precisions."""
+    import jax
+
+    with jax.default_matmul_precision(None):
+        yield
+
+
 # FCIR_TEST_CPU=FILE: each test's CPU seconds (its process's, and those of the processes
 # it started and waited for: CLIs, 8-device children, Flower's SuperLinks) and wall
 # seconds are appended to FILE, one line per test, by every pytest process. CI sets it

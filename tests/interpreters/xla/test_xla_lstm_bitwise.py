@@ -111,6 +111,7 @@ def test_the_gradient_of_an_lstm_round_compiles_bitwise_jit():
     _assert_fidelity(jax.grad(_round_loss), _args())
 
 
+@pytest.mark.usefixtures("traced_at_default_precision")  # a golden: JAX's default trace
 def test_one_client_s_lstm_gradient_compiles_bitwise_jit_and_prints_one_text(golden):
     fn, args, want = _one_client()
     module = _assert_fidelity(fn, args, want=want)
@@ -118,6 +119,7 @@ def test_one_client_s_lstm_gradient_compiles_bitwise_jit_and_prints_one_text(gol
     golden("lstm_grad", module.to_text())
 
 
+@pytest.mark.usefixtures("traced_at_default_precision")  # an IR file: JAX's default trace
 def test_the_lstm_gradient_s_ir_file_runs_like_jit_on_the_jax_reading_it():
     # An IR file is the program: the golden (one text, written under either JAX) loads,
     # checks, prints the same and runs like the reading JAX's jax.jit, and like the
