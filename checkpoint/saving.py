@@ -141,7 +141,8 @@ def save(
         raise CheckpointError(f"format must be 'fcir' or 'orbax', got {format!r}")
     with _lock:
         # The caller waits for what is here: checks that raise at the call, and the
-        # host copy (snapshot.take). Everything else runs in phase2 (see snapshot.py).
+        # host copy (snapshot.take; an asynchronous save also waits for every copy to
+        # arrive). Everything else runs in phase2 (see snapshot.py).
         started = time.perf_counter()
         _wait_for_previous()
         final = storage.locate(path)
@@ -150,6 +151,8 @@ def save(
         coord = Coordinator()
         seq = next(_sequence)
         snap = snapshot.take(tree, coord.process_index, copy_host_values=not blocking)
+        if not blocking:
+            _await_host_copies(snap, final)
         empties = orbax.empty_nodes(tree) if format == "orbax" else {}
         handle = SaveHandle(final)
         _in_flight = handle
@@ -188,6 +191,19 @@ def save(
         _in_background(phase2, seq)
         handle.blocking_seconds = time.perf_counter() - started
         return handle
+
+
+def _await_host_copies(snap: snapshot.Snapshot, final: storage.Location) -> None:
+    """Phase 1 of an asynchronous save ends once every shard is on the host: the caller
+    may then donate or delete its arrays. Its writes start only then (a blocking save's
+    overlap the copies), so that they take no memory bandwidth from the copies while
+    the caller, a training loop, waits for them."""
+    try:
+        snap.wait_host()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"saving {final} failed copying to host: {e}") from e
 
 
 #: Whether threading's shutdown hook waits for the asynchronous save in flight.
@@ -257,7 +273,7 @@ class _LocalTarget:
     def write_data(self, snap: snapshot.Snapshot, me: int, bar: Progress) -> tuple[list[Any], list]:
         file_name = layout.data_file_name(me)
         written, size = writer.write_data_file(
-            self.temp / file_name, snap.blocks(), bar, durable=self.durable
+            self.temp / file_name, snap.shards(), bar, durable=self.durable
         )
         return [(file_name, size)], written
 

@@ -4,8 +4,12 @@ Only shards with replica id 0 are taken, so replicated data is written once, by 
 process that holds its first replica; numpy arrays and Python scalars (the same on
 every process) are written by process 0. On CPU devices device memory is host memory:
 `np.asarray` of a shard is a zero-copy view that keeps the buffer alive, and jax will
-not donate a buffer that has such a view, so no copy is needed. Elsewhere all
-device-to-host copies are started at once and then collected.
+not donate a buffer that has such a view, so no copy is needed. Elsewhere (TPU, GPU)
+`take` starts every shard's device-to-host copy (`copy_to_host_async`) before any is
+awaited, and returns without waiting: each shard's host bytes are awaited where they
+are first needed (`ShardData.host()`), so a blocking save writes the first shards
+while the later ones are still in transfer. An asynchronous save waits for them all
+(`wait_host`) before it returns and starts writing.
 
 `take` does only what must happen while the caller waits: it checks the tree (every
 error about what is saved is raised by `save` itself) and pins the bytes. What only
@@ -20,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,13 +37,36 @@ from fcir._proto import checkpoint_pb2 as pb
 from fcir.errors import CheckpointError
 
 _PYTHON_SCALARS = (bool, int, float, complex)
+#: Platforms whose device memory is host memory: their shards are pinned, not copied.
+ZERO_COPY_PLATFORMS = ("cpu",)
 
 
 @dataclasses.dataclass
 class ShardData:
     box: Box | None  # None until Snapshot.describe() (then from `source`'s index)
-    data: np.ndarray  # C-contiguous once Snapshot.blocks() has run
+    data: np.ndarray | None  # C-contiguous; None while its device-to-host copy runs
     source: Any = None  # the jax Shard the data came from; None for host values
+    pending: Any = None  # the jax array whose host copy is in flight (data is None)
+    nbytes: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.data is not None:
+            self.data = np.ascontiguousarray(self.data)  # a no-op for device buffers
+            self.nbytes = self.data.nbytes
+
+    def host(self) -> np.ndarray:
+        """The shard's bytes on the host (C-contiguous), once its copy has arrived.
+
+        Writer threads call it for the shards they write, several at once."""
+        data = self.data
+        if data is None:
+            with self._lock:  # one thread awaits the copy; the others take its result
+                if self.data is None:
+                    self.data = np.ascontiguousarray(np.asarray(self.pending))
+                    self.pending = None
+                data = self.data
+        return data
 
 
 @dataclasses.dataclass
@@ -69,17 +97,21 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         """Bytes this process will write."""
-        return sum(s.data.nbytes for it in self.items for a in it.arrays for s in a.shards)
+        return sum(s.nbytes for s in self.shards())
+
+    def shards(self) -> list[ShardData]:
+        """The shards this process writes, in the order the layout records them (their
+        host copies may still be in flight: see ShardData.host)."""
+        return [s for it in self.items for a in it.arrays for s in a.shards]
 
     def blocks(self) -> list[np.ndarray]:
-        """The shards' bytes (C-contiguous) in the order the layout records them."""
-        out = []
-        for it in self.items:
-            for a in it.arrays:
-                for s in a.shards:
-                    s.data = np.ascontiguousarray(s.data)  # a no-op for device buffers
-                    out.append(s.data)
-        return out
+        """The shards' bytes (C-contiguous) in the order the layout records them, once
+        every host copy has arrived."""
+        return [s.host() for s in self.shards()]
+
+    def wait_host(self) -> None:
+        """Returns once every shard's bytes are on the host."""
+        self.blocks()
 
     def describe(self) -> Snapshot:
         """Fills in what only the layout needs: sharding records and shard boxes."""
@@ -141,11 +173,12 @@ _PLAIN_JAX: dict[Any, np.dtype] = {}
 
 
 def take(tree: Mapping[str, Any], process_index: int, copy_host_values: bool) -> Snapshot:
-    """Checks `tree` and copies (or pins) to host every shard this process writes.
+    """Checks `tree` and starts copying (or pins) to host every shard this process writes.
 
     `copy_host_values` copies numpy leaves, which the caller may mutate while an
-    asynchronous save is still writing them. The result is not described yet: call
-    `describe()` before reading `sharding` or the shards' `box`.
+    asynchronous save is still writing them. Device-to-host copies are started, not
+    awaited: `wait_host()` (or each shard's `host()`) waits for them. The result is not
+    described yet: call `describe()` before reading `sharding` or the shards' `box`.
     """
     if not isinstance(tree, Mapping):
         raise CheckpointError(
@@ -153,7 +186,7 @@ def take(tree: Mapping[str, Any], process_index: int, copy_host_values: bool) ->
             "wrap it, e.g. {'state': tree}"
         )
     items: list[ItemEntry] = []
-    pending: list[tuple[ShardData, jax.Array]] = []
+    pending: list[jax.Array] = []
     for item_name, value in tree.items():
         if not isinstance(item_name, str) or not item_name:
             raise CheckpointError(f"item names must be non-empty strings, got {item_name!r}")
@@ -165,11 +198,11 @@ def take(tree: Mapping[str, Any], process_index: int, copy_host_values: bool) ->
         for path, leaf in keypaths.flatten(value, item_name):
             arrays.append(_entry(path, item_name, leaf, process_index, copy_host_values, pending))
         items.append(ItemEntry(item_name, None, arrays))
-    # Start every device-to-host copy before waiting for any of them.
-    for _, shard_array in pending:
+    # Every device-to-host copy is started before any is awaited (ShardData.host), so
+    # they run back to back on the device's transfer engines while earlier ones are
+    # being written.
+    for shard_array in pending:
         shard_array.copy_to_host_async()
-    for shard, shard_array in pending:
-        shard.data = np.ascontiguousarray(np.asarray(shard_array))
     return Snapshot(items)
 
 
@@ -179,7 +212,7 @@ def _entry(
     leaf: Any,
     process_index: int,
     copy_host_values: bool,
-    pending: list[tuple[ShardData, jax.Array]],
+    pending: list[jax.Array],
 ) -> ArrayEntry:
     if isinstance(leaf, jax.Array):
         key_impl = ""
@@ -203,16 +236,17 @@ def _entry(
             path, "", leaf.shape, dtype, None, pb.LEAF_KIND_JAX_ARRAY, [], key_impl, leaf.sharding
         )
         shards = leaf.addressable_shards
-        on_cpu = bool(shards) and shards[0].device.platform == "cpu"  # one platform per array
+        # One platform per array.
+        pinned = bool(shards) and shards[0].device.platform in ZERO_COPY_PLATFORMS
         for shard in shards:
             if shard.replica_id != 0:
                 continue
-            if on_cpu:
+            if pinned:
                 entry.shards.append(ShardData(None, np.asarray(shard.data), shard))
             else:
-                data = ShardData(None, np.empty(0, dtype), shard)
-                entry.shards.append(data)
-                pending.append((data, shard.data))
+                array = shard.data
+                entry.shards.append(ShardData(None, None, shard, array, array.nbytes))
+                pending.append(array)
         return entry
     name = keypaths.display(item_name, path)
     if isinstance(leaf, np.ndarray):
@@ -235,5 +269,5 @@ def _entry(
         host = host.astype(host.dtype.newbyteorder("<"))
     dtype = _check_dtype(host.dtype, name)
     shape = tuple(host.shape)
-    shards = [ShardData(None, np.ascontiguousarray(host))] if process_index == 0 else []
+    shards = [ShardData(None, host)] if process_index == 0 else []
     return ArrayEntry(path, name, shape, dtype, None, kind, shards)

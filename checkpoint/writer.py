@@ -6,11 +6,14 @@ xfs, btrfs; not tmpfs), the whole checksum chunks of large shards (and of Orbax-
 chunk files of 1 MiB or more, which write_files writes) bypass the page cache:
 each chunk is copied into a reused, aligned per-thread buffer, checksummed there while
 it is in cache, and DIRECT_BYTES at a time are written from that buffer straight to the
-device. Everything else (small shards, the last part of a shard short of a chunk, every
-byte where direct I/O is refused) is written through the page cache one checksum chunk
-per `pwrite`, each chunk checksummed just before (larger calls are erratically slow:
-see WRITE_BYTES), and a flusher thread asks the kernel to start writing those ranges
-back (`sync_file_range`). Either way the final fsync makes the file durable. A file per
+device (bytes at a page-aligned address are checksummed and written where they are).
+A shard whose device-to-host copy is still in flight is awaited by the first writer
+thread that needs it, while the others write what has arrived. Everything else (small
+shards, the last part of a shard short of a chunk, every byte where direct I/O is
+refused) is written through the page cache one checksum chunk per `pwrite`, each chunk
+checksummed just before (larger calls are erratically slow: see WRITE_BYTES), and a
+flusher thread asks the kernel to start writing those ranges back
+(`sync_file_range`). Either way the final fsync makes the file durable. A file per
 array would cost an fsync and a directory entry per array, which dominates for trees
 of many small leaves.
 
@@ -35,6 +38,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 from fcir.checkpoint import checksums, parallel
@@ -174,20 +178,27 @@ def _open_direct(path: pathlib.Path) -> int | None:
 
 
 def _checksum_and_write_direct(fd: int, data: memoryview, pos: int) -> list[int]:
-    """Writes `data` (whole checksum chunks) at `pos` (aligned) with direct I/O through
-    this thread's buffer: each chunk is copied in, checksummed while it is in cache, and
-    the buffer written when full. Returns the chunks' CRCs."""
-    bounce = _bounce()
+    """Writes `data` (whole checksum chunks) at `pos` (aligned) with direct I/O, and
+    returns the chunks' CRCs. Data at an aligned address (e.g. an array fcir restored)
+    is checksummed and written where it is: one pass over memory instead of a copy.
+    Other data goes through this thread's buffer: each chunk is copied in, checksummed
+    while it is in cache, and the buffer written when full."""
     src = np.frombuffer(data, np.uint8)
+    in_place = src.ctypes.data % _DIRECT_ALIGN == 0
+    bounce = src if in_place else _bounce()
     crcs = []
     chunk = checksums.CHUNK_BYTES
     for a in range(0, len(src), DIRECT_BYTES):
         n = min(DIRECT_BYTES, len(src) - a)
         for c in range(0, n, chunk):
+            if in_place:
+                crcs.append(checksums.crc32(src[a + c : a + c + chunk]))
+                continue
             dst = bounce[c : c + chunk]
             np.copyto(dst, src[a + c : a + c + chunk])  # numpy copies without the GIL
             crcs.append(checksums.crc32(dst))
-        view, at = memoryview(bounce[:n]), pos + a
+        view = memoryview(src[a : a + n] if in_place else bounce[:n])
+        at = pos + a
         while view:
             written = os.pwrite(fd, view, at)
             if written <= 0 or written % _DIRECT_ALIGN:
@@ -278,19 +289,36 @@ class Durable:
             raise self._errors[0]
 
 
+class HostBlock(Protocol):
+    """A block whose bytes may still be on their way to the host (snapshot.ShardData)."""
+
+    nbytes: int
+
+    def host(self) -> np.ndarray:
+        """The bytes (C-contiguous), once they are on the host."""
+        ...
+
+
+def _bytes_of(block: np.ndarray | HostBlock) -> memoryview:
+    data = block if isinstance(block, np.ndarray) else block.host()
+    return memoryview(data.reshape(-1).view(np.uint8))
+
+
 def write_data_file(
     path: pathlib.Path,
-    blocks: Sequence[np.ndarray],
+    blocks: Sequence[np.ndarray | HostBlock],
     progress: Progress | None = None,
     threads: int | None = None,
     durable: Durable | None = None,
 ) -> tuple[list[Written], int]:
     """Writes every block (C-contiguous) into a new file at `path` and fsyncs it.
 
-    Returns where each block went with its chunk checksums, and the file's size. With
-    `durable`, it returns once the bytes are written and their checksums known, and the
-    fsync runs on in `durable` (the caller must `durable.wait()` before anything relies
-    on the file being on disk).
+    Blocks are written in order, each piece as soon as its block's bytes are on the
+    host: a HostBlock's device-to-host copy is awaited by the first writer thread that
+    needs it, while the others write what has arrived. Returns where each block went
+    with its chunk checksums, and the file's size. With `durable`, it returns once the
+    bytes are written and their checksums known, and the fsync runs on in `durable`
+    (the caller must `durable.wait()` before anything relies on the file being on disk).
     """
     lengths = [b.nbytes for b in blocks]
     offsets, size = plan_offsets(lengths)
@@ -301,12 +329,11 @@ def write_data_file(
         raise _os_error("cannot create", path, e) from e
     try:
         flusher = _Flusher(fd)
-        views = [memoryview(b.reshape(-1).view(np.uint8)) for b in blocks]
         direct = _Direct(path, any(n >= _LARGE for n in lengths))
 
         def piece(i: int, start: int) -> Callable[[], None]:
             def run() -> None:
-                data = views[i][start : start + PIECE_BYTES]
+                data = _bytes_of(blocks[i])[start : start + PIECE_BYTES]
                 pos = offsets[i] + start
                 first = start // checksums.CHUNK_BYTES
                 got, k = direct.write(fd, data, pos)

@@ -116,3 +116,92 @@ def test_blocking_part_does_not_copy_cpu_device_buffers(tmp_path, gate, devices)
     for shard, data in zip(x.addressable_shards, snap.items[0].arrays[0].shards):
         assert np.shares_memory(data.data, np.asarray(shard.data))
     gate.set()
+
+
+# --- device shards: host copies started at once, written as they arrive ------------------
+
+
+@pytest.fixture
+def transfers(monkeypatch, devices):
+    """CPU shards take the accelerators' path (copy_to_host_async, awaited where the
+    bytes are first needed), and the save's snapshot is kept. The last shard's copy
+    arrives only once some bytes have been written, or after record["wait"] seconds
+    (10); record["early_write"] says which."""
+    from fcir.checkpoint import snapshot
+
+    monkeypatch.setattr(snapshot, "ZERO_COPY_PLATFORMS", ())
+    kept, record = [], {"wait": 10}
+    real_take, real_host, real_pwrite = snapshot.take, snapshot.ShardData.host, os.pwrite
+    written = threading.Event()
+
+    def take(*a, **k):
+        kept.append(real_take(*a, **k))
+        return kept[-1]
+
+    def host(self):
+        if self is kept[-1].shards()[-1] and "early_write" not in record:
+            record["early_write"] = written.wait(record["wait"])
+        return real_host(self)
+
+    def pwrite(fd, data, offset):
+        written.set()
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(snapshot, "take", take)
+    monkeypatch.setattr(snapshot.ShardData, "host", host)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    return kept, record
+
+
+def _sharded(devices, mib_per_shard: int = 1):
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    x = values((8 * mib_per_shard * 2**18,), seed=4)
+    return x, {"x": jax.device_put(x, NamedSharding(mesh, P("x"))), "n": np.arange(3)}
+
+
+def test_a_blocking_save_writes_early_shards_while_later_copies_are_in_flight(
+    tmp_path, devices, transfers
+):
+    kept, record = transfers
+    x, tree = _sharded(devices)
+    checkpoint.save(tmp_path / "c", tree)
+    assert record["early_write"]  # a save that awaited every copy first waits 10 s
+    assert same_bits(checkpoint.restore(tmp_path / "c")["x"], x)
+
+
+def test_an_async_save_returns_once_every_copy_has_arrived_and_only_then_writes(
+    tmp_path, devices, transfers
+):
+    """The caller waits for the copies alone: no write competes with them for memory."""
+    kept, record = transfers
+    record["wait"] = 0.3
+    x, tree = _sharded(devices)
+    handle = checkpoint.save(tmp_path / "c", tree, blocking=False)
+    (snap,) = kept
+    assert all(s.data is not None and s.pending is None for s in snap.shards())
+    assert record["early_write"] is False
+    handle.wait()
+    assert same_bits(checkpoint.restore(tmp_path / "c")["x"], x)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_failed_device_to_host_copy_fails_the_save_and_leaves_nothing(
+    tmp_path, devices, transfers, monkeypatch, blocking
+):
+    from fcir.checkpoint import snapshot
+
+    kept, _ = transfers
+    arrived = snapshot.ShardData.host
+
+    def host(self):
+        if self is kept[-1].shards()[-1]:
+            raise RuntimeError("DEVICE_TO_HOST transfer failed")
+        return arrived(self)
+
+    monkeypatch.setattr(snapshot.ShardData, "host", host)
+    _, tree = _sharded(devices)
+    with pytest.raises(CheckpointError, match="transfer failed"):
+        checkpoint.save(tmp_path / "c", tree, blocking=blocking).wait()
+    assert os.listdir(tmp_path) == []  # no checkpoint, no temporary directory
+    monkeypatch.setattr(snapshot.ShardData, "host", arrived)
+    checkpoint.save(tmp_path / "c", tree).wait()  # the failure was reported once, to the caller

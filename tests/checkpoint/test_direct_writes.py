@@ -80,6 +80,34 @@ def test_whole_chunks_of_large_shards_are_written_with_direct_io(tmp_path, pwrit
     assert all(same_bits(np.asarray(got[k]), v) for k, v in tree.items())
 
 
+def test_page_aligned_shards_are_written_from_their_own_memory(tmp_path, monkeypatch):
+    """No copy into the writer's aligned buffer when the bytes are aligned already."""
+    if not _direct_supported(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} has no direct I/O")
+    from fcir.checkpoint.reader import aligned_empty
+
+    aligned = aligned_empty((5 * CHUNK // 4 + 3,), np.dtype(np.float32))  # 2 MiB aligned
+    aligned[...] = values(aligned.shape, "float32", seed=5)
+    other = aligned_empty((3 * CHUNK // 4 + 16,), np.dtype(np.float32))[16:]  # 64 bytes off
+    other[...] = values(other.shape, "float32", seed=6)
+    start, end = aligned.ctypes.data, aligned.ctypes.data + aligned.nbytes
+    sources = []
+    real = os.pwrite
+
+    def recording(fd, data, offset):
+        if _is_direct(fd):
+            at = np.frombuffer(data, np.uint8).ctypes.data
+            sources.append(("aligned" if start <= at < end else "buffer", len(data)))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(writer.os, "pwrite", recording)
+    checkpoint.save(tmp_path / "c", {"a": aligned, "o": other})
+    assert sum(n for k, n in sources if k == "aligned") == 5 * CHUNK
+    assert sum(n for k, n in sources if k == "buffer") == 3 * CHUNK  # other: copied in
+    got = checkpoint.restore(tmp_path / "c")
+    assert same_bits(got["a"], aligned) and same_bits(got["o"], other)
+
+
 @pytest.mark.parametrize("fmt", ["fcir", "orbax"])
 def test_without_direct_io_the_files_are_the_same_bytes(tmp_path, monkeypatch, pwrites, fmt):
     tree = {"default": _tree()} if fmt == "orbax" else _tree()
