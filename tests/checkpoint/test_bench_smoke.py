@@ -79,3 +79,20 @@ def test_checkpoint_benchmark_s3_mode_against_a_local_server(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "save fcir/limit" in done.stdout and "limit_get" in done.stdout
+
+
+def test_device_checkpoint_benchmark_smoke_mode(tmp_path):
+    """bench/checkpoint_device.py at a tiny model on the CPU: every contender saves and
+    restores bit for bit, and the async save is timed under training steps."""
+    import benchrun
+
+    out, doc = benchrun.run_smoke("checkpoint_device", tmp_path)
+    for line in ("save until committed: orbax / fcir", "cold restore: orbax / fcir",
+                 "training step, async save in flight / none", "save: fcir-serial / fcir"):  # fmt: skip
+        assert line in out
+    samples = doc["samples_s"]
+    for key in ("fcir_save", "fcir_serial_save", "orbax_save", "fcir_restore", "orbax_restore",
+                "async_blocking", "step_during", "step_without", "fcir_save_write"):  # fmt: skip
+        assert len(samples[key]) == 1 and samples[key][0] > 0, key
+    assert doc["state_bytes"] > 0 and doc["versions"]["orbax-checkpoint"]
+    assert samples["async_blocking"][0] <= samples["async_whole"][0]
