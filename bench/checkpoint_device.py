@@ -9,11 +9,12 @@ trained one step, so that every array holds other bytes than its initial value. 
 repetition, after an untimed warm-up one, runs back to back, rotating which goes first:
 
 - **save until committed**: ``fcir.checkpoint.save`` (blocking); Orbax 0.12's
-  ``StandardCheckpointer().save`` followed by ``wait_until_finished()``; and fcir with
-  every device-to-host copy awaited before its first write (``fcir-serial``: how fcir
-  saved before its writes overlapped the transfers). Each saves a fresh copy of the
-  state in new device buffers: jax keeps an array's host copy once it has made one,
-  so a second save of the same arrays would find its bytes on the host already;
+  ``StandardCheckpointer().save`` followed by ``wait_until_finished()``; with
+  ``--serial`` (and in ``--smoke``) also fcir with every device-to-host copy awaited
+  before its first write (``fcir-serial``: how fcir saved before its writes overlapped
+  the transfers). Each saves a fresh copy of the state in new device buffers: jax
+  keeps an array's host copy once it has made one, so a second save of the same
+  arrays would find its bytes on the host already;
 - **restore**: fcir and Orbax each restore their own checkpoint onto the state's
   shardings (its ``ShapeDtypeStruct``s), cold: the checkpoint's files are synced and
   dropped from the page cache first (fcir's save writes past it, Orbax's through it).
@@ -22,12 +23,13 @@ repetition, after an untimed warm-up one, runs back to back, rotating which goes
 - **a training step with an asynchronous save in flight**: the model's Adam step (its
   arguments donated); after one step, ``save(..., blocking=False)`` of its result,
   then steps timed one by one (each step's loss awaited) until the save is committed,
-  against as many steps without a save.
+  against as many steps without a save (40 at most).
 
 Every timed save and restore starts on a quiet disk (an untimed ``os.sync()`` before
-and after it). Printed: each figure's seconds, median [min, max] over the
-repetitions, and ratios taken within each repetition, median [min, max]; fcir's save
-split into phases. JSON with every sample in
+and after it, and after each save an untimed fsync of every file it wrote). Printed:
+each figure's seconds, median [min, max] over the repetitions, and ratios taken within
+each repetition, median [min, max]; fcir's save split into phases. JSON with every
+sample in
 bench/results/checkpoint_device[-smoke]-<time>.json. Checkpoints go to a temporary
 folder under ``--dir`` (default: the system's temporary folder), removed at the end.
 """
@@ -146,9 +148,9 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def settle(directory: pathlib.Path) -> float:
-    """fsyncs every file under `directory` (untimed by the caller's figure), so that the
-    next contender starts on a quiet disk where os.sync() does not reach the disk (in a
-    gVisor sandbox, whose sync(2) left a save's writes to slow the next one down).
+    """fsyncs every file under `directory` (outside the caller's figure), so that no save
+    leaves unwritten data for the next where os.sync() may not reach the disk (a gVisor
+    sandbox's 9p file system, where a save that followed another was up to 6x slower).
     Returns its seconds: the writeback a save left behind (none after fcir's)."""
     start = time.perf_counter()
     for root, _, names in os.walk(directory):
