@@ -14,6 +14,7 @@ Constraint texts are quoted in errors as ``fed.broadcast/C2: ...`` both while tr
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 from fcir.errors import IRTypeError, PlacementError
@@ -96,6 +97,21 @@ class FedOp:
     placement_constraints: ClassVar[frozenset[str]] = frozenset()
     registry: ClassVar[dict[str, type[FedOp]]] = {}
 
+    # --- what an op may add: None where it does not (a backend asks ``is not None``) ------
+
+    reference: ClassVar[Callable | None] = None
+    """``reference(x, attrs) -> np.ndarray``, a classmethod: the op in numpy over its
+    members stacked on axis 0. The reference interpreter runs it instead of binding the
+    primitive, so the oracle that an order statistic's or a selector's compiled rules
+    are held to is written once, in the op's module, in the plainest terms."""
+
+    server_aggregate: ClassVar[Callable | None] = None
+    """``server_aggregate(x, **attrs)``, a staticmethod in jnp and numpy only that imports
+    what it uses inside: how a server holding every member's value (stacked on axis 0)
+    computes the op. A reduction with no intrinsic of its own has one: the Flower export
+    copies its source (``server_aggregate_source``) into the app, which cannot import
+    fcir, and the op's primitive may lower to it, so both run one definition."""
+
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
         if "name" in cls.__dict__:  # abstract bases such as Reduction define no name
@@ -162,19 +178,15 @@ class FedOp:
 
     @classmethod
     def server_aggregate_source(cls) -> str | None:
-        """The source of the op's ``server_aggregate(x, **attrs)``, if it has one, after
-        that of the ``server_helpers`` it calls: how a server with every client's value
-        (stacked on axis 0) computes the op, in jnp and numpy only. The Flower export
-        copies it into the app (which cannot import fcir) for a reduction with no
-        intrinsic of its own."""
+        """The source of the op's ``server_aggregate``, if it has one, after that of the
+        ``server_helpers`` it calls, as the Flower export copies it into an app."""
         import inspect
         import textwrap
 
-        fn = getattr(cls, "server_aggregate", None)
-        if fn is None:
+        if cls.server_aggregate is None:
             return None
         parts = []
-        for f in (*cls.server_helpers, fn):
+        for f in (*cls.server_helpers, cls.server_aggregate):
             lines = textwrap.dedent(inspect.getsource(f)).splitlines()
             parts.append("\n".join(line for line in lines if not line.startswith("@")) + "\n")
         return "\n\n".join(parts)
@@ -242,7 +254,35 @@ class Reduction(FedOp):
 
     @classmethod
     def extra(cls, op, t: PlacedType, ctx: Context) -> None:
-        pass
+        """The op's own checks of its operand type ``t`` and attributes, after the
+        shared ones (``verify``): an op with constraints beyond C1-C3 raises them here,
+        usually by asking ``problem``."""
+
+    # --- what the order statistics and selectors declare (their backends ask for it) ----
+
+    @classmethod
+    def problem(cls, dtype: str, n: int | None, attrs: dict) -> tuple[str, str] | None:
+        """The constraint that a member dtype (by name, ``"f32"``), the number of members
+        ``n`` (None where it is not known yet) and the attributes break, as ``(code,
+        detail)``, or None. The one rule of the op's own constraints: its primitive's
+        abstract evaluation raises ``error(*found)`` while tracing, and ``extra`` /
+        ``verify`` fail with it in ``fcir check``. A plain aggregate takes any member."""
+        return None
+
+    @classmethod
+    def trim_for(cls, n: int, attrs: dict) -> int:
+        """How many members an L-estimator drops at each end of the sorted ``n`` values
+        of a coordinate before it averages the rest (the median: ``(n - 1) // 2``). The
+        order statistics answer it; streaming's exact passes over the chunks read it
+        (``interpreters/xla/streaming_order.py``). Any other reduction is no L-estimator."""
+        raise NotImplementedError(f"{cls.name} is no L-estimator: it drops no members")
+
+    @classmethod
+    def result_shape(cls, shape: tuple, attrs: dict, n: int | None = None) -> tuple | None:
+        """The result's member shape for an operand of member shape ``shape`` over ``n``
+        members: ``shape`` for an aggregate; for a selector, the chosen members stacked
+        (Krum: ``(m, *shape)``), or None where that needs ``n`` and it is not known."""
+        return shape
 
 
 # --- the registry, read by everything that treats fed ops ---------------------------------

@@ -28,7 +28,7 @@ def _impl(x, *, n, bitwidth):
 
 
 def _check(member, *, n, bitwidth):
-    found = SecureSum.problem(dtype_name(member.dtype), bitwidth)
+    found = SecureSum.problem(dtype_name(member.dtype), n, {"bitwidth": bitwidth})
     if found is not None:
         raise SecureSum.error(*found)
 
@@ -50,14 +50,11 @@ class SecureSum(Reduction):
     }
 
     @classmethod
-    def problem(cls, dtype: str, bitwidth) -> tuple[str, str] | None:
-        """The violated constraint for a member dtype (by name) and a bitwidth, as
-        (code, detail); None when both are fine. The primitive's abstract evaluation
-        and the checker both ask this."""
+    def problem(cls, dtype: str, n: int | None, attrs: dict) -> tuple[str, str] | None:
         if dtype[0] not in "iu":
             return "C4", f"operand member dtype {dtype}"
         bits = int(dtype[1:]) if dtype[1:].isdigit() else 0
-        bw = bitwidth
+        bw = attrs.get("bitwidth")
         if isinstance(bw, bool) or not isinstance(bw, int) or not 1 <= bw <= bits:
             return "C5", f"bitwidth={bw!r} for {dtype}"
         return None
@@ -67,7 +64,7 @@ class SecureSum(Reduction):
         member = t.member
         if not isinstance(member, TensorType):
             cls.fail("C4", f"operand member type {member}")
-        found = cls.problem(member.dtype, op.attrs.get("bitwidth"))
+        found = cls.problem(member.dtype, None, op.attrs)
         if found is not None:
             cls.fail(*found)
 

@@ -140,6 +140,79 @@ def test_every_fed_op_is_a_primitive_with_kind_and_constraints():
         assert F.by_primitive()[cls.primitive.name] is cls
 
 
+# What an op may add beyond its type rule, declared on FedOp / Reduction with a docstring:
+# a backend asks for it by name (``cls.reference is not None``), never with hasattr.
+HOOKS = {
+    "reference": ("x", "attrs"),
+    "server_aggregate": ("x",),  # then the op's attributes, keyword-only
+    "problem": ("dtype", "n", "attrs"),
+    "trim_for": ("n", "attrs"),
+    "result_shape": ("shape", "attrs", "n"),
+}
+
+
+def documented_hooks() -> set[str]:
+    """The names FedOp and Reduction declare with a docstring: a method's own, or the
+    string right after a class attribute (``reference: ... = None`` then its text)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(F.base))
+    out = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        if cls.name not in ("FedOp", "Reduction"):
+            continue
+        for stmt, after in zip(cls.body, [*cls.body[1:], None]):
+            if isinstance(stmt, ast.FunctionDef) and ast.get_docstring(stmt):
+                out.add(stmt.name)
+            elif isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr):
+                if isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                    out.add(stmt.target.id)
+    return out
+
+
+def fills(cls, hook: str) -> bool:
+    """Whether op class ``cls`` fills ``hook`` declared on a base it has (a two-operand
+    op such as fed.weighted_mean has a ``problem`` of its own, no Reduction's)."""
+    base = F.FedOp if hook in vars(F.FedOp) else F.Reduction
+    return issubclass(cls, base) and any(
+        hook in vars(c) for c in cls.__mro__ if c not in (F.FedOp, F.Reduction, object)
+    )
+
+
+def test_every_hook_an_op_fills_is_declared_on_its_base_and_takes_the_declared_arguments():
+    import inspect
+
+    assert set(HOOKS) <= documented_hooks(), set(HOOKS) - documented_hooks()
+    filled = [(name, hook) for name, cls in F.ops().items() for hook in HOOKS if fills(cls, hook)]
+    for name, hook in filled:
+        cls = F.ops()[name]
+        got = inspect.signature(getattr(cls, hook)).parameters
+        positional = tuple(p for p, v in got.items() if v.kind != v.KEYWORD_ONLY)
+        assert positional == HOOKS[hook], f"{name}.{hook}{tuple(got)}: declared {HOOKS[hook]}"
+        if hook == "server_aggregate":
+            keywords = {p for p, v in got.items() if v.kind == v.KEYWORD_ONLY}
+            assert keywords == set(cls.attributes), f"{name}.server_aggregate takes {keywords}"
+    # the order statistics and selectors fill them (and secure_sum its problem)
+    assert {h for _, h in filled} == set(HOOKS) and len(filled) >= 15, filled
+
+
+def test_no_backend_looks_for_an_op_s_hook_by_name():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    hooks = "|".join(HOOKS)
+    found = re.compile(rf"(hasattr|getattr)\([^)]*[\"']({hooks})[\"']")
+    hits = [
+        f"{path.relative_to(root)}: {m.group(0)}"
+        for folder in ("fcir", "interpreters")
+        for path in sorted((root / folder).rglob("*.py"))
+        for m in found.finditer(path.read_text())
+    ]
+    assert not hits, hits
+
+
 def test_each_fed_op_lives_in_its_own_module():
     modules = [cls.__module__ for cls in F.ops().values()]
     assert all(m.startswith("fcir.fed.") for m in modules)
