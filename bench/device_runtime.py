@@ -29,7 +29,7 @@ exported twice with ``fcir export --target flower``: ``--device-runtime jax`` an
 - round wall: ``flwr run APP local --stream`` of each app on one deployment (one
   SuperLink, 3 SuperNodes), alternating, after one warm-up run each.
 
-Goals (issue 18): node install <= 1/4 of jax's, cold start >= 50x faster, round wall
+Goals: node install <= 1/4 of jax's, cold start >= 50x faster, round wall
 <= 1.1x jax's. JSON with every sample in bench/results/device_runtime-[smoke-]<time>.json.
 """
 

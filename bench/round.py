@@ -24,7 +24,7 @@ Part 1b, the call path (what a user calls, not an AOT executable): per-call time
 ``exe(*args)`` vs ``jax.jit`` of the DrJAX round vs ``jax.jit`` of the fcir program
 itself, each warmed up, called in blocks (the three blocks back to back per
 repetition, rotating which goes first; median of >= 5 repetitions, ratios per
-repetition). Measured on the tiny round of issue 13 (8 clients, f32[4], one device,
+repetition). Measured on a tiny round (8 clients, f32[4], one device,
 2,000 calls per block) and on the transformer rounds of part 1 on the mesh.
 
 Part 2: the fcir round with 16 clients on 2 processes × 4 devices (``jax.distributed``

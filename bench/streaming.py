@@ -26,10 +26,10 @@ DrJAX needs ~4 GiB): one subprocess holds both compiled rounds and times them
 alternately (fcir, drjax, drjax, fcir, ...) after a warm-up; the figure is the median of
 per-pair ratios fcir/drjax (goal <= 1.2), with min/max.
 
-Goals (issue 12): fcir's peak flat (<= 1.1x from 256 to 4096 clients) while DrJAX's
+Goals: fcir's peak flat (<= 1.1x from 256 to 4096 clients) while DrJAX's
 grows linearly; 4096 clients run for fcir.
 
-Gradient and DP rows (issue 23; compiled, not run, each cohort in a fresh process): XLA's
+Gradient and DP rows (compiled, not run, each cohort in a fresh process): XLA's
 temporaries per device (``memory_analysis().temp_size_in_bytes``) of the same round
 streamed K per device as ``jax.grad(exe)`` with respect to the server model, as
 ``xla.compile`` of a captured gradient, as a meta-gradient through a ``lax.scan`` of

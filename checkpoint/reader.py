@@ -48,7 +48,7 @@ PIECE_BYTES = 16 * checksums.CHUNK_BYTES
 SLAB_BYTES = 2 * checksums.CHUNK_BYTES
 #: Bytes of a stored shard mapped at a time when only parts of its rows are needed,
 #: from local files. Mapped pages count as resident memory while they are mapped, so
-#: a restore's peak is its arrays plus THREADS such blocks. Measured for issue 22 (2
+#: a restore's peak is its arrays plus THREADS such blocks. Measured (2
 #: cores, load 2-10, warm page cache; 4 f32 leaves saved as 8 row blocks, restored
 #: onto another sharding; process CPU time relative to the same restore onto the saved
 #: sharding, medians of 11-15 side by side): 8 KiB half rows 1.05-1.10 and 2 KiB

@@ -40,7 +40,7 @@ next step's carry), the backward pass reaches ``tanh`` with that input's cotange
 holding ``acc`` already, and JAX adds what the rule's transpose writes onto it one piece
 at a time. JAX 0.10.2's rule reads ``g`` twice, so ``jax.jit`` sums ``(acc + u) +
 u*ans`` (``u = ct * (1 - ans)``); one ``tanh_cotangent`` added once would sum ``acc + (u
-+ u*ans)``, other last bits (issue 32 item 7). So ``tanh_tangent``'s transpose is a
++ u*ans)``, other last bits than ``jax.jit``'s. So ``tanh_tangent``'s transpose is a
 "fancy" one, given the accumulator itself (:func:`_tangent_transpose_onto`): onto an
 empty one it writes ``tanh_cotangent``, onto ``acc`` it writes ``tanh_cotangent_add(acc,
 ct, ans, r)``, JAX's own backward pass of the rule started at ``acc``
@@ -316,7 +316,7 @@ def _tangent_transpose_onto(ct, g, ans, r):
     the running JAX's rule may write more than one piece: 0.10.2's, ``(g + g*ans) *
     (1 - ans)``, reads ``g`` twice, so ``jax.jit`` sums ``(acc + u) + u*ans``, where
     one ``tanh_cotangent`` added onto ``acc`` sums ``acc + (u + u*ans)``, another
-    grouping and other last bits (issue 32 item 7). So there the accumulator becomes
+    grouping and other last bits than ``jax.jit``'s. So there the accumulator becomes
     ``tanh_cotangent_add(acc, ct, ans, r)``, which sums as the running JAX does
     (:func:`_cotangent_add`). The choice follows the order of the program's uses, on
     every JAX (the module doc says where a JAX's own ``jit`` around ``tanh`` changes

@@ -1,5 +1,5 @@
 """bench/call_path.py --smoke runs end to end (all three programs, rotating blocks, the
-JSON record), so the call-path benchmark of issue 23 cannot rot."""
+JSON record), so the call-path benchmark cannot rot."""
 
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def _edit_shard_index(path, shard, starts, stops):
 
 @pytest.mark.parametrize("onto", ["host", "sharded"])
 def test_a_layout_whose_shard_claims_another_shards_rows_is_refused(tmp_path, devices, onto):
-    """Issue 17 item 1: same volume, but rows 2-3 are held twice and rows 0-1 by none."""
+    """The same volume as the array, but rows 2-3 are held twice and rows 0-1 by none."""
     path, rows = _rows_saved(tmp_path, devices)
     _edit_shard_index(path, 1, (0, 0), (2, 4))  # shard 1 says it holds shard 0's rows
     mesh = jax.make_mesh((8,), ("x",), devices=devices)

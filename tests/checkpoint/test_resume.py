@@ -1,4 +1,4 @@
-"""One checkpoint resumes a whole training run exactly (issue 22 item 3): server state,
+"""One checkpoint resumes a whole training run exactly: server state,
 optax state, typed PRNG keys, the round, the sampler and the privacy budget."""
 
 from __future__ import annotations

@@ -390,7 +390,7 @@ def test_python_dash_m_fcir_cli(files):
     assert "Traceback" in results["debug"][0][1] and "ParseError" in results["debug"][0][1]
 
 
-# --- --args specs for dicts and lists (issue 17, item 17) ----------------------------------
+# --- --args specs for dicts and lists -----------------------------------------------------
 
 HINTED = textwrap.dedent(
     """
@@ -454,7 +454,7 @@ def test_missing_example_args_hint_is_an_args_that_parses_and_compiles(tmp_path,
     assert '.args ({"b": [$0, $1], "w": $2}, ($3, $4))' in out
 
 
-# --- show -o and --clients-per-step auto (issue 17, item 20) -------------------------------
+# --- show -o and --clients-per-step auto -----------------------------------------------
 
 
 @pytest.mark.parametrize("fmt", ["text", "dot"])
@@ -478,7 +478,7 @@ def test_run_with_auto_clients_per_step_says_which_k_it_chose(files, capsys):
                      r"\(predicted peak [\d,]+ B of a [\d,]+ B limit; tried k=1: ", err), err
 
 
-# --- source lines (issue 17, item 16) --------------------------------------------------------
+# --- source lines ----------------------------------------------------------------------------
 
 
 def test_check_of_a_python_target_names_the_source_line(files, capsys):

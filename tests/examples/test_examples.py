@@ -139,7 +139,7 @@ def test_progress_summary_after_an_early_break():
     assert len(progress.history) == 1
 
 
-# --- examples/dp_fedavg_digits.py (issue 17, items 17 and 20) ------------------------------
+# --- examples/dp_fedavg_digits.py --------------------------------------------------------
 
 
 def test_digits_plot_title_names_the_clients_given_and_round_ticks_are_whole():

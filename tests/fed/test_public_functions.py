@@ -62,9 +62,9 @@ def test_signatures_are_the_documented_ones():
     assert sig["broadcast"] == "(x, *, to: 'str | None' = None, mesh=None)"
     assert sig["map_fn"] == "(fn: 'Callable', arg, *, mesh=None)"
     assert sig["secure_sum"] == "(x, *, bitwidth: 'int')"
-    # exact, gamma: issue 34 (central DP exact on the released bits), keyword-only
+    # exact, gamma (central DP exact on the released bits): keyword-only
     assert sig["dp_mean"] == "(x, clip_norm, noise_multiplier, key, *, exact=False, gamma=None)"
-    # min_clients: issue 34 (distributed DP under dropouts), keyword-only
+    # min_clients (distributed DP under dropouts): keyword-only
     assert sig["ddp_sum"] == "(x, clip_norm, noise_multiplier, keys, bits=20, *, min_clients=None)"
 
 

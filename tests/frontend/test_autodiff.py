@@ -1,4 +1,4 @@
-"""Federated automatic differentiation (issue 3).
+"""Federated automatic differentiation.
 
 What is tested on what (``L = sum(f(...)**2)`` of each program below; "oracle" is the
 same computation written as a Python loop over members in plain JAX, no fcir; every

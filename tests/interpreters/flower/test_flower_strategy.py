@@ -59,8 +59,8 @@ def ulps(a, b) -> int:
 def test_the_template_switched_to_fcir_gives_its_parameters_bit_for_bit_each_round(
     captured, template_run, caplog
 ):
-    """The global model after every round is the template's, bit for bit (issue 33 asks
-    for one ulp per round). Two things make it so, and the test fails without either:
+    """The global model after every round is the template's, bit for bit (one ulp
+    per round would be enough). Two things make it so, and the test fails without either:
     the ClientApp runs the client work op by op (``flower.Client(module, jit=False)``),
     as the template trains (it does not jit its train step; one compiled function puts
     its client parameters 1-2 ulps away after 10 epochs: XLA compiles the step as a

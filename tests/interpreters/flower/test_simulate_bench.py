@@ -1,7 +1,7 @@
 """bench/simulate.py --smoke runs end to end with every system it finds (fcir with and
 without clients_per_step, DrJAX, pfl when its virtualenv is there, the hand-written
 Flower app and ``fcir flower simulate`` of the exported round on Flower's Simulation
-Engine), so issue 35's simulate benchmark cannot rot. Here because it starts Flower
+Engine), so the simulate benchmark cannot rot. Here because it starts Flower
 simulations (Ray): leg 2 only, and slow."""
 
 from __future__ import annotations

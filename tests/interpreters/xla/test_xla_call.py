@@ -1,6 +1,6 @@
 """The XLA backend's call path: a warm call is JAX's C++ dispatch, the argument checks
 run on a cache miss only and still give the clear errors, and a module is traced once
-however many times it is compiled, lowered or printed (issue 13)."""
+however many times it is compiled, lowered or printed."""
 
 from __future__ import annotations
 

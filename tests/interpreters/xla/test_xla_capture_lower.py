@@ -1,4 +1,4 @@
-"""Capture and lowering at scale do no work twice (issue 23 item 1): ``xla.compile`` of a
+"""Capture and lowering at scale do no work twice: ``xla.compile`` of a
 module straight from ``fcir.capture`` does not type-check it again, while any module
 edited since, parsed from text or converted without a check still is; the collector
 is paused while capture traces the program and builds the module and while it is

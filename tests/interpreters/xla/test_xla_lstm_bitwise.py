@@ -2,7 +2,7 @@
 function): ``xla.compile`` of the captured round, and of its gradient, is bitwise
 ``jax.jit`` of the same function, with equal XLA flops, on every supported JAX.
 
-Issue 32 item 7: under JAX 0.10.2 the gradient differed in the last bit. The LSTM's
+Under JAX 0.10.2 a captured gradient once differed from jax.jit's in the last bit. The LSTM's
 cell state ``c`` feeds ``tanh`` and is also the next step's carry, so when the backward
 pass reaches ``tanh`` the cotangent of ``c`` already holds the carry's piece. JAX
 0.10.2's rule, ``(g + g*ans) * (1 - ans)``, reads the tangent ``g`` twice, so

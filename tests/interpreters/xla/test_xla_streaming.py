@@ -1,4 +1,4 @@
-"""Streaming client maps: ``xla.compile(module, clients_per_step=k)`` (issue 12).
+"""Streaming client maps: ``xla.compile(module, clients_per_step=k)``.
 
 Correctness: every corpus program and the captured gradient of every corpus program with
 ``grad_argnums`` runs with k = 1, a k that does not divide the largest cohort and k =
@@ -481,7 +481,7 @@ def _export_round(w, x):
 def test_mesh_every_stage_runs_under_set_mesh(axis_type, tmp_path):
     """Capture, check, reference, compile (with and without a mesh, streamed or not,
     "auto"), cost, text and jax.grad, all inside ``with jax.set_mesh(mesh):``, with Auto
-    and with Explicit axes (issue 17 item 5)."""
+    and with Explicit axes."""
     from fcir.interpreters import production
 
     at = getattr(jax.sharding.AxisType, axis_type)
@@ -539,8 +539,8 @@ def _fedavg_round(n: int):
 @on_8_devices
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_mesh_streaming_memory_under_set_mesh_does_not_grow_with_the_cohort(axis_type):
-    """Captured and compiled inside ``jax.set_mesh`` from sharded ShapeDtypeStructs
-    (issue 32 item 6): the layout ops capture puts around the map (the broadcast's, the
+    """Captured and compiled inside ``jax.set_mesh`` from sharded ShapeDtypeStructs:
+    the layout ops capture puts around the map (the broadcast's, the
     results') are read through, so the mean is a running sum and the model is not
     broadcast to every member; XLA's temporaries were 6.7x for 8x the members."""
     at = getattr(jax.sharding.AxisType, axis_type)

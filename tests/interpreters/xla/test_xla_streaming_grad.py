@@ -1,4 +1,4 @@
-"""Reverse mode and DP aggregates under ``clients_per_step`` (issue 23 items 2, 3).
+"""Reverse mode and DP aggregates under ``clients_per_step``.
 
 Values: ``jax.grad`` of a streamed executable (``exe(*args)``), a captured gradient
 program compiled with a budget, and a meta-gradient through a ``lax.scan`` of rounds
