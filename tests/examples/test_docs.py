@@ -41,3 +41,54 @@ def test_readme_commands_match_ci():
     assert len(commands) == 2, "the README has exactly two set-up commands"
     assert commands[1].strip() in ci
     assert os.access(ROOT / ".ci" / "run", os.X_OK)
+
+
+# --- what the pages cite exists ---------------------------------------------------------
+
+# A repository path: a top-level folder of the checkout, then a file (with its
+# extension) or a folder (with its slash). A path a test page cites is under tests/
+# (contributing.md: `checkpoint/test_durability.py`).
+CITED_PATH = re.compile(
+    r"(?<![\w./<-])((?:fcir|interpreters|checkpoint|tests|docs|bench|tools|examples|protos"
+    r"|\.ci)/(?:[\w.-]+/)*(?:[\w-]+\.\w+\b|(?=[\s`),;:]|$)))(?![\w<*/-])"
+)
+# A page or a module named without its folder, in backticks (`bench.md`, `budget.py`).
+CITED_NAME = re.compile(r"`([\w-]+\.(?:md|py))`")
+# A link to another file of the checkout, relative to the page: [text](privacy.md#keys).
+LINK = re.compile(r"\]\((?![a-z]+:)([^)#\s]+)")
+
+
+def cited_paths(text: str) -> tuple[set[str], set[str]]:
+    """(repository paths, bare file names) that ``text`` cites."""
+    paths = {m.group(1).rstrip("/") for m in CITED_PATH.finditer(text)}
+    return paths, set(CITED_NAME.findall(text))
+
+
+def test_the_path_reader_finds_paths_and_names_but_not_placeholders():
+    text = (
+        "see fcir/ir/text.py, `bench.md` and interpreters/xla/; not fcir_app/program.py, "
+        "fcir/fed/<op>.py or tests/golden/jax<X.Y>/, `x/y.py`."
+    )
+    paths, names = cited_paths(text)
+    assert paths == {"fcir/ir/text.py", "interpreters/xla"}
+    assert names == {"bench.md"}
+
+
+def test_every_path_a_page_cites_exists():
+    """Every repository path the README and docs/ cite is in the checkout, every page
+    or module they name without a folder is a file of it somewhere, and every link
+    to a file leads to one."""
+    files = {p.name for p in ROOT.rglob("*") if ".venv" not in p.parts and ".git" not in p.parts}
+    missing = []
+    for page in PAGES:
+        paths, names = cited_paths(page.read_text())
+        where = page.relative_to(ROOT)
+        missing += [
+            f"{where}: {p}"
+            for p in sorted(paths)
+            if not any((base / p).exists() for base in (ROOT, ROOT / "tests"))
+        ]
+        missing += [f"{where}: {n}" for n in sorted(names) if n not in files]
+        links = set(LINK.findall(page.read_text()))
+        missing += [f"{where}: {n}" for n in sorted(links) if not (page.parent / n).exists()]
+    assert not missing, missing
