@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from corpus.compare import assert_leaf_matches, assert_trees_match
-from production.cases import assert_close
+from productionlib.cases import assert_close
 
 
 @pytest.mark.parametrize("compare", [assert_trees_match, assert_close])

@@ -26,7 +26,7 @@ import pytest
 from corpus.compare import assert_trees_match
 from fcir.interpreters import flower, reference
 from flowerlib import files, inprocess, programs, rounds, secure
-from production import iree_faults
+from productionlib import iree_faults
 
 import fcir
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from production import cases, iree_faults
+from productionlib import cases, iree_faults
 
 import fcir
 

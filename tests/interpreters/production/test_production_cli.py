@@ -11,7 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from production import cases, rounds
+from productionlib import cases, rounds
 
 import fcir
 from fcir.cli import main

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from production import doc_runner
+from productionlib import doc_runner
 
 # Runs the whole page (exports, bundles, run-plan): 8 s, like the examples (docs/contributing.md).
 pytestmark = pytest.mark.slow
@@ -17,5 +17,5 @@ def test_production_page_runs_and_shows_real_outputs():
     problems = doc_runner.run(PAGE)
     assert not problems, (
         "\n\n".join(problems) + "\n\nIf the new outputs are right, update the page with:\n"
-        "  python tests/production/doc_runner.py docs/production.md --update"
+        "  python tests/productionlib/doc_runner.py docs/production.md --update"
     )

@@ -13,8 +13,8 @@ import pytest
 from fcir.interpreters import production
 from fcir.interpreters.production import computation as C
 from fcir.interpreters.production import wire_types as W
-from production import cases
-from production.evaluate import evaluate
+from productionlib import cases
+from productionlib.evaluate import evaluate
 
 import fcir
 from fcir._proto import computation_pb2 as pb

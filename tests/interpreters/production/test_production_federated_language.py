@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fcir.interpreters.production import computation as C
 from fcir.interpreters.production import wire_types as W
-from production import cases, fl_check
+from productionlib import cases, fl_check
 
 from fcir._proto import computation_pb2 as pb
 

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from fcir.interpreters import production
-from production import cases, iree_faults
+from productionlib import cases, iree_faults
 
 import fcir
 from fcir.cli import main

@@ -8,7 +8,7 @@ import jax
 import pytest
 from fcir.interpreters import production
 from fcir.interpreters.production import checks
-from production import cases, rounds
+from productionlib import cases, rounds
 
 import fcir
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from fcir.interpreters import production
-from production import cases
+from productionlib import cases
 
 
 def _count_traces(monkeypatch) -> list:

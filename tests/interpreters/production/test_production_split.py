@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from fcir.interpreters import production, reference
 from fcir.interpreters.production.splitting import INTRINSICS
-from production import cases, rounds
+from productionlib import cases, rounds
 
 import fcir
 from fcir.ir import Func, Module, walk

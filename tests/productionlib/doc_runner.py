@@ -5,8 +5,8 @@
 code block shows that block's output and must equal it. Everything runs in a fresh
 temporary directory.
 
-    python tests/production/doc_runner.py docs/production.md            # check
-    python tests/production/doc_runner.py docs/production.md --update   # rewrite outputs
+    python tests/productionlib/doc_runner.py docs/production.md            # check
+    python tests/productionlib/doc_runner.py docs/production.md --update   # rewrite outputs
 """
 
 from __future__ import annotations
