@@ -1,4 +1,4 @@
-"""Importing the scripts in examples/ as they run (for tests in any folder)."""
+"""Importing the scripts in examples/ and tools/ as they run (for tests in any folder)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import importlib.util
 import pathlib
 import sys
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
 
 
 def load(name: str):
@@ -18,4 +19,12 @@ def load(name: str):
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(EXAMPLES))
+    return module
+
+
+def tool(name: str):
+    """Imports tools/<name>.py (a script run from the repository root)."""
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module

@@ -4,7 +4,8 @@
     python tools/gen_ops_doc.py --check   # exit 1 if docs/ops.md is stale
 
 Sources: the federated op classes (subclasses of ``fcir.fed.FedOp``: name, numbered
-constraints), ``fcir.jaxcompat.schema`` (the local-op attributes fcir fixes whatever the
+constraints), each backend's own table of what it does with each fed op
+(``backend_tables``, which tests/fed/test_op_coverage.py also reads), ``fcir.jaxcompat.schema`` (the local-op attributes fcir fixes whatever the
 JAX, and the regions that are open), and the corpus goldens (every ``jax.*`` op the test
 corpus captures, with the attributes it carries). tests/examples/test_ops_doc.py runs --check.
 """
@@ -12,6 +13,7 @@ corpus captures, with the attributes it carries). tests/examples/test_ops_doc.py
 from __future__ import annotations
 
 import argparse
+import inspect
 import pathlib
 import re
 import sys
@@ -45,6 +47,87 @@ def _fed_ops():
     return [seen[k] for k in sorted(seen)]
 
 
+#: (column, where its table lives) in the order docs/ops.md shows them.
+BACKENDS = {
+    "reference": "`@impl` methods of `interpreters/reference.py`",
+    "xla": "`@impl` methods of `interpreters/xla/interpreter.py`",
+    "streaming": "`RULES` of `interpreters/xla/streaming.py` (accumulators)",
+    "production": "`OP_RULES` of `interpreters/production/splitting.py`",
+    "flower": "`RULES` of `interpreters/flower/phases.py` (the ServerApp's aggregate)",
+    "privacy": "`RULES` of `fcir/privacy/analysis.py` (the leak check)",
+    "traffic": "`RULES` of `fcir/report/traffic.py` (bytes a round moves)",
+}
+
+
+def backend_tables() -> dict[str, dict]:
+    """Each backend's own table: op class -> its rule, or ``Unsupported``."""
+    from fcir.interpreters import reference, xla
+    from fcir.interpreters.flower import phases
+    from fcir.interpreters.production import splitting
+    from fcir.interpreters.xla import streaming
+
+    from fcir import privacy
+    from fcir.base_interpreter import own_rules
+    from fcir.report import traffic
+
+    def fed_only(table):  # an interpreter's table also holds jax.* rules
+        return {k: r for k, r in table.items() if isinstance(k, type)}
+
+    return {
+        "reference": fed_only(own_rules(reference.ReferenceInterpreter)),
+        "xla": fed_only(own_rules(xla.XlaInterpreter)),
+        "streaming": dict(streaming.RULES),
+        "production": dict(splitting.OP_RULES),
+        "flower": dict(phases.RULES),
+        "privacy": dict(privacy.RULES),
+        "traffic": dict(traffic.RULES),
+    }
+
+
+def describe(rule) -> str:
+    """A table entry in a few words: a function by its name, an object by what it says
+    of itself (its ``__str__``) or its class."""
+    from fcir.fed import Unsupported
+
+    if isinstance(rule, Unsupported):
+        return "unsupported"
+    if inspect.isfunction(rule) or inspect.ismethod(rule):
+        return f"`{rule.__qualname__}`"
+    if type(rule).__str__ is not object.__str__:
+        return _cell(str(rule))
+    return f"`{type(rule).__name__}`"
+
+
+def _backend_rows() -> list[str]:
+    from fcir.fed import Unsupported
+
+    tables = backend_tables()
+    out = [
+        "\n## What each backend does with each fed op\n",
+        "Read from each backend's own table, keyed by the op's class (a kind's default entry "
+        "covers the ops of that kind the table does not name); tests/fed/test_op_coverage.py "
+        "fails on a missing entry:\n",
+        *(f"- {name}: {where}" for name, where in BACKENDS.items()),
+        "",
+        "| op | " + " | ".join(BACKENDS) + " |",
+        "|---|" + "---|" * len(BACKENDS),
+    ]
+    unsupported: dict[tuple[str, str], list[str]] = {}  # (backend, reason) -> ops
+    for cls in _fed_ops():
+        cells = []
+        for name in BACKENDS:
+            rule = tables[name].get(cls)
+            cells.append("none" if rule is None else describe(rule))
+            if isinstance(rule, Unsupported):
+                unsupported.setdefault((name, _cell(rule.reason)), []).append(f"`{cls.name}`")
+        out.append(f"| `{cls.name}` | " + " | ".join(cells) + " |")
+    if unsupported:
+        out.append("\nWhy an entry is unsupported:\n")
+        for (name, reason), ops in unsupported.items():
+            out.append(f"- {name}, {', '.join(ops)}: {reason}")
+    return out
+
+
 def _golden_local_ops() -> dict[str, set[str]]:
     """jax.* op -> the attribute keys it carries in the corpus goldens."""
     ops: dict[str, set[str]] = {}
@@ -74,6 +157,7 @@ def render() -> str:
         rules = "; ".join(f"{code}: {text}" for code, text in sorted(cls.constraints.items()))
         prim = getattr(getattr(cls, "primitive", None), "name", None) or "fcir's own"
         out.append(f"| `{cls.name}` | {_cell(rules)} | `{prim}` |")
+    out.extend(_backend_rows())
     out.append("\n## Local ops (`jax.`)\n")
     out.append(
         "A local op `jax.<name>` is the JAX primitive `<name>`: the same operands and "

@@ -3,12 +3,12 @@ fcir's local-op schema is what capture writes under the running JAX."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from examples_testing import tool
 from fcir.interpreters import reference
 
 import fcir
@@ -18,10 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("gen_ops_doc", ROOT / "tools" / "gen_ops_doc.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return tool("gen_ops_doc")
 
 
 def test_ops_doc_is_current():

@@ -5,36 +5,15 @@ constraints and primitive: nothing is left to a table gap."""
 from __future__ import annotations
 
 import pytest
+from examples_testing import tool
 
 from fcir import fed as F
 from fcir.base_interpreter import Interpreter, impl, own_rules
 
 
 def backend_tables() -> dict[str, dict]:
-    """Each backend's own table: op (class or name) -> rule or Unsupported."""
-    from fcir.interpreters import reference, xla
-    from fcir.interpreters.flower import phases
-    from fcir.interpreters.production import splitting
-    from fcir.interpreters.xla import streaming
-
-    from fcir import privacy
-    from fcir.report import traffic
-
-    def fed_only(table):  # an interpreter's table also holds jax.* rules
-        return {k: r for k, r in table.items() if isinstance(k, type)}
-
-    return {
-        "reference": fed_only(own_rules(reference.ReferenceInterpreter)),
-        "xla": fed_only(own_rules(xla.XlaInterpreter)),
-        # streaming's accumulators, production's decompositions and Flower's server
-        # aggregates are objects: test_every_backend_table_entry_is_behaviour_or_unsupported
-        # checks what each must be.
-        "streaming": dict(streaming.RULES),
-        "production": dict(splitting.OP_RULES),
-        "flower": dict(phases.RULES),
-        "privacy": dict(privacy.RULES),
-        "traffic": dict(traffic.RULES),
-    }
+    """Each backend's own table, as docs/ops.md shows it (tools/gen_ops_doc.py)."""
+    return tool("gen_ops_doc").backend_tables()
 
 
 # The tables whose entries are the behaviour itself: each must be callable (a method, a
