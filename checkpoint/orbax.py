@@ -553,94 +553,7 @@ def metadata_files(
             handlers[item.name] = _JSON
             continue
         handlers[item.name] = _STANDARD
-        tree: dict[str, Any] = {}
-        array_metadatas = []
-        shardings_doc: dict[str, str] = {}
-        for record in item.arrays.arrays:
-            path = keypaths.from_proto(record.path)
-            name = keypaths.display(item.name, path)
-            boxes = [
-                (tuple(r.start for r in s.index), tuple(r.stop for r in s.index))
-                for s in record.shards
-            ]
-            chunk = shardings.box_shape(boxes[0])
-            for box in boxes:
-                if shardings.box_shape(box) != chunk or any(
-                    e and a % e for a, e in zip(box[0], chunk)
-                ):
-                    raise CheckpointError(
-                        f"format='orbax': array {name!r} is split into shards of different "
-                        "shapes; Orbax's zarr chunks must be equal (shard it evenly)"
-                    )
-            dtype = dtype_from_name(record.dtype)
-            files[f"{prefix}{param_name(path)}/.zarray"] = json.dumps(
-                {
-                    "chunks": [max(1, c) for c in chunk],
-                    "compressor": None,
-                    "dimension_separator": ".",
-                    "dtype": _zarr_dtype(dtype),
-                    "fill_value": None,
-                    "filters": None,
-                    "order": "C",
-                    "shape": list(record.shape),
-                    "zarr_format": 2,
-                }
-            ).encode()
-            keys = [
-                {
-                    "key": str(k),
-                    "key_type": _SEQUENCE
-                    if c in (pb.CONTAINER_KIND_LIST, pb.CONTAINER_KIND_TUPLE)
-                    else _DICT,
-                }
-                for k, c in path
-            ]
-            value: dict[str, Any] = {
-                "value_type": _value_type(record.kind),
-                "skip_deserialize": False,
-            }
-            if record.kind == pb.LEAF_KIND_JAX_ARRAY:
-                value["write_shape"] = list(chunk)
-                # Orbax wraps key data back into typed keys only where this says so.
-                impl = {"random_key_impl": record.prng_key_impl} if record.prng_key_impl else None
-                array_metadatas.append(
-                    {
-                        "array_metadata": {
-                            "param_name": param_name(path),
-                            "write_shape": list(chunk),
-                            "chunk_shape": list(chunk),
-                            "ext_metadata": impl,
-                        }
-                    }
-                )
-            tree[str(tuple(str(k) for k, _ in path))] = {
-                "key_metadata": keys,
-                "value_metadata": value,
-            }
-            sharding = _sharding_text(record.sharding)
-            if record.kind == pb.LEAF_KIND_JAX_ARRAY and sharding is not None:
-                param = param_name(path).encode()
-                shardings_doc[base64.urlsafe_b64encode(param).decode()] = sharding
-        for orbax_keys, kind in (empties or {}).get(item.name, []):
-            tree[str(tuple(k for k, _ in orbax_keys))] = {
-                "key_metadata": [{"key": k, "key_type": t} for k, t in orbax_keys],
-                "value_metadata": {"value_type": kind, "skip_deserialize": True},
-            }
-        if array_metadatas:
-            files[f"{prefix}{_ARRAY_METADATAS}/process_0"] = json.dumps(
-                {"array_metadatas": array_metadatas}
-            ).encode()
-        if shardings_doc:
-            files[f"{prefix}{_SHARDING_FILE}"] = json.dumps(shardings_doc).encode()
-        files[f"{prefix}{METADATA}"] = json.dumps(
-            {
-                "tree_metadata": tree,
-                "use_ocdbt": False,
-                "use_zarr3": False,
-                "store_array_data_equal_to_fill_value": True,
-                "custom_metadata": None,
-            }
-        ).encode()
+        files.update(_array_item_files(item, prefix, (empties or {}).get(item.name, [])))
     checkpoint_meta = {
         "item_handlers": handlers if several else handlers[layout.items[0].name],
         "metrics": {},
@@ -651,6 +564,108 @@ def metadata_files(
     }
     files[CHECKPOINT_METADATA] = json.dumps(checkpoint_meta).encode()
     return files
+
+
+def _array_item_files(item, prefix: str, empties) -> dict[str, bytes]:
+    """Orbax's files of one item of arrays: each array's .zarray, then the item's array
+    metadatas, shardings and tree metadata (``empties``: its None leaves and empty
+    containers)."""
+    files: dict[str, bytes] = {}
+    tree: dict[str, Any] = {}
+    array_metadatas = []
+    shardings_doc: dict[str, str] = {}
+    for record in item.arrays.arrays:
+        path = keypaths.from_proto(record.path)
+        chunk = _even_chunk(record, keypaths.display(item.name, path))
+        files[f"{prefix}{param_name(path)}/.zarray"] = _zarray(record, chunk)
+        tree[str(tuple(str(k) for k, _ in path))] = _tree_entry(record, path, chunk)
+        if record.kind == pb.LEAF_KIND_JAX_ARRAY:
+            # Orbax wraps key data back into typed keys only where this says so.
+            impl = {"random_key_impl": record.prng_key_impl} if record.prng_key_impl else None
+            array_metadatas.append(
+                {
+                    "array_metadata": {
+                        "param_name": param_name(path),
+                        "write_shape": list(chunk),
+                        "chunk_shape": list(chunk),
+                        "ext_metadata": impl,
+                    }
+                }
+            )
+            sharding = _sharding_text(record.sharding)
+            if sharding is not None:
+                param = param_name(path).encode()
+                shardings_doc[base64.urlsafe_b64encode(param).decode()] = sharding
+    for orbax_keys, kind in empties:
+        tree[str(tuple(k for k, _ in orbax_keys))] = {
+            "key_metadata": [{"key": k, "key_type": t} for k, t in orbax_keys],
+            "value_metadata": {"value_type": kind, "skip_deserialize": True},
+        }
+    if array_metadatas:
+        files[f"{prefix}{_ARRAY_METADATAS}/process_0"] = json.dumps(
+            {"array_metadatas": array_metadatas}
+        ).encode()
+    if shardings_doc:
+        files[f"{prefix}{_SHARDING_FILE}"] = json.dumps(shardings_doc).encode()
+    files[f"{prefix}{METADATA}"] = json.dumps(
+        {
+            "tree_metadata": tree,
+            "use_ocdbt": False,
+            "use_zarr3": False,
+            "store_array_data_equal_to_fill_value": True,
+            "custom_metadata": None,
+        }
+    ).encode()
+    return files
+
+
+def _even_chunk(record, name: str) -> tuple[int, ...]:
+    """The one shard shape of ``record``'s shards: Orbax's zarr chunks must be equal."""
+    boxes = [
+        (tuple(r.start for r in s.index), tuple(r.stop for r in s.index)) for s in record.shards
+    ]
+    chunk = shardings.box_shape(boxes[0])
+    for box in boxes:
+        if shardings.box_shape(box) != chunk or any(e and a % e for a, e in zip(box[0], chunk)):
+            raise CheckpointError(
+                f"format='orbax': array {name!r} is split into shards of different "
+                "shapes; Orbax's zarr chunks must be equal (shard it evenly)"
+            )
+    return chunk
+
+
+def _zarray(record, chunk: tuple[int, ...]) -> bytes:
+    """The array's zarr v2 header."""
+    return json.dumps(
+        {
+            "chunks": [max(1, c) for c in chunk],
+            "compressor": None,
+            "dimension_separator": ".",
+            "dtype": _zarr_dtype(dtype_from_name(record.dtype)),
+            "fill_value": None,
+            "filters": None,
+            "order": "C",
+            "shape": list(record.shape),
+            "zarr_format": 2,
+        }
+    ).encode()
+
+
+def _tree_entry(record, path, chunk: tuple[int, ...]) -> dict[str, Any]:
+    """The array's entry in the item's tree metadata: its keys and value kind."""
+    keys = [
+        {
+            "key": str(k),
+            "key_type": _SEQUENCE
+            if c in (pb.CONTAINER_KIND_LIST, pb.CONTAINER_KIND_TUPLE)
+            else _DICT,
+        }
+        for k, c in path
+    ]
+    value: dict[str, Any] = {"value_type": _value_type(record.kind), "skip_deserialize": False}
+    if record.kind == pb.LEAF_KIND_JAX_ARRAY:
+        value["write_shape"] = list(chunk)
+    return {"key_metadata": keys, "value_metadata": value}
 
 
 def commit_success_text(final: str) -> bytes:
