@@ -143,37 +143,14 @@ def run(
             carry, ys = restored, saved_ys
             print(f"[fcir] resuming after round {done} from {cfg.checkpoint_dir}", flush=True)
     length = loop["length"]
-    if loop["kind"] == "scan":
-        order = list(range(length))
-        if loop["reverse"]:
-            order.reverse()
     total = f"/{length}" if loop["kind"] == "scan" else ""
     rnd = done
-    while True:
-        if loop["kind"] == "scan":
-            if rnd >= length:
-                break
-            t = order[rnd]
-        else:
-            cenv = {
-                ("pre", k[1]): env[("pre", k[1])] for k in loop["cond"]["params"] if k[0] == "pre"
-            }
-            cenv.update({("round", str(r)): v for r, v in carry.items()})
-            runtime.call(loop["cond"], cenv)
-            if not bool(np.asarray(cenv[("cond", "0")])):
-                break
-            t = rnd
-        inputs_t = []
-        for s in loop["round_inputs"]:
-            if s["role"] == "carry":
-                inputs_t.append(carry[s["leaf"]])
-            elif s["role"] == "xs":
-                inputs_t.append(np.asarray(pre(s["from"][1]))[t])
-            else:
-                inputs_t.append(pre(s["from"][1]))
+    while (t := _next_iteration(loop, env, carry, rnd)) is not None:
+        inputs_t = _round_inputs(loop, carry, pre, t)
         stats = dict.fromkeys(("sent", "received", "sampled", "replied", "exchanges"), 0)
         start = time.perf_counter()
         outs = run_round(grid, cfg, view, inputs_t, rnd + 1, stats)
+        took_part = None
         if state is not None:
             took_part = sorted(set(stats.get("state_partitions", ())))
             state.took_part(rnd + 1, took_part)
@@ -182,7 +159,6 @@ def run(
         for k, o in enumerate(stacked):
             ys[k].append(outs[o])
         rnd += 1
-        metrics = " ".join(f"ys_{k}={m}" for k, o in enumerate(stacked) if (m := _metric(outs[o])))
         if record is not None:  # scalar ys: the progress line's, MetricRecord, metrics-file
             scalars = {
                 f"ys_{k}": float(np.asarray(outs[o]).reshape(-1)[0])
@@ -190,18 +166,11 @@ def run(
                 if np.asarray(outs[o]).size == 1
             }
             record(rnd, scalars)
-        who = f"{stats['replied']}/{stats['sampled']} clients replied"
-        if stats["exchanges"] > 1:
-            who = f"{stats['replied']}/{stats['sampled']} client replies over {stats['exchanges']} exchanges"
-        kept = ""
-        if state is not None:  # whose state advanced this round (on its node)
-            kept = f"client state of partition(s) {','.join(map(str, took_part)) or 'none'}"
-        print(
-            f"[fcir] round {rnd}{total}: {who}, sent {stats['sent']} B, received "
-            f"{stats['received']} B, {time.perf_counter() - start:.1f} s "
-            + " ".join(x for x in (metrics, kept, privacy(rnd) if privacy else "") if x),
-            flush=True,
+        extra = (privacy(rnd) if privacy else "",)
+        line = _round_line(
+            f"{rnd}{total}", stats, start, [outs[o] for o in stacked], took_part, extra
         )
+        print(line, flush=True)
         if ckpt is not None:
             ckpt.save(
                 rnd,
@@ -211,6 +180,66 @@ def run(
             )
     if loop["kind"] == "scan" and rnd != length:
         raise AppError(f"ran {rnd} of {length} rounds")
+    results = _loop_results(loop, carry, ys, stacked)
+    penv = dict(env)
+    penv.update({("loop", str(k)): v for k, v in enumerate(results) if v is not None})
+    runtime.call(loop["post"], penv)
+    outputs = [np.asarray(penv[("output", str(j))]) for j in range(len(plan["outputs"]))]
+    return [outputs[j] for j in plan["output_order"]]
+
+
+def _next_iteration(loop: dict, env: dict, carry: dict, rnd: int) -> int | None:
+    """The loop iteration that round ``rnd`` (from 0) runs, or None when the loop is
+    done: a scan's next slice (from the end for a reversed scan), a while loop's round
+    while its condition, evaluated at the server on the carry, holds."""
+    if loop["kind"] == "scan":
+        length = loop["length"]
+        if rnd >= length:
+            return None
+        return length - 1 - rnd if loop["reverse"] else rnd
+    cenv = {("pre", k[1]): env[("pre", k[1])] for k in loop["cond"]["params"] if k[0] == "pre"}
+    cenv.update({("round", str(r)): v for r, v in carry.items()})
+    runtime.call(loop["cond"], cenv)
+    return rnd if bool(np.asarray(cenv[("cond", "0")])) else None
+
+
+def _round_inputs(loop: dict, carry: dict, pre, t: int) -> list:
+    """The round's server inputs at iteration ``t``: the carry, slice ``t`` of each xs,
+    and the loop's consts."""
+    out = []
+    for s in loop["round_inputs"]:
+        if s["role"] == "carry":
+            out.append(carry[s["leaf"]])
+        elif s["role"] == "xs":
+            out.append(np.asarray(pre(s["from"][1]))[t])
+        else:
+            out.append(pre(s["from"][1]))
+    return out
+
+
+def _round_line(rnd: str, stats: dict, start: float, ys: list, took_part, extra) -> str:
+    """The progress line of a round: who replied, the bytes, the seconds, the scalar ys,
+    whose client state advanced (``took_part``, None without client state), ``extra``."""
+    metrics = " ".join(f"ys_{k}={m}" for k, y in enumerate(ys) if (m := _metric(y)))
+    who = f"{stats['replied']}/{stats['sampled']} clients replied"
+    if stats["exchanges"] > 1:
+        who = (
+            f"{stats['replied']}/{stats['sampled']} client replies over "
+            f"{stats['exchanges']} exchanges"
+        )
+    kept = ""
+    if took_part is not None:  # whose state advanced this round (on its node)
+        kept = f"client state of partition(s) {','.join(map(str, took_part)) or 'none'}"
+    return (
+        f"[fcir] round {rnd}: {who}, sent {stats['sent']} B, received "
+        f"{stats['received']} B, {time.perf_counter() - start:.1f} s "
+        + " ".join(x for x in (metrics, kept, *extra) if x)
+    )
+
+
+def _loop_results(loop: dict, carry: dict, ys: list, stacked: list) -> list:
+    """The loop's results: the last carry, and each ys stacked in iteration order (the
+    clients' final state stays on the nodes: None)."""
     results = []
     outs_spec = loop["round_outputs"]
     for kind, x in loop["results"]:
@@ -226,11 +255,7 @@ def run(
             results.append(
                 np.stack(y) if y else np.zeros(shape, runtime.np_dtype(outs_spec[x]["dtype"]))
             )
-    penv = dict(env)
-    penv.update({("loop", str(k)): v for k, v in enumerate(results) if v is not None})
-    runtime.call(loop["post"], penv)
-    outputs = [np.asarray(penv[("output", str(j))]) for j in range(len(plan["outputs"]))]
-    return [outputs[j] for j in plan["output_order"]]
+    return results
 
 
 def write(path: str, outputs: list) -> None:
