@@ -113,8 +113,57 @@ def split_loop(module: Module, at: int) -> LoopSplit:
     kind = loop.name.removeprefix("jax.")
     params = main.body.params
     where = f"export --target flower: @{module.name}"
-    client_params = [v for v in params if _is_client(v.type)]
     before, after = ops[:at], ops[at + 1 :]
+    _check_server_code_around(where, before, after, main.body.results)
+    binds = bindings(kind, loop.attrs, len(loop.operands), len(loop.results), len(loop.regions))
+    body, cond, roles, nk = _roles(kind, loop, binds)
+    client_params = [v for v in params if _is_client(v.type)]
+    client_operands, client_carry = _client_operands(where, loop, roles, body, client_params)
+    # pre: program server args -> the loop's server operands.
+    server_params = [v for v in params if not _is_client(v.type)]
+    env: dict = {}
+    pre_params = [Value(v.type) for v in server_params]
+    env.update(zip(server_params, pre_params))
+    server_operands = [v for v in loop.operands if not _is_client(v.type)]
+    pre = _module(f"{module.name}_pre", module.placements, pre_params, before, server_operands, env)
+    rnd, state_marks = _round_module(module, where, loop, body, client_carry)
+    cond_module = None if cond is None else _cond_module(module, where, loop, cond)
+    # post: program server args + the loop's server results -> the program's results
+    # (the server code before the loop runs again there when the code after it reads
+    # it). The clients' final state stays at the clients.
+    env = {}
+    server_loop_results = [v for v in loop.results if not _is_client(v.type)]
+    post_params = [Value(v.type) for v in server_params + server_loop_results]
+    env.update(zip(server_params + server_loop_results, post_params))
+    post = _module(
+        f"{module.name}_post",
+        module.placements,
+        post_params,
+        before + after,
+        main.body.results,
+        env,
+    )
+    return LoopSplit(
+        kind,
+        dict(loop.attrs),
+        pre,
+        rnd,
+        post,
+        cond_module,
+        roles,
+        client_operands,
+        nk,
+        body,
+        cond,
+        list(loop.operands),
+        client_carry,
+        state_marks,
+    )
+
+
+def _check_server_code_around(where: str, before: list, after: list, results: list) -> None:
+    """Only server code runs before and after the loop of rounds, and the program's
+    results live at the server."""
     for op in before:
         if op.name in F.ops() or any(_is_client(v.type) for v in op.operands + op.results):
             raise ExportError(
@@ -127,23 +176,32 @@ def split_loop(module: Module, at: int) -> LoopSplit:
                 f"{where}: {op.name} after the loop is federated or reads client values; only "
                 "server code may run after the rounds"
             )
-    if any(_is_client(v.type) for v in main.body.results):
+    if any(_is_client(v.type) for v in results):
         raise ExportError(f"{where}: a result is placed at the clients; results live at the server")
 
-    binds = bindings(kind, loop.attrs, len(loop.operands), len(loop.results), len(loop.regions))
+
+def _roles(kind: str, loop: Op, binds) -> tuple:
+    """(body binding, condition binding or None, each loop operand's (role, index), the
+    number of carries) of a scan or while loop."""
     if kind == "scan":
         (body,) = binds
-        cond = None
         nc = int(loop.attrs["num_consts"])
         nk = int(loop.attrs["num_carry"])
         roles = [("const", i) for i in range(nc)] + [("carry", k) for k in range(nk)]
         roles += [("xs", j) for j in range(len(loop.operands) - nc - nk)]
-    else:
-        cond, body = binds
-        cn, bn = int(loop.attrs["cond_nconsts"]), int(loop.attrs["body_nconsts"])
-        nk = len(loop.operands) - cn - bn
-        roles = [("cond", i) for i in range(cn)] + [("const", i) for i in range(bn)]
-        roles += [("carry", k) for k in range(nk)]
+        return body, None, roles, nk
+    cond, body = binds
+    cn, bn = int(loop.attrs["cond_nconsts"]), int(loop.attrs["body_nconsts"])
+    nk = len(loop.operands) - cn - bn
+    roles = [("cond", i) for i in range(cn)] + [("const", i) for i in range(bn)]
+    roles += [("carry", k) for k in range(nk)]
+    return body, cond, roles, nk
+
+
+def _client_operands(where: str, loop: Op, roles: list, body, client_params: list):
+    """(for each client operand of the loop, the program's client argument it is; the
+    body parameters of the carries placed at the clients): every client argument goes
+    into the loop once, unchanged, as a constant or a carry's initial value."""
     client_operands = []
     client_carry = []  # body parameters of the carries placed at the clients
     for i, v in enumerate(loop.operands):
@@ -166,20 +224,17 @@ def split_loop(module: Module, at: int) -> LoopSplit:
             f"{where}: every client argument must go into the loop once, as a constant or "
             "as the initial value of a carry (the nodes hold the program's client arguments)"
         )
-    # pre: program server args -> the loop's server operands.
-    server_params = [v for v in params if not _is_client(v.type)]
-    env: dict = {}
-    pre_params = [Value(v.type) for v in server_params]
-    env.update(zip(server_params, pre_params))
-    server_operands = [v for v in loop.operands if not _is_client(v.type)]
-    pre = _module(f"{module.name}_pre", module.placements, pre_params, before, server_operands, env)
-    # round: the body region as a round. A carry placed at the clients (per-client
-    # state) is no result of the round, which returns server values only: each becomes
-    # the operand of a fed.max appended to the round (its result unused), so the split
-    # computes it in the client work of the exchange it waits for, as a client output;
-    # the plan marks those outputs as state, which the node keeps and never sends.
+    return client_operands, client_carry
+
+
+def _round_module(module: Module, where: str, loop: Op, body, client_carry: list):
+    """The body region as a round, and its state marks. A carry placed at the clients
+    (per-client state) is no result of the round, which returns server values only: each
+    becomes the operand of a fed.max appended to the round (its result unused), so the
+    split computes it in the client work of the exchange it waits for, as a client
+    output; the plan marks those outputs as state, which the node keeps and never sends."""
     region = loop.regions[body.region]
-    env = {}
+    env: dict = {}
     rparams = [Value(v.type) for v in region.params]
     env.update(zip(region.params, rparams))
     state_results = [o for o, v in enumerate(region.results) if _is_client(v.type)]
@@ -217,55 +272,27 @@ def split_loop(module: Module, at: int) -> LoopSplit:
     rnd.main.arg_structure = Structure(
         "tuple", tuple(Structure("leaf", leaf=i) for i in range(len(rparams)))
     )
-    cond_module = None
-    if cond is not None:
-        cregion = loop.regions[cond.region]
-        env = {}
-        # The per-client state (carries at the clients) is not the condition's to read.
-        kept = [v for v in cregion.params if not _is_client(v.type)]
-        cparams = [Value(v.type) for v in kept]
-        env.update(zip(kept, cparams))
-        reads_client = any(
-            v in cregion.params and _is_client(v.type) for op in cregion.ops for v in op.operands
-        ) or any(v in cregion.params and _is_client(v.type) for v in cregion.results)
-        if _has_fed(cregion) or reads_client:
-            raise ExportError(
-                f"{where}: the while_loop's condition reads client values; it runs at the "
-                "server between rounds"
-            )
-        cond_module = _module(
-            f"{module.name}_cond", module.placements, cparams, cregion.ops, cregion.results, env
+    return rnd, state_marks
+
+
+def _cond_module(module: Module, where: str, loop: Op, cond) -> Module:
+    """A while loop's condition as a server module of its server parameters."""
+    cregion = loop.regions[cond.region]
+    env: dict = {}
+    # The per-client state (carries at the clients) is not the condition's to read.
+    kept = [v for v in cregion.params if not _is_client(v.type)]
+    cparams = [Value(v.type) for v in kept]
+    env.update(zip(kept, cparams))
+    reads_client = any(
+        v in cregion.params and _is_client(v.type) for op in cregion.ops for v in op.operands
+    ) or any(v in cregion.params and _is_client(v.type) for v in cregion.results)
+    if _has_fed(cregion) or reads_client:
+        raise ExportError(
+            f"{where}: the while_loop's condition reads client values; it runs at the "
+            "server between rounds"
         )
-    # post: program server args + the loop's server results -> the program's results
-    # (the server code before the loop runs again there when the code after it reads
-    # it). The clients' final state stays at the clients.
-    env = {}
-    server_loop_results = [v for v in loop.results if not _is_client(v.type)]
-    post_params = [Value(v.type) for v in server_params + server_loop_results]
-    env.update(zip(server_params + server_loop_results, post_params))
-    post = _module(
-        f"{module.name}_post",
-        module.placements,
-        post_params,
-        before + after,
-        main.body.results,
-        env,
-    )
-    return LoopSplit(
-        kind,
-        dict(loop.attrs),
-        pre,
-        rnd,
-        post,
-        cond_module,
-        roles,
-        client_operands,
-        nk,
-        body,
-        cond,
-        list(loop.operands),
-        client_carry,
-        state_marks,
+    return _module(
+        f"{module.name}_cond", module.placements, cparams, cregion.ops, cregion.results, env
     )
 
 
@@ -308,29 +335,7 @@ def loop_plan(
         # "leaf": the program's argument leaf (what the node file holds, in order);
         # "round_leaf": the round parameter it feeds.
         client_inputs.append({**by_leaf[r], "leaf": leaf, "round_leaf": r})
-    # A carry at the clients (per-client state) is no round output: body result o is
-    # round output out_of[o].
-    marked = {o for o, _ in ls.state_marks}
-    out_of = {o: n for n, o in enumerate(o for o in range(len(ls.body.results)) if o not in marked)}
-    carry, results = [], []
-    for o, (kind, k) in enumerate(ls.body.results):
-        if kind == "carry" and o not in marked:
-            carry.append([out_of[o], k])  # round output feeds round parameter k next round
-
-    def kept(r):  # a loop result: the server's carry, or the clients' (never read)
-        return ["client" if r in ls.client_carry else "carry", r]
-
-    if ls.kind == "scan":
-        nc = int(ls.op_attrs["num_consts"])
-        results = [kept(nc + j) for j in range(ls.n_carry)]
-        results += [
-            ["stacked", out_of[o]]
-            for o, (kind, _) in enumerate(ls.body.results)
-            if kind == "stacked"
-        ]
-    else:
-        bn = int(ls.op_attrs["body_nconsts"])
-        results = [kept(bn + k) for k in range(ls.n_carry)]
+    carry, results = _carry_and_results(ls)
     client_state = []
     for entry in client_inputs:
         if entry["round_leaf"] in ls.client_carry:
@@ -340,18 +345,7 @@ def loop_plan(
             )
     _mark_state_steps(doc, ls, where=f"export --target flower: @{module.name}")
     loop_results = module.main.body.ops[at].results
-    cond = None
-    if ls.cond is not None:
-        # Condition parameters: its consts (pre results), then the carry (the body's
-        # carry parameters, in order).
-        bn = int(ls.op_attrs["body_nconsts"])
-        cparams = []
-        for i, _ in ls.cond_binding.params:
-            if _is_client(ls.operands[i].type):
-                continue  # per-client state: not a parameter of the condition
-            role, k = ls.roles[i]
-            cparams.append(["pre", str(pre_of[i])] if role == "cond" else ["round", str(bn + k)])
-        cond = _part("loop.cond", cparams, [["cond", "0"]])
+    cond = None if ls.cond is None else _cond_part(ls, pre_of)
     pre = _part(
         "loop.pre",
         [["arg", str(i)] for i in server_leaves],
@@ -398,6 +392,49 @@ def loop_plan(
         "loop": loop,
     }
     return doc, artifacts
+
+
+def _carry_and_results(ls: LoopSplit) -> tuple[list, list]:
+    """plan.json's ``carry`` (round output -> the round parameter it feeds next round)
+    and ``results`` (what each loop result is: the server's carry, the clients' carry,
+    or a round output stacked)."""
+    # A carry at the clients (per-client state) is no round output: body result o is
+    # round output out_of[o].
+    marked = {o for o, _ in ls.state_marks}
+    out_of = {o: n for n, o in enumerate(o for o in range(len(ls.body.results)) if o not in marked)}
+    carry = []
+    for o, (kind, k) in enumerate(ls.body.results):
+        if kind == "carry" and o not in marked:
+            carry.append([out_of[o], k])  # round output feeds round parameter k next round
+
+    def kept(r):  # a loop result: the server's carry, or the clients' (never read)
+        return ["client" if r in ls.client_carry else "carry", r]
+
+    if ls.kind == "scan":
+        nc = int(ls.op_attrs["num_consts"])
+        results = [kept(nc + j) for j in range(ls.n_carry)]
+        results += [
+            ["stacked", out_of[o]]
+            for o, (kind, _) in enumerate(ls.body.results)
+            if kind == "stacked"
+        ]
+    else:
+        bn = int(ls.op_attrs["body_nconsts"])
+        results = [kept(bn + k) for k in range(ls.n_carry)]
+    return carry, results
+
+
+def _cond_part(ls: LoopSplit, pre_of: dict) -> dict:
+    """plan.json's ``cond``: the condition's parameters are its consts (pre results),
+    then the carry (the body's carry parameters, in order)."""
+    bn = int(ls.op_attrs["body_nconsts"])
+    cparams = []
+    for i, _ in ls.cond_binding.params:
+        if _is_client(ls.operands[i].type):
+            continue  # per-client state: not a parameter of the condition
+        role, k = ls.roles[i]
+        cparams.append(["pre", str(pre_of[i])] if role == "cond" else ["round", str(bn + k)])
+    return _part("loop.cond", cparams, [["cond", "0"]])
 
 
 def _mark_state_steps(doc: dict, ls: LoopSplit, where: str) -> None:
