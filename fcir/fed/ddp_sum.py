@@ -24,7 +24,14 @@ from fcir.opkit import placement as api
 from fcir.opkit import primitives as P
 
 from .base import FedOp, public
-from .dp_sum import DpSum, check_leaves_then_key, define_dp, dp_jvp, float_members
+from .dp_sum import (
+    DpSum,
+    check_leaves_then_key,
+    check_noise_and_values,
+    define_dp,
+    dp_jvp,
+    float_members,
+)
 
 __all__ = ["DdpSum", "ddp_release", "ddp_sum", "ddp_sum_p", "define_ddp"]
 
@@ -76,11 +83,7 @@ class DdpSum(FedOp):
                 "every member; pass per-member keys (jax.random.split) as client data",
             )
         cls.placed_operand(ctx, op.operands[-1], "C3")
-        for name in ("clip_norm", "noise_multiplier"):
-            a = op.attrs.get(name)
-            low_ok = isinstance(a, float) and ((a > 0) if name == "clip_norm" else (a >= 0))
-            if not low_ok or not np.isfinite(a):
-                cls.fail("C5", f"{name}={a!r}")
+        check_noise_and_values(cls, op, ctx)
         bits = op.attrs.get("bits")
         if (
             isinstance(bits, bool)
@@ -99,12 +102,6 @@ class DdpSum(FedOp):
                 or (isinstance(n, int) and m >= n)
             ):
                 cls.fail("C8", f"min_clients={m!r}, cardinality {n}")
-        for i, (v, r) in enumerate(zip(op.operands[:-1], op.results)):
-            t = cls.placed_operand(ctx, v, "C2")
-            if not isinstance(t.member, TensorType) or not DpSum.is_float(t.member.dtype):
-                cls.fail("C4", f"operand {i} has member type {t.member}")
-            if r.type != ctx.local(t.member):
-                cls.fail("C6", f"result {i} is {r.type}, expected {ctx.local(t.member)}")
 
 
 # --- the primitive (operands: the placed leaves of one pytree, then the members' keys) ----

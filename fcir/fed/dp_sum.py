@@ -156,6 +156,26 @@ def check_leaves_then_key(cls, op) -> None:
         )
 
 
+def check_noise_and_values(cls, op, ctx) -> list:
+    """C5, then C2, C4 and C6 of each value operand, of a DP aggregate (central or
+    distributed): the rules both kinds share. The value operands' placed types, for the
+    checks of the op's own."""
+    for name in ("clip_norm", "noise_multiplier"):
+        a = op.attrs.get(name)
+        low_ok = isinstance(a, float) and ((a > 0) if name == "clip_norm" else (a >= 0))
+        if not low_ok or not np.isfinite(a):
+            cls.fail("C5", f"{name}={a!r}")
+    placed = []
+    for i, (v, r) in enumerate(zip(op.operands[:-1], op.results)):
+        t = cls.placed_operand(ctx, v, "C2")
+        if not isinstance(t.member, TensorType) or not DpSum.is_float(t.member.dtype):
+            cls.fail("C4", f"operand {i} has member type {t.member}")
+        if r.type != ctx.local(t.member):
+            cls.fail("C6", f"result {i} is {r.type}, expected {ctx.local(t.member)}")
+        placed.append(t)
+    return placed
+
+
 def float_members(op, xs, placement, n) -> list:
     """The member avals of a DP aggregate's value leaves (central or distributed), each
     placed at ``placement`` and floating (C4 otherwise)."""
@@ -325,17 +345,8 @@ class DpSum(FedOp):
         member = ctx.member_of_local(key) if ctx.is_local(key) else None
         if not isinstance(member, TensorType) or not cls.is_key(member.dtype, member.shape):
             cls.fail("C3", f"key operand has type {key}")
-        for name in ("clip_norm", "noise_multiplier"):
-            a = op.attrs.get(name)
-            low_ok = (a > 0) if name == "clip_norm" else (a >= 0)
-            if not isinstance(a, float) or not np.isfinite(a) or not low_ok:
-                cls.fail("C5", f"{name}={a!r}")
-        for i, (v, r) in enumerate(zip(op.operands[:-1], op.results)):
-            t = cls.placed_operand(ctx, v, "C2")
-            if not isinstance(t.member, TensorType) or not cls.is_float(t.member.dtype):
-                cls.fail("C4", f"operand {i} has member type {t.member}")
-            if r.type != ctx.local(t.member):
-                cls.fail("C6", f"result {i} is {r.type}, expected {ctx.local(t.member)}")
+        members = check_noise_and_values(cls, op, ctx)
+        for i, t in enumerate(members):
             n = ctx.cardinality.get(t.placement)
             if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
                 bound = sum_bound(
@@ -344,7 +355,6 @@ class DpSum(FedOp):
                 if bound is not None:
                     cls.fail("C7", f"operand {i}: {bound}")
         if "gamma" in op.attrs:
-            members = [cls.placed_operand(ctx, v, "C2") for v in op.operands[:-1]]
             n = ctx.cardinality.get(members[0].placement)
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 n = 1

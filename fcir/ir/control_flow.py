@@ -189,6 +189,23 @@ def bindings(name: str, attrs: dict, operands: int, results: int, regions: int) 
     raise BindingError(f"jax.{name} is not a control-flow op")
 
 
+def bindings_of(op) -> list[Binding] | None:
+    """The Bindings of IR op ``op`` (a ``jax.*`` control-flow or call op), or None where
+    its attributes do not describe its operands and regions (a hand-edited module, an
+    op this module does not know): the analyses then treat its regions conservatively,
+    and the checker reports it."""
+    try:
+        return bindings(
+            op.name.removeprefix("jax."),
+            op.attrs,
+            len(op.operands),
+            len(op.results),
+            len(op.regions),
+        )
+    except BindingError:
+        return None
+
+
 def scan_length(op) -> int:
     """A ``jax.scan``'s trip count; IRTypeError (not OverflowError from ``int(inf)``)
     when a hand-edited module's ``length`` is not a non-negative int."""

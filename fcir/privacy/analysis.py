@@ -357,18 +357,8 @@ def _wiring(op: Op) -> list[tuple[list[int | None], list[tuple[str, int]] | None
     each yield becomes (``Binding.results``), or None for an op with regions that
     ``fcir.ir.control_flow`` does not describe, whose parameters then line up with the last
     operands and whose yields with its results."""
-    try:
-        binds = cf.bindings(
-            op.name.removeprefix("jax."),
-            op.attrs,
-            len(op.operands),
-            len(op.results),
-            len(op.regions),
-        )
-    except cf.BindingError:
-        binds = []
     wiring: list = [None] * len(op.regions)
-    for b in binds:
+    for b in cf.bindings_of(op) or []:
         wiring[b.region] = ([j for j, _ in b.params], b.results)
     n = len(op.operands)
     for r, sub in enumerate(op.regions):

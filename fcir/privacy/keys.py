@@ -317,14 +317,8 @@ class _Keys:
         return [_lift(a, id(op)) for a in got]
 
     def cond(self, op, ins, path, frames, record):
-        try:
-            binds = cf.bindings(
-                "cond", op.attrs, len(op.operands), len(op.results), len(op.regions)
-            )
-        except cf.BindingError:
-            binds = []
         outs = None
-        for b, bind in enumerate(binds):
+        for b, bind in enumerate(cf.bindings_of(op) or []):
             sub = op.regions[bind.region]
             self.set(sub.params, [ins[j] for j, _ in bind.params])
             got = self.region(sub, (*path, bind.region), (*frames, ("cond", id(op), b)), record)
@@ -332,15 +326,8 @@ class _Keys:
         return outs or [None] * len(op.results)
 
     def loop(self, op, ins, path, frames, record, scan: bool):
-        try:
-            binds = cf.bindings(
-                op.name.removeprefix("jax."),
-                op.attrs,
-                len(op.operands),
-                len(op.results),
-                len(op.regions),
-            )
-        except cf.BindingError:
+        binds = cf.bindings_of(op)
+        if binds is None:
             for r, sub in enumerate(op.regions):
                 self.region(sub, (*path, r), frames, record)
             return [None] * len(op.results)
