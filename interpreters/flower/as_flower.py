@@ -21,13 +21,14 @@ import numpy as np
 from fcir.base_interpreter import Interpreter
 from fcir.ir import Func, Module
 
+from ..production import intrinsics
 from ..production.splitting import split
 from .phases import split_phases
 
 __all__ = ["WEIGHTED_MEAN", "fedavg_means", "op_by_op"]
 
 # The weighted mean's aggregation in a plan (the production split's intrinsic).
-WEIGHTED_MEAN = "federated_weighted_mean"
+WEIGHTED_MEAN = intrinsics.WEIGHTED_MEAN
 
 
 def op_by_op(module: Module):

@@ -31,9 +31,9 @@ from .app import runtime
 
 
 class AppAggregate:
-    """A reduction the ServerApp computes over the replies with the app's own function
-    for the intrinsic the production split lowered it to (``app/runtime.py``
-    ``AGGREGATES``: the app's fixed vocabulary, since it cannot import fcir)."""
+    """A reduction the ServerApp computes over the replies with the server's function of
+    the intrinsic the production split lowered it to (``app/runtime.py`` ``AGGREGATES``:
+    production's table of intrinsics, which the app carries)."""
 
     def __call__(self, agg: splitting.Aggregation) -> dict:
         """The server's side of ``agg`` in the app's plan.json."""
@@ -76,7 +76,12 @@ class GatheredAggregate:
 _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.Broadcast: splitting.OP_RULES[F.Broadcast],  # sent with the phase's message
     F.Map: splitting.OP_RULES[F.Map],  # client_work, run by each ClientApp
-    **{c: AppAggregate() for c in (F.Sum, F.Mean, F.Min, F.Max, F.WeightedMean)},
+    # Every op production lowers to an intrinsic a server can compute over the replies.
+    **{
+        c: AppAggregate()
+        for c, rule in splitting.OP_RULES.items()
+        if isinstance(rule, splitting.Aggregate) and rule.intrinsic in runtime.AGGREGATES
+    },
     F.SecureSum: SecAggPlus(),
     **{c: splitting.OP_RULES[c] for c in (F.DpSum, F.DpMean, F.DdpSum, F.DdpMean)},
     "reduction": GatheredAggregate(),

@@ -62,6 +62,9 @@ SOURCES = (
     "evaluation.py",
     "partitions.py",
 )
+# Copied from production's folder into every app: the table of intrinsics the plan's
+# aggregations name (runtime.py computes them with it).
+PRODUCTION_SOURCES = ("intrinsics.py",)
 # Only in --device-runtime iree apps: the device side of production bundles' client work
 # (fcir.interpreters.production.iree_runtime), copied from production's folder.
 IREE_SOURCES = ("iree_runtime.py",)
@@ -505,7 +508,7 @@ def write_app(
         src = pathlib.Path(__file__).resolve().parent / "app"
         for name in SOURCES:
             shutil.copyfile(src / name, pkg / name)
-        for name in IREE_SOURCES if iree else ():
+        for name in (*PRODUCTION_SOURCES, *(IREE_SOURCES if iree else ())):
             shutil.copyfile(src.parent.parent / "production" / name, pkg / name)
         for name, text in files.items():
             (pkg / name).write_text(text)

@@ -11,6 +11,7 @@ from fcir.frontend.loading import load_inputs, load_module
 
 from . import export
 from .bundle import Bundle
+from .computation import AGGREGATE_WITH
 
 #: ``fcir export --target NAME`` -> what exports a loaded round for it: ``fn(module, args)``
 #: returning the exit status. A backend built on this one adds its target from its own
@@ -86,7 +87,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--aggregate-with",
-        choices=("intrinsics", "federated_aggregate"),
+        choices=AGGREGATE_WITH,
         default="intrinsics",
         help="'intrinsics' (default): one intrinsic per reduction; "
         "'federated_aggregate': sums and means as federated_aggregate with XLA "

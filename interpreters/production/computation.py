@@ -29,22 +29,24 @@ import dataclasses
 from collections.abc import Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 from fcir._proto import computation_pb2 as pb
 from fcir.errors import ParseError
 from fcir.fed import ops
 from fcir.ir import Module
-from fcir.ir.types import Structure, TensorType
+from fcir.ir.types import Structure, TensorType, dtype_name
 
+from . import intrinsics as I
 from . import lowering
 from . import wire_types as W
 from .rewrite import leaf_paths, shift, tensor
 from .splitting import Aggregation, Split
 
 HLO_TYPE_URL = "type.googleapis.com/xla.HloModuleProto"
-AGGREGATE_WITH = ("intrinsics", "federated_aggregate")
+AGGREGATE_WITH = ("intrinsics", I.AGGREGATE)
 # Reductions that aggregate_with="federated_aggregate" lowers to federated_aggregate.
-AGGREGATE_LOWERED = frozenset({"federated_sum", "federated_mean", "federated_weighted_mean"})
+AGGREGATE_LOWERED = frozenset(n for n, i in I.INTRINSICS.items() if i.lowering is not None)
 
 
 # --- building blocks --------------------------------------------------------------------
@@ -184,18 +186,18 @@ def _pair(a: pb.Computation, b: pb.Computation) -> pb.Computation:
 def federated_apply(fn: pb.Computation, arg: pb.Computation) -> pb.Computation:
     out = W.federated_type(fn.type.function.result, W.SERVER_URI, True)
     pair = _pair(fn, arg)
-    return call(intrinsic("federated_apply", W.function_type(pair.type, out)), pair)
+    return call(intrinsic(I.APPLY, W.function_type(pair.type, out)), pair)
 
 
 def federated_map(fn: pb.Computation, arg: pb.Computation) -> pb.Computation:
     out = W.federated_type(fn.type.function.result, W.CLIENTS_URI, False)
     pair = _pair(fn, arg)
-    return call(intrinsic("federated_map", W.function_type(pair.type, out)), pair)
+    return call(intrinsic(I.MAP, W.function_type(pair.type, out)), pair)
 
 
 def federated_broadcast(x: pb.Computation) -> pb.Computation:
     out = W.federated_type(x.type.federated.member, W.CLIENTS_URI, True)
-    return call(intrinsic("federated_broadcast", W.function_type(x.type, out)), x)
+    return call(intrinsic(I.BROADCAST, W.function_type(x.type, out)), x)
 
 
 def _has_federated(t: pb.Type) -> bool:
@@ -212,11 +214,11 @@ def federated_zip(value: pb.Computation, uri: str) -> pb.Computation:
     at_server = uri == W.SERVER_URI
     out = W.federated_type(member, uri, at_server)
     if not _has_federated(value.type):
-        name = "federated_value_at_server" if at_server else "federated_value_at_clients"
+        name = I.VALUE_AT_SERVER if at_server else I.VALUE_AT_CLIENTS
         out = W.federated_type(member, uri, True)
         return call(intrinsic(name, W.function_type(value.type, out)), value)
     param = value.type if at_server else W.clients_not_all_equal(value.type)
-    name = "federated_zip_at_server" if at_server else "federated_zip_at_clients"
+    name = I.ZIP_AT_SERVER if at_server else I.ZIP_AT_CLIENTS
     return call(intrinsic(name, W.function_type(param, out)), value)
 
 
@@ -229,19 +231,19 @@ def federated_reduce(uri: str, x: pb.Computation) -> pb.Computation:
 def federated_weighted_mean(x: pb.Computation, w: pb.Computation) -> pb.Computation:
     out = W.federated_type(x.type.federated.member, W.SERVER_URI, True)
     pair = _pair(x, w)
-    return call(intrinsic("federated_weighted_mean", W.function_type(pair.type, out)), pair)
+    return call(intrinsic(I.WEIGHTED_MEAN, W.function_type(pair.type, out)), pair)
 
 
 def federated_secure_sum_bitwidth(x: pb.Computation, bitwidth: int) -> pb.Computation:
     out = W.federated_type(x.type.federated.member, W.SERVER_URI, True)
     pair = _pair(x, literal_int32(bitwidth))
-    return call(intrinsic("federated_secure_sum_bitwidth", W.function_type(pair.type, out)), pair)
+    return call(intrinsic(I.SECURE_SUM, W.function_type(pair.type, out)), pair)
 
 
 def federated_aggregate(value, zero, accumulate, merge, report) -> pb.Computation:
     out = W.federated_type(report.type.function.result, W.SERVER_URI, True)
     args = struct([("", value), ("", zero), ("", accumulate), ("", merge), ("", report)])
-    return call(intrinsic("federated_aggregate", W.function_type(args.type, out)), args)
+    return call(intrinsic(I.AGGREGATE, W.function_type(args.type, out)), args)
 
 
 # --- federated_aggregate helpers ---------------------------------------------------------
@@ -263,48 +265,36 @@ def _leaf(i: int = 0) -> Structure:
     return Structure("leaf", leaf=i)
 
 
-def _accumulator(intrinsic_uri: str, value: TensorType) -> _Accumulator:
-    dt = value.np_dtype
-    if intrinsic_uri == "federated_sum":
-        return _Accumulator(
-            _leaf(),
-            [value],
-            zero=lambda: (jnp.zeros(value.shape, dt),),
-            accumulate=lambda u, t: (u + t,),
-            merge=lambda a, b: (a + b,),
-            report=lambda u: (u,),
-        )
-    state = Structure("dict", (_leaf(0), _leaf(1)), ("count", "total"))
-    if intrinsic_uri == "federated_mean":
-        return _Accumulator(
-            state,
-            [TensorType("f32", ()), value],
-            zero=lambda: (jnp.zeros((), jnp.float32), jnp.zeros(value.shape, dt)),
-            accumulate=lambda n, s, t: (n + 1.0, s + t),
-            merge=lambda n1, s1, n2, s2: (n1 + n2, s1 + s2),
-            report=lambda n, s: ((s / n.astype(dt)).astype(dt),),
-        )
-    # federated_weighted_mean: T = <value, weight>, weight a scalar of the value's dtype.
-    state = Structure("dict", (_leaf(0), _leaf(1)), ("total", "weight"))
+def _accumulator(intrinsic_uri: str, value: TensorType) -> tuple[_Accumulator, I.Lowering]:
+    """The accumulator of the intrinsic's lowering (``intrinsics.INTRINSICS``) over
+    ``value``, with the state and input structures the Xla helpers take."""
+    low = I.INTRINSICS[intrinsic_uri].lowering(value.shape, value.np_dtype)
     return _Accumulator(
-        state,
-        [value, TensorType(value.dtype, ())],
-        zero=lambda: (jnp.zeros(value.shape, dt), jnp.zeros((), dt)),
-        accumulate=lambda s, w, x, wx: (s + x * wx, w + wx),
-        merge=lambda s1, w1, s2, w2: (s1 + s2, w1 + w2),
-        report=lambda s, w: ((s / w).astype(dt),),
-    )
+        _named(low.state, 0),
+        _tensors(low.state_types),
+        low.zero,
+        low.accumulate,
+        low.merge,
+        low.report,
+    ), low
+
+
+def _named(names: tuple, first: int) -> Structure:
+    """One leaf (``(None,)``), or a dict of leaves ``first, first + 1, ...``."""
+    if names == (None,):
+        return _leaf(first)
+    return Structure("dict", tuple(_leaf(first + i) for i in range(len(names))), names)
+
+
+def _tensors(types: list) -> list[TensorType]:
+    return [TensorType(dtype_name(np.dtype(dt)), tuple(shape)) for shape, dt in types]
 
 
 def _aggregate_call(uri: str, value: pb.Computation, member: TensorType) -> pb.Computation:
     """``uri`` (sum, mean or weighted mean) as federated_aggregate with Xla helpers."""
-    acc = _accumulator(uri, member)
+    acc, low = _accumulator(uri, member)
     n = len(acc.state_leaves)
-    if uri == "federated_weighted_mean":
-        t_struct = Structure("dict", (_leaf(n), _leaf(n + 1)), ("value", "weight"))
-        t_leaves = [member, TensorType(member.dtype, ())]
-    else:
-        t_struct, t_leaves = _leaf(n), [member]
+    t_struct, t_leaves = _named(low.inputs, n), _tensors(low.input_types)
     u, u_leaves = acc.state, acc.state_leaves
     zero = call(xla_of_function(acc.zero, None, [], u, u_leaves))
     accumulate = xla_of_function(
@@ -485,25 +475,26 @@ def _aggregation(
 
     uri = agg.intrinsic
     member = leaves[agg.inputs[0]]
-    if aggregate_with == "federated_aggregate" and uri in AGGREGATE_LOWERED:
-        if uri == "federated_weighted_mean":
+    if aggregate_with == I.AGGREGATE and uri in AGGREGATE_LOWERED:
+        names = I.INTRINSICS[uri].lowering(member.shape, member.np_dtype).inputs
+        if names != (None,):
             a_type = client_output.type.federated.member
             body = struct(
                 [
-                    ("value", selection(reference("a", a_type), position[agg.inputs[0]])),
-                    ("weight", selection(reference("a", a_type), position[agg.inputs[1]])),
+                    (name, selection(reference("a", a_type), position[leaf]))
+                    for name, leaf in zip(names, agg.inputs)
                 ]
             )
             value = let(f"value_{agg.output}", federated_map(lam("a", a_type, body), client_output))
         else:
             value = client_value(agg.inputs[0])
         return _aggregate_call(uri, value, member)
-    if uri == "federated_aggregate":  # an order statistic: every value to the server
+    if uri == I.AGGREGATE:  # an order statistic: every value to the server
         return _gathered_call(agg, client_value(agg.inputs[0]), member, n)
     values = [client_value(name) for name in agg.inputs]
-    if uri == "federated_weighted_mean":
+    if uri == I.WEIGHTED_MEAN:
         return federated_weighted_mean(values[0], values[1])
-    if uri == "federated_secure_sum_bitwidth":
+    if uri == I.SECURE_SUM:
         return federated_secure_sum_bitwidth(values[0], agg.bitwidth)
     return federated_reduce(uri, values[0])
 

@@ -55,6 +55,7 @@ from fcir.ir.types import SERVER, PlacedType, Structure, TensorType, dtype_bits,
 from fcir.opkit.primitives import mean_result_dtype
 
 from . import checks, ddp, dp
+from . import intrinsics as I
 from .rewrite import clone_op, clone_region, member_type, named, prune, shift, splice, tensor
 from .wire_types import unsupported_dtype
 
@@ -123,7 +124,7 @@ class Broadcasting(Rule):
     """``fed.broadcast``: the transport from the server to every client."""
 
     part = "server_to_client_broadcast"
-    intrinsic = "federated_broadcast"
+    intrinsic = I.BROADCAST
 
     def __call__(self, value: Value, result_type, clients: str) -> Op:
         """The broadcast part's op sending ``value`` to ``clients``."""
@@ -134,7 +135,7 @@ class ClientWork(Rule):
     """``fed.map``: its region is fused into the one region each client runs."""
 
     part = "client_work"
-    intrinsic = "federated_map"
+    intrinsic = I.MAP
 
     def __call__(self, op: Op, env: dict, fused: Region) -> None:
         """Appends ``op``'s region to ``fused``, reading its operands through ``env``
@@ -317,7 +318,7 @@ class Gathering(Aggregate):
     (docs/production.md)."""
 
     def __init__(self):
-        super().__init__("federated_aggregate")
+        super().__init__(I.AGGREGATE)
 
     def result_shape(self, agg, t, n):
         """The op's primitive's abstract evaluation over the stacked values: the member's
@@ -333,7 +334,7 @@ class Gathering(Aggregate):
         return f"{self.part}: {self.intrinsic} of every client's value"
 
 
-_SUM = Summing("federated_sum")
+_SUM = Summing(I.SUM)
 
 # What the split does with each fed op, keyed by op class: the entry is the op's
 # decomposition (what the clients compute, the intrinsic, what the server does after).
@@ -342,11 +343,11 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.Broadcast: Broadcasting(),
     F.Map: ClientWork(),
     F.Sum: _SUM,
-    F.Mean: Averaging("federated_mean"),
-    F.WeightedMean: WeightedAveraging("federated_weighted_mean", _SUM),
-    F.Min: Extremum("federated_min"),
-    F.Max: Extremum("federated_max"),
-    F.SecureSum: SecureSumming("federated_secure_sum_bitwidth"),
+    F.Mean: Averaging(I.MEAN),
+    F.WeightedMean: WeightedAveraging(I.WEIGHTED_MEAN, _SUM),
+    F.Min: Extremum(I.MIN),
+    F.Max: Extremum(I.MAX),
+    F.SecureSum: SecureSumming(I.SECURE_SUM),
     # Rewritten into plain fed ops before the split (interpreters/production/dp.py):
     # clipped in client_work, federated_sum, Gaussian noise in server_result.
     F.DpSum: dp.Decomposition(dp.gaussian_program, mean=False),

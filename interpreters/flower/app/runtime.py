@@ -2,7 +2,8 @@
 arrays on the wire, and the aggregations.
 
 This package is copied verbatim into every exported app, so it imports only jax, numpy
-and flwr (a device installs those, never fcir nor the program's source).
+and flwr (a device installs those, never fcir nor the program's source), and the
+files the export copies beside it (production's ``intrinsics.py``).
 
 The artifacts ride inside the app bundle itself, base64 in ``artifacts.json``: Flower's
 app bundle (FAB) takes only text files, and a JSON file is text. The FAB is hashed,
@@ -21,6 +22,11 @@ import pathlib
 import threading
 
 import numpy as np
+
+try:  # in an exported app: production's table of intrinsics, copied beside this file
+    from . import intrinsics
+except ImportError:  # in fcir itself
+    from fcir.interpreters.production import intrinsics
 
 # jax is imported where it is used, not here: a ClientApp process starts for every
 # message, and the messages of SecAgg+'s key stages never reach fcir's code (the mod
@@ -246,13 +252,6 @@ def embedded_inputs() -> list[np.ndarray] | None:
 # the result is bit for bit the bundle's aggregation part.
 
 
-def _mean_dtype(dtype) -> np.dtype:
-    import jax.numpy as jnp
-
-    dtype = np.dtype(dtype)
-    return dtype if jnp.issubdtype(dtype, jnp.inexact) else np.dtype(np.float32)
-
-
 @functools.cache
 def _server_aggregate(source: str):
     """The function a plan's aggregation carries for an op with no intrinsic (the
@@ -263,63 +262,13 @@ def _server_aggregate(source: str):
     return namespace["server_aggregate"]
 
 
-def _federated_sum(x, w, *, bitwidth, attrs):
-    import jax.numpy as jnp
-
-    dt = np.dtype(np.int32) if x.dtype == np.bool_ else x.dtype
-    return jnp.sum(x, axis=0, dtype=dt)
-
-
-def _federated_mean(x, w, *, bitwidth, attrs):
-    import jax.numpy as jnp
-
-    dt = _mean_dtype(x.dtype)
-    return jnp.mean(x.astype(dt) if x.dtype != dt else x, axis=0)
-
-
-def _federated_weighted_mean(x, w, *, bitwidth, attrs):
-    import jax.numpy as jnp
-
-    dt = _mean_dtype(x.dtype)
-    x = x.astype(dt)
-    w = w.astype(dt).reshape(w.shape + (1,) * (x.ndim - w.ndim))
-    return jnp.sum(x * w, axis=0) / jnp.sum(w, axis=0)
-
-
-def _federated_min(x, w, *, bitwidth, attrs):
-    import jax.numpy as jnp
-
-    return jnp.min(x, axis=0)
-
-
-def _federated_max(x, w, *, bitwidth, attrs):
-    import jax.numpy as jnp
-
-    return jnp.max(x, axis=0)
-
-
-def _federated_secure_sum_bitwidth(x, w, *, bitwidth, attrs):
-    import jax.numpy as jnp
-
-    total = jnp.sum(x, axis=0, dtype=x.dtype)
-    if bitwidth < np.dtype(x.dtype).itemsize * 8:
-        total = jnp.bitwise_and(total, jnp.asarray((1 << bitwidth) - 1, x.dtype))
-    return total
-
-
 # The server's side of each aggregation intrinsic the production split uses, by the
-# intrinsic's name (a plan aggregation's "aggregate"): the app's whole vocabulary. An
-# op with no intrinsic travels as its own server_aggregate source instead.
-AGGREGATES = {
-    "federated_sum": _federated_sum,
-    "federated_mean": _federated_mean,
-    "federated_weighted_mean": _federated_weighted_mean,
-    "federated_min": _federated_min,
-    "federated_max": _federated_max,
-    "federated_secure_sum_bitwidth": _federated_secure_sum_bitwidth,
-}
+# intrinsic's name (a plan aggregation's "aggregate"): production's table of intrinsics,
+# which the app carries beside this file. An op with no intrinsic travels as its own
+# server_aggregate source instead.
+AGGREGATES = intrinsics.aggregates()
 # Summed by SecAgg+ (secagg.py) when the run config turns it on.
-SECURE_SUM = "federated_secure_sum_bitwidth"
+SECURE_SUM = intrinsics.SECURE_SUM
 
 
 def is_secure_sum(agg: dict) -> bool:
