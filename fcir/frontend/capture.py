@@ -719,128 +719,9 @@ class _Converter:
     def control_flow(self, eqn, operands, region: Region, level: int) -> list[Value]:
         """A scan/while/cond whose regions hold fed ops or get placed values: its regions
         are typed from its operands, to a fixed point through the loop carry."""
-        name, params = eqn.primitive.name, schema.to_fcir(eqn.primitive.name, eqn.params)
-        types = [o.type for o in operands]
-        converted: list[tuple[object, Region]] = []
-
-        def convert(jx, types, view_yields=False):
-            sub = self.convert_closed(jx, level, "r", param_types=list(types),
-                                      view_yields=view_yields)
-            converted.append((jx, sub))
-            return sub
-
-        operands = list(operands)
-
-        def join(what, a, b, fix=None):
-            t = CF.join(a, b)
-            if t is None and fix is not None:
-                # A splat made at the server (JAX's zero cotangents) that the loop makes
-                # per-member: every member makes the same splat, so broadcast its member.
-                v = self.splat_at(region, operands[fix], b, level)
-                if v is not None:
-                    operands[fix], types[fix] = v, v.type
-                    t = CF.join(v.type, b)
-            if t is None:
-                raise PlacementError(
-                    f"jax.{name}: {what} is {a} on entry but {b} after an iteration or in "
-                    "another branch; a value has one placement through control flow: "
-                    "broadcast it (fcir.broadcast) or aggregate it before the loop"
-                )
-            return t
-
-        if name == "scan":
-            nc, nk, length = params["num_consts"], params["num_carry"], params["length"]
-            body_jx = params["jaxpr"].jaxpr
-            for i, a in enumerate(eqn.invars):
-                if _is_var(a) and (a in self.views or a in self.stacked_views):
-                    if i < nc + nk or a in self.views:
-                        raise PlacementError(
-                            "jax.scan: carries or scans over a placed value whose member "
-                            "axis jax.vmap moved second; batch the values inside "
-                            "fcir.map_fn instead"
-                        )
-                    self.views.add(body_jx.invars[i])  # one slice: batch first, members
-            xs = []
-            for i in range(nc + nk, len(operands)):
-                if CF.is_placed(types[i]) and operands[i] not in self.swapped:
-                    raise PlacementError(
-                        f"jax.scan: scans along the leading axis of {types[i]}, which is "
-                        "its member axis: that reads one member per iteration. Scan over "
-                        "rounds inside fcir.map_fn or index the round there instead"
-                    )
-                xs.append(CF.unstack(types[i]))
-            carry = types[nc:nc + nk]
-            for _ in range(nk + 2):
-                converted.clear()
-                body = convert(params["jaxpr"], types[:nc] + carry + xs, view_yields=True)
-                outs = [r.type for r in body.results]
-                new = [join(f"carry {k}", a, b, nc + k)
-                       for k, (a, b) in enumerate(zip(carry, outs))]
-                for i, t in self.promotions(body, range(nc, nc + nk)).items():
-                    new[i - nc] = join(f"carry {i - nc}", types[i], t, i)
-                if new == carry:
-                    break
-                carry = new
-            self.no_view_yields(body_jx.outvars[:nk], "jax.scan: the carry")
-            out_types = carry + [CF.stack(t, length) for t in outs[nk:]]
-            results = [Value(t) for t in out_types]
-            self.swapped.update(v for v in results[nk:] if CF.is_placed(v.type))
-            for y, out in zip(body_jx.outvars[nk:], eqn.outvars[nk:]):
-                if _is_var(y) and y in self.views:
-                    self.stacked_views.add(out)
-        elif name == "while":
-            cn, bn = params["cond_nconsts"], params["body_nconsts"]
-            carry = types[cn + bn:]
-            for _ in range(len(carry) + 2):
-                converted.clear()
-                body = convert(params["body_jaxpr"], types[cn:cn + bn] + carry)
-                cond = convert(params["cond_jaxpr"], types[:cn] + carry)
-                new = [join(f"carry {k}", a, r.type, cn + bn + k)
-                       for k, (a, r) in enumerate(zip(carry, body.results))]
-                for i, t in self.promotions(body, range(bn, bn + len(carry))).items():
-                    new[i - bn] = join(f"carry {i - bn}", types[cn + i], t, cn + i)
-                if new == carry:
-                    break
-                carry = new
-            if CF.is_placed(cond.results[0].type):
-                raise PlacementError(
-                    f"jax.while: the loop condition is {cond.results[0].type}; it must be "
-                    "known where the loop runs: aggregate it first (e.g. fcir.reduce_max)"
-                )
-            results = [Value(t) for t in carry]
-        else:  # cond; lax.switch is a cond with several branches
-            if CF.is_placed(types[0]):
-                raise PlacementError(
-                    f"jax.cond: the branch index is {types[0]}; it must be known where the "
-                    "cond runs: aggregate it first (e.g. fcir.reduce_max)"
-                )
-            branches = [convert(b, types[1:]) for b in params["branches"]]
-            outs = [r.type for r in branches[0].results]
-            for k in range(len(outs)):
-                placed = next((s.results[k].type for s in branches
-                               if CF.is_placed(s.results[k].type)), None)
-                for sub in branches if placed is not None else ():
-                    y = sub.results[k]
-                    if CF.join(y.type, placed) is None:
-                        sub.results[k] = self.splat_at(sub, y, placed, level) or y
-                outs[k] = branches[0].results[k].type
-                for sub in branches[1:]:
-                    outs[k] = join(f"result {k}", outs[k], sub.results[k].type)
-            results = [Value(t) for t in outs]
-        regions: list[Region] = []
-
-        def add_region(jx, closed: bool) -> A.RegionRef:
-            k = next(k for k, (j, _) in enumerate(converted) if j is jx)
-            sub = converted.pop(k)[1]
-            sub.label = f"r{len(regions)}"
-            regions.append(sub)
-            return A.RegionRef(len(regions) - 1, closed)
-
-        attrs = {k: A.encode(v, name, k, add_region) for k, v in sorted(params.items())}
-        region.ops.append(
-            Op(f"jax.{name}", operands, results, attrs, regions, location=self.location(eqn))
-        )
-        return results
+        flow = _Flow(self, eqn, list(operands), region, level)
+        typed = {"scan": flow.scan, "while": flow.while_loop}.get(flow.name, flow.cond)
+        return flow.emit(typed())
 
     def promotions(self, body: Region, carried) -> dict[int, PlacedType]:
         """Loop-carried parameters (indices in ``carried``) typed as local values that
@@ -984,6 +865,147 @@ class _Converter:
         if len({(t.placement, t.member.shape) for t in placed}) != 1:
             return None
         return placed[0].placement, all(t.all_equal for t in placed)
+
+
+class _Flow:
+    """One scan, while or cond being converted (``_Converter.control_flow``): its
+    operands (a splat a loop makes per-member may replace one) and their types, and the
+    regions converted for it so far, which ``emit`` hands to the op's attributes."""
+
+    def __init__(self, conv: _Converter, eqn, operands: list[Value], region: Region, level: int):
+        self.conv, self.eqn, self.region, self.level = conv, eqn, region, level
+        self.name = eqn.primitive.name
+        self.params = schema.to_fcir(self.name, eqn.params)
+        self.operands = operands
+        self.types = [o.type for o in operands]
+        self.converted: list[tuple[object, Region]] = []
+
+    def convert(self, jx, types, view_yields=False) -> Region:
+        sub = self.conv.convert_closed(jx, self.level, "r", param_types=list(types),
+                                       view_yields=view_yields)
+        self.converted.append((jx, sub))
+        return sub
+
+    def join(self, what, a, b, fix=None):
+        t = CF.join(a, b)
+        if t is None and fix is not None:
+            # A splat made at the server (JAX's zero cotangents) that the loop makes
+            # per-member: every member makes the same splat, so broadcast its member.
+            v = self.conv.splat_at(self.region, self.operands[fix], b, self.level)
+            if v is not None:
+                self.operands[fix], self.types[fix] = v, v.type
+                t = CF.join(v.type, b)
+        if t is None:
+            raise PlacementError(
+                f"jax.{self.name}: {what} is {a} on entry but {b} after an iteration or in "
+                "another branch; a value has one placement through control flow: "
+                "broadcast it (fcir.broadcast) or aggregate it before the loop"
+            )
+        return t
+
+    def scan(self) -> list[Value]:
+        c, params, types, operands = self.conv, self.params, self.types, self.operands
+        nc, nk, length = params["num_consts"], params["num_carry"], params["length"]
+        body_jx = params["jaxpr"].jaxpr
+        for i, a in enumerate(self.eqn.invars):
+            if _is_var(a) and (a in c.views or a in c.stacked_views):
+                if i < nc + nk or a in c.views:
+                    raise PlacementError(
+                        "jax.scan: carries or scans over a placed value whose member "
+                        "axis jax.vmap moved second; batch the values inside "
+                        "fcir.map_fn instead"
+                    )
+                c.views.add(body_jx.invars[i])  # one slice: batch first, members
+        xs = []
+        for i in range(nc + nk, len(operands)):
+            if CF.is_placed(types[i]) and operands[i] not in c.swapped:
+                raise PlacementError(
+                    f"jax.scan: scans along the leading axis of {types[i]}, which is "
+                    "its member axis: that reads one member per iteration. Scan over "
+                    "rounds inside fcir.map_fn or index the round there instead"
+                )
+            xs.append(CF.unstack(types[i]))
+        carry = types[nc:nc + nk]
+        for _ in range(nk + 2):
+            self.converted.clear()
+            body = self.convert(params["jaxpr"], types[:nc] + carry + xs, view_yields=True)
+            outs = [r.type for r in body.results]
+            new = [self.join(f"carry {k}", a, b, nc + k)
+                   for k, (a, b) in enumerate(zip(carry, outs))]
+            for i, t in c.promotions(body, range(nc, nc + nk)).items():
+                new[i - nc] = self.join(f"carry {i - nc}", types[i], t, i)
+            if new == carry:
+                break
+            carry = new
+        c.no_view_yields(body_jx.outvars[:nk], "jax.scan: the carry")
+        out_types = carry + [CF.stack(t, length) for t in outs[nk:]]
+        results = [Value(t) for t in out_types]
+        c.swapped.update(v for v in results[nk:] if CF.is_placed(v.type))
+        for y, out in zip(body_jx.outvars[nk:], self.eqn.outvars[nk:]):
+            if _is_var(y) and y in c.views:
+                c.stacked_views.add(out)
+        return results
+
+    def while_loop(self) -> list[Value]:
+        params, types = self.params, self.types
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        carry = types[cn + bn:]
+        for _ in range(len(carry) + 2):
+            self.converted.clear()
+            body = self.convert(params["body_jaxpr"], types[cn:cn + bn] + carry)
+            cond = self.convert(params["cond_jaxpr"], types[:cn] + carry)
+            new = [self.join(f"carry {k}", a, r.type, cn + bn + k)
+                   for k, (a, r) in enumerate(zip(carry, body.results))]
+            for i, t in self.conv.promotions(body, range(bn, bn + len(carry))).items():
+                new[i - bn] = self.join(f"carry {i - bn}", types[cn + i], t, cn + i)
+            if new == carry:
+                break
+            carry = new
+        if CF.is_placed(cond.results[0].type):
+            raise PlacementError(
+                f"jax.while: the loop condition is {cond.results[0].type}; it must be "
+                "known where the loop runs: aggregate it first (e.g. fcir.reduce_max)"
+            )
+        return [Value(t) for t in carry]
+
+    def cond(self) -> list[Value]:
+        """A cond (lax.switch is a cond with several branches)."""
+        types = self.types
+        if CF.is_placed(types[0]):
+            raise PlacementError(
+                f"jax.cond: the branch index is {types[0]}; it must be known where the "
+                "cond runs: aggregate it first (e.g. fcir.reduce_max)"
+            )
+        branches = [self.convert(b, types[1:]) for b in self.params["branches"]]
+        outs = [r.type for r in branches[0].results]
+        for k in range(len(outs)):
+            placed = next((s.results[k].type for s in branches
+                           if CF.is_placed(s.results[k].type)), None)
+            for sub in branches if placed is not None else ():
+                y = sub.results[k]
+                if CF.join(y.type, placed) is None:
+                    sub.results[k] = self.conv.splat_at(sub, y, placed, self.level) or y
+            outs[k] = branches[0].results[k].type
+            for sub in branches[1:]:
+                outs[k] = self.join(f"result {k}", outs[k], sub.results[k].type)
+        return [Value(t) for t in outs]
+
+    def emit(self, results: list[Value]) -> list[Value]:
+        """The op, its regions numbered in the order its attributes name them."""
+        regions: list[Region] = []
+
+        def add_region(jx, closed: bool) -> A.RegionRef:
+            k = next(k for k, (j, _) in enumerate(self.converted) if j is jx)
+            sub = self.converted.pop(k)[1]
+            sub.label = f"r{len(regions)}"
+            regions.append(sub)
+            return A.RegionRef(len(regions) - 1, closed)
+
+        attrs = {k: A.encode(v, self.name, k, add_region) for k, v in sorted(self.params.items())}
+        op = Op(f"jax.{self.name}", self.operands, results, attrs, regions,
+                location=self.conv.location(self.eqn))
+        self.region.ops.append(op)
+        return results
 
 
 @dataclasses.dataclass(frozen=True)
