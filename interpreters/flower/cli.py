@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from fcir.interpreters.production import cli as production_cli
 
+from fcir import argtable
+from fcir.argtable import Command, option
 from fcir.errors import FcirError
 from fcir.frontend.capture import capture
 from fcir.frontend.evaluation import evaluation
@@ -90,124 +92,7 @@ def run_hint(appdir) -> str:
 def register(subparsers) -> None:
     """Adds ``fcir flower up`` (and its siblings) and ``fcir export --target flower``."""
     production_cli.add_export_target("flower", cmd_export_flower)
-    p = subparsers.add_parser(
-        "flower",
-        help="run exported Flower apps: a local deployment, the Simulation Engine, node data",
-        description="Tools for rounds exported with 'fcir export --target flower'.",
-    )
-    sub = p.add_subparsers(dest="flower_command", metavar="COMMAND")
-    sub.required = True
-    up = sub.add_parser(
-        "up",
-        help="start a SuperLink and N SuperNodes on localhost until Ctrl-C",
-        description="Start one SuperLink and N SuperNodes on localhost, each its own "
-        "process with a free port and its own FLWR_HOME under --dir. Node i reads its "
-        "client data from DATA/node<i>.npz (or DATA/node<i>/{round}.npz when that folder "
-        "exists, one file per exported round). Prints the 'flwr run' command line; "
-        "Ctrl-C stops every process it started.",
-        epilog="Example: fcir flower up --nodes 3 --data parts/  then, in another shell, "
-        "the printed 'flwr run' line",
-    )
-    up.add_argument("--nodes", type=int, default=3, help="number of SuperNodes (default 3)")
-    up.add_argument(
-        "--data",
-        metavar="DIR",
-        help="folder with node0.npz, node1.npz, ... (or node0/, node1/, ... holding "
-        "<round>.npz files)",
-    )
-    up.add_argument(
-        "--dir",
-        metavar="DIR",
-        help="where the processes keep their homes and logs (default: a new temporary folder)",
-    )
-    up.add_argument(
-        "--tls",
-        action="store_true",
-        help="TLS instead of --insecure: makes a localhost CA and a SuperLink certificate "
-        "under --dir/certificates and starts every process with them",
-    )
-    up.set_defaults(func=cmd_up)
-
-    run = sub.add_parser(
-        "run",
-        help="flwr run an exported app and exit non-zero when its ServerApp fails",
-        description="Run an exported app with 'flwr run APP SUPERLINK --stream' (FLWR_HOME "
-        "names the SuperLink, as 'fcir flower up' prints it), stream its log, then ask the "
-        "SuperLink how the run ended: exit 0 when it completed, 1 with the ServerApp's "
-        "error when it failed (flwr run itself exits 0 either way).",
-        epilog="Example: FLWR_HOME=/tmp/fcir-flower-x/home-cli fcir flower run app/ "
-        "--run-config 'num-server-rounds=3 output=\"/abs/out.npz\"'",
-    )
-    run.add_argument("app", metavar="APP", help="the exported app directory")
-    run.add_argument(
-        "--superlink",
-        "--federation",  # its name before flwr 1.42 called the argument a SuperLink connection
-        dest="superlink",
-        default="local",
-        help="the SuperLink connection in FLWR_HOME's config.toml (default: local)",
-    )
-    run.add_argument("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
-    run.set_defaults(func=cmd_run)
-
-    sim = sub.add_parser(
-        "simulate",
-        help="run an exported app on Flower's Simulation Engine (Ray), no SuperNodes",
-        description="Run an exported app on Flower's Simulation Engine: a SuperLink in "
-        "simulation mode on a free port runs the ServerApp, and N virtual SuperNodes run "
-        "the ClientApp in Ray actors. Node i reads DATA/node<i>.npz (or "
-        "DATA/node<i>/<round>.npz), as with 'fcir flower up --data'; the outputs are bit "
-        "for bit those of the same run on a deployment. Exits 1 with the ServerApp's "
-        "error when it fails, and stops every process it started.",
-        epilog="Example: fcir flower simulate app/ --nodes 3 --data parts/ --run-config "
-        "'num-server-rounds=3 output=\"/abs/out.npz\"'",
-    )
-    sim.add_argument("app", metavar="APP", help="the exported app directory")
-    sim.add_argument("--nodes", type=int, required=True, help="number of virtual SuperNodes")
-    sim.add_argument("--data", metavar="DIR", help="folder with node0.npz, node1.npz, ...")
-    sim.add_argument("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
-    sim.add_argument(
-        "--actors",
-        type=int,
-        default=None,
-        help="ClientApps run at once (Ray CPUs; each ClientApp takes one; default: "
-        "min(2, CPU count))",
-    )
-    sim.add_argument("--dir", metavar="DIR", help="where the SuperLink keeps its home and log")
-    sim.set_defaults(func=cmd_simulate)
-
-    data = sub.add_parser(
-        "data",
-        help="split a round's arguments into the server inputs file and one file per node",
-        description="Write DIR/server_inputs.npz (the server argument leaves, in leaf order: "
-        "what 'fcir export --target flower --inputs' and run config inputs= read) and "
-        "DIR/node<i>.npz for each of the round's clients (client i's slice of every client "
-        "argument leaf: what 'fcir flower up/simulate --data DIR' gives node i).",
-        epilog="Example: fcir flower data examples/fedavg.py:fedavg_round -o parts/  "
-        "(a Python target's EXAMPLE_ARGS), or fcir flower data round.fcir --inputs args.npz "
-        "-o parts/ (every argument leaf, as fcir run takes them)",
-    )
-    data.add_argument("IN", help="the round: file.py:function (with EXAMPLE_ARGS) or an IR file")
-    data.add_argument("-o", "--output", required=True, metavar="DIR", help="folder to write")
-    data.add_argument(
-        "--inputs",
-        metavar="ARGS.npz",
-        help="every argument leaf (arr_0, arr_1, ...), for an IR file or instead of EXAMPLE_ARGS",
-    )
-    data.set_defaults(func=cmd_data)
-
-    plot = sub.add_parser(
-        "plot",
-        help="plot the per-round metrics a run wrote (run config metrics-file)",
-        description="Draw each metric of a metrics file (written by an exported app with "
-        "--run-config 'metrics-file=\"/abs/metrics.json\"') against the round, one panel "
-        "per metric, into a PNG. Needs matplotlib.",
-        epilog="Example: fcir flower plot metrics.json -o loss.png",
-    )
-    plot.add_argument("metrics", metavar="METRICS.json",
-                      help="the metrics file a run wrote (run config metrics-file)")
-    plot.add_argument("-o", "--output", required=True, metavar="PNG",
-                      help="where to write the picture")
-    plot.set_defaults(func=cmd_plot)
+    argtable.add(subparsers, FLOWER)
 
 
 def _data_paths(data, nodes: int) -> list:
@@ -400,3 +285,137 @@ def cmd_plot(a) -> int:
     fig.savefig(a.output, dpi=100)
     print(f"wrote {a.output}: {', '.join(names)} over {len(rounds)} round(s)")
     return 0
+
+
+# --- the command line -------------------------------------------------------------------
+
+_APP = option("app", metavar="APP", help="the exported app directory")
+_RUN_CONFIG = option("--run-config", default="", metavar="'K=V ...'", help="run config overrides")
+
+UP = Command(
+    "up",
+    help="start a SuperLink and N SuperNodes on localhost until Ctrl-C",
+    description="Start one SuperLink and N SuperNodes on localhost, each its own "
+    "process with a free port and its own FLWR_HOME under --dir. Node i reads its "
+    "client data from DATA/node<i>.npz (or DATA/node<i>/{round}.npz when that folder "
+    "exists, one file per exported round). Prints the 'flwr run' command line; "
+    "Ctrl-C stops every process it started.",
+    epilog="Example: fcir flower up --nodes 3 --data parts/  then, in another shell, "
+    "the printed 'flwr run' line",
+    options=(
+        option("--nodes", type=int, default=3, help="number of SuperNodes (default 3)"),
+        option(
+            "--data",
+            metavar="DIR",
+            help="folder with node0.npz, node1.npz, ... (or node0/, node1/, ... holding "
+            "<round>.npz files)",
+        ),
+        option(
+            "--dir",
+            metavar="DIR",
+            help="where the processes keep their homes and logs (default: a new temporary folder)",
+        ),
+        option(
+            "--tls",
+            action="store_true",
+            help="TLS instead of --insecure: makes a localhost CA and a SuperLink certificate "
+            "under --dir/certificates and starts every process with them",
+        ),
+    ),
+    func=cmd_up,
+)
+RUN = Command(
+    "run",
+    help="flwr run an exported app and exit non-zero when its ServerApp fails",
+    description="Run an exported app with 'flwr run APP SUPERLINK --stream' (FLWR_HOME "
+    "names the SuperLink, as 'fcir flower up' prints it), stream its log, then ask the "
+    "SuperLink how the run ended: exit 0 when it completed, 1 with the ServerApp's "
+    "error when it failed (flwr run itself exits 0 either way).",
+    epilog="Example: FLWR_HOME=/tmp/fcir-flower-x/home-cli fcir flower run app/ "
+    "--run-config 'num-server-rounds=3 output=\"/abs/out.npz\"'",
+    options=(
+        _APP,
+        option(
+            "--superlink",
+            "--federation",  # its name before flwr 1.42 called the argument a SuperLink connection
+            dest="superlink",
+            default="local",
+            help="the SuperLink connection in FLWR_HOME's config.toml (default: local)",
+        ),
+        _RUN_CONFIG,
+    ),
+    func=cmd_run,
+)
+SIMULATE = Command(
+    "simulate",
+    help="run an exported app on Flower's Simulation Engine (Ray), no SuperNodes",
+    description="Run an exported app on Flower's Simulation Engine: a SuperLink in "
+    "simulation mode on a free port runs the ServerApp, and N virtual SuperNodes run "
+    "the ClientApp in Ray actors. Node i reads DATA/node<i>.npz (or "
+    "DATA/node<i>/<round>.npz), as with 'fcir flower up --data'; the outputs are bit "
+    "for bit those of the same run on a deployment. Exits 1 with the ServerApp's "
+    "error when it fails, and stops every process it started.",
+    epilog="Example: fcir flower simulate app/ --nodes 3 --data parts/ --run-config "
+    "'num-server-rounds=3 output=\"/abs/out.npz\"'",
+    options=(
+        _APP,
+        option("--nodes", type=int, required=True, help="number of virtual SuperNodes"),
+        option("--data", metavar="DIR", help="folder with node0.npz, node1.npz, ..."),
+        _RUN_CONFIG,
+        option(
+            "--actors",
+            type=int,
+            default=None,
+            help="ClientApps run at once (Ray CPUs; each ClientApp takes one; default: "
+            "min(2, CPU count))",
+        ),
+        option("--dir", metavar="DIR", help="where the SuperLink keeps its home and log"),
+    ),
+    func=cmd_simulate,
+)
+DATA = Command(
+    "data",
+    help="split a round's arguments into the server inputs file and one file per node",
+    description="Write DIR/server_inputs.npz (the server argument leaves, in leaf order: "
+    "what 'fcir export --target flower --inputs' and run config inputs= read) and "
+    "DIR/node<i>.npz for each of the round's clients (client i's slice of every client "
+    "argument leaf: what 'fcir flower up/simulate --data DIR' gives node i).",
+    epilog="Example: fcir flower data examples/fedavg.py:fedavg_round -o parts/  "
+    "(a Python target's EXAMPLE_ARGS), or fcir flower data round.fcir --inputs args.npz "
+    "-o parts/ (every argument leaf, as fcir run takes them)",
+    options=(
+        option("IN", help="the round: file.py:function (with EXAMPLE_ARGS) or an IR file"),
+        option("-o", "--output", required=True, metavar="DIR", help="folder to write"),
+        option(
+            "--inputs",
+            metavar="ARGS.npz",
+            help="every argument leaf (arr_0, arr_1, ...), for an IR file or instead of "
+            "EXAMPLE_ARGS",
+        ),
+    ),
+    func=cmd_data,
+)
+PLOT = Command(
+    "plot",
+    help="plot the per-round metrics a run wrote (run config metrics-file)",
+    description="Draw each metric of a metrics file (written by an exported app with "
+    "--run-config 'metrics-file=\"/abs/metrics.json\"') against the round, one panel "
+    "per metric, into a PNG. Needs matplotlib.",
+    epilog="Example: fcir flower plot metrics.json -o loss.png",
+    options=(
+        option(
+            "metrics",
+            metavar="METRICS.json",
+            help="the metrics file a run wrote (run config metrics-file)",
+        ),
+        option("-o", "--output", required=True, metavar="PNG", help="where to write the picture"),
+    ),
+    func=cmd_plot,
+)
+FLOWER = Command(
+    "flower",
+    help="run exported Flower apps: a local deployment, the Simulation Engine, node data",
+    description="Tools for rounds exported with 'fcir export --target flower'.",
+    commands=(UP, RUN, SIMULATE, DATA, PLOT),
+    dest="flower_command",
+)

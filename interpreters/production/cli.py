@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from fcir import argtable
+from fcir.argtable import Command, option
 from fcir.errors import FcirError
 from fcir.frontend.loading import load_inputs, load_module
 
@@ -23,103 +25,8 @@ DEVICE_TARGETS = ("llvm-cpu", "x86_64-linux", "aarch64-linux-android34", "aarch6
 
 def register(subparsers) -> None:
     """Adds the ``export`` and ``run-plan`` subcommands."""
-    p = subparsers.add_parser(
-        "export",
-        help="export a round for production (DistributeAggregateForm bundle)",
-        description="Split one federated round into the five DistributeAggregateForm parts "
-        "and write a production bundle: the round as a federated_language Computation, "
-        "each part as a jax.export StableHLO artifact and an XLA HloModuleProto, the fcir "
-        "IR, and a manifest with versions and sha256 of every file. Exits 1 with a one-line "
-        "reason when the round is not exportable.",
-        epilog="Example: fcir export --target production round.fcir -o bundle/",
-    )
-    p.add_argument(
-        "--target",
-        choices=EXPORT_TARGETS,  # read when the command line is parsed: every target added
-        required=True,
-        help="what to export for: 'production' (TFF / federated_language bundle) or "
-        "'flower' (a Flower app directory that 'flwr run APPDIR FEDERATION' runs)",
-    )
-    p.add_argument(
-        "IN",
-        help="the round: an IR file (.fcir text, .pb binary), file.py:function "
-        "or package.module:function",
-    )
-    p.add_argument(
-        "-o",
-        "--output",
-        required=True,
-        metavar="DIR",
-        help="directory to write the bundle (or the Flower app) into",
-    )
-    p.add_argument(
-        "--inputs",
-        metavar="IN.npz",
-        help="--target flower: the server's initial inputs (server argument leaves, "
-        "arr_0, arr_1, ... in leaf order), embedded in the app; --target production "
-        "with --device-runtime iree: the round's argument leaves (as run-plan takes "
-        "them), on which the IREE modules are verified besides seeded inputs",
-    )
-    p.add_argument(
-        "--device-runtime",
-        choices=("jax", "iree"),
-        default="jax",
-        help="what runs client work on the devices: 'jax' (default; jax.export "
-        "artifacts, nodes install jax) or 'iree' (modules compiled by IREE at export "
-        "and verified against XLA; nodes install only numpy and iree-base-runtime)",
-    )
-    p.add_argument(
-        "--device-target",
-        action="append",
-        choices=DEVICE_TARGETS,
-        metavar="T",
-        help="with --device-runtime iree, a target to compile client work for; repeat "
-        "for several: llvm-cpu (default: this host's CPU), x86_64-linux, "
-        "aarch64-linux-android34, aarch64-apple-ios17",
-    )
-    p.add_argument(
-        "--args",
-        nargs="+",
-        metavar="SPEC",
-        help="argument types of a Python target in IR syntax, one per argument, "
-        "e.g. 'f32[16,1]' '(f32[8,32,16], f32[8,32,1])'; default: the file's "
-        "EXAMPLE_ARGS",
-    )
-    p.add_argument(
-        "--aggregate-with",
-        choices=AGGREGATE_WITH,
-        default="intrinsics",
-        help="'intrinsics' (default): one intrinsic per reduction; "
-        "'federated_aggregate': sums and means as federated_aggregate with XLA "
-        "zero/accumulate/merge/report, for runtimes that implement only that",
-    )
-    p.set_defaults(func=cmd_export)
-
-    p = subparsers.add_parser(
-        "run-plan",
-        help="run a production bundle on inputs (needs only the bundle)",
-        description="Run a bundle written by 'fcir export --target production': its five "
-        "parts in DistributeAggregateForm order, client work once per client. IN.npz holds "
-        "the round's flattened argument leaves as arr_0, arr_1, ... (np.savez(*leaves)); "
-        "OUT.npz gets the output leaves the same way. Without -o, prints a summary.",
-        epilog="Example: fcir run-plan bundle/ --inputs in.npz -o out.npz",
-    )
-    p.add_argument("DIR", help="the bundle directory")
-    p.add_argument(
-        "--inputs",
-        required=True,
-        metavar="IN.npz",
-        help="flattened argument leaves (arr_0, arr_1, ...)",
-    )
-    p.add_argument("-o", "--output", metavar="OUT.npz", help="where to write the output leaves")
-    p.add_argument(
-        "--device-runtime",
-        choices=("jax", "iree"),
-        default="jax",
-        help="run client work as the bundle's jax.export artifact (default) or as its IREE "
-        "module (a bundle exported with --device-runtime iree)",
-    )
-    p.set_defaults(func=cmd_run_plan)
+    argtable.add(subparsers, EXPORT)
+    argtable.add(subparsers, RUN_PLAN)
 
 
 def add_export_target(name: str, export_fn: Callable) -> None:
@@ -166,8 +73,7 @@ def cmd_run_plan(a) -> int:
     import numpy as np
 
     bundle = Bundle(a.DIR)
-    leaves = bundle.run_flat(load_inputs(a.inputs, bundle.round()),
-                             device_runtime=a.device_runtime)
+    leaves = bundle.run_flat(load_inputs(a.inputs, bundle.round()), device_runtime=a.device_runtime)
     structure = bundle.round().main.result_structure
     order = structure.leaves() if structure is not None else range(len(leaves))
     outs = [np.asarray(leaves[i]) for i in order]
@@ -181,3 +87,107 @@ def cmd_run_plan(a) -> int:
         more = " ..." if flat.size > 6 else ""
         print(f"arr_{i}: {x.dtype}{list(x.shape)} {preview}{more}")
     return 0
+
+
+# --- the command line -------------------------------------------------------------------
+
+EXPORT = Command(
+    "export",
+    help="export a round for production (DistributeAggregateForm bundle)",
+    description="Split one federated round into the five DistributeAggregateForm parts "
+    "and write a production bundle: the round as a federated_language Computation, "
+    "each part as a jax.export StableHLO artifact and an XLA HloModuleProto, the fcir "
+    "IR, and a manifest with versions and sha256 of every file. Exits 1 with a one-line "
+    "reason when the round is not exportable.",
+    epilog="Example: fcir export --target production round.fcir -o bundle/",
+    options=(
+        option(
+            "--target",
+            choices=EXPORT_TARGETS,  # read when the command line is parsed: every target added
+            required=True,
+            help="what to export for: 'production' (TFF / federated_language bundle) or "
+            "'flower' (a Flower app directory that 'flwr run APPDIR FEDERATION' runs)",
+        ),
+        option(
+            "IN",
+            help="the round: an IR file (.fcir text, .pb binary), file.py:function "
+            "or package.module:function",
+        ),
+        option(
+            "-o",
+            "--output",
+            required=True,
+            metavar="DIR",
+            help="directory to write the bundle (or the Flower app) into",
+        ),
+        option(
+            "--inputs",
+            metavar="IN.npz",
+            help="--target flower: the server's initial inputs (server argument leaves, "
+            "arr_0, arr_1, ... in leaf order), embedded in the app; --target production "
+            "with --device-runtime iree: the round's argument leaves (as run-plan takes "
+            "them), on which the IREE modules are verified besides seeded inputs",
+        ),
+        option(
+            "--device-runtime",
+            choices=("jax", "iree"),
+            default="jax",
+            help="what runs client work on the devices: 'jax' (default; jax.export "
+            "artifacts, nodes install jax) or 'iree' (modules compiled by IREE at export "
+            "and verified against XLA; nodes install only numpy and iree-base-runtime)",
+        ),
+        option(
+            "--device-target",
+            action="append",
+            choices=DEVICE_TARGETS,
+            metavar="T",
+            help="with --device-runtime iree, a target to compile client work for; repeat "
+            "for several: llvm-cpu (default: this host's CPU), x86_64-linux, "
+            "aarch64-linux-android34, aarch64-apple-ios17",
+        ),
+        option(
+            "--args",
+            nargs="+",
+            metavar="SPEC",
+            help="argument types of a Python target in IR syntax, one per argument, "
+            "e.g. 'f32[16,1]' '(f32[8,32,16], f32[8,32,1])'; default: the file's "
+            "EXAMPLE_ARGS",
+        ),
+        option(
+            "--aggregate-with",
+            choices=AGGREGATE_WITH,
+            default="intrinsics",
+            help="'intrinsics' (default): one intrinsic per reduction; "
+            "'federated_aggregate': sums and means as federated_aggregate with XLA "
+            "zero/accumulate/merge/report, for runtimes that implement only that",
+        ),
+    ),
+    func=cmd_export,
+)
+RUN_PLAN = Command(
+    "run-plan",
+    help="run a production bundle on inputs (needs only the bundle)",
+    description="Run a bundle written by 'fcir export --target production': its five "
+    "parts in DistributeAggregateForm order, client work once per client. IN.npz holds "
+    "the round's flattened argument leaves as arr_0, arr_1, ... (np.savez(*leaves)); "
+    "OUT.npz gets the output leaves the same way. Without -o, prints a summary.",
+    epilog="Example: fcir run-plan bundle/ --inputs in.npz -o out.npz",
+    options=(
+        option("DIR", help="the bundle directory"),
+        option(
+            "--inputs",
+            required=True,
+            metavar="IN.npz",
+            help="flattened argument leaves (arr_0, arr_1, ...)",
+        ),
+        option("-o", "--output", metavar="OUT.npz", help="where to write the output leaves"),
+        option(
+            "--device-runtime",
+            choices=("jax", "iree"),
+            default="jax",
+            help="run client work as the bundle's jax.export artifact (default) or as its IREE "
+            "module (a bundle exported with --device-runtime iree)",
+        ),
+    ),
+    func=cmd_run_plan,
+)
