@@ -357,97 +357,61 @@ def _gathered_call(agg: Aggregation, value, member: TensorType, n: int) -> pb.Co
 # --- the round ----------------------------------------------------------------------------
 
 
+class _Block:
+    """The round's Computation being written: its argument and the block's locals."""
+
+    def __init__(self, split: Split):
+        main = split.round.main
+        self.arg_struct = main.arg_structure or Structure(
+            "tuple", tuple(_leaf(i) for i in range(len(main.body.params)))
+        )
+        self.arg_type = W.structure_type(
+            self.arg_struct, [W.value_type(v.type) for v in main.body.params]
+        )
+        self.arg = reference("arg", self.arg_type)
+        self.paths = leaf_paths(self.arg_struct)
+        self.locals: list[tuple[str, pb.Computation]] = []
+
+    def let(self, name: str, value: pb.Computation) -> pb.Computation:
+        """``value`` as the block's next local ``name``; a reference to it."""
+        self.locals.append((name, value))
+        return reference(name, value.type)
+
+    def from_arg(self, s: Structure, leaves: list[int]) -> pb.Computation:
+        """The round argument's leaves ``leaves`` in the structure ``s``."""
+        if s.kind == "leaf":
+            c = self.arg
+            for i in self.paths[leaves[s.leaf]]:
+                c = selection(c, i)
+            return c
+        names = W.element_names(s)
+        return struct(list(zip(names, (self.from_arg(c, leaves) for c in s.children))))
+
+
+def _pick(source: pb.Computation, path: tuple[int, ...], name: str) -> pb.Computation:
+    """The function selecting ``path`` from ``source``'s member."""
+    member = source.type.federated.member
+    body = reference(name, member)
+    for i in path:
+        body = selection(body, i)
+    return lam(name, member, body)
+
+
 def round_computation(
     split: Split, hlo: dict[str, bytes], aggregate_with: str = "intrinsics"
 ) -> pb.Computation:
     """The Computation of ``split``'s round; ``hlo`` holds the server_prepare,
     client_work (member-level) and server_result HLO module protos."""
-    main = split.round.main
+    b = _Block(split)
+    temporary, broadcast = _server_prepare(b, split, hlo)
+    client_output = _client_work(b, split, hlo, broadcast)
+    aggregated = _aggregations(b, split, client_output, aggregate_with)
     parts = split.parts
-    arg_struct = main.arg_structure or Structure(
-        "tuple", tuple(_leaf(i) for i in range(len(main.body.params)))
-    )
-    arg_type = W.structure_type(arg_struct, [W.value_type(v.type) for v in main.body.params])
-    has_arg = bool(main.body.params)
-    arg = reference("arg", arg_type)
-    paths = leaf_paths(arg_struct)
-    locals_: list[tuple[str, pb.Computation]] = []
-
-    def let(name: str, value: pb.Computation) -> pb.Computation:
-        locals_.append((name, value))
-        return reference(name, value.type)
-
-    def from_arg(s: Structure, leaves: list[int]) -> pb.Computation:
-        if s.kind == "leaf":
-            c = arg
-            for i in paths[leaves[s.leaf]]:
-                c = selection(c, i)
-            return c
-        return struct(list(zip(W.element_names(s), (from_arg(c, leaves) for c in s.children))))
-
-    def pick(source: pb.Computation, path: tuple[int, ...], name: str) -> pb.Computation:
-        member = source.type.federated.member
-        body = reference(name, member)
-        for i in path:
-            body = selection(body, i)
-        return lam(name, member, body)
-
-    prepare = parts["server_prepare"].main
-    server_state = let(
-        "server_state",
-        federated_zip(from_arg(prepare.arg_structure, split.server_args), W.SERVER_URI),
-    )
-    prepared = let(
-        "prepared",
-        federated_apply(xla_of_part(parts["server_prepare"], hlo["server_prepare"]), server_state),
-    )
-    broadcast_input = let("broadcast_input", federated_apply(pick(prepared, (0,), "p"), prepared))
-    temporary = let("temporary", federated_apply(pick(prepared, (1,), "p"), prepared))
-    broadcast_output = let("broadcast_output", federated_broadcast(broadcast_input))
-    member = split.client_member
-    d_struct = member.main.arg_structure.children[0]
-    client_input = let(
-        "client_input",
-        federated_zip(
-            _pair(from_arg(d_struct, split.client_args), broadcast_output), W.CLIENTS_URI
-        ),
-    )
-    client_output = let(
-        "client_output", federated_map(xla_of_part(member, hlo["client_work"]), client_input)
-    )
-
-    a_in = member.main.result_structure
-    position = {n: i for i, n in enumerate(a_in.names)}
-    a_in_leaves = {
-        n: tensor(member.main.body.results[c.leaf].type) for n, c in zip(a_in.names, a_in.children)
-    }
-    aggregated: dict[str, pb.Computation] = {}
-    for agg in split.aggregations:
-        aggregated[agg.output] = let(
-            f"aggregate_{agg.output}",
-            _aggregation(
-                agg,
-                client_output,
-                position,
-                a_in_leaves,
-                aggregate_with,
-                pick,
-                let,
-                split.round.placements[0][1],
-            ),
-        )
-    a_out = parts["client_to_server_aggregation"].main.result_structure
-    aggregated_value = let(
-        "aggregated", federated_zip(struct([(n, aggregated[n]) for n in a_out.names]), W.SERVER_URI)
-    )
-    result_input = let(
-        "result_input", federated_zip(_pair(temporary, aggregated_value), W.SERVER_URI)
-    )
-    result = let(
+    result_input = b.let("result_input", federated_zip(_pair(temporary, aggregated), W.SERVER_URI))
+    result = b.let(
         "result",
         federated_apply(xla_of_part(parts["server_result"], hlo["server_result"]), result_input),
     )
-
     out_struct = parts["server_result"].main.result_structure
     out_paths = leaf_paths(out_struct)
 
@@ -455,13 +419,67 @@ def round_computation(
         if s.kind == "leaf":
             if out_struct.kind == "leaf":
                 return result
-            return federated_apply(pick(result, out_paths[s.leaf], "r"), result)
+            return federated_apply(_pick(result, out_paths[s.leaf], "r"), result)
         if s.kind == "none":
             return struct([])
         return struct(list(zip(W.element_names(s), (output(c) for c in s.children))))
 
-    body = block(locals_, output(out_struct))
-    return lam("arg", arg_type if has_arg else None, body)
+    body = block(b.locals, output(out_struct))
+    return lam("arg", b.arg_type if split.round.main.body.params else None, body)
+
+
+def _server_prepare(b: _Block, split: Split, hlo) -> tuple[pb.Computation, pb.Computation]:
+    """server_prepare on the server's state, and its broadcast: (the temporary the server
+    keeps for server_result, the broadcast at the clients)."""
+    prepare = split.parts["server_prepare"].main
+    server_state = b.let(
+        "server_state",
+        federated_zip(b.from_arg(prepare.arg_structure, split.server_args), W.SERVER_URI),
+    )
+    part = xla_of_part(split.parts["server_prepare"], hlo["server_prepare"])
+    prepared = b.let("prepared", federated_apply(part, server_state))
+    broadcast_input = b.let(
+        "broadcast_input", federated_apply(_pick(prepared, (0,), "p"), prepared)
+    )
+    temporary = b.let("temporary", federated_apply(_pick(prepared, (1,), "p"), prepared))
+    return temporary, b.let("broadcast_output", federated_broadcast(broadcast_input))
+
+
+def _client_work(b: _Block, split: Split, hlo, broadcast: pb.Computation) -> pb.Computation:
+    """client_work at each client on its data and the broadcast."""
+    member = split.client_member
+    d_struct = member.main.arg_structure.children[0]
+    client_input = b.let(
+        "client_input",
+        federated_zip(_pair(b.from_arg(d_struct, split.client_args), broadcast), W.CLIENTS_URI),
+    )
+    return b.let(
+        "client_output", federated_map(xla_of_part(member, hlo["client_work"]), client_input)
+    )
+
+
+def _aggregations(b: _Block, split: Split, client_output, aggregate_with) -> pb.Computation:
+    """Every aggregation of the clients' outputs, zipped at the server in the order
+    client_to_server_aggregation gives them."""
+    member = split.client_member
+    a_in = member.main.result_structure
+    position = {n: i for i, n in enumerate(a_in.names)}
+    a_in_leaves = {
+        n: tensor(member.main.body.results[c.leaf].type) for n, c in zip(a_in.names, a_in.children)
+    }
+    n = split.round.placements[0][1]
+    aggregated = {
+        agg.output: b.let(
+            f"aggregate_{agg.output}",
+            _aggregation(
+                agg, client_output, position, a_in_leaves, aggregate_with, _pick, b.let, n
+            ),
+        )
+        for agg in split.aggregations
+    }
+    a_out = split.parts["client_to_server_aggregation"].main.result_structure
+    zipped = federated_zip(struct([(n, aggregated[n]) for n in a_out.names]), W.SERVER_URI)
+    return b.let("aggregated", zipped)
 
 
 def _aggregation(
