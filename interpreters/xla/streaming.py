@@ -273,6 +273,35 @@ def _placed_at(v: Value, placement: str) -> bool:
 
 def _plan_map(region, index, map_op, producer, users, results, cardinality) -> Stream:
     placement = map_op.operands[0].type.placement
+    group, absorbed, reductions, ordered = _stream_ops(region, index, map_op, producer, cardinality)
+    stream_ops = [map_op, *absorbed]
+    batched, unbatched, source = _stream_inputs(stream_ops, reductions, group, placement, producer)
+    inside = set(absorbed) | set(reductions) | set(ordered) | {map_op}
+    materialized = [
+        v
+        for op in stream_ops
+        for v in op.results
+        if v in results or any(u not in inside for u in users.get(v, ()))
+    ]
+    return Stream(
+        map_op=map_op,
+        placement=placement,
+        n=cardinality(placement),
+        absorbed=absorbed,
+        reductions=reductions,
+        batched=batched,
+        unbatched=unbatched,
+        materialized=materialized,
+        source=source,
+        ordered=ordered,
+    )
+
+
+def _stream_ops(region, index, map_op, producer, cardinality):
+    """What runs with the ``fed.map`` at ``region.ops[index]``: (the values the stream
+    defines member by member, the per-member ops absorbed after the map, the reductions
+    of its values it accumulates, the order statistics it feeds by passes)."""
+    placement = map_op.operands[0].type.placement
     # The values computed from the results of the maps after this one.
     later_maps: set[Value] = set()
     for op in region.ops[index + 1 :]:
@@ -285,7 +314,6 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
     absorbed: list[Op] = []
     reductions: list[Op] = []
     ordered: list[Op] = []
-    source: dict[Value, Value] = {}
 
     def member_operand(v: Value) -> bool:
         """Can ``v`` be read per member by an absorbed op, without depending on the map?"""
@@ -332,11 +360,16 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         ):
             (ordered if isinstance(acc, _order.ByPasses) else reductions).append(op)
         tainted.update(op.results)
+    return group, absorbed, reductions, ordered
 
-    stream_ops = [map_op, *absorbed]
-    defined = set(group)
+
+def _stream_inputs(stream_ops, reductions, defined, placement, producer):
+    """(the per-member inputs, sliced a chunk at a time; the inputs every member sees
+    whole; a broadcast result -> the value it broadcasts) of a stream whose ops define
+    the values ``defined``."""
     batched: list[Value] = []
     unbatched: list[Value] = []
+    source: dict[Value, Value] = {}
 
     def add_input(v: Value) -> None:
         if v in defined:
@@ -363,25 +396,7 @@ def _plan_map(region, index, map_op, producer, users, results, cardinality) -> S
         for v in acc.server_operands(op):  # a DP key: read when the noise is added
             if v not in unbatched:
                 unbatched.append(v)
-    inside = set(absorbed) | set(reductions) | set(ordered) | {map_op}
-    materialized = [
-        v
-        for op in stream_ops
-        for v in op.results
-        if v in results or any(u not in inside for u in users.get(v, ()))
-    ]
-    return Stream(
-        map_op=map_op,
-        placement=placement,
-        n=cardinality(placement),
-        absorbed=absorbed,
-        reductions=reductions,
-        batched=batched,
-        unbatched=unbatched,
-        materialized=materialized,
-        source=source,
-        ordered=ordered,
-    )
+    return batched, unbatched, source
 
 
 def members_per_step(clients_per_step) -> int:
