@@ -282,8 +282,8 @@ def plot(path: str, fedavg_acc, dp_acc, eps, delta: float, noise_multiplier: flo
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Runs both trainings, prints each round, writes the PNG; returns the curves."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its combinations checked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--clients", type=int, default=NUM_CLIENTS)
@@ -321,15 +321,21 @@ def main(argv: list[str] | None = None) -> dict:
     if args.cohort is not None and args.mode == "exact":
         parser.error("--mode exact with --cohort: an exact release is accounted without "
                      "amplification by sampling (fcir.privacy refuses it)")
+    if args.cohort is not None and not 0 < args.cohort <= args.clients:
+        parser.error(f"--cohort must be in [1, --clients={args.clients}]")
     if args.ddp_bits is None:
         args.ddp_bits = [16, 20] if args.cohort is None else []
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs both trainings, prints each round, writes the PNG; returns the curves."""
+    args = parse_args(argv)
 
     start = time.perf_counter()
     clients, (x_test, y_test) = load_clients(args.clients, args.alpha, args.seed)
     cohorts, members, server_lr = None, args.clients, SERVER_LR
     if args.cohort is not None:
-        if not 0 < args.cohort <= args.clients:
-            parser.error(f"--cohort must be in [1, --clients={args.clients}]")
         # The clients' data stay on the host; each round takes a fixed-size cohort.
         counts = np.asarray(clients[2]).sum(1)
         population = fcir.Population(tuple(np.asarray(c) for c in clients), counts)
