@@ -1,9 +1,11 @@
-"""DiLoCo: many local AdamW steps per client, Nesterov momentum on the server.
+"""DiLoCo with ``fcir.learning``: many local AdamW steps per client, Nesterov momentum
+on the server.
 
 Each client starts from the broadcast model with a fresh inner AdamW state and runs
 ``--inner-steps`` steps; the server treats ``model - mean(client models)`` as an outer
-gradient for SGD with Nesterov momentum (Douillard et al., DiLoCo, 2023). Few rounds,
-much local work: the communication per unit of compute is low::
+gradient for SGD with Nesterov momentum (Douillard et al., DiLoCo, 2023; learning rate
+0.7, momentum 0.9, ``learning.diloco``'s default). Few rounds, much local work: the
+communication per unit of compute is low::
 
     python examples/diloco.py --rounds 10 --inner-steps 20
     fcir compile examples/diloco.py:diloco_round -o out/
@@ -14,48 +16,33 @@ from __future__ import annotations
 import argparse
 
 import _mlp as mlp
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from fcir.interpreters import xla
 
 import fcir
+from fcir import learning
 from fcir.report.progress import RoundProgress
 
 CLIENTS, INNER_STEPS, BATCH = 4, 20, 16
-INNER_OPT = optax.adamw(learning_rate=3e-3, weight_decay=1e-4)
-OUTER_OPT = optax.sgd(learning_rate=0.7, momentum=0.9, nesterov=True)
 
 
-def inner_loop(params, x, y):
-    def step(carry, batch):
-        p, state = carry
-        value, grads = jax.value_and_grad(mlp.loss)(p, *batch)
-        updates, state = INNER_OPT.update(grads, state, p)
-        return (optax.apply_updates(p, updates), state), value
-
-    (trained, _), losses = jax.lax.scan(step, (params, INNER_OPT.init(params)), (x, y))
-    return jax.tree.map(jnp.subtract, params, trained), losses.mean()
+def loss_fn(params, batch):
+    return mlp.loss(params, batch["x"], batch["y"])
 
 
-def make_round(clients: int):
-    @fcir.program(placements={"clients": clients})
-    def diloco_round(params, momentum, x, y):
-        outer_grads, losses = fcir.map_fn(inner_loop, (fcir.broadcast(params), x, y))
-        updates, momentum = OUTER_OPT.update(fcir.reduce_mean(outer_grads), momentum, params)
-        return optax.apply_updates(params, updates), momentum, fcir.reduce_mean(losses)
-
-    return diloco_round
+ALGO = learning.diloco(loss_fn, client_optimizer=optax.adamw(3e-3, weight_decay=1e-4))
+diloco_round = ALGO.round(clients=CLIENTS)
 
 
-diloco_round = make_round(CLIENTS)
+def client_data(rng, clients: int, inner_steps: int) -> dict:
+    x, y = mlp.client_data(rng, (clients,), inner_steps, BATCH)
+    return {"x": x, "y": y}
 
 
 def example_args(clients: int = CLIENTS, inner_steps: int = INNER_STEPS, rng=None):
     rng = rng if rng is not None else np.random.default_rng(0)
-    params = mlp.init_params()
-    return (params, OUTER_OPT.init(params), *mlp.client_data(rng, (clients,), inner_steps, BATCH))
+    return ALGO.init(mlp.init_params()), client_data(rng, clients, inner_steps)
 
 
 EXAMPLE_ARGS = {"diloco_round": example_args}
@@ -69,14 +56,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(0)
-    params, momentum, x, y = example_args(args.clients, args.inner_steps, rng)
-    module = fcir.capture(make_round(args.clients), params, momentum, x, y)
+    state, data = example_args(args.clients, args.inner_steps, rng)
+    module = fcir.capture(ALGO.round(clients=args.clients), state, data)
     step = xla.compile(module)
     progress = RoundProgress(args.rounds, module=module)
     for _ in progress:
-        x, y = mlp.client_data(rng, (args.clients,), args.inner_steps, BATCH)
-        params, momentum, loss = step(params, momentum, x, y)
-        progress.log(loss=loss)
+        state, metrics = step(state, client_data(rng, args.clients, args.inner_steps))
+        progress.log(loss=metrics["loss"])
     return [h["loss"] for h in progress.history]
 
 
