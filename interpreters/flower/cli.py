@@ -201,12 +201,13 @@ def cmd_run(a) -> int:
     result = flwr_run(cmd, env, a.superlink, echo=sys.stdout)
     if not result.ok:
         raise FcirError(f"run {result.run_id} failed: {result.failure()}")
-    print(f"[fcir] run {result.run_id} {result.status}", flush=True)
+    print(f"[fcir] run {result.run_id} {result.said}", flush=True)
     return 0
 
 
 def cmd_simulate(a) -> int:
     import signal
+    import sys
 
     if a.actors is not None and a.actors < 1:
         raise FcirError("fcir flower simulate: --actors must be at least 1")
@@ -218,7 +219,9 @@ def cmd_simulate(a) -> int:
     # SIGTERM / SIGHUP stop the simulation's SuperLink (its own session) as Ctrl-C does.
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        result = simulate(a.app, a.nodes, a.data, a.run_config, actors=a.actors, root=a.dir)
+        result = simulate(
+            a.app, a.nodes, a.data, a.run_config, actors=a.actors, root=a.dir, echo=sys.stdout
+        )
     except _Stop as e:
         raise FcirError(f"stopped by signal {e.args[0]}; everything it started is stopped") from None
     finally:
@@ -226,7 +229,7 @@ def cmd_simulate(a) -> int:
             signal.signal(sig, handler)
     if not result.ok:
         raise FcirError(f"simulated run {result.run_id} failed: {result.failure()}")
-    print(f"[fcir] simulated run {result.run_id} {result.status}", flush=True)
+    print(f"[fcir] simulated run {result.run_id} {result.said}", flush=True)
     return 0
 
 
@@ -348,17 +351,18 @@ RUN = Command(
 )
 SIMULATE = Command(
     "simulate",
-    help="run an exported app on Flower's Simulation Engine (Ray), no SuperNodes",
-    description="Run an exported app on Flower's Simulation Engine: a SuperLink in "
-    "simulation mode on a free port runs the ServerApp, and N virtual SuperNodes run "
-    "the ClientApp in Ray actors. Node i reads DATA/node<i>.npz (or "
+    help="run a Flower app (exported or your own) on Flower's Simulation Engine (Ray)",
+    description="Run a Flower app on Flower's Simulation Engine: a SuperLink in "
+    "simulation mode on a free port runs the ServerApp, in the folder the command was "
+    "started in (relative paths it writes land there), and N virtual SuperNodes run the "
+    "ClientApp in Ray actors. Node i reads DATA/node<i>.npz (or "
     "DATA/node<i>/<round>.npz), as with 'fcir flower up --data'; the outputs are bit "
     "for bit those of the same run on a deployment. Exits 1 with the ServerApp's "
     "error when it fails, and stops every process it started.",
     epilog="Example: fcir flower simulate app/ --nodes 3 --data parts/ --run-config "
-    "'num-server-rounds=3 output=\"/abs/out.npz\"'",
+    "'num-server-rounds=3 output=\"out.npz\"'",
     options=(
-        _APP,
+        option("app", metavar="APP", help="the app directory (with its pyproject.toml)"),
         option("--nodes", type=int, required=True, help="number of virtual SuperNodes"),
         option("--data", metavar="DIR", help="folder with node0.npz, node1.npz, ..."),
         _RUN_CONFIG,
@@ -369,7 +373,12 @@ SIMULATE = Command(
             help="ClientApps run at once (Ray CPUs; each ClientApp takes one; default: "
             "min(2, CPU count))",
         ),
-        option("--dir", metavar="DIR", help="where the SuperLink keeps its home and log"),
+        option(
+            "--dir",
+            metavar="DIR",
+            help="where the SuperLink keeps its home and log, kept after the run (default: "
+            "a temporary folder, removed when the run ends)",
+        ),
     ),
     func=cmd_simulate,
 )

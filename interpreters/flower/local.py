@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -86,9 +87,11 @@ def _bin_dir() -> pathlib.Path:
     for e in scripts:
         module, _, func = e.value.partition(":")
         path = folder / e.name
+        # -P: the folder the process runs in (a simulation's: where the user started
+        # it) stays off sys.path, so a file there named like a module shadows nothing.
         path.write_text(
             "#!/bin/sh\n"
-            f"exec {shlex.quote(sys.executable)} -c "
+            f"exec {shlex.quote(sys.executable)} -P -c "
             f"{shlex.quote(f'import sys; from {module} import {func} as f; sys.argv[0] = {e.name!r}; sys.exit(f())')}"
             ' "$@"\n'
         )
@@ -106,6 +109,11 @@ def _bin(name: str) -> str:
     return str(_BIN / name)
 
 
+# The shared compilation cache's size limit: what makes JAX lock its entries (env_for);
+# far above what a deployment's or simulation's rounds compile.
+JAX_CACHE_BYTES = 4 * 2**30
+
+
 def env_for(home: pathlib.Path, jax_cache: pathlib.Path | None = None) -> dict:
     env = dict(os.environ)
     if jax_cache is not None:
@@ -115,6 +123,15 @@ def env_for(home: pathlib.Path, jax_cache: pathlib.Path | None = None) -> dict:
         env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+        if importlib.util.find_spec("filelock") is not None:
+            # Several processes compile the same computation at once (the nodes of a
+            # round, a simulation's actors). Without a size limit JAX writes an entry
+            # in place and reads it without a lock, so a reader can get one half
+            # written ("Error reading persistent compilation cache entry ... Error -5
+            # while decompressing data"); with a limit it takes a file lock around
+            # each read and write (filelock, which Ray needs: always there for a
+            # simulation).
+            env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(JAX_CACHE_BYTES)
     env["FLWR_HOME"] = str(home)
     env["FLWR_TELEMETRY_ENABLED"] = "0"
     env["FLWR_DISABLE_UPDATE_CHECK"] = "1"
@@ -127,6 +144,9 @@ class Deployment:
     """``nodes`` SuperNodes; ``data[i]`` (optional) is node i's ``data-path``."""
 
     SUPERLINK_FLAGS: tuple[str, ...] = ()  # more flags for flower-superlink
+    # The folder the processes run in (None: each its own home); the ServerApp runs in
+    # its SuperLink's, so a relative path it writes lands there.
+    workdir: pathlib.Path | None = None
 
     def __init__(self, root, nodes: int, data: list | None = None, *, tls: bool = False):
         self.tls = tls
@@ -151,7 +171,8 @@ class Deployment:
         log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115  (the child owns it)
         try:
             self.procs[name] = subprocess.Popen(
-                cmd, env=self.process_env(home), stdout=log, stderr=subprocess.STDOUT, cwd=home,
+                cmd, env=self.process_env(home), stdout=log, stderr=subprocess.STDOUT,
+                cwd=self.workdir or home,
                 start_new_session=True,  # Ctrl-C in a terminal reaches only us; we stop them
             )
         finally:
@@ -313,13 +334,18 @@ class RunResult:
     def ok(self) -> bool:
         return self.code == 0 and self.status == "finished:completed"
 
+    @property
+    def said(self) -> str:
+        """The status in words: ``finished: completed`` (Flower writes ``finished:completed``)."""
+        return self.status.replace(":", ": ", 1)
+
     def failure(self) -> str:
         """Why the run failed, for a message: the SuperLink's status details, else the
         log's last lines."""
         if self.details:
-            return f"{self.status}: {self.details}"
+            return f"{self.said} ({self.details})"
         tail = "\n".join(self.log.strip().splitlines()[-10:])
-        return f"{self.status or f'flwr run exited {self.code}'}: {tail}"
+        return f"{self.said or f'flwr run exited {self.code}'}: {tail}"
 
 
 _RUN_ID = re.compile(r"Successfully started run (\d+)")

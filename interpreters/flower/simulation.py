@@ -21,9 +21,16 @@ with other work it can take longer, and the run then fails before any ClientApp 
 Such a run is started again on a fresh SuperLink, up to ``RAY_START_TRIES`` times in
 all, with a line saying so; any other failure is returned as it is.
 
+The SuperLink, and so the ServerApp, runs in the folder the command was started in: a
+relative path the ServerApp writes (an exported app's ``final_model.npz``, a user's own
+``np.savez("final_model.npz", ...)``) lands there, as in Flower's own local simulation
+started from that folder.
+
 ``flwr run`` leaves nothing running here: the SuperLink (and the flwr-simulation and
 Ray processes under it) is stopped when the run ends, and every process whose
-environment names this simulation's ``FLWR_HOME`` is stopped by PID.
+environment names this simulation's ``FLWR_HOME`` is stopped by PID. Nor anything
+on disk: the SuperLink's home (``fcir-simulate-*`` in the temporary folder) is
+removed, unless ``root`` (``--dir``) names a folder to keep.
 """
 
 from __future__ import annotations
@@ -31,11 +38,11 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import signal
 import sys
 import tempfile
 import time
-import tomllib
 
 from fcir.errors import FcirError
 
@@ -82,18 +89,30 @@ class Quiet:
         self.out.flush()
 
 
+# JAX warns at every fork once its runtime runs, and a user's ServerApp module may run
+# JAX when it is imported (the template's task.py draws its PRNG key), before the
+# Simulation Engine starts Ray, which starts each of its processes by fork and exec with
+# a preexec_fn that only blocks SIGINT: nothing of JAX runs in those children. Such
+# forks are subprocess's (the warning names that module); a fork that goes on running
+# Python (multiprocessing, os.fork) is another module's and still warns.
+QUIET_FORKS = "ignore:os.fork() was called:RuntimeWarning:subprocess"
+
+
 class SimulationLink(Deployment):
-    """A SuperLink that runs apps on the Simulation Engine (no SuperNode processes)."""
+    """A SuperLink that runs apps on the Simulation Engine (no SuperNode processes), in
+    ``workdir``: the ServerApp's relative paths are taken from there."""
 
     SUPERLINK_FLAGS = ("--simulation", "--isolation", "subprocess")
 
-    def __init__(self, root):
+    def __init__(self, root, workdir=None):
         super().__init__(root, 0)
+        self.workdir = pathlib.Path(workdir or pathlib.Path.cwd()).resolve()
 
     def process_env(self, home: pathlib.Path) -> dict:
         env = super().process_env(home)
         for k, v in RAY_DEFAULTS.items():
             env[k] = os.environ.get(k, v)
+        env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), QUIET_FORKS]))
         return env
 
     def start(self) -> SimulationLink:
@@ -157,20 +176,14 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-def _declared_config(app: pathlib.Path) -> dict:
-    """The run config keys an app's pyproject.toml declares ([tool.flwr.app.config])."""
-    with open(app / "pyproject.toml", "rb") as f:
-        return tomllib.load(f).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
-
-
 # Run config keys whose value is a file or folder the ServerApp reads or writes.
 PATH_KEYS = ("output", "inputs", "metrics-file", "checkpoint-dir", "dataset")
 
 
 def absolute_paths(run_config: str, cwd) -> str:
     """``run_config`` with each relative path of ``PATH_KEYS`` (a quoted value) taken
-    from ``cwd``: the ServerApp runs in the temporary SuperLink's folder, and a user
-    means the folder the command was started in (``output="none"`` stays)."""
+    from ``cwd``, the folder the command was started in (``output="none"`` stays): the
+    ServerApp runs there, but the ClientApps run in Ray's workers, which need not."""
 
     def fix(m: re.Match) -> str:
         key, value = m.group(2), m.group(3)
@@ -224,18 +237,22 @@ def simulate(
     if not (app / "pyproject.toml").is_file():
         raise FcirError(f"{app} is not an app directory (no pyproject.toml): export one first")
     config = absolute_paths(run_config, pathlib.Path.cwd())
-    if "output" in _declared_config(app) and not re.search(r"(?:^|\s)output\s*=", run_config or ""):
-        # The ServerApp runs in the temporary SuperLink's directory: the final model goes
-        # where the command was started instead, as with Flower's own local simulation.
-        # Only for an app that declares the key (an exported one): flwr run refuses a
-        # key that a user's own app does not declare.
-        config = f'{config} output="{pathlib.Path.cwd() / "final_model.npz"}"'.strip()
     if data is not None:
         config = f'data-dir="{data_dir(data, nodes)}" {config}'.strip()
     federation_config = (
         f"num-supernodes={nodes} client-resources-num-cpus=1 init-args-num-cpus={actors}"
     )
+    made = root is None  # a folder of this run's own, removed when it ends
     root = pathlib.Path(root or tempfile.mkdtemp(prefix="fcir-simulate-")).resolve()
+    try:
+        return _run(cmd_for(app, federation_config, config), root, echo, timeout)
+    finally:
+        if made:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def cmd_for(app: pathlib.Path, federation_config: str, config: str) -> list[str]:
+    """``flwr run APP simulation --stream`` with the federation and run configs."""
     cmd = [
         _bin("flwr"),
         "run",
@@ -247,6 +264,11 @@ def simulate(
     ]
     if config:
         cmd += ["--run-config", config]
+    return cmd
+
+
+def _run(cmd: list[str], root: pathlib.Path, echo, timeout) -> RunResult:
+    """The run on a SuperLink under ``root``, started again while Ray did not start."""
     echo = None if echo is None else Quiet(echo)
     for attempt in range(1, RAY_START_TRIES + 1):
         # Each try on a SuperLink of its own, in a folder of its own under ``root``.

@@ -283,7 +283,7 @@ def test_quickstart_failing_run_and_scaffold_on_one_local_deployment(tmp_path):
 
         p = sh(FAILING_RUN, work, 300)
         assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
-        shown = "failed: finished:failed: ServerApp failed with exception: run config state='0=9'"
+        shown = "failed: finished: failed (ServerApp failed with exception: run config state='0=9'"
         assert shown in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
         assert "fcir flower run: error: run " in p.stderr
 
@@ -348,7 +348,7 @@ def test_the_simulations_and_the_plot(tmp_path):
     p = sh(SIMULATE, work, tmp=tmp)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.stdout.count("8/8 clients replied") == 3, p.stdout[-3000:]
-    assert "finished:completed" in p.stdout
+    assert "finished: completed\n" in p.stdout
     said = p.stdout + p.stderr
     for noise in ("os.fork()", "Warning:", "default simulated SuperNodes", "simulation-config",
                   "Manually terminating"):

@@ -37,7 +37,7 @@ def test_a_failing_serverapp_fails_the_simulation_with_its_error(fedavg, tmp_pat
     _, app, data = fedavg
     proc = _simulate(app, data, 'state="0=9"', tmp_path / "sim")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "finished:failed" in proc.stderr and "state='0=9'" in proc.stderr, proc.stderr[-3000:]
+    assert "finished: failed (" in proc.stderr and "state='0=9'" in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert _started_under(tmp_path / "sim") == []
 
