@@ -23,7 +23,13 @@ noise::
     python examples/dp_flower_training.py --nodes 30 --rounds 20 --max-epsilon 6
 
 (the defaults: 6 of the 20 rounds fit in ε = 6 at δ = 1e-5, and the model reaches
-about 0.7 held-out accuracy; about 50 s on 2 CPU cores, most of it Ray's start-up)
+about 0.8 held-out accuracy). Its time is the two Simulation Engine runs': Ray, the
+SuperLink and the actors each import Flower and jax, about 110 CPU seconds in all
+(measured on a busy 2-core machine, load average 15, where it took nearly 5 minutes;
+the rounds themselves take a fraction of a second each), so at least a minute on 2
+CPU cores. One Ray actor serves
+all the nodes by default: a second one (``--actors 2``) imports jax and compiles the
+client work again, about 20 CPU seconds more, for rounds that take milliseconds.
 """
 
 from __future__ import annotations
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="distributed DP (fcir.ddp_mean) with this secure-sum width",
     )
-    parser.add_argument("--actors", type=int, default=None, help="Ray actors (CPUs)")
+    parser.add_argument("--actors", type=int, default=1, help="Ray actors, each a CPU (default: 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", default=None, help="work folder (default: a new temporary one)")
     args = parser.parse_args(argv)

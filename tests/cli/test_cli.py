@@ -149,8 +149,9 @@ def test_diff_exit_codes(files, capsys):
     assert code == 1
 
 
-@pytest.mark.parametrize("argv", [["diff", "fcir", "other"], ["show", "fcir"], ["--help"]],
-                         ids=["diff", "show", "help"])
+@pytest.mark.parametrize(
+    "argv", [["diff", "fcir", "other"], ["show", "fcir"], ["--help"]], ids=["diff", "show", "help"]
+)
 def test_output_cut_by_a_pipe_ends_quietly(files, capsys, monkeypatch, argv):
     """``fcir diff A B | head``: the reader closes the pipe before the output ends. Every
     command (and the help) then exits 1 with nothing on stderr, and leaves nothing

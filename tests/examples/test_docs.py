@@ -1,7 +1,7 @@
 """Every ```python block in the README and docs/ runs. Blocks of one file run in order
 in one namespace, so a page can build on its earlier blocks. A block fenced
 ```python excerpt shows lines of a file at their place in it: the test of that file
-checks it is a verbatim excerpt (docs/flower_app.md's wrappers: test_flower_user_app.py)."""
+checks it is a verbatim excerpt (docs/flower_app.md: test_flower_user_app.py)."""
 
 from __future__ import annotations
 
@@ -92,3 +92,26 @@ def test_every_path_a_page_cites_exists():
         links = set(LINK.findall(page.read_text()))
         missing += [f"{where}: {n}" for n in sorted(links) if not (page.parent / n).exists()]
     assert not missing, missing
+
+
+def test_readme_says_which_examples_take_longer_than_a_minute():
+    """The README's examples run in under a minute on 2 cores, but for those on Flower's
+    Simulation Engine, whose start-up alone costs about 55 CPU seconds a run: the
+    sentence above the table names each of them (a script that calls ``simulate``, or an
+    ``fcir flower simulate`` command)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Examples", 1)[1].split("\n## ", 1)[0]
+    intro, table = section.split("\n|", 1)
+    rows = re.findall(r"^\| `([^`]+)` \|", "|" + table, re.M)
+    simulated = []
+    for command in rows:
+        if command.startswith("fcir flower simulate"):
+            simulated.append(command.rsplit(" --", 1)[0])
+        elif command.startswith("python examples/"):
+            script = ROOT / command.split()[1]
+            if "flower.simulation import simulate" in script.read_text():
+                simulated.append(script.name)
+    assert len(simulated) == 2, rows
+    assert "under a minute on 2 CPU cores, but for the" in intro
+    for name in simulated:
+        assert name in intro, (name, intro)

@@ -1,4 +1,5 @@
-"""client_app.py: the round's client work from the user's own handlers."""
+"""client_app.py: the round's client work, and its evaluation, in the ClientApp's own
+handlers."""
 
 import functools
 
@@ -7,7 +8,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import fixedclipping_mod
 
-from userapp.task import capture, load_data
+from flower_app.task import capture, load_data
 
 
 @functools.cache
@@ -16,19 +17,20 @@ def work():
     return flower.Client(module, evaluation=evaluation)
 
 
+app = ClientApp()
+
+
+@app.train()
 def train_fn(msg: Message, context: Context):
     X, y, _, _ = load_data(context.node_config["partition-id"])
-    return work().train(msg, X, y)
+    return work().train(msg, X, y)  # was: load_model, set_params, train, the reply
 
 
+@app.evaluate()
 def evaluate_fn(msg: Message, context: Context):
     _, _, X_test, y_test = load_data(context.node_config["partition-id"])
     return work().evaluate(msg, X_test, y_test)
 
-
-app = ClientApp()
-app.train()(train_fn)
-app.evaluate()(evaluate_fn)
 
 # With DifferentialPrivacyClientSideFixedClipping on the server: Flower's mod clips
 # each train reply's model update before it leaves the node.

@@ -1,1 +1,0 @@
-"""A Flower user's own app with fcir's round as its strategy."""
