@@ -18,8 +18,8 @@ print(algo.params(state), metrics)
 
 One module per algorithm (fedavg, fedavgm, fedprox, fedadam, fedyogi, fedadagrad,
 fedopt, qfedavg, scaffold, diloco, fedsgd), the aggregators (``aggregator=``) in
-``aggregators``, the algorithm object's skeleton in ``algorithm``, evaluation and
-personalization evaluation in ``evaluation``. docs/learning.md has the table of what
+``aggregators``, the algorithm object's skeleton in ``algorithm``, personalization
+evaluation in ``personalization``. docs/learning.md has the table of what
 each is in Flower, TFF and pfl-research and the backends each runs on.
 """
 
@@ -40,7 +40,7 @@ from .aggregators import (
 )
 from .algorithm import Algorithm
 from .diloco import diloco
-from .evaluation import personalized_evaluation
+from .personalization import personalized_evaluation
 from .fedadagrad import fedadagrad
 from .fedadam import fedadam
 from .fedavg import fedavg
