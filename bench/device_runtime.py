@@ -75,7 +75,8 @@ spec.loader.exec_module(mod)
 import fcir_app.client_app as client
 with np.load(sent) as f:
     values = {k.replace("|", "/"): f[k] for k in f.files}
-ctx = types.SimpleNamespace(node_id=1, node_config={"data-path": data, "partition-id": 0})
+ctx = types.SimpleNamespace(node_id=1, node_config={"data-path": data, "partition-id": 0},
+                            run_config={})  # the ClientApp reads dataset / data-dir there
 t1, c1 = time.perf_counter(), time.process_time()
 res = client.compute(int(step), values, ctx)
 t2, c2 = time.perf_counter(), time.process_time()
@@ -167,9 +168,9 @@ def record_message(app, nodes) -> tuple[int, dict]:
         ns = real(appdir)
         compute = ns.client.compute
 
-        def recording(step_index, values, context):
+        def recording(step_index, values, context, *rest):
             seen.append((step_index, dict(values)))
-            return compute(step_index, values, context)
+            return compute(step_index, values, context, *rest)
 
         ns.client.compute = recording
         return ns
