@@ -405,7 +405,7 @@ def table(results: dict, pair: dict | None, cfg_params: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition (CI)")
     p.add_argument("--clients", type=int, nargs="*", help="cohorts (default 256 1024 4096)")
@@ -424,25 +424,82 @@ def main(argv=None) -> int:
         "--no-memory-rows", action="store_true", help="skip the gradient and DP memory rows"
     )
     p.add_argument("--no-run", action="store_true", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    cfg = SMOKE if a.smoke else FULL
-    reps = a.reps or (1 if a.smoke else 5)
-    max_bytes = int(a.max_gib * GIB)
+    return p.parse_args(argv)
 
+
+def serve_worker(a: argparse.Namespace, cfg: dict, reps: int, max_bytes: int) -> bool:
+    """In a worker process (``--worker``, ``--memory-worker``, ``--pair-worker``): does its
+    one measurement and prints it on the protocol line. False in the driver."""
     if a.worker:
         out = worker(a.worker[0], int(a.worker[1]), cfg, reps, not a.no_run, max_bytes)
         print(PROTOCOL, json.dumps(out))
-        return 0
+        return True
     if a.memory_worker:
         import jax
 
         mesh = jax.make_mesh((8,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
         print(PROTOCOL, json.dumps(memory_rows(a.memory_worker, cfg, mesh)))
-        return 0
+        return True
     if a.pair_worker:
         print(
             PROTOCOL, json.dumps(pair_worker(a.pair_worker, cfg, a.reps or (1 if a.smoke else 4)))
         )
+        return True
+    return False
+
+
+def fits(probe: dict, max_bytes: int) -> bool:
+    """Whether a compiled-only probe's predicted total is under the cap and under half of
+    the memory free now."""
+    return "memory" in probe and probe["memory"]["total_bytes"] <= min(max_bytes, free_bytes() // 2)
+
+
+def measure_cohorts(clients: list[int], flags: list[str], cfg: dict, max_bytes: int) -> dict:
+    """{n: {"fcir" | "drjax": worker record}}, each configuration in a fresh process."""
+    results: dict = {}
+    for n in clients:
+        results[n] = {}
+        for which in ("fcir", "drjax"):
+            # DrJAX is compiled first alone; run only when its predicted total fits
+            # under the cap and in what is free now.
+            if which == "drjax":
+                probe = spawn([*flags, "--worker", which, str(n), "--no-run"], 3600)
+                if not fits(probe, max_bytes):
+                    results[n][which] = {**probe, "ran": False, "label": "drjax (unchunked)"}
+                    continue
+            r = spawn([*flags, "--worker", which, str(n)], 3600)
+            r["label"] = f"fcir k={cfg['k']}/dev" if which == "fcir" else "drjax (unchunked)"
+            results[n][which] = r
+            print(
+                f"  {n} {which}: {json.dumps({k: v for k, v in r.items() if k != 'samples_s'})}",
+                file=sys.stderr,
+            )
+    return results
+
+
+def measure_pair(
+    a: argparse.Namespace, results: dict, pair_n: int, flags: list[str], max_bytes: int
+) -> dict:
+    """The side-by-side timing at ``pair_n`` clients, or why it was skipped."""
+    probe = results.get(pair_n, {}).get("drjax") or spawn(
+        [*flags, "--worker", "drjax", str(pair_n), "--no-run"], 3600
+    )
+    if not fits(probe, max_bytes):
+        return {"skipped": f"drjax at {pair_n} clients does not fit under the cap", **probe}
+    pair_reps = a.reps or (1 if a.smoke else 4)  # alternating pairs
+    return spawn([*flags, "--reps", str(pair_reps), "--pair-worker", str(pair_n)], 3600)
+
+
+def param_count(cfg: dict) -> int:
+    return cfg["d_in"] * cfg["hidden"] + cfg["hidden"] + cfg["hidden"] * cfg["d_out"] + cfg["d_out"]
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    cfg = SMOKE if a.smoke else FULL
+    reps = a.reps or (1 if a.smoke else 5)
+    max_bytes = int(a.max_gib * GIB)
+    if serve_worker(a, cfg, reps, max_bytes):
         return 0
 
     clients = a.clients or ([16, 32] if a.smoke else [256, 1024, 4096])
@@ -450,39 +507,9 @@ def main(argv=None) -> int:
     flags = ["--smoke"] if a.smoke else []
     flags += ["--reps", str(reps), "--max-gib", str(a.max_gib)]
     load_before = os.getloadavg()
-    results: dict = {}
-    for n in clients:
-        results[n] = {}
-        for which in ("fcir", "drjax"):
-            # DrJAX is compiled first alone; run only when its predicted total fits
-            # under the cap and in what is free now.
-            extra = []
-            if which == "drjax":
-                probe = spawn([*flags, "--worker", which, str(n), "--no-run"], 3600)
-                fits = "memory" in probe and probe["memory"]["total_bytes"] <= min(
-                    max_bytes, free_bytes() // 2
-                )
-                if not fits:
-                    results[n][which] = {**probe, "ran": False, "label": "drjax (unchunked)"}
-                    continue
-            r = spawn([*flags, "--worker", which, str(n), *extra], 3600)
-            r["label"] = f"fcir k={cfg['k']}/dev" if which == "fcir" else "drjax (unchunked)"
-            results[n][which] = r
-            print(
-                f"  {n} {which}: {json.dumps({k: v for k, v in r.items() if k != 'samples_s'})}",
-                file=sys.stderr,
-            )
-    probe = results.get(pair_n, {}).get("drjax") or spawn(
-        [*flags, "--worker", "drjax", str(pair_n), "--no-run"], 3600
-    )
-    if "memory" in probe and probe["memory"]["total_bytes"] <= min(max_bytes, free_bytes() // 2):
-        pair_reps = a.reps or (1 if a.smoke else 4)  # alternating pairs
-        pair = spawn([*flags, "--reps", str(pair_reps), "--pair-worker", str(pair_n)], 3600)
-    else:
-        pair = {"skipped": f"drjax at {pair_n} clients does not fit under the cap", **probe}
-    params = (
-        cfg["d_in"] * cfg["hidden"] + cfg["hidden"] + cfg["hidden"] * cfg["d_out"] + cfg["d_out"]
-    )
+    results = measure_cohorts(clients, flags, cfg, max_bytes)
+    pair = measure_pair(a, results, pair_n, flags, max_bytes)
+    params = param_count(cfg)
     text = table(results, pair, params)
     grad_rows = {}
     if not a.no_memory_rows:
