@@ -36,6 +36,7 @@ Goals: node install <= 1/4 of jax's, cold start >= 50x faster, round wall
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib
 import os
@@ -263,78 +264,120 @@ def _spread(xs, scale=1.0, unit="") -> str:
     )
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="one repetition of each, no warm-up")
-    ap.add_argument("--reps", type=int, default=5)
-    a = ap.parse_args()
-    reps = 1 if a.smoke else a.reps
-    work = pathlib.Path(tempfile.mkdtemp(prefix="fcir-device-bench-"))
-    try:
-        r = rounds.corpus_round("fedavg_mlp")
-        apps = {
-            rt: flower.export(r.module, work / rt, inputs=r.server_leaves, device_runtime=rt)
-            for rt in ("jax", "iree")
-        }
-        plan = rounds.plan_of(apps["iree"])
-        nodes, data = {}, []
-        for i in range(rounds.NODES):
-            (work / f"node{i}").mkdir()
-            p = work / f"node{i}" / "fedavg_mlp.npz"
-            np.savez(p, *r.node_leaves(plan, i))
-            data.append(work / f"node{i}" / "{round}.npz")
-            nodes[100 + i] = {"partition-id": i, "data-path": str(p)}
-        step, values = record_message(apps["iree"], nodes)
-        sent = work / "sent.npz"
-        np.savez(sent, **{k.replace("/", "|"): v for k, v in values.items()})
+RUNTIMES = ("jax", "iree")
 
-        sizes = install_sizes()
-        venvs = {rt: node_venv(rt) for rt in ("jax", "iree")}
-        pythons = {rt: str(v / "bin" / "python") for rt, v in venvs.items()}
-        for rt, py in pythons.items():
-            has_jax = subprocess.run([py, "-c", "import jax"], capture_output=True).returncode == 0
-            assert has_jax == (rt == "jax"), (rt, py)
-            sizes[f"{rt}_node_venv_bytes"] = _du(venvs[rt])
 
-        cold: dict[str, list] = {"jax": [], "iree": []}
-        first: dict[str, list] = {"jax": [], "iree": []}
-        imports: dict[str, list] = {"jax": [], "iree": []}
-        cold_load: list[float] = []
-        first_cpu: dict[str, list] = {"jax": [], "iree": []}
-        for k in range(reps if a.smoke else reps + 1):  # rep 0 warms the page cache
-            for rt in ("jax", "iree") if k % 2 == 0 else ("iree", "jax"):
-                t, imp, f, cpu = cold_start(
-                    pythons[rt], apps[rt], sent, nodes[100]["data-path"], step
-                )
-                if a.smoke or k > 0:
-                    first_cpu[rt].append(cpu)
-                    cold[rt].append(t)
-                    imports[rt].append(imp)
-                    first[rt].append(f)
-                    cold_load.append(os.getloadavg()[0])
+def alternating(k: int) -> tuple[str, str]:
+    """The runtimes in repetition ``k``'s order: which goes first alternates."""
+    return RUNTIMES if k % 2 == 0 else RUNTIMES[::-1]
 
-        calls = per_call(apps, step, values, r.node_leaves(plan, 0), 20 if a.smoke else 200)
 
-        walls: dict[str, list] = {"jax": [], "iree": []}
-        rounds_s: dict[str, list] = {"jax": [], "iree": []}
-        with Deployment(work / "deployment", rounds.NODES, data) as dep:
-            if not a.smoke:
-                for rt in ("jax", "iree"):
-                    run_round(dep, apps[rt], work / f"warm-{rt}.npz")
-            for k in range(reps):
-                for rt in ("jax", "iree") if k % 2 == 0 else ("iree", "jax"):
-                    wall, rnd = run_round(dep, apps[rt], work / f"{rt}-{k}.npz")
-                    walls[rt].append(wall)
-                    if rnd is not None:
-                        rounds_s[rt].append(rnd)
-                    print(f"rep {k}: {rt} round wall {wall:.1f} s (ServerApp: {rnd} s)", flush=True)
-        with np.load(work / "jax-0.npz") as j, np.load(work / "iree-0.npz") as i:
-            max_diff = max(float(np.max(np.abs(j[k] - i[k]))) for k in j.files)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+@dataclasses.dataclass
+class Setup:
+    """The round exported for each runtime, its nodes' data and the first message the
+    ServerApp sends a node, recorded once to replay in every cold start."""
 
+    round: rounds.Round
+    plan: dict
+    apps: dict[str, pathlib.Path]  # runtime -> app folder
+    nodes: dict[int, dict]  # node id -> node config (partition, data path)
+    data: list[pathlib.Path]  # each node's data path, as the deployment is given it
+    step: int
+    values: dict
+    sent: pathlib.Path  # ``values``, saved for the child process
+
+
+def set_up(work: pathlib.Path) -> Setup:
+    r = rounds.corpus_round("fedavg_mlp")
+    apps = {
+        rt: flower.export(r.module, work / rt, inputs=r.server_leaves, device_runtime=rt)
+        for rt in RUNTIMES
+    }
+    plan = rounds.plan_of(apps["iree"])
+    nodes, data = {}, []
+    for i in range(rounds.NODES):
+        (work / f"node{i}").mkdir()
+        p = work / f"node{i}" / "fedavg_mlp.npz"
+        np.savez(p, *r.node_leaves(plan, i))
+        data.append(work / f"node{i}" / "{round}.npz")
+        nodes[100 + i] = {"partition-id": i, "data-path": str(p)}
+    step, values = record_message(apps["iree"], nodes)
+    sent = work / "sent.npz"
+    np.savez(sent, **{k.replace("/", "|"): v for k, v in values.items()})
+    return Setup(r, plan, apps, nodes, data, step, values, sent)
+
+
+def node_pythons(sizes: dict) -> dict[str, str]:
+    """Each runtime's node venv's Python (built if need be, checked to have jax or not);
+    adds the venvs' sizes on disk to ``sizes``."""
+    venvs = {rt: node_venv(rt) for rt in RUNTIMES}
+    pythons = {rt: str(v / "bin" / "python") for rt, v in venvs.items()}
+    for rt, py in pythons.items():
+        has_jax = subprocess.run([py, "-c", "import jax"], capture_output=True).returncode == 0
+        assert has_jax == (rt == "jax"), (rt, py)
+        sizes[f"{rt}_node_venv_bytes"] = _du(venvs[rt])
+    return pythons
+
+
+def per_runtime() -> dict[str, list]:
+    return {rt: [] for rt in RUNTIMES}
+
+
+@dataclasses.dataclass
+class ColdStarts:
+    """Seconds per runtime of every measured cold start (see cold_start), and the
+    1-minute load average after each."""
+
+    total: dict[str, list] = dataclasses.field(default_factory=per_runtime)
+    imports: dict[str, list] = dataclasses.field(default_factory=per_runtime)
+    first: dict[str, list] = dataclasses.field(default_factory=per_runtime)
+    first_cpu: dict[str, list] = dataclasses.field(default_factory=per_runtime)
+    load: list[float] = dataclasses.field(default_factory=list)
+
+
+def measure_cold_starts(
+    setup: Setup, pythons: dict[str, str], reps: int, smoke: bool
+) -> ColdStarts:
+    out = ColdStarts()
+    for k in range(reps if smoke else reps + 1):  # rep 0 warms the page cache
+        for rt in alternating(k):
+            t, imp, f, cpu = cold_start(
+                pythons[rt], setup.apps[rt], setup.sent, setup.nodes[100]["data-path"], setup.step
+            )
+            if smoke or k > 0:
+                out.first_cpu[rt].append(cpu)
+                out.total[rt].append(t)
+                out.imports[rt].append(imp)
+                out.first[rt].append(f)
+                out.load.append(os.getloadavg()[0])
+    return out
+
+
+def measure_rounds(
+    work: pathlib.Path, setup: Setup, reps: int, smoke: bool
+) -> tuple[dict, dict, float]:
+    """Each app's round on one local deployment, alternating: the wall times, the
+    ServerApp's own round times, and the largest difference between the two apps'
+    outputs."""
+    walls, rounds_s = per_runtime(), per_runtime()
+    with Deployment(work / "deployment", rounds.NODES, setup.data) as dep:
+        if not smoke:
+            for rt in RUNTIMES:
+                run_round(dep, setup.apps[rt], work / f"warm-{rt}.npz")
+        for k in range(reps):
+            for rt in alternating(k):
+                wall, rnd = run_round(dep, setup.apps[rt], work / f"{rt}-{k}.npz")
+                walls[rt].append(wall)
+                if rnd is not None:
+                    rounds_s[rt].append(rnd)
+                print(f"rep {k}: {rt} round wall {wall:.1f} s (ServerApp: {rnd} s)", flush=True)
+    with np.load(work / "jax-0.npz") as j, np.load(work / "iree-0.npz") as i:
+        max_diff = max(float(np.max(np.abs(j[k] - i[k]))) for k in j.files)
+    return walls, rounds_s, max_diff
+
+
+def print_sizes(sizes: dict) -> None:
     mib = 2**20
-    print()
     print(
         f"node install (beyond flwr's {sizes['flwr_closure_bytes'] / mib:.0f} MiB, same for both):"
     )
@@ -356,47 +399,77 @@ def main() -> int:
         f"{sizes['jax_node_venv_bytes'] / mib:.0f} MiB, iree "
         f"{sizes['iree_node_venv_bytes'] / mib:.0f} MiB"
     )
+
+
+def print_cold_starts(cold: ColdStarts, pythons: dict[str, str]) -> None:
     print(
         f"cold start, spawn to first reply (a fresh ClientApp process; 1-min load "
-        f"{min(cold_load):.1f}-{max(cold_load):.1f} over the samples):"
+        f"{min(cold.load):.1f}-{max(cold.load):.1f} over the samples):"
     )
-    for rt in ("jax", "iree"):
-        print(f"  {rt:<4} {_spread(cold[rt], 1e3, ' ms')}  [{pythons[rt]}]")
-    ratios = [j / i for j, i in zip(cold["jax"], cold["iree"])]
+    for rt in RUNTIMES:
+        print(f"  {rt:<4} {_spread(cold.total[rt], 1e3, ' ms')}  [{pythons[rt]}]")
+    ratios = [j / i for j, i in zip(cold.total["jax"], cold.total["iree"])]
     print(f"  jax/iree {_spread(ratios)}")
     print("  of which importing the ClientApp code (flwr, numpy):")
-    for rt in ("jax", "iree"):
-        print(f"    {rt:<4} {_spread(imports[rt], 1e3, ' ms')}")
+    for rt in RUNTIMES:
+        print(f"    {rt:<4} {_spread(cold.imports[rt], 1e3, ' ms')}")
     print("  of which the first client step (runtime import, compile or load, call):")
-    for rt in ("jax", "iree"):
-        print(f"    {rt:<4} {_spread(first[rt], 1e3, ' ms')}")
-    fr = [j / i for j, i in zip(first["jax"], first["iree"])]
+    for rt in RUNTIMES:
+        print(f"    {rt:<4} {_spread(cold.first[rt], 1e3, ' ms')}")
+    fr = [j / i for j, i in zip(cold.first["jax"], cold.first["iree"])]
     print(f"    jax/iree {_spread(fr)} (goal >= 50)")
     print("  the first client step's CPU time (all threads; robust to the machine's load):")
-    for rt in ("jax", "iree"):
-        print(f"    {rt:<4} {_spread(first_cpu[rt], 1e3, ' ms')}")
-    cr = [j / i for j, i in zip(first_cpu["jax"], first_cpu["iree"])]
+    for rt in RUNTIMES:
+        print(f"    {rt:<4} {_spread(cold.first_cpu[rt], 1e3, ' ms')}")
+    cr = [j / i for j, i in zip(cold.first_cpu["jax"], cold.first_cpu["iree"])]
     print(f"    jax/iree {_spread(cr)}")
+
+
+def print_calls_and_rounds(calls: dict, walls: dict, max_diff: float) -> None:
     print("per-call latency of one client step (warm process):")
-    for rt in ("jax", "iree"):
+    for rt in RUNTIMES:
         print(f"  {rt:<4} {_spread(calls[rt], 1e6, ' us')}")
     print("round wall (flwr run, 3 SuperNodes):")
-    for rt in ("jax", "iree"):
+    for rt in RUNTIMES:
         print(f"  {rt:<4} {_spread(walls[rt], 1, ' s')}")
     wr = [i / j for i, j in zip(walls["iree"], walls["jax"])]
     print(f"  iree/jax {_spread(wr)} (goal <= 1.1)")
     print(f"max |iree - jax| over the round's outputs: {max_diff:.2e}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="one repetition of each, no warm-up")
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    reps = 1 if a.smoke else a.reps
+    work = pathlib.Path(tempfile.mkdtemp(prefix="fcir-device-bench-"))
+    try:
+        setup = set_up(work)
+        sizes = install_sizes()
+        pythons = node_pythons(sizes)
+        cold = measure_cold_starts(setup, pythons, reps, a.smoke)
+        leaves = setup.round.node_leaves(setup.plan, 0)
+        calls = per_call(setup.apps, setup.step, setup.values, leaves, 20 if a.smoke else 200)
+        walls, rounds_s, max_diff = measure_rounds(work, setup, reps, a.smoke)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print()
+    print_sizes(sizes)
+    print_cold_starts(cold, pythons)
+    print_calls_and_rounds(calls, walls, max_diff)
     print(f"load: {os.getloadavg()}")
     _record.write(
         ROOT / "bench" / "results",
         "device_runtime",
         {
             "sizes": sizes,
-            "cold_start_s": cold,
-            "cold_imports_s": imports,
-            "cold_first_step_s": first,
-            "cold_loadavg_1min": cold_load,
-            "cold_first_step_cpu_s": first_cpu,
+            "cold_start_s": cold.total,
+            "cold_imports_s": cold.imports,
+            "cold_first_step_s": cold.first,
+            "cold_loadavg_1min": cold.load,
+            "cold_first_step_cpu_s": cold.first_cpu,
             "pythons": pythons,
             "per_call_s": calls,
             "round_wall_s": walls,
