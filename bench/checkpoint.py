@@ -41,6 +41,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -594,103 +595,193 @@ GOALS = [
 ]
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclasses.dataclass
+class Bench:
+    """What the warm-up and every repetition work on, and what they collect."""
+
+    args: argparse.Namespace
+    shape: tuple[int, int]
+    reps: int
+    repeats: int  # runs of each warm restore per repetition
+    warmup: int
+    work: pathlib.Path
+    tree: dict[str, Any]
+    nbytes: int
+    targets: dict[str, dict[str, Any]]  # "saved", "other", "columns" -> abstract tree
+    ckptr: Any
+    samples: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    still_cached: list[float] = dataclasses.field(default_factory=list)  # after each drop
+    warm_cached: list[float] = dataclasses.field(default_factory=list)  # before warm restores
+
+    @property
+    def fcir_path(self) -> pathlib.Path:
+        return self.work / "fcir"
+
+    @property
+    def orbax_path(self) -> pathlib.Path:
+        return self.work / "orbax"
+
+    @property
+    def dd_path(self) -> pathlib.Path:
+        return self.work / "dd.bin"
+
+    @property
+    def async_path(self) -> pathlib.Path:
+        return self.work / "async"
+
+    @property
+    def busy_path(self) -> pathlib.Path:
+        return self.work / "async-busy"
+
+
+def set_up(args: argparse.Namespace) -> Bench:
+    """The tree on the devices, the restore targets and orbax's checkpointer, after
+    touching the memory the run will use; prints what will be measured."""
     shape = big_shape(args.size_mib)
-    reps = 1 if args.quick else args.reps
-    repeats = 1 if args.quick else args.restore_repeats
-    warmup = 0 if args.quick else 1
     work = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="fcir-ckpt-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     tree = make_tree(shape)
     nbytes = tree_bytes(tree)
     touched, touch_s = prefault(6 * nbytes)
-    targets = {kind: abstract_tree(shape, kind) for kind in ("saved", "other", "columns")}
-    ckptr = orbax_checkpointer()
-    samples: dict[str, list[float]] = {}
-    still_cached: list[float] = []  # after each drop from the page cache
-    warm_cached: list[float] = []  # before the warm restores, after warm_page_cache
+    bench = Bench(
+        args=args,
+        shape=shape,
+        reps=1 if args.quick else args.reps,
+        repeats=1 if args.quick else args.restore_repeats,
+        warmup=0 if args.quick else 1,
+        work=work,
+        tree=tree,
+        nbytes=nbytes,
+        targets={kind: abstract_tree(shape, kind) for kind in ("saved", "other", "columns")},
+        ckptr=orbax_checkpointer(),
+    )
     print(
         f"tree: {N_BIG} x f32{list(shape)} over 8 devices + {N_SMALL} replicated f32[{shape[1]}]"
-        f" = {nbytes / 2**20:.1f} MiB; {warmup} warm-up + {reps} repetition(s); dir {work};"
-        f" touched {touched / 2**30:.1f} GiB of memory first ({touch_s:.1f} s)",
+        f" = {nbytes / 2**20:.1f} MiB; {bench.warmup} warm-up + {bench.reps} repetition(s);"
+        f" dir {work}; touched {touched / 2**30:.1f} GiB of memory first ({touch_s:.1f} s)",
         flush=True,
     )
-    f_path, o_path, d_path, a_path, b_path = (
-        work / n for n in ("fcir", "orbax", "dd.bin", "async", "async-busy")
-    )
-    for rep in range(warmup + reps):
-        record = rep >= warmup
-        got: dict[str, float] = {}
-        writes = [
-            lambda: fcir_save(f_path, tree),
-            lambda: {"orbax_save": orbax_save(ckptr, o_path, tree)},
-            lambda: {"dd": dd(d_path, nbytes)},
-            lambda: {"dd_direct": dd(d_path.with_suffix(".direct"), nbytes, direct=True)},
-            lambda: dict(
-                zip(("fcir_async_blocking", "fcir_async_total"), fcir_async(a_path, tree))
-            ),
-            lambda: dict(
-                zip(
-                    ("fcir_async_busy_blocking", "fcir_async_busy_total"),
-                    fcir_async(b_path, tree, busy=True),
-                )
-            ),
-        ]
-        for write in rotated(writes, rep):
-            time.sleep(args.settle)  # the disk may throttle a writer right after another
-            got.update(write())
-        saved = targets["saved"]
-        # orbax restores run last: on this machine the restore that follows an orbax
-        # restore in the same process was 5-10x slower (fcir 0.6 s -> 5-7 s, even after
-        # 6 s idle), whoever it was; rotating orbax among the others made the limit,
-        # which always came next, look 7x slower than fcir.
-        restores = [
-            ("fcir_restore_saved", lambda: fcir_restore(f_path, saved)),
-            ("limit_restore", lambda: timed_limit(f_path, saved)),
-            ("fcir_restore_other", lambda: fcir_restore(f_path, targets["other"])),
-            ("fcir_restore_columns", lambda: fcir_restore(f_path, targets["columns"])),
-        ]
-        if args.quick and rep == 0:  # the limit must read the right bytes (untimed)
-            check_limit(f_path, tree, saved)
+    return bench
+
+
+def timed_writes(bench: Bench, rep: int) -> dict[str, float]:
+    """Every save and dd, in an order rotated each repetition, each after a rest."""
+    tree, nbytes, d_path = bench.tree, bench.nbytes, bench.dd_path
+    writes = [
+        lambda: fcir_save(bench.fcir_path, tree),
+        lambda: {"orbax_save": orbax_save(bench.ckptr, bench.orbax_path, tree)},
+        lambda: {"dd": dd(d_path, nbytes)},
+        lambda: {"dd_direct": dd(d_path.with_suffix(".direct"), nbytes, direct=True)},
+        lambda: dict(
+            zip(("fcir_async_blocking", "fcir_async_total"), fcir_async(bench.async_path, tree))
+        ),
+        lambda: dict(
+            zip(
+                ("fcir_async_busy_blocking", "fcir_async_busy_total"),
+                fcir_async(bench.busy_path, tree, busy=True),
+            )
+        ),
+    ]
+    got: dict[str, float] = {}
+    for write in rotated(writes, rep):
+        time.sleep(bench.args.settle)  # the disk may throttle a writer right after another
+        got.update(write())
+    return got
+
+
+def warm_restores(bench: Bench, rep: int, record: bool) -> dict[str, float]:
+    """fcir's restores onto each sharding and the limit's, from the page cache.
+
+    Each runs `repeats` times, interleaved with the others, the order rotated every
+    round, and its sample for this repetition is the median: one 256 MiB restore takes
+    ~0.1 s here, and a single one moved 0.5-5x with the machine's load and 2-3x with its
+    place (whichever ran first after the writes paid it), which decided the rows onto
+    another sharding. With `record`, every run is kept in `<name>_runs`."""
+    f_path, saved, targets = bench.fcir_path, bench.targets["saved"], bench.targets
+    restores = [
+        ("fcir_restore_saved", lambda: fcir_restore(f_path, saved)),
+        ("limit_restore", lambda: timed_limit(f_path, saved)),
+        ("fcir_restore_other", lambda: fcir_restore(f_path, targets["other"])),
+        ("fcir_restore_columns", lambda: fcir_restore(f_path, targets["columns"])),
+    ]
+    if bench.args.quick and rep == 0:  # the limit must read the right bytes (untimed)
+        check_limit(f_path, bench.tree, saved)
+    warm_page_cache(f_path)
+    warm_page_cache(bench.orbax_path)
+    share = cached_fraction(f_path)
+    if share is not None:
+        bench.warm_cached.append(share)
+    runs: dict[str, list[float]] = {}
+    for i in range(bench.repeats):
+        for name, restore in rotated(restores, rep * bench.repeats + i):
+            runs.setdefault(name, []).append(restore())
+    got: dict[str, float] = {}
+    for name, times in runs.items():
+        got[name] = median(times)
+        if record:
+            bench.samples.setdefault(f"{name}_runs", []).extend(times)
+    return got
+
+
+def cold_restores(bench: Bench, rep: int) -> dict[str, float]:
+    """fcir's and the limit's restores onto the saved sharding, each after dropping the
+    checkpoint from the page cache, in an order rotated each repetition."""
+    f_path, saved = bench.fcir_path, bench.targets["saved"]
+    colds = [
+        ("fcir_restore_saved_cold", lambda: fcir_restore(f_path, saved)),
+        ("limit_restore_cold", lambda: timed_limit(f_path, saved)),
+    ]
+    return {
+        name: cold(f_path, restore, bench.still_cached) for name, restore in rotated(colds, rep)
+    }
+
+
+def orbax_restores(bench: Bench) -> dict[str, float]:
+    """orbax's restore onto the saved sharding, warm then cold.
+
+    They run after every other restore: on this machine the restore that follows an
+    orbax restore in the same process was 5-10x slower (fcir 0.6 s -> 5-7 s, even after
+    6 s idle), whoever it was; rotating orbax among the others made the limit, which
+    always came next, look 7x slower than fcir."""
+    o_path, saved = bench.orbax_path, bench.targets["saved"]
+    return {
+        "orbax_restore": orbax_restore(bench.ckptr, o_path, saved),
+        "orbax_restore_cold": cold(
+            o_path, lambda: orbax_restore(bench.ckptr, o_path, saved), bench.still_cached
+        ),
+    }
+
+
+def measure(bench: Bench) -> tuple[dict, dict | None]:
+    """The warm-up and the repetitions, each writing and restoring every contender's
+    checkpoint and printing its samples; the repetitions' go into `bench.samples`. Returns
+    what is measured once, in fresh processes, on the last repetition's checkpoints: the
+    restores' peak memory, and with --quick the first-restore runs."""
+    memory: dict = {}
+    first_runs = None
+    last = bench.warmup + bench.reps - 1
+    for rep in range(bench.warmup + bench.reps):
+        record = rep >= bench.warmup
+        got = timed_writes(bench, rep)
         # Warm restores first (the files are cached since the saves), then cold ones.
-        # Each warm restore runs `repeats` times, interleaved with the others, the order
-        # rotated every round, and its sample for this repetition is the median: one
-        # 256 MiB restore takes ~0.1 s here, and a single one moved 0.5-5x with the
-        # machine's load and 2-3x with its place (whichever ran first after the writes
-        # paid it), which decided the rows onto another sharding.
-        warm_page_cache(f_path)
-        warm_page_cache(o_path)
-        share = cached_fraction(f_path)
-        if share is not None:
-            warm_cached.append(share)
-        runs: dict[str, list[float]] = {}
-        for i in range(repeats):
-            for name, restore in rotated(restores, rep * repeats + i):
-                runs.setdefault(name, []).append(restore())
-        for name, times in runs.items():
-            got[name] = median(times)
-            if record:
-                samples.setdefault(f"{name}_runs", []).extend(times)
-        colds = [
-            ("fcir_restore_saved_cold", lambda: fcir_restore(f_path, saved)),
-            ("limit_restore_cold", lambda: timed_limit(f_path, saved)),
-        ]
-        for name, restore in rotated(colds, rep):
-            got[name] = cold(f_path, restore, still_cached)
-        got["orbax_restore"] = orbax_restore(ckptr, o_path, saved)
-        got["orbax_restore_cold"] = cold(
-            o_path, lambda: orbax_restore(ckptr, o_path, saved), still_cached
-        )
-        memory = None
-        if rep == warmup + reps - 1:  # fresh processes, once, on the last checkpoints
+        got.update(warm_restores(bench, rep, record))
+        got.update(cold_restores(bench, rep))
+        got.update(orbax_restores(bench))
+        if rep == last:
             memory = {
-                "fcir": measure_memory("fcir", f_path, shape),
-                "fcir_other": measure_memory("fcir", f_path, shape, "other"),
-                **({} if args.quick else {"orbax": measure_memory("orbax", o_path, shape)}),
+                "fcir": measure_memory("fcir", bench.fcir_path, bench.shape),
+                "fcir_other": measure_memory("fcir", bench.fcir_path, bench.shape, "other"),
+                **(
+                    {}
+                    if bench.args.quick
+                    else {"orbax": measure_memory("orbax", bench.orbax_path, bench.shape)}
+                ),
             }
-        if args.quick and rep == warmup + reps - 1:  # keeps --first-restore from rotting
-            first_runs = first_restore_runs(f_path, shape, ("fcir",), 1, 2)
-        for path in (f_path, o_path, d_path, d_path.with_suffix(".direct"), a_path, b_path):
+            if bench.args.quick:  # keeps --first-restore from rotting
+                first_runs = first_restore_runs(bench.fcir_path, bench.shape, ("fcir",), 1, 2)
+        d_path = bench.dd_path
+        for path in (bench.fcir_path, bench.orbax_path, d_path, d_path.with_suffix(".direct"),
+                     bench.async_path, bench.busy_path):  # fmt: skip
             rm(path)
         print(
             ("rep" if record else "warm-up")
@@ -700,10 +791,14 @@ def run(args: argparse.Namespace) -> int:
         )
         if record:
             for k, v in got.items():
-                samples.setdefault(k, []).append(v)
-    if args.dir is None:
-        shutil.rmtree(work, ignore_errors=True)
+                bench.samples.setdefault(k, []).append(v)
+    return memory, first_runs
 
+
+def figures(samples: dict[str, list[float]], memory: dict) -> tuple[list[tuple], dict]:
+    """The rows of the table, (figure, A, B, A/B, goal, met): the GOALS' time ratios of
+    the medians, then the restores' peak extra memory over the restored bytes; and for
+    each time ratio, its value in every repetition."""
     rows = []
     spreads: dict[str, list[float]] = {}
     for figure, num, den, goal, op in GOALS:
@@ -727,6 +822,10 @@ def run(args: argparse.Namespace) -> int:
                 mem_ratio <= 1.2,
             )
         )
+    return rows, spreads
+
+
+def print_figures(rows: list[tuple], spreads: dict[str, list[float]]) -> None:
     print()
     print(
         f"{'figure':<52} {'A':>9} {'B':>9} {'A/B':>7}  {'goal':<7} ok   "
@@ -744,6 +843,9 @@ def run(args: argparse.Namespace) -> int:
             met = sum(r >= float(value) if op == ">=" else r <= float(value) for r in per)
             line += f" {median(per):.2f} ({min(per):.2f}..{max(per):.2f}), {met}/{len(per)}"
         print(line)
+
+
+def print_save_phases_and_syncs(samples: dict[str, list[float]]) -> None:
     phases = [
         k
         for k in (
@@ -765,16 +867,20 @@ def run(args: argparse.Namespace) -> int:
         f"untimed os.sync() before each timed call: median {median(PRESYNC):.3f} s, "
         f"max {max(PRESYNC):.3f} s over {len(PRESYNC)} calls"
     )
-    first = first_restore_summary(first_runs) if args.quick else None
+
+
+def print_conditions(bench: Bench, memory: dict) -> None:
+    """The machine's load, how cached the warm and cold restores' files were, and
+    orbax's restore memory (not a goal's row)."""
     print(f"load average (1, 5, 15 min) at the end: {os.getloadavg()}")
-    if warm_cached:
+    if bench.warm_cached:
         print(
-            f"(warm restores: {min(warm_cached):.0%} at least of fcir's checkpoint was in "
+            f"(warm restores: {min(bench.warm_cached):.0%} at least of fcir's checkpoint was in "
             "the page cache before them)"
         )
-    if still_cached:
+    if bench.still_cached:
         print(
-            f"(cold restores: after each drop, {max(still_cached):.0%} at most of the "
+            f"(cold restores: after each drop, {max(bench.still_cached):.0%} at most of the "
             "checkpoint's pages were still cached)"
         )
     else:
@@ -786,18 +892,26 @@ def run(args: argparse.Namespace) -> int:
             f"{(om['peak'] - om['before']) / om['restored']:.2f}x the restored bytes)"
         )
 
+
+def write_record(
+    bench: Bench,
+    memory: dict,
+    rows: list[tuple],
+    spreads: dict[str, list[float]],
+    first: dict | None,
+) -> None:
     result = {
         "benchmark": "checkpoint",
-        "quick": args.quick,
+        "quick": bench.args.quick,
         "when": datetime.datetime.now(datetime.UTC).isoformat(),
         "config": {
-            "big_shape": shape,
+            "big_shape": bench.shape,
             "n_big": N_BIG,
             "n_small": N_SMALL,
-            "bytes": nbytes,
+            "bytes": bench.nbytes,
             "devices": jax.device_count(),
-            "repetitions": reps,
-            "warmup": warmup,
+            "repetitions": bench.reps,
+            "warmup": bench.warmup,
         },
         "versions": {
             "python": platform.python_version(),
@@ -807,10 +921,10 @@ def run(args: argparse.Namespace) -> int:
             "orbax-checkpoint": _version("orbax-checkpoint"),
         },
         "cpu_count": os.cpu_count(),
-        "samples_s": samples,
+        "samples_s": bench.samples,
         "memory_bytes": memory,
-        "cached_after_drop": still_cached,
-        "cached_before_warm": warm_cached,
+        "cached_after_drop": bench.still_cached,
+        "cached_before_warm": bench.warm_cached,
         "presync_s": PRESYNC,
         "figures": [
             {
@@ -827,7 +941,20 @@ def run(args: argparse.Namespace) -> int:
         "first_restore": first,
         "load_average_at_end": os.getloadavg(),
     }
-    _record.write(args.results, "checkpoint", result, "quick" if args.quick else None)
+    _record.write(bench.args.results, "checkpoint", result, "quick" if bench.args.quick else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    bench = set_up(args)
+    memory, first_runs = measure(bench)
+    if args.dir is None:
+        shutil.rmtree(bench.work, ignore_errors=True)
+    rows, spreads = figures(bench.samples, memory)
+    print_figures(rows, spreads)
+    print_save_phases_and_syncs(bench.samples)
+    first = first_restore_summary(first_runs) if args.quick else None
+    print_conditions(bench, memory)
+    write_record(bench, memory, rows, spreads, first)
     return 0
 
 
