@@ -22,15 +22,23 @@ import numpy as np
 
 from .base import public
 from .bulyan_select import BulyanSelect, bulyan_order, bulyan_select_p
-from .krum import aggregate_jvp, define_gathered, flatten_members, int_arg, sq_distances
+from .krum import (
+    aggregate_jvp,
+    define_gathered,
+    flatten_members,
+    int_arg,
+    ordered_mean,
+    sq_distances,
+)
 
 __all__ = ["Bulyan", "bulyan_p", "closest_mean", "reduce_bulyan"]
 
 
 def closest_mean(chosen, beta):
     """Per coordinate, the mean of the ``beta`` values of ``chosen`` (axis 0) closest to
-    their median, ties in distance to the smaller value, in float32 or wider and
-    rounded to ``chosen``'s dtype."""
+    their median, ties in distance to the smaller value, in float32 or wider (added one
+    by one from the closest: ``ordered_mean``) and rounded to ``chosen``'s dtype. Each
+    coordinate's result is the same whatever coordinates are computed beside it."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -39,7 +47,7 @@ def closest_mean(chosen, beta):
     t = s.shape[0]
     median = (s[(t - 1) // 2] + s[t // 2]) / 2
     order = jnp.argsort(jnp.abs(s - median), axis=0, stable=True)[:beta]
-    return jnp.mean(jnp.take_along_axis(s, order, axis=0), axis=0).astype(chosen.dtype)
+    return ordered_mean(jnp.take_along_axis(s, order, axis=0)).astype(chosen.dtype)
 
 
 class Bulyan(BulyanSelect):
@@ -52,7 +60,7 @@ class Bulyan(BulyanSelect):
         **BulyanSelect.constraints,
         "C3": "result must be the operand's member type, local to the current placement",
     }
-    server_helpers = (*BulyanSelect.server_helpers, closest_mean)
+    server_helpers = (*BulyanSelect.server_helpers, ordered_mean, closest_mean)
 
     @staticmethod
     def server_aggregate(x, *, f):

@@ -97,6 +97,21 @@ def sq_distances(a, b):
     return jax.lax.map(lambda row: row_sums(jnp.square(b - row.astype(acc))), a)
 
 
+def ordered_mean(rows):
+    """The mean of ``rows`` (axis 0) in float32 or wider, added one by one from the
+    first, rounded to ``rows``' dtype: each coordinate's adds are the same whatever
+    other coordinates are averaged beside it (a stream averages them a block at a
+    time)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    acc = np.result_type(rows.dtype, np.float32)
+    first = rows[0].astype(acc)
+    total = jax.lax.fori_loop(1, rows.shape[0], lambda i, t: t + rows[i].astype(acc), first)
+    return (total / jnp.asarray(rows.shape[0], acc)).astype(rows.dtype)
+
+
 def krum_order(d, f, m):
     """The ``m`` members with the lowest Krum scores in the distance matrix ``d``, by
     increasing score (ties to the lower index; a NaN score last)."""

@@ -5,7 +5,8 @@ Scores and choice as ``fed.krum`` (``fcir.fed.krum``); the result is the chosen
 members' mean, in float32 or wider, rounded to the member dtype: ``{fN[s]}@child ->
 fN[s]``. Its shape does not depend on the number of members, so a server that got
 fewer replies than the round was captured for computes it over those; with fewer than
-``m``, the mean of them all, as Flower's ``MultiKrum``.
+``m``, the mean of them all, as Flower's ``MultiKrum``. The mean adds the chosen members
+one by one in score order (``fcir.fed.krum.ordered_mean``).
 
 Not secure: whoever aggregates sees every member's value. Derivative: the mean of
 ``fed.krum``'s chosen members' tangents (``fcir.fed.krum.aggregate_jvp``).
@@ -24,19 +25,11 @@ from .krum import (
     int_arg,
     krum_order,
     krum_p,
+    ordered_mean,
     sq_distances,
 )
 
 __all__ = ["MultiKrum", "multi_krum_p", "reduce_multi_krum"]
-
-
-def krum_mean(chosen):
-    """The mean of the chosen members (axis 0) in float32 or wider, in their order."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    acc = np.result_type(chosen.dtype, np.float32)
-    return jnp.mean(chosen.astype(acc), axis=0).astype(chosen.dtype)
 
 
 class MultiKrum(Krum):
@@ -49,7 +42,7 @@ class MultiKrum(Krum):
         **Krum.constraints,
         "C3": "result must be the operand's member type, local to the current placement",
     }
-    server_helpers = (*Krum.server_helpers, krum_mean)
+    server_helpers = (*Krum.server_helpers, ordered_mean)
 
     @staticmethod
     def server_aggregate(x, *, f, m):
@@ -59,7 +52,7 @@ class MultiKrum(Krum):
 
         flat = x.reshape(x.shape[0], -1)
         order = krum_order(sq_distances(flat, flat), f, min(m, x.shape[0]))
-        return krum_mean(jnp.take(x, order, axis=0))
+        return ordered_mean(jnp.take(x, order, axis=0))
 
     @classmethod
     def choose(cls, d, attrs: dict):
@@ -67,7 +60,7 @@ class MultiKrum(Krum):
 
     @classmethod
     def from_chosen(cls, chosen, attrs: dict):
-        return krum_mean(chosen)
+        return ordered_mean(chosen)
 
     @classmethod
     def result_shape(cls, shape: tuple, attrs: dict, n: int | None = None) -> tuple | None:
@@ -81,7 +74,7 @@ class MultiKrum(Krum):
 
 
 multi_krum_p = define_gathered(
-    MultiKrum, aggregate_jvp(lambda: krum_p, lambda c, *, n, f, m: krum_mean(c))
+    MultiKrum, aggregate_jvp(lambda: krum_p, lambda c, *, n, f, m: ordered_mean(c))
 )
 
 

@@ -13,9 +13,11 @@ stream as a loop over chunks of ``k`` members:
   values (``fed.sum``, ``mean``, ``weighted_mean``, ``min``, ``max``, ``secure_sum``,
   ``dp_sum``/``dp_mean``: clipped member by member, the noise added once at the end;
   ``ddp_*``: ``streaming_ddp.py``; ``median``, ``trimmed_mean``: exact, by passes over
-  the chunks after the stream's loop, ``streaming_order.py``): ``RULES`` maps each fed op class to what
-  the stream does with it, an accumulator object for a reduction (``accumulators.py``),
-  a :class:`streaming_order.ByPasses` for an order statistic;
+  the chunks after the stream's loop, ``streaming_order.py``; ``krum``, ``multi_krum``,
+  ``bulyan``, ``geometric_median``: by passes too, ``streaming_robust.py``): ``RULES``
+  maps each fed op class to what the stream does with it, an accumulator object for a
+  reduction (``accumulators.py``), a :class:`streaming_order.ByPasses` for one computed
+  by passes (which read the members through :class:`Chunks`);
 - each step slices ``k`` members out of the per-member operands, runs the map region
   ``jax.vmap``-ed over them (broadcast values go in unbatched, as the server's one copy)
   and folds the results into running accumulators: sums (in the accumulation dtype of
@@ -67,6 +69,7 @@ from fcir.opkit import primitives as P
 
 from . import accumulators as A
 from . import streaming_order as _order
+from . import streaming_robust as _robust
 from .interpreter import XlaInterpreter
 from .streaming_ddp import Distributed
 
@@ -128,6 +131,13 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     # Exact, by passes over the chunks after the stream's loop (streaming_order.py).
     F.Median: _order.ByPasses(),
     F.TrimmedMean: _order.ByPasses(),
+    # The robust aggregates, by passes too: the members' distances chunk by chunk, the
+    # chosen members gathered (streaming_robust.py), or Weiszfeld's steps.
+    F.Krum: _robust.ChosenMembers(),
+    F.MultiKrum: _robust.ChosenMembers(),
+    F.BulyanSelect: _robust.ChosenMembers(),
+    F.Bulyan: _robust.ChosenMembers(),
+    F.GeometricMedian: _robust.WeiszfeldPasses(),
     "reduction": F.Unsupported(_NO_ACCUMULATOR),
 }
 RULES = F.resolve(_OWN_RULES)
@@ -727,9 +737,9 @@ class StreamingInterpreter(XlaInterpreter):
         return _chunk_loop(n, k, step, (accs0, bufs0))
 
     def _ordered(self, s: Stream, batched, unbatched, n: int) -> list:
-        """The stream's order statistics, each by passes over the chunks: every pass runs
-        the member ops again on each chunk (streaming_order.py), so no per-member value
-        is kept."""
+        """The stream's reductions computed by passes over the chunks (the order
+        statistics, the robust aggregates): every pass runs the member ops again on each
+        chunk (streaming_order.py, streaming_robust.py), so no per-member value is kept."""
         if not s.ordered:
             return []
         k = min(self.k, n)
@@ -740,16 +750,13 @@ class StreamingInterpreter(XlaInterpreter):
         for op in s.ordered:
             v = op.operands[0]
 
-            def over_chunks(step, acc0, v=v):
-                def chunk(acc, start, valid):
-                    b = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
-                    return step(acc, values(b, unbatched)[v], valid)
-
-                return _chunk_loop(n, k, chunk, acc0)
+            def operand(start, v=v):
+                b = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
+                return values(b, unbatched)[v]
 
             cls = F.ops()[op.name]
             shape, dtype = shapes[v].shape[1:], shapes[v].dtype
-            outs.append(_by_passes(op).run(cls, op.attrs, n, shape, dtype, over_chunks))
+            outs.append(_by_passes(op).run(cls, op.attrs, Chunks(n, k, operand), shape, dtype))
         return outs
 
     def _backward_local(
@@ -809,6 +816,48 @@ class StreamingInterpreter(XlaInterpreter):
         return _chunk_loop(n, k, step, init, differentiable=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+    """A stream value's ``n`` members ``k`` at a time, as the by-passes families read it
+    (``streaming_order.py``, ``streaming_robust.py``): ``values(start)`` computes the
+    members ``start .. start + k - 1`` (running the stream's member ops on them)."""
+
+    n: int
+    k: int
+    values: object
+
+    @property
+    def count(self) -> int:
+        """How many chunks cover the members."""
+        return -(-self.n // self.k)
+
+    def bounds(self, i):
+        """(start, valid) of chunk ``i`` (traced), laid out as ``_chunk_loop`` lays them."""
+        return _chunk_bounds(self.n, self.k, i)
+
+    def at(self, i):
+        """(values, valid, start) of chunk ``i``: ``valid`` (None when ``k`` divides
+        ``n``) masks the members an earlier chunk holds."""
+        start, valid = self.bounds(i)
+        return self.values(start), valid, start
+
+    def fold(self, step, acc0):
+        """One pass: ``acc0`` through ``step(acc, values, valid)`` for every chunk."""
+        return _chunk_loop(
+            self.n, self.k, lambda acc, start, valid: step(acc, self.values(start), valid), acc0
+        )
+
+
+def _chunk_bounds(n: int, k: int, i):
+    """(start, valid) of chunk ``i`` of ``n`` members ``k`` at a time: the last chunk
+    starts at ``n - k`` when ``k`` does not divide ``n``, and ``valid`` (None otherwise)
+    masks the members the chunk before it already holds."""
+    if -(-n // k) * k == n:
+        return i * k, None
+    start = jnp.minimum(i * k, n - k)
+    return start, (start + jnp.arange(k)) >= i * k
+
+
 def _chunk_loop(n: int, k: int, step, state, *, differentiable: bool = False):
     """``state`` through ``step(state, start, valid)`` for the chunks of ``n`` members,
     ``k`` at a time (one step inlined). The last chunk starts at ``n - k`` when ``k``
@@ -822,14 +871,12 @@ def _chunk_loop(n: int, k: int, step, state, *, differentiable: bool = False):
     The backward loop (``differentiable``) is a ``lax.scan``, so a second derivative
     still goes through it."""
     steps = -(-n // k)
-    ragged = steps * k != n
 
     def body(carry):
         # The step number is carried, not scanned over: nothing in the loop's state
         # grows with the number of steps.
         i, state = carry
-        start = jnp.minimum(i * k, n - k) if ragged else i * k
-        valid = (start + jnp.arange(k)) >= i * k if ragged else None
+        start, valid = _chunk_bounds(n, k, i)
         return i + 1, step(state, start, valid)
 
     init = (jnp.zeros((), jnp.int32), state)

@@ -243,9 +243,10 @@ def _add_times(total, v, times):
 
 class ByPasses:
     """Streaming's family for the order statistics (its table entry for ``fed.median``
-    and ``fed.trimmed_mean``):
-    not an :class:`~.accumulators.Accumulator`, which folds each chunk once, but passes
-    over the chunks after the stream's loop, each recomputing the chunk's values."""
+    and ``fed.trimmed_mean``): not an :class:`~.accumulators.Accumulator`, which folds
+    each chunk once, but passes over the chunks after the stream's loop, each
+    recomputing the chunk's values. The robust aggregates' families
+    (``streaming_robust.py``) are passes too, and subclass it."""
 
     def member_operands(self, op) -> list:
         return list(op.operands)
@@ -253,11 +254,12 @@ class ByPasses:
     def server_operands(self, op) -> list:
         return []
 
-    def run(self, op_cls, attrs: dict, n: int, shape, dtype, over_chunks):
-        """``op_cls`` (``fed.median`` / ``fed.trimmed_mean``) of the members that
-        ``over_chunks`` folds, by :class:`OrderStatistic`."""
-        trim = op_cls.trim_for(n, attrs)
-        return OrderStatistic(n, trim, tuple(shape), np.dtype(dtype)).run(over_chunks)
+    def run(self, op_cls, attrs: dict, chunks, shape, dtype):
+        """``op_cls`` (``fed.median`` / ``fed.trimmed_mean``) of the members ``chunks``
+        (``streaming.Chunks``) holds, of member shape ``shape`` and dtype ``dtype``, by
+        :class:`OrderStatistic`."""
+        trim = op_cls.trim_for(chunks.n, attrs)
+        return OrderStatistic(chunks.n, trim, tuple(shape), np.dtype(dtype)).run(chunks.fold)
 
     def __str__(self) -> str:
         return "exact, by passes over the chunks (streaming_order.py)"

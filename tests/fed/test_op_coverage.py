@@ -83,14 +83,21 @@ def test_a_table_missing_an_op_is_caught():
     assert missing_entries(table) == ["fed.trimmed_mean"]
 
 
-def test_unsupported_entries_are_raised_with_their_reason():
+def test_unsupported_entries_are_raised_with_their_reason(monkeypatch):
     import jax.numpy as jnp
     from fcir.interpreters import xla
+    from fcir.interpreters.xla import streaming
 
     import fcir
 
-    # (The order statistics stream since streaming_order.py; Krum keeps the kind's
-    # default entry, an Unsupported with its reason.)
+    # Every reduction streams now; streaming's kind default (an Unsupported with its
+    # reason) is what a reduction without an entry of its own gets: Krum's entry is
+    # taken out here to run it.
+    default = streaming._OWN_RULES["reduction"]
+    monkeypatch.setitem(streaming.RULES, F.Krum, default)
+    impls = {**streaming.StreamingInterpreter._impls, F.Krum: default}
+    monkeypatch.setattr(streaming.StreamingInterpreter, "_impls", impls)
+
     @fcir.program(placements={"clients": 4})
     def krum(x):
         return fcir.reduce_krum(fcir.map_fn(lambda v: v * 2.0, x), 1)
