@@ -1,5 +1,5 @@
 """fcir.learning's rounds on the XLA backend: every algorithm's round compiled with its
-members streamed (``clients_per_step=3``, where the aggregation streams) equals
+members streamed (``clients_per_step=3``) equals
 ``reference.run``; ``xla.simulate`` runs the rounds over a Population's cohorts (counts
 as the rounds' weights and masks, a DP key per round, SCAFFOLD's controls kept by
 member); and the rounds run on an 8-device mesh as without one (a child process)."""
@@ -23,8 +23,6 @@ EIGHT_DEVICES = Child(HERE, "FCIR_XLA_LEARNING_TESTS", "-k", "8_device_mesh")
 on_8_devices = EIGHT_DEVICES.on_8_devices
 test_on_8_simulated_devices = EIGHT_DEVICES.waiting_test()
 
-# Aggregations without a streamed form (xla.compile refuses clients_per_step for them).
-UNSTREAMED = {"krum", "multi_krum", "bulyan", "geometric_median"}
 # The DP rounds run on XLA in test_simulate_trains_a_private_round_over_poisson_cohorts
 # (dp, dp_adaptive) and test_ddp_round_runs_streamed (ddp): their releases' numbers on
 # every backend are tests/privacy/'s.
@@ -36,7 +34,7 @@ def test_every_algorithm_compiled_and_streamed_equals_the_reference(name):
     algo = ALGORITHMS[name]()
     args = round_args(algo, init(algo), make_data(), COUNTS)
     module = fcir.capture(algo.round(clients=N), *args)
-    step = xla.compile(module, clients_per_step=None if name in UNSTREAMED else 3)
+    step = xla.compile(module, clients_per_step=3)
     state, want = args[0], args[0]
     for _ in range(2):
         state, metrics = step(state, *args[1:])
@@ -124,8 +122,7 @@ MESHED = ["fedadam", "scaffold", "median"]  # a server optimizer, client state, 
 @pytest.mark.parametrize("name", MESHED)
 def test_rounds_on_an_8_device_mesh_equal_the_unmeshed_round(name):
     """8 members over 8 devices (jax.make_mesh's default axis types), streamed 2 at a
-    time per device where the aggregation streams: the round's state is the unmeshed
-    round's."""
+    time per device: the round's state is the unmeshed round's."""
     algo = ALGORITHMS[name]()
     data = jax.tree.map(lambda x: np.concatenate([x, x[:1]]), make_data())
     counts = np.concatenate([COUNTS, COUNTS[:1]])
