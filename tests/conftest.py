@@ -333,8 +333,8 @@ DEVICE_TIER_FILES = frozenset(
         "interpreters/xla/test_cost_accounting.py",
         "interpreters/xla/test_hlo_flops.py",
         "interpreters/xla/test_memory_budget.py",
-        "fed/test_robust_aggregators.py",
-        "fed/test_robust_aggregates.py",
+        "fed/test_krum_bulyan_geometric_median.py",
+        "fed/test_median_and_trimmed_mean.py",
         "checkpoint/test_device_memory.py",
     }
 )
