@@ -140,7 +140,7 @@ def node_venv(runtime: str) -> pathlib.Path:
     temp dir."""
     import tomllib
 
-    from fcir.interpreters.flower.writer import _pyproject
+    from fcir.interpreters.flower.app_writer import _pyproject
 
     deps = tomllib.loads(_pyproject("x", runtime))["project"]["dependencies"]
     deps = [d for d in deps if not d.startswith("ml_dtypes")] + ["ml_dtypes>=0.5,<0.7"]

@@ -178,7 +178,7 @@ def test_the_reader_sees_local_relative_and_package_imports():
         "def f():\n"
         "    from fcir.interpreters import xla\n"
     )
-    found = imports_of(source, "fcir.interpreters.flower.writer")
+    found = imports_of(source, "fcir.interpreters.flower.app_writer")
     assert found == {
         "fcir.ir.text",
         "fcir.interpreters.flower.sibling",

@@ -20,7 +20,7 @@ import pathlib
 from fcir.errors import ExportError
 from fcir.ir import Module
 
-from .writer import RUN_CONFIG, write_app
+from .app_writer import RUN_CONFIG, write_app
 
 __all__ = ["RUN_CONFIG", "Client", "ExportError", "Strategy", "export"]
 

@@ -19,7 +19,7 @@ from .app import training
 from .data import split_arguments
 from .local import Deployment, _bin, env_for, flwr_run
 from .simulation import simulate
-from .writer import APP_PACKAGE
+from .app_writer import APP_PACKAGE
 
 
 def cmd_export_flower(module, a) -> int:

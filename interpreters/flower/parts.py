@@ -22,7 +22,7 @@ from fcir.ir import Module
 
 from . import as_flower
 from .app import runtime, training
-from .writer import build_plan
+from .app_writer import build_plan
 
 __all__ = ["RoundParts", "from_reply", "model_reply", "record_of"]
 

@@ -82,7 +82,7 @@ def run(
     """Runs the app's ServerApp main as run ``run_id``; returns the grid (what was sent
     to whom). ``lost``: node -> rounds in which its replies of plain exchanges never
     arrive (its ClientApp ran)."""
-    from fcir.interpreters.flower.writer import RUN_CONFIG
+    from fcir.interpreters.flower.app_writer import RUN_CONFIG
     from flwr.supercore.task_identity import TaskIdentity
 
     TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = run_id, 1, 0  # as flwr-serverapp

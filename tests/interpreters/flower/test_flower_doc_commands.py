@@ -202,7 +202,7 @@ def test_the_device_install_is_the_iree_apps_dependencies():
     runs real SuperNodes on it."""
     import tomllib
 
-    from fcir.interpreters.flower.writer import _pyproject
+    from fcir.interpreters.flower.app_writer import _pyproject
 
     (line,) = SCRIPTS[_current()]
     argv = shlex.split(line)

@@ -410,7 +410,7 @@ def _app_dependencies() -> tuple[str, ...]:
     """What an exported IREE app's pyproject.toml tells a device to install."""
     import tomllib
 
-    from fcir.interpreters.flower.writer import _pyproject
+    from fcir.interpreters.flower.app_writer import _pyproject
 
     return tuple(tomllib.loads(_pyproject("x", "iree"))["project"]["dependencies"])
 
@@ -444,7 +444,7 @@ def test_a_jax_app_asks_its_nodes_for_flatbuffers_which_jax_export_needs():
     building bench/device_runtime.py's jax node venv). IREE nodes deserialize nothing."""
     import tomllib
 
-    from fcir.interpreters.flower.writer import _pyproject
+    from fcir.interpreters.flower.app_writer import _pyproject
 
     jax_deps = tomllib.loads(_pyproject("x", "jax"))["project"]["dependencies"]
     assert "flatbuffers" in _closure(jax_deps)
@@ -457,7 +457,7 @@ def test_a_jax_app_s_jax_range_holds_the_exporting_jax_and_no_earlier_one():
     import tomllib
 
     import jax
-    from fcir.interpreters.flower.writer import _pyproject
+    from fcir.interpreters.flower.app_writer import _pyproject
     from packaging.requirements import Requirement
 
     deps = tomllib.loads(_pyproject("x", "jax"))["project"]["dependencies"]
