@@ -75,8 +75,12 @@ def golden(request):
         if expected != text:
             diff = list(
                 difflib.unified_diff(
-                    expected.splitlines(), text.splitlines(), f"golden/{name}.fcir", "actual",
-                    lineterm="", n=1,
+                    expected.splitlines(),
+                    text.splitlines(),
+                    f"golden/{name}.fcir",
+                    "actual",
+                    lineterm="",
+                    n=1,
                 )
             )
             shown = "\n".join(diff[:40]) + ("\n..." if len(diff) > 40 else "")
@@ -174,6 +178,7 @@ def _use_session_jax_cache(config) -> None:
 
 def pytest_configure(config):
     _use_session_jax_cache(config)
+    _use_cpu_log(config)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -215,17 +220,29 @@ def traced_at_default_precision():
 
 # FCIR_TEST_CPU=FILE: each test's CPU seconds (its process's, and those of the processes
 # it started and waited for: CLIs, 8-device children, Flower's SuperLinks) and wall
-# seconds are appended to FILE, one line per test, by every pytest process. CI sets it
-# for each leg and prints tools/test_cpu.py's summary: the machine's two cores are busy
-# for the whole run, so CPU seconds, not a test's wall time, are what CI's time is made of.
-_CPU_LOG = os.environ.get("FCIR_TEST_CPU")
+# seconds are appended to FILE, one line per test, by the session's pytest processes (the
+# one process, or the xdist workers, which their controller tells). CI sets it for each
+# leg and prints tools/test_cpu.py's summary: the machine's two cores are busy for the
+# whole run, so CPU seconds, not a test's wall time, are what CI's time is made of. The
+# variable leaves the environment: a pytest that a test starts (an 8-device child, a
+# scratch suite) must not write lines of its own, since the test's line counts it.
+_CPU_LOG: str | None = None
+
+
+def _use_cpu_log(config) -> None:
+    global _CPU_LOG
+    if _xdist_worker(config):
+        _CPU_LOG = config.workerinput.get("fcir_cpu_log")
+    else:
+        _CPU_LOG = os.environ.pop("FCIR_TEST_CPU", None)
 
 
 def _cpu_seconds() -> float:
     import resource
 
-    own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
-        resource.RUSAGE_CHILDREN
+    own, waited = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
     )
     return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
 
@@ -254,6 +271,7 @@ def pytest_configure_node(node):
     """Tells each xdist worker the distribution mode (a worker's own is "no")."""
     node.workerinput["fcir_dist"] = node.config.getoption("dist")
     node.workerinput["fcir_jax_cache"] = _SESSION_JAX_CACHE
+    node.workerinput["fcir_cpu_log"] = _CPU_LOG
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -283,8 +301,10 @@ def pytest_sessionfinish(session, exitstatus):
             p.unlink()
         return
     names = ", ".join(p.name for p in unused)
-    print(f"\nunused golden files (no test compares them): {names}\n"
-          "remove them, or run: python -m pytest tests --update-goldens")
+    print(
+        f"\nunused golden files (no test compares them): {names}\n"
+        "remove them, or run: python -m pytest tests --update-goldens"
+    )
     session.exitstatus = 1
 
 
@@ -305,8 +325,14 @@ SLOW_CORPUS_CASES = frozenset({"fedavg_transformer"})
 # scan of rounds, the order statistics); a test run on any other corpus program is
 # ``slow``: the full run (CI) sweeps every program.
 FAST_CORPUS_CASES = frozenset(
-    {"fedsgd_linreg", "hierarchical_fedavg", "secure_histogram", "minmax_agg", "scan_rounds",
-     "robust_agg"}
+    {
+        "fedsgd_linreg",
+        "hierarchical_fedavg",
+        "secure_histogram",
+        "minmax_agg",
+        "scan_rounds",
+        "robust_agg",
+    }
 )
 
 
@@ -410,9 +436,7 @@ def pytest_collection_modifyitems(config, items):
             # The old IR fixtures' ids: "ir_v1_jax0.10.2/x" or ".../x_grad"; the fast
             # tier keeps every fixture but the SLOW_CORPUS_CASES ones.
             fixtures = {t.rpartition("/")[2].removesuffix("_grad") for t in tokens if "/" in t}
-            if (named | fixtures) & SLOW_CORPUS_CASES or (
-                named and not named & FAST_CORPUS_CASES
-            ):
+            if (named | fixtures) & SLOW_CORPUS_CASES or (named and not named & FAST_CORPUS_CASES):
                 item.add_marker("slow")
         try:
             parts = pathlib.Path(item.path).resolve().relative_to(root).parts
