@@ -39,7 +39,7 @@ SCAFFOLD_RUN = "FLWR_HOME=dep/home-cli fcir flower run app/ --run-config 'output
 SIMULATE = "fcir flower simulate app/ --nodes 8 --data parts/ --run-config 'num-server-rounds=3'"
 SIMULATE_METRICS = (
     "fcir flower simulate app/ --nodes 8 --data parts/ --run-config "
-    "'num-server-rounds=8 metrics-file=\"metrics.json\" output=\"out.npz\"'"
+    '\'num-server-rounds=8 metrics-file="metrics.json" output="out.npz"\''
 )
 PLOT = "fcir flower plot metrics.json -o loss.png"
 SUPERNODE = (
@@ -51,17 +51,29 @@ IREE_EXPORT = (
     "parts/server_inputs.npz --device-runtime iree --device-target llvm-cpu "
     "--device-target aarch64-linux-android34"
 )
-DEVICE_PIP = "pip install flwr==1.42.0 'numpy>=2.0' 'iree-base-runtime>=3.13,<3.14' 'ml_dtypes>=0.5,<0.7'"
+DEVICE_PIP = (
+    "pip install flwr==1.42.0 'numpy>=2.0' 'iree-base-runtime>=3.13,<3.14' 'ml_dtypes>=0.5,<0.7'"
+)
 DP_EXAMPLE = "python examples/dp_flower_training.py --nodes 30 --rounds 20 --max-epsilon 6"
 
 # test name -> the doc commands it runs (or, for another machine's, checks).
 SCRIPTS = {
     "test_install_commands_name_extras_this_environment_satisfies": [
-        'pip install -e ".[flower]"', 'pip install -e ".[flower,iree]"'],
+        'pip install -e ".[flower]"',
+        'pip install -e ".[flower,iree]"',
+    ],
     "test_the_device_install_is_the_iree_apps_dependencies": [DEVICE_PIP],
     "test_the_supernode_line_for_a_device_parses": [SUPERNODE],
     "test_quickstart_failing_run_and_scaffold_on_one_local_deployment": [
-        DATA, EXPORT, UP, QUICK_RUN, FAILING_RUN, SCAFFOLD_DATA, SCAFFOLD_EXPORT, SCAFFOLD_RUN],
+        DATA,
+        EXPORT,
+        UP,
+        QUICK_RUN,
+        FAILING_RUN,
+        SCAFFOLD_DATA,
+        SCAFFOLD_EXPORT,
+        SCAFFOLD_RUN,
+    ],
     "test_the_simulations_and_the_plot": [DATA, EXPORT, SIMULATE, SIMULATE_METRICS, PLOT],
     "test_the_iree_export": [DATA, IREE_EXPORT],
     "test_the_dp_example_runs_as_the_page_says": [DP_EXAMPLE],
@@ -133,8 +145,9 @@ def sh(line: str, cwd, timeout: float = 600, tmp=None) -> subprocess.CompletedPr
     ``--dir`` puts its processes' files, to find what it left running)."""
     assert line in SCRIPTS[_current()], f"{line!r} is not in this test's script"
     env = _env() if tmp is None else {**_env(), "TMPDIR": str(tmp)}
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def ok(line: str, cwd, timeout: float = 600, tmp=None) -> str:
@@ -153,7 +166,9 @@ def _short_tmp(tmp_path) -> pathlib.Path:
     and so is a TMPDIR of CI's own, /tmp/fcir-ci-leg2.XXXXXX: hence /tmp itself)."""
     import tempfile
 
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="fd-", dir="/tmp" if os.path.isdir("/tmp") else None)).resolve()
+    tmp = pathlib.Path(
+        tempfile.mkdtemp(prefix="fd-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    ).resolve()
     (tmp_path / "tmp").symlink_to(tmp)  # removed with tmp_path's; the folder itself:
     _CLEANUP.append(tmp)
     return tmp
@@ -198,7 +213,7 @@ def test_install_commands_name_extras_this_environment_satisfies():
 
 def test_the_device_install_is_the_iree_apps_dependencies():
     """The page's pip line for a device is exactly what an IREE app's pyproject.toml
-    asks for: test_flower_iree.py's node venv (built with pip from those requirements)
+    asks for: test_flower_iree.py's node venv (built from those requirements)
     runs real SuperNodes on it."""
     import tomllib
 
@@ -227,8 +242,13 @@ def test_the_supernode_line_for_a_device_parses():
     assert argv[0] == "flower-supernode"
     options = [a for a in argv[1:] if a.startswith("--")]
     assert options == ["--insecure", "--superlink", "--port", "--node-config"]
-    help_text = subprocess.run([_bin("flower-supernode"), "--help"], capture_output=True,
-                               text=True, timeout=120, env=_env()).stdout
+    help_text = subprocess.run(
+        [_bin("flower-supernode"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    ).stdout
     for opt in [*options, "--root-certificates"]:  # the page's TLS advice too
         assert opt in help_text, opt
     config = parse_config_args([argv[argv.index("--node-config") + 1]])
@@ -259,8 +279,14 @@ def test_quickstart_failing_run_and_scaffold_on_one_local_deployment(tmp_path):
     ok(DATA, work)
     ok(EXPORT, work)
     assert UP in SCRIPTS[_current()]
-    up = subprocess.Popen(["bash", "-c", "exec " + UP.rstrip("& ")], cwd=work, env=_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(
+        ["bash", "-c", "exec " + UP.rstrip("& ")],
+        cwd=work,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     dep = work / "dep"
     try:
         said = []
@@ -276,8 +302,10 @@ def test_quickstart_failing_run_and_scaffold_on_one_local_deployment(tmp_path):
         (written,) = re.findall(r"wrote \d+ output array\(s\) to (\S+)", log)
         assert pathlib.Path(written) == dep.resolve() / "home-superlink" / "final_model.npz"
         config = dict(kv.split("=", 1) for kv in shlex.split(shlex.split(QUICK_RUN)[-1]))
-        nodes = {101 + i: {"partition-id": i, "data-path": str(work / "parts" / f"node{i}.npz")}
-                 for i in range(3)}
+        nodes = {
+            101 + i: {"partition-id": i, "data-path": str(work / "parts" / f"node{i}.npz")}
+            for i in range(3)
+        }
         grid = inprocess.run(work / "app", nodes, config)
         assert [g.tobytes() for g in _outputs(written)] == [w.tobytes() for w in grid.final_model]
 
@@ -322,7 +350,9 @@ def _fedavg_round(work) -> rounds.Round:
     with np.load(work / "parts" / "server_inputs.npz") as f:
         server = [f[f"arr_{i}"] for i in range(len(f.files))]
     assert [x.tobytes() for x in leaves[: len(server)]] == [x.tobytes() for x in server]
-    return rounds.Round("fedavg_round", module, leaves, [i >= len(server) for i in range(len(leaves))])
+    return rounds.Round(
+        "fedavg_round", module, leaves, [i >= len(server) for i in range(len(leaves))]
+    )
 
 
 @pytest.mark.slow
@@ -334,7 +364,9 @@ def test_the_simulations_and_the_plot(tmp_path):
     paths); the output is quiet (no fork warning, no Python warning, none of Flower's
     notes that do not apply), and nothing of either simulation is left running."""
     pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install -e '.[flower]')")
-    pytest.importorskip("ray", reason="the Simulation Engine needs ray (pip install -e '.[flower]')")
+    pytest.importorskip(
+        "ray", reason="the Simulation Engine needs ray (pip install -e '.[flower]')"
+    )
     import json
 
     from fcir.interpreters.flower.simulation import _pids_with_home_under
@@ -350,8 +382,13 @@ def test_the_simulations_and_the_plot(tmp_path):
     assert p.stdout.count("8/8 clients replied") == 3, p.stdout[-3000:]
     assert "finished: completed\n" in p.stdout
     said = p.stdout + p.stderr
-    for noise in ("os.fork()", "Warning:", "default simulated SuperNodes", "simulation-config",
-                  "Manually terminating"):
+    for noise in (
+        "os.fork()",
+        "Warning:",
+        "default simulated SuperNodes",
+        "simulation-config",
+        "Manually terminating",
+    ):
         assert noise not in said, said[-3000:]
     out = work.resolve() / "final_model.npz"
     assert f"to {out}\n" in p.stdout, p.stdout[-3000:]
@@ -382,7 +419,8 @@ def test_simulate_takes_relative_run_config_paths_from_where_it_was_started():
     kept = 'output="none" checkpoint-dir="/abs/c" inputs="" dataset="/d.npz"'
     assert absolute_paths(kept, "/w") == kept
     assert absolute_paths('checkpoint-dir="c" dataset="d.npz"', "/w") == (
-        'checkpoint-dir="/w/c" dataset="/w/d.npz"')
+        'checkpoint-dir="/w/c" dataset="/w/d.npz"'
+    )
 
 
 # --- the IREE export ---------------------------------------------------------------------
@@ -393,7 +431,9 @@ def test_the_iree_export(tmp_path):
     """The page's IREE export of its fedavg round: a module per target, each verified
     at the level kept (the aarch64 one run under qemu when the machine has it)."""
     pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install -e '.[flower]')")
-    pytest.importorskip("iree.compiler", reason="needs iree-base-compiler (pip install -e '.[iree]')")
+    pytest.importorskip(
+        "iree.compiler", reason="needs iree-base-compiler (pip install -e '.[iree]')"
+    )
     import json
 
     work = _folder(tmp_path)
@@ -422,12 +462,17 @@ def test_the_dp_example_runs_as_the_page_says(tmp_path):
     round 7 would bring it to 6.543, the held-out accuracy it states to 0.01), nothing
     left running."""
     pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install -e '.[flower]')")
-    pytest.importorskip("ray", reason="the Simulation Engine needs ray (pip install -e '.[flower]')")
+    pytest.importorskip(
+        "ray", reason="the Simulation Engine needs ray (pip install -e '.[flower]')"
+    )
     pytest.importorskip("sklearn")
     from fcir.interpreters.flower.simulation import _pids_with_home_under
 
     text = DOC.read_text()
-    assert "runs 2 rounds, then resumes and runs rounds\n3 to 6 (ε 5.979; round 7 would bring it to 6.543)" in text
+    assert (
+        "runs 2 rounds, then resumes and runs rounds\n3 to 6 (ε 5.979; round 7 would bring it to 6.543)"
+        in text
+    )
     work = _folder(tmp_path)
     tmp = _short_tmp(tmp_path)
     log = ok(DP_EXAMPLE, work, tmp=tmp)
