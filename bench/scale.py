@@ -278,7 +278,7 @@ def server_flops(model: dict, clients: int) -> float:
     specs = round_specs(model, clients, 1, 1)
     fn = transformer.make_round(clients, lr=transformer.LR, num_heads=model["heads"], api=fcir)
     module = fcir.capture(fn, *specs)
-    return float(cost._xla_flops(module, module.main.body))
+    return float(cost.own_flops(module, module.main.body))
 
 
 def _flops(analysis) -> float:

@@ -272,6 +272,12 @@ class _Flops:
         return self.cache[key]
 
 
+def own_flops(module: Module, region: Region) -> float:
+    """The flops of one execution of ``region`` (every iteration of its loops), its
+    nested fed.map regions not counted: e.g. the server's own work in ``main``."""
+    return _Flops(module).own(region)
+
+
 def _region_flops(module: Module, region: Region, members: int | None) -> hlo_flops.HloCount:
     """The HLO count of one execution of ``region`` lowered alone (fed.maps as zeros), or
     with ``members``: of the region vmapped over that many members."""

@@ -23,7 +23,7 @@ from fcir.interpreters.production import iree  # noqa: E402
 
 pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
-ROUNDS_PY = pathlib.Path(__file__).parents[2] / "production" / "rounds.py"
+ROUNDS_PY = pathlib.Path(__file__).parents[2] / "productionlib" / "rounds.py"
 # Small rounds covering float training, weights, integer secure sums and booleans.
 ROUNDS = ("own:fedavg_pytree", "own:weighted", "own:secure", "own:minmax", "own:server_side")
 
