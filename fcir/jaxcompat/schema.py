@@ -75,9 +75,70 @@ def _lax(name):
     return call
 
 
+def _probe_eqn(prim: str, fn, *example):
+    """The params of the first ``prim`` eqn in ``fn``'s jaxpr at ``example()``."""
+
+    def probe():
+        import jax
+
+        jaxpr = jax.make_jaxpr(fn)(*(e() for e in example))
+        return next(e.params for e in jaxpr.eqns if e.primitive.name == prim)
+
+    return probe
+
+
+def _bits(key):
+    import jax
+
+    return jax.random.bits(key, (2,))
+
+
+def _key():
+    import jax
+
+    return jax.random.key(0)
+
+
+def _take(x):
+    import jax.numpy as jnp
+
+    return x[jnp.asarray([1, 0])]
+
+
+def _scatter(method: str):
+    def update(x):
+        import jax.numpy as jnp
+
+        return getattr(x.at[jnp.asarray([1, 0])], method)(x[:1])
+
+    return update
+
+
+def _floats():
+    import numpy as np
+
+    return np.zeros((2, 3), np.float32)
+
+
 ADDED_PARAMS: dict[tuple[str, str], tuple[Any, Any]] = {
     ("reduce_min", "out_sharding"): (None, _probe_reduce(_lax("reduce_min"))),
     ("reduce_max", "out_sharding"): (None, _probe_reduce(_lax("reduce_max"))),
+    # JAX 0.12.1: random_bits can draw several streams at once, and says where its
+    # result lives; one stream, placed as JAX decides, is what older JAX drew.
+    ("random_bits", "num_streams"): (1, _probe_eqn("random_bits", _bits, _key)),
+    ("random_bits", "out_sharding"): (None, _probe_eqn("random_bits", _bits, _key)),
+    # JAX 0.12.1: gather and the scatters say where their result lives.
+    ("gather", "out_sharding"): (None, _probe_eqn("gather", _take, _floats)),
+    **{
+        (prim, "out_sharding"): (None, _probe_eqn(prim, _scatter(method), _floats))
+        for prim, method in (
+            ("scatter", "set"),
+            ("scatter-add", "add"),
+            ("scatter-mul", "multiply"),
+            ("scatter-min", "min"),
+            ("scatter-max", "max"),
+        )
+    },
 }
 _HAS_PARAM: dict[tuple[str, str], bool] = {}
 
@@ -136,10 +197,17 @@ def inlined_while_tracing(prim: str, params: dict) -> bool:
     )
 
 
+def _is_default(value, default) -> bool:
+    """Whether a param holds its added default (None by identity; an int by value)."""
+    if default is None:
+        return value is None
+    return type(value) is type(default) and value == default
+
+
 def to_fcir(prim: str, params: dict[str, Any]) -> dict[str, Any]:
     """The running JAX's params of ``prim`` as fcir's attribute values (still Python)."""
     for (p, key), (default, _) in ADDED_PARAMS.items():
-        if p == prim and key in params and params[key] is default:
+        if p == prim and key in params and _is_default(params[key], default):
             params = {k: v for k, v in params.items() if k != key}
     if prim == "scan" and "ft_in" in params:
         nc, nk = scan_counts(params)

@@ -241,6 +241,8 @@ class _Module:
         op = i.opcode
         if op in ELEMENTWISE:
             total.elementwise(_elements(i.shape), op in TRANSCENDENTAL)
+        elif op == "fma":  # a multiply and an add (JAX 0.12.1's fmuladd lowers to it)
+            total.elementwise(2 * _elements(i.shape), False)
         elif op == "dot":
             lhs = _arrays(self.shapes.get(i.operands[0], ""))
             dims = lhs[0] if lhs else []

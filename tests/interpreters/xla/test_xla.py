@@ -44,10 +44,23 @@ WEAK_LITERALS = {"secure_histogram", "minmax_agg"}
 NEUTRAL_DERIVATIVES = {"fedavg_transformer"} if jax.__version_info__ >= (0, 11) else set()
 
 
-def _params(names, *, text=False):
+# Measured on JAX 0.12.1 (0.10.2 and 0.12.0: bitwise, the same flops): jax.jit of the
+# transformer round's gradient lowers its scans with other residuals than the jaxpr that
+# capture records (the IR is that jaxpr, tests/golden/jax0.12/fedavg_transformer_grad):
+# 4,383,073 flops against jit's 4,374,361, and in CI one leaf 1 ulp off.
+GRAD_DIFFERS = (
+    {"fedavg_transformer": "JAX 0.12.1's jit lowers its scans' residuals otherwise (see above)"}
+    if jax.__version_info__ >= (0, 12, 1)
+    else {}
+)
+
+
+def _params(names, *, text=False, grad=False):
     out = []
     for name in names:
         marks = []
+        if grad and name in GRAD_DIFFERS:
+            marks.append(pytest.mark.xfail(strict=True, reason=GRAD_DIFFERS[name]))
         if name in CAPTURE_FAILS:
             marks.append(
                 pytest.mark.xfail(raises=fcir.FcirError, strict=True, reason=CAPTURE_FAILS[name])
@@ -117,7 +130,9 @@ def gradient(c):
     return jax.grad(loss, argnums=c.grad_argnums)
 
 
-@pytest.mark.parametrize("name", _params([c.name for c in CASES if c.grad_argnums and c.loss]))
+@pytest.mark.parametrize(
+    "name", _params([c.name for c in CASES if c.grad_argnums and c.loss], grad=True)
+)
 def test_corpus_gradient_is_bitwise_jit(name):
     c = case(name)
     check_fidelity(gradient(c), c.make_args())
