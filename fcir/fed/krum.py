@@ -33,6 +33,7 @@ of the chosen), the distances and the pytree helpers (``flatten_members``).
 from __future__ import annotations
 
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from fcir.ir.types import TensorType
 from fcir.opkit import autodiff as AD
@@ -222,12 +223,14 @@ class Krum(Reduction):
 # --- the primitives (shared with fed.multi_krum, fed.bulyan_select and fed.bulyan) --------
 
 
-def define_gathered(cls, jvp=None):
+def define_gathered(cls, jvp="selection", result_dtype=None):
     """The primitive of ``cls``, an op over every member's value whose impl and
     lowering are its ``server_aggregate`` and whose result shape is
-    ``cls.result_shape``: its abstract evaluation raises ``cls``'s constraints;
-    batching unrolls the batch axis (a choice per batch element); derivative ``jvp``
-    (``(prim, primals, tangents, **params)``), by default ``selection_jvp``."""
+    ``cls.result_shape`` (dtype ``result_dtype(member dtype)``, by default the
+    member's): its abstract evaluation raises ``cls``'s constraints; batching unrolls
+    the batch axis (a choice per batch element); derivative ``jvp`` (``(prim, primals,
+    tangents, **params)``; ``"selection"``: ``selection_jvp``; None: not
+    differentiable)."""
 
     from fcir.ir.types import dtype_name
 
@@ -239,7 +242,10 @@ def define_gathered(cls, jvp=None):
         shape = cls.result_shape(tuple(member.shape), attrs, n)
         from fcir.jaxcompat import core
 
-        return core.ShapedArray(shape, member.dtype)
+        dtype = member.dtype if result_dtype is None else result_dtype(member.dtype)
+        # At the server, whole: on the operand's mesh (Explicit axes type it), replicated.
+        sharding = member.sharding.update(spec=PartitionSpec(*([None] * len(shape))))
+        return core.ShapedArray(shape, dtype, sharding=sharding)
 
     def lower(x, *, placement, n, **attrs):
         # The op's one definition is the copy the Flower app runs (server_aggregate).
@@ -252,7 +258,10 @@ def define_gathered(cls, jvp=None):
         f"fed_{cls.name.removeprefix('fed.')}", lower, abstract_eval, unrolled_batch(lambda: prim)
     )
     cls.primitive = prim
-    rule = selection_jvp if jvp is None else jvp
+    if jvp is None:
+        AD.def_jvp_zero(prim)
+        return prim
+    rule = selection_jvp if jvp == "selection" else jvp
 
     def prim_jvp(primals, tangents, **params):
         return rule(prim, primals, tangents, **params)
