@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fcir.ir.types import TensorType
-
 from .base import Reduction
-from .krum import _float, _int_attr, define_gathered
+from .krum import _float, _int_attr, define_gathered, verify_gathered
 
 __all__ = ["BandEdges", "ROWS", "band_edges_p"]
 
@@ -96,20 +94,7 @@ class BandEdges(Reduction):
 
     @classmethod
     def verify(cls, op, ctx):
-        from .base import arity
-
-        arity(cls, op, 1, 1)
-        t = cls.placed_operand(ctx, op.operands[0], "C2")
-        if not isinstance(t.member, TensorType):
-            cls.fail("C4", f"operand member type {t.member}")
-        n = ctx.cardinality.get(t.placement)
-        found = cls.problem(t.member.dtype, n if _int_attr(n) and n > 0 else None, op.attrs)
-        if found is not None:
-            cls.fail(*found)
-        acc = "f64" if t.member.dtype == "f64" else "f32"
-        expected = ctx.local(TensorType(acc, cls.result_shape(tuple(t.member.shape), op.attrs)))
-        if op.results[0].type != expected:
-            cls.fail("C3", f"result {op.results[0].type}, expected {expected}")
+        verify_gathered(cls, op, ctx, lambda dtype: "f64" if dtype == "f64" else "f32")
 
     @classmethod
     def reference(cls, x: np.ndarray, attrs: dict) -> np.ndarray:

@@ -194,24 +194,7 @@ class Krum(Reduction):
 
     @classmethod
     def verify(cls, op, ctx):
-        from .base import arity
-
-        arity(cls, op, 1, 1)
-        t = cls.placed_operand(ctx, op.operands[0], "C2")
-        if not isinstance(t.member, TensorType):
-            cls.fail("C4", f"operand member type {t.member}")
-        n = ctx.cardinality.get(t.placement)
-        if not _int_attr(n) or n < 1:
-            n = None  # module/C2 reports the cardinality
-        found = cls.problem(t.member.dtype, n, op.attrs)
-        if found is not None:
-            cls.fail(*found)
-        shape = cls.result_shape(tuple(t.member.shape), op.attrs, n)
-        if shape is None:
-            return  # the result's shape needs n, which module/C2 reports
-        expected = ctx.local(TensorType(t.member.dtype, shape))
-        if op.results[0].type != expected:
-            cls.fail("C3", f"result {op.results[0].type}, expected {expected}")
+        verify_gathered(cls, op, ctx)
 
     @classmethod
     def reference(cls, x: np.ndarray, attrs: dict) -> np.ndarray:
@@ -221,6 +204,32 @@ class Krum(Reduction):
 
 
 # --- the primitives (shared with fed.multi_krum, fed.bulyan_select and fed.bulyan) --------
+
+
+def verify_gathered(cls, op, ctx, result_dtype=None) -> None:
+    """The type rule of an op over every member's value (``cls``: Krum and its kin,
+    ``fed.band_edges``): one operand placed below, tensors for members, the attributes
+    ``cls.problem`` allows, and a result of ``cls.result_shape`` (dtype
+    ``result_dtype(member dtype)``, by default the member's) local to this placement."""
+    from .base import arity
+
+    arity(cls, op, 1, 1)
+    t = cls.placed_operand(ctx, op.operands[0], "C2")
+    if not isinstance(t.member, TensorType):
+        cls.fail("C4", f"operand member type {t.member}")
+    n = ctx.cardinality.get(t.placement)
+    if not _int_attr(n) or n < 1:
+        n = None  # module/C2 reports the cardinality
+    found = cls.problem(t.member.dtype, n, op.attrs)
+    if found is not None:
+        cls.fail(*found)
+    shape = cls.result_shape(tuple(t.member.shape), op.attrs, n)
+    if shape is None:
+        return  # the result's shape needs n, which module/C2 reports
+    dtype = t.member.dtype if result_dtype is None else result_dtype(t.member.dtype)
+    expected = ctx.local(TensorType(dtype, shape))
+    if op.results[0].type != expected:
+        cls.fail("C3", f"result {op.results[0].type}, expected {expected}")
 
 
 def define_gathered(cls, jvp="selection", result_dtype=None):
