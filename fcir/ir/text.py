@@ -415,6 +415,8 @@ class _Parser:
                 raise self.error(f"func @{funcs[-1].name} is defined twice", tok)
         if not funcs:
             raise self.error("expected a func")
+        if not any(f.name == "main" for f in funcs):  # as a serialized module must
+            raise self.error(f"module @{name} has no func @main")
         return Module(name, placements, funcs, version, private=private)
 
     def func(self) -> Func:

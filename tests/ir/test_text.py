@@ -342,6 +342,19 @@ def test_hostile_text_is_a_parse_error(name):
     assert re.match(r"line \d+, column \d+: ", str(info.value)), str(info.value)
 
 
+def test_a_module_without_main_is_a_parse_error_as_its_bytes_are():
+    """The fuzzer's find (a mutation renamed @main to @mainf32): the text parsed, and
+    the module serialized, but its bytes did not deserialize (serialize.py refuses a
+    module without @main); the text parser refuses it too."""
+    text = """fcir.module @m ir_version=1 placements=[clients:2]
+func @mainf32(%0: f32[]@server) -> (f32[]@server) {
+  return %0
+}
+"""
+    with pytest.raises(ParseError, match="has no func @main"):
+        fcir.parse(text)
+
+
 @pytest.mark.parametrize("value", [b"fcir.module", None, 3, ["x"]])
 def test_parse_rejects_non_text(value):
     with pytest.raises(ParseError, match="expects text"):
