@@ -29,9 +29,7 @@ from fcir.ir.types import SERVER, PlacedType, TensorType, Type
 #   ddp        members -> the placement above through distributed DP (noised at the
 #              members, summed securely); the last operand holds one PRNG key per
 #              member, placed like the values
-#   index      members -> members: each member's position in its placement (no value
-#              is read or sent)
-KINDS = ("broadcast", "map", "reduction", "dp", "ddp", "index")
+KINDS = ("broadcast", "map", "reduction", "dp", "ddp")
 
 
 @dataclasses.dataclass(frozen=True)
