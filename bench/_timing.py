@@ -7,6 +7,20 @@ import statistics
 import time
 
 
+def synced(fn) -> float:  # type: ignore[no-untyped-def]
+    """Seconds ``fn()`` takes, between two untimed os.sync() calls: each contender starts
+    on a quiet disk and leaves nothing dirty for the next (a save's writes may still be
+    in the page cache when it returns)."""
+    import os
+
+    os.sync()
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    os.sync()
+    return elapsed
+
+
 def rotated(names: list[str], r: int) -> list[str]:
     """The order of repetition ``r``: ``names`` rotated by ``r`` places."""
     return names[r % len(names) :] + names[: r % len(names)]

@@ -135,16 +135,7 @@ def make_bitwise_equal():  # type: ignore[no-untyped-def]
 # --- saves and restores ------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds `fn` takes, between two untimed os.sync() calls: each contender starts on
-    a quiet disk and leaves nothing dirty for the next (Orbax's writes may still be in
-    the page cache when its save returns)."""
-    os.sync()
-    start = time.perf_counter()
-    fn()
-    elapsed = time.perf_counter() - start
-    os.sync()
-    return elapsed
+timed = _timing.synced
 
 
 def settle(directory: pathlib.Path) -> float:

@@ -28,6 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import _timing  # noqa: E402  (bench/, the script's own folder)
 from fcir.checkpoint import checksums, parallel, writer  # noqa: E402
 
 
@@ -50,15 +51,6 @@ def dd(path: pathlib.Path, nbytes: int) -> None:
     count = -(-nbytes // 2**20)
     cmd = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync"]
     subprocess.run(cmd, check=True, capture_output=True)
-
-
-def timed(fn) -> float:  # type: ignore[no-untyped-def]
-    os.sync()
-    start = time.perf_counter()
-    fn()
-    elapsed = time.perf_counter() - start
-    os.sync()
-    return elapsed
 
 
 def main() -> int:
@@ -89,10 +81,10 @@ def main() -> int:
             for name in order:
                 time.sleep(args.settle)
                 if name == "dd":
-                    t = timed(lambda: dd(path, nbytes))
+                    t = _timing.synced(lambda: dd(path, nbytes))
                 else:
                     _, threads, piece = next(c for c in configs if c[0] == name)
-                    t = timed(lambda: fcir_write(path, blocks, threads, piece))
+                    t = _timing.synced(lambda: fcir_write(path, blocks, threads, piece))
                 path.unlink()
                 if rep:
                     samples[name].append(t)
