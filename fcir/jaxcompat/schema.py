@@ -22,6 +22,7 @@ Differences handled here:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from fcir import jaxcompat as _jc
@@ -55,29 +56,12 @@ SCHEMA: dict[str, dict[str, str]] = {
 # Params a newer JAX added to a primitive, with the value that means what the older JAX
 # did without them: fcir's schema leaves them out when they hold that value, and gives
 # them back to a JAX whose primitive takes them. (prim, param) -> (default, probe), where
-# ``probe()`` traces a one-eqn jaxpr of ``prim`` to learn whether the running JAX has it.
-def _probe_reduce(fn):
-    def probe():
-        import jax
-        import numpy as np
-
-        return jax.make_jaxpr(lambda x: fn(x, (0,)))(np.zeros(2, np.float32)).eqns[0].params
-
-    return probe
-
-
-def _lax(name):
-    def call(x, axes):
-        import jax
-
-        return getattr(jax.lax, name)(x, axes)
-
-    return call
-
-
+# ``probe()`` traces a small jaxpr holding ``prim`` to learn whether the running JAX has
+# it (once per probe: the params of one primitive answer for each of its added params).
 def _probe_eqn(prim: str, fn, *example):
     """The params of the first ``prim`` eqn in ``fn``'s jaxpr at ``example()``."""
 
+    @functools.cache
     def probe():
         import jax
 
@@ -85,6 +69,15 @@ def _probe_eqn(prim: str, fn, *example):
         return next(e.params for e in jaxpr.eqns if e.primitive.name == prim)
 
     return probe
+
+
+def _reduce(name: str):
+    def reduce(x):
+        import jax
+
+        return getattr(jax.lax, name)(x, (0,))
+
+    return reduce
 
 
 def _bits(key):
@@ -120,13 +113,16 @@ def _floats():
     return np.zeros((2, 3), np.float32)
 
 
+_RANDOM_BITS = _probe_eqn("random_bits", _bits, _key)
 ADDED_PARAMS: dict[tuple[str, str], tuple[Any, Any]] = {
-    ("reduce_min", "out_sharding"): (None, _probe_reduce(_lax("reduce_min"))),
-    ("reduce_max", "out_sharding"): (None, _probe_reduce(_lax("reduce_max"))),
+    **{
+        (prim, "out_sharding"): (None, _probe_eqn(prim, _reduce(prim), _floats))
+        for prim in ("reduce_min", "reduce_max")
+    },
     # JAX 0.12.1: random_bits can draw several streams at once, and says where its
     # result lives; one stream, placed as JAX decides, is what older JAX drew.
-    ("random_bits", "num_streams"): (1, _probe_eqn("random_bits", _bits, _key)),
-    ("random_bits", "out_sharding"): (None, _probe_eqn("random_bits", _bits, _key)),
+    ("random_bits", "num_streams"): (1, _RANDOM_BITS),
+    ("random_bits", "out_sharding"): (None, _RANDOM_BITS),
     # JAX 0.12.1: gather and the scatters say where their result lives.
     ("gather", "out_sharding"): (None, _probe_eqn("gather", _take, _floats)),
     **{
