@@ -230,11 +230,13 @@ def _next_candidate(tried: dict[int, Probe], lo: int, hi: int, limit: int) -> in
 _OOM_STATUS = "RESOURCE_EXHAUSTED"
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
 # What it asked for, in the forms XLA's compilers and allocators word it: TPU "Used
-# 20.27G of 15.75G hbm" or "TPU TensorCore Hbm usage: 34.82G, SparseCore Hbm usage
-# 174.10G, exceeding ..." (sizes in XLA's binary units), the GPU allocator's "trying to
-# allocate 123456 bytes".
+# 20.27G of 15.75G hbm", "the total memory required for HLO temporaries (38.73G)
+# exceeds available HBM" (the temporaries alone: a little under the peak) or "TPU
+# TensorCore Hbm usage: 34.82G, SparseCore Hbm usage 174.10G, exceeding ..." (sizes in
+# XLA's binary units), the GPU allocator's "trying to allocate 123456 bytes".
 _ASKED = (
     re.compile(r"Used (\d+(?:\.\d+)?)([KMGTP]?)i?B? of \d"),
+    re.compile(r"required for HLO temporaries \((\d+(?:\.\d+)?)([KMGTP]?)i?B?\)"),
     re.compile(
         r"Hbm usage:? (\d+(?:\.\d+)?)([KMGTP]?)i?B?, SparseCore Hbm usage:? "
         r"(\d+(?:\.\d+)?)([KMGTP]?)i?B?"

@@ -57,7 +57,10 @@ Two loops, one result (the same cohorts and keys; ``loop=`` picks, ``"auto"`` by
   neither the gather, the transfer nor a wait leaves the device idle, and at most three
   cohorts exist at once (the running round's, the queued round's, the one being put),
   in host arrays reused round after round (for bucketed cohorts, one buffer a leaf
-  viewed at each round's length, as large as the longest needs).
+  viewed at each round's length, as large as the longest needs). On an accelerator the
+  cohorts ahead of the running round are as many as its memory holds beside the
+  round's peak (XLA's memory analysis; ``clients_per_step="auto"`` may fill the
+  memory): two, one, or none, when the next cohort is put once a round has finished.
   ``callback(r, state, metrics)`` is called after each round has finished (host loop
   only), while the next round runs.
 
@@ -86,6 +89,7 @@ from fcir.ir import Module
 from fcir.population import Cohorts
 
 from .build import compile as xla_compile
+from .cost import predicted_peak
 from .executable import Executable, _mesh_context
 
 __all__ = ["device_budget", "simulate"]
@@ -308,6 +312,57 @@ def _split(out, has_metrics):
 DEPTH = 3
 
 
+def _depth(exes: dict, state, cohorts: Cohorts, key, first: int) -> int:
+    """The cohorts that exist at once in the host loop: :data:`DEPTH`, or fewer where
+    the device's memory does not hold them. XLA's memory analysis of a round (its peak)
+    counts the running round's own cohort among its arguments; each cohort put ahead of
+    it takes one cohort's bytes more. A round of ``clients_per_step="auto"`` is chosen
+    to fill the memory: on a TPU, a cohort of 2,048 CIFAR clients streamed 385 at a time
+    peaked at 15.8 of the chip's 16.9 GB, and the next cohort (1.3 GB) put beside it
+    ran out of memory. 1: none ahead."""
+    limit = _device_limit(exes)
+    if limit is None:
+        return DEPTH
+    ahead = DEPTH - 1
+    n = len(jax.tree.leaves(state))
+    for length, exe in exes.items():
+        specs = cohorts._specs(length)  # noqa: SLF001
+        streaming = exe.streaming or {}
+        peak = streaming.get("predicted_peak_bytes")
+        if peak is None:  # the compile the calls use (the same argument types)
+            peak = predicted_peak(exe.compiled(*_args(state, specs, key, first)))
+        per = _cohort_bytes(exe, specs, n)
+        if per:
+            ahead = min(ahead, max(0, (limit - peak) // per))
+    return 1 + int(ahead)
+
+
+def _device_limit(exes: dict) -> int | None:
+    """Bytes one device of the rounds may hold (its allocator's ``bytes_limit``), or
+    None where JAX does not say (CPU: the host's memory, which the cohorts share with
+    everything else)."""
+    exe = next(iter(exes.values()))
+    device = next(iter(exe.mesh.devices.flat)) if exe.mesh is not None else jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001  some backends raise instead of returning None
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def _cohort_bytes(exe: Executable, specs, state_leaves: int) -> int:
+    """Bytes of one cohort on one device (on a mesh, its members split as the
+    executable lays them out)."""
+    leaves = jax.tree.leaves(specs)
+    if exe.mesh is None:
+        shapes = [x.shape for x in leaves]
+    else:
+        laid = exe.in_specs[state_leaves : state_leaves + len(leaves)]
+        shapes = [s.sharding.shard_shape(x.shape) for x, s in zip(leaves, laid)]
+    return sum(math.prod(sh) * np.dtype(x.dtype).itemsize for sh, x in zip(shapes, leaves))
+
+
 def _put(exe: Executable, cohort, state_leaves: int):
     """The cohort on the executable's devices; on a mesh, laid out as the executable
     lays out its arguments (members along the placement's mesh axis)."""
@@ -321,25 +376,27 @@ def _put(exe: Executable, cohort, state_leaves: int):
 class _Feed:
     """Rounds' cohorts gathered on the host and put on the devices by a thread of its
     own, ahead of the rounds, so that neither the gather nor the transfer waits for a
-    round or makes one wait. At most :data:`DEPTH` cohorts exist at once: the thread
-    takes room for one before gathering it, and the loop gives room back when a round
-    has finished (:meth:`done`). The host arrays are :data:`DEPTH` sets
-    (:class:`_HostArrays`), reused in turn: a set is written again only after the round
-    that read its transfer has finished.
+    round or makes one wait. At most ``depth`` cohorts exist at once (:func:`_depth`:
+    :data:`DEPTH`, or fewer where the device's memory is short): the thread takes room
+    for one before gathering it, and the loop gives room back when a round has finished
+    (:meth:`done`). The host arrays are ``depth`` sets (:class:`_HostArrays`), reused in
+    turn: a set is written again only after the round that read its transfer has
+    finished.
 
     ``plan``: the rounds' (indices, valid) sampled beforehand, or None to sample each
     round here. ``put(length, cohort)`` puts a cohort of that example length."""
 
-    def __init__(self, cohorts: Cohorts, rounds: range, put: Callable, plan=None):
+    def __init__(self, cohorts: Cohorts, rounds: range, put: Callable, plan=None, depth=DEPTH):
         self._cohorts, self._rounds, self._put, self._plan = cohorts, rounds, put, plan
-        self._room = threading.Semaphore(DEPTH)
+        self.depth = depth
+        self._room = threading.Semaphore(depth)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="fcir-simulate-feed", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        host = [_HostArrays(self._cohorts) for _ in range(DEPTH)]
+        host = [_HostArrays(self._cohorts) for _ in range(self.depth)]
         cohorts = self._cohorts
         try:
             for i, r in enumerate(self._rounds):
@@ -351,7 +408,7 @@ class _Feed:
                 else:
                     idx, valid = self._plan[0][i], self._plan[1][i]
                 length = cohorts._length(idx, valid)  # noqa: SLF001
-                cohort = cohorts.take(idx, valid, out=host[i % DEPTH].arrays(length))
+                cohort = cohorts.take(idx, valid, out=host[i % self.depth].arrays(length))
                 self._ready.put((r, length, self._put(length, cohort)))
         except BaseException as e:  # noqa: BLE001  raised in the loop's thread by get()
             self._ready.put((None, None, e))
@@ -405,11 +462,15 @@ class _HostArrays:
 def _host_loop(exes, state, cohorts, rounds, key, first, has_metrics, callback, plan):
     metrics = []
     n = len(jax.tree.leaves(state))
+    depth = _depth(exes, state, cohorts, key, first)
     feed = _Feed(cohorts, range(first, first + rounds),
-                 lambda length, c: _put(exes[length], c, n), plan)  # fmt: skip
+                 lambda length, c: _put(exes[length], c, n), plan, depth)  # fmt: skip
     running = None  # the round dispatched before this one: (r, state, metrics)
     try:
         for r in range(first, first + rounds):
+            if running is not None and depth == 1:  # no room for a cohort beside it
+                _finish(running, feed, callback)
+                running = None
             length, cohort = feed.get(r)
             out = exes[length](*_args(state, cohort, key, r))  # runs after `running`
             state, m = _split(out, has_metrics)

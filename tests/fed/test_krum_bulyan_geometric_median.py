@@ -27,6 +27,12 @@ ROBUST_OPS = (
 # --- the numpy oracles: loops over members, as the papers state them --------------------
 
 
+def _bits(a) -> np.ndarray:
+    """The bytes of ``a``, to compare bit for bit (a TPU's array may come back to the
+    host with strides of its own layout, which a byte view refuses)."""
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
 def _flat(tree_members: list[np.ndarray]) -> np.ndarray:
     n = tree_members[0].shape[0]
     return np.concatenate([leaf.reshape(n, -1) for leaf in tree_members], axis=1)
@@ -220,7 +226,7 @@ def test_streamed_robust_aggregates_equal_the_unstreamed_bit_for_bit(dtype):
     for k, outs in zip(ks, got):
         for g, e in zip(jax.tree.leaves(outs), jax.tree.leaves(want)):
             g, e = np.asarray(g), np.asarray(e)
-            np.testing.assert_array_equal(g.view(np.uint8), e.view(np.uint8), f"k={k}")
+            np.testing.assert_array_equal(_bits(g), _bits(e), f"k={k}")
     # The NaN member is never chosen; it makes the geometric median NaN.
     for name in ("krum", "multi_krum", "bulyan"):
         assert not np.isnan(np.asarray(want[name]["a"], np.float32)).any(), name
@@ -542,7 +548,7 @@ def test_streamed_median_equals_the_unstreamed_bit_for_bit(n, dtype):
         for g, e in zip(got, want):
             g = np.asarray(g)
             assert g.dtype == e.dtype
-            np.testing.assert_array_equal(g.view(np.uint8), e.view(np.uint8), f"k={k}")
+            np.testing.assert_array_equal(_bits(g), _bits(e), f"k={k}")
     med = np.where(np.isnan(x).any(axis=0), np.nan, np.median(0.7 * x.astype(np.float32) + 1, 0))
     np.testing.assert_allclose(want[0].astype(np.float32), med, rtol=5e-2 if n > 2 else 1e-2)
 
@@ -571,7 +577,7 @@ def test_order_statistic_passes_give_the_unstreamed_trimmed_mean_bits(n, trim, d
             return OrderStatistic(n, trim, x.shape[1:], np.dtype(dtype)).run(over_chunks)
 
         got = np.asarray(jax.jit(run)(x))
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), f"k={k}")
+        np.testing.assert_array_equal(_bits(got), _bits(want), f"k={k}")
 
 
 def _trimmed_program(n: int, trim: int):
@@ -595,7 +601,7 @@ def test_streamed_trimmed_mean_equals_the_unstreamed_bit_for_bit(n, trim, dtype)
     for k in sorted({1, 2, 4, n}):
         got = np.asarray(xla.compile(module, clients_per_step=k)(w, x)[0])
         assert got.dtype == want.dtype
-        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), f"k={k}")
+        np.testing.assert_array_equal(_bits(got), _bits(want), f"k={k}")
     kept = np.sort(0.7 * x.astype(np.float32) + 1, axis=0)[trim : n - trim].mean(0)
     kept = np.where(np.isnan(x).any(axis=0), np.nan, kept)
     np.testing.assert_allclose(want.astype(np.float32), kept, rtol=5e-2)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from fcir.interpreters import xla
 from fcir.interpreters.xla import simulation as xsim
+from fcir.interpreters.xla.cost import predicted_peak
 
 import fcir
 from fcir.population import Cohorts, Population
@@ -352,15 +353,12 @@ def test_metrics_are_stacked_per_round_and_streaming_runs_the_same_cohorts(popul
     np.testing.assert_allclose(np.asarray(streamed), np.asarray(w), rtol=1e-6)
 
 
-def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
-    population, uniform_exe, monkeypatch
-):
-    """The next cohorts are gathered and put by the feed thread while rounds run; a
-    round is dispatched before the one ahead of it has finished, and is waited for
-    (then its callback runs) one dispatch later; never more than DEPTH cohorts exist,
-    whose host arrays are reused in turn."""
+def _logged_run(population, exe, monkeypatch):
+    """Six rounds of the host loop with what each thread does logged: the main thread's
+    events, the feed thread's, the most cohorts that existed at once, the host arrays
+    used; and the result."""
     events, lock = [], threading.Lock()
-    take, call, block = Cohorts.take, type(uniform_exe).__call__, jax.block_until_ready
+    take, call, block = Cohorts.take, type(exe).__call__, jax.block_until_ready
     live = {"now": 0, "most": 0}
     host_arrays = set()
 
@@ -369,7 +367,7 @@ def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
             events.append((threading.current_thread() is threading.main_thread(), *e))
 
     def take_logged(self, idx, valid, out=None):
-        if out is None:  # by_hand's gather, below
+        if out is None:  # by_hand's gather
             return take(self, idx, valid)
         live["now"] += 1
         live["most"] = max(live["most"], live["now"])
@@ -383,24 +381,59 @@ def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
 
     monkeypatch.setattr(Cohorts, "take", take_logged)
     monkeypatch.setattr(xsim._Feed, "done", done)
-    monkeypatch.setattr(
-        type(uniform_exe), "__call__", lambda self, *a: log("dispatch") or call(self, *a)
-    )
+    monkeypatch.setattr(type(exe), "__call__", lambda self, *a: log("dispatch") or call(self, *a))
     monkeypatch.setattr(xsim.jax, "block_until_ready", lambda x: log("wait") or block(x))
     cohorts = population.uniform(K, seed=3)
-    w, _ = xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 6, loop="host",
+    w, _ = xla.simulate(exe, jnp.zeros(2), cohorts, 6, loop="host",
                         callback=lambda r, w, m: log("done", r))  # fmt: skip
-    main = [e[1:] for e in events if e[0]]
-    assert main == [("dispatch",), ("dispatch",), ("wait",), ("done", 0),
-                    ("dispatch",), ("wait",), ("done", 1), ("dispatch",), ("wait",), ("done", 2),
-                    ("dispatch",), ("wait",), ("done", 3), ("dispatch",), ("wait",), ("done", 4),
-                    ("wait",), ("done", 5)]  # fmt: skip
-    assert all(e[1:] == ("gather",) for e in events if not e[0])
-    assert sum(1 for e in events if not e[0]) == 6
-    assert live["most"] <= xsim.DEPTH and len(host_arrays) <= xsim.DEPTH < 6
+    monkeypatch.undo()
     np.testing.assert_array_equal(
-        np.asarray(w), np.asarray(by_hand(uniform_exe, jnp.zeros(2), cohorts, 0, 6))
+        np.asarray(w), np.asarray(by_hand(exe, jnp.zeros(2), cohorts, 0, 6))
     )
+    main = [e[1:] for e in events if e[0]]
+    fed = [e[1:] for e in events if not e[0]]
+    return main, fed, live["most"], len(host_arrays)
+
+
+QUEUED = [("dispatch",), ("dispatch",), ("wait",), ("done", 0),
+          ("dispatch",), ("wait",), ("done", 1), ("dispatch",), ("wait",), ("done", 2),
+          ("dispatch",), ("wait",), ("done", 3), ("dispatch",), ("wait",), ("done", 4),
+          ("wait",), ("done", 5)]  # fmt: skip
+
+
+def test_cohorts_are_put_ahead_by_a_thread_and_rounds_queue_behind_the_device(
+    population, uniform_exe, monkeypatch
+):
+    """The next cohorts are gathered and put by the feed thread while rounds run; a
+    round is dispatched before the one ahead of it has finished, and is waited for
+    (then its callback runs) one dispatch later; never more than DEPTH cohorts exist,
+    whose host arrays are reused in turn."""
+    main, fed, most, arrays = _logged_run(population, uniform_exe, monkeypatch)
+    assert main == QUEUED
+    assert fed == [("gather",)] * 6
+    assert most <= xsim.DEPTH and arrays <= xsim.DEPTH < 6
+
+
+@pytest.mark.parametrize("ahead", [1, 0])
+def test_the_cohorts_ahead_are_as_many_as_the_device_memory_holds_beside_the_round(
+    population, uniform_exe, monkeypatch, ahead
+):
+    """Where the device's memory holds the round's peak and ``ahead`` cohorts more, at
+    most ``1 + ahead`` cohorts exist; with none ahead, each round is waited for before
+    the next cohort is put (and the next round dispatched)."""
+    cohorts = population.uniform(K, seed=3)
+    specs = cohorts.specs()
+    peak = predicted_peak(uniform_exe.compiled(jnp.zeros(2), *specs))
+    per = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(specs))
+    assert xsim._cohort_bytes(uniform_exe, specs, 1) == per
+    monkeypatch.setattr(xsim, "_device_limit", lambda exes: peak + ahead * per + per // 2)
+    main, fed, most, arrays = _logged_run(population, uniform_exe, monkeypatch)
+    assert most <= 1 + ahead and arrays == 1 + ahead
+    if ahead:
+        assert main == QUEUED
+    else:
+        assert main == [e for r in range(6) for e in [("dispatch",), ("wait",), ("done", r)]]
+    assert fed == [("gather",)] * 6
 
 
 def test_an_error_in_the_feed_or_a_callback_ends_the_run_and_its_thread(population, uniform_exe):

@@ -279,6 +279,12 @@ def _programs(n):
 def test_gradient_and_dp_temp_memory_is_flat_in_the_cohort():
     small = {k: _temp(c) for k, c in _programs(SMALL).items()}
     large = {k: _temp(c) for k, c in _programs(LARGE).items()}
+    none = [k for k, v in small.items() if v == 0]
+    if none and jax.default_backend() != "cpu":
+        # A TPU keeps buffers of a few KiB in the core's own memory, which its memory
+        # analysis does not count (measured on a v5e: some of these programs have none).
+        pytest.skip(f"XLA on {jax.default_backend()} counts no temporaries for {none}")
+    assert not none, small
     ratios = {k: large[k] / small[k] for k in small}
     # The sizes can tell: without a budget, the gradient's temporaries grow with the cohort.
     assert ratios.pop("unstreamed jax.grad(exe)") > 4, ratios
