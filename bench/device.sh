@@ -9,7 +9,7 @@
 # of alternating repetitions), each in a process of its own and under a time limit: a
 # part that runs past it is recorded as cut short and the next one runs.
 #   1. bench/simulate.py, the CIFAR-10 FedAvg experiment, cohort 50 of 1,000 clients:
-#      fcir, fcir k=10 and DrJAX;
+#      fcir (in the loop xla.simulate picks), fcir in its host loop, fcir k=10 and DrJAX;
 #   2. the same at cohort 2,048 of 4,096: fcir with clients_per_step=auto (the k the
 #      device's memory holds) against DrJAX;
 #   3. bench/fax_round.py, the FAX 368M-parameter round at 16, 64 and 256 clients, fcir
@@ -50,8 +50,8 @@ if [ "${1:-}" = "--smoke" ]; then
     --smoke --systems fcir,fcir-k,drjax --cohort 2 --clients-per-step auto --out-dir "$OUT"
   part 600 "FAX-scale round, smoke model" "$PY" bench/fax_round.py --smoke --out-dir "$OUT"
 else
-  part "$(left 100 320)" "CIFAR-10 FedAvg, cohort 50 of 1,000" "$PY" bench/simulate.py \
-    --systems fcir,fcir-k,drjax --clients 1000 --cohort 50 --rounds 20 --reps 5 \
+  part "$(left 130 320)" "CIFAR-10 FedAvg, cohort 50 of 1,000" "$PY" bench/simulate.py \
+    --systems fcir,fcir-host,fcir-k,drjax --clients 1000 --cohort 50 --rounds 20 --reps 5 \
     --clients-per-step 10 --out-dir "$OUT"
   part "$(left 110 200)" "CIFAR-10 FedAvg, cohort 2,048 of 4,096, clients_per_step=auto" \
     "$PY" bench/simulate.py --systems fcir-k,drjax --clients 4096 --cohort 2048 --rounds 3 \

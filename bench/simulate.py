@@ -15,11 +15,15 @@ Systems (each skipped, with the reason, when not installed):
 - ``fcir``: the population API: ``fcir.Population`` of the clients' data, uniform
   cohorts, ``xla.simulate`` of the round compiled by ``xla.compile(..., members=M)``
   (``--members``, default ``auto``: on CPU the members one after another with
-  XLA:CPU's fast convolutions, ``fcir.interpreters.xla.members``), its host loop
-  (gather the next cohort and put it on the device while the round runs);
-  ``fcir k=K`` the same compiled with ``clients_per_step=K`` (``--clients-per-step
-  auto``: the k ``xla.compile`` picks for the device's memory); ``fcir vmap`` (only when
-  named in ``--systems``) with ``members="vmap"``, the lowering ``jax.jit`` gives;
+  XLA:CPU's fast convolutions, ``fcir.interpreters.xla.members``), in the loop
+  ``xla.simulate`` picks (``--loop``, default ``auto``: this population of 614 MB
+  fits a quarter of a TPU's memory, so the device loop, every round in one program
+  gathering its cohort on the device; else the host loop, which gathers the next
+  cohort and puts it on the device while the round runs); ``fcir k=K`` the same
+  compiled with ``clients_per_step=K`` (``--clients-per-step auto``: the k
+  ``xla.compile`` picks for the device's memory); only when named in ``--systems``:
+  ``fcir vmap`` with ``members="vmap"``, the lowering ``jax.jit`` gives, and ``fcir
+  host`` in the host loop;
 - ``drjax``: the same round on DrJAX 0.2.1 (``jax.jit``) and a hand-written sampling
   loop (bench/cifar.py ``HandLoop``: sample, gather on the host, ``device_put`` the
   next cohort while the round runs);
@@ -70,10 +74,10 @@ FULL = {"clients": 1000, "examples": 50, "cohort": 50, "batch": 10, "rounds": 20
 SMOKE = {"clients": 12, "examples": 20, "cohort": 4, "batch": 10, "rounds": 2, "reps": 1,
          "clients_per_step": 2}  # fmt: skip
 SYSTEMS = ("fcir", "fcir-k", "drjax", "pfl", "hand-flower", "fcir-flower")
-EXTRA = ("fcir-vmap",)  # run only when --systems names them
+EXTRA = ("fcir-vmap", "fcir-host")  # run only when --systems names them
 RATIOS = (("fcir", "pfl"), ("fcir", "drjax"), ("fcir-flower", "hand-flower"),
           ("fcir-k", "pfl"), ("fcir-k", "drjax"), ("fcir", "fcir-vmap"),
-          ("fcir-vmap", "pfl"))  # fmt: skip
+          ("fcir-vmap", "pfl"), ("fcir-host", "drjax"))  # fmt: skip
 GOALS = {"fcir/pfl": 5.0, "fcir/drjax": 1.0, "fcir-flower/hand-flower": 1.0}
 PROTOCOL = "FCIR-BENCH"
 
@@ -111,7 +115,7 @@ class Simulated:
     """fcir: ``xla.simulate`` (host loop) of the compiled round over the population's
     uniform cohorts, each sample continuing from the rounds before it."""
 
-    def __init__(self, name: str, cfg: dict, pop, members: str):
+    def __init__(self, name: str, cfg: dict, pop, members: str, loop: str):
         import jax
         from fcir.interpreters import xla
 
@@ -122,6 +126,7 @@ class Simulated:
             self.cohorts, "vmap" if name == "fcir-vmap" else members, k
         )
         self.streaming = self.exe.streaming  # with "auto": the k chosen, the candidates
+        self.loop = "host" if name == "fcir-host" else loop
         self.params = cifar.model().init_params(0, pop[0].shape[2:])
         self.round = 0
         self._run(1)  # warm-up
@@ -129,7 +134,7 @@ class Simulated:
 
     def _run(self, rounds: int) -> None:
         self.params, losses = self.xla.simulate(
-            self.exe, self.params, self.cohorts, rounds, first_round=self.round, loop="host"
+            self.exe, self.params, self.cohorts, rounds, first_round=self.round, loop=self.loop
         )
         self.jax.block_until_ready((self.params, losses))
         self.losses = [float(v) for v in losses]
@@ -255,8 +260,8 @@ def build(names, cfg: dict, a, work: pathlib.Path) -> tuple[dict, dict, dict]:
     for name in names:
         t = time.perf_counter()
         try:
-            if name in ("fcir", "fcir-k", "fcir-vmap"):
-                systems[name] = Simulated(name, cfg, pop, a.members)
+            if name in ("fcir", "fcir-k", "fcir-vmap", "fcir-host"):
+                systems[name] = Simulated(name, cfg, pop, a.members, a.loop)
             elif name == "drjax":
                 systems[name] = InProcess(cfg, pop)
             elif name == "pfl":
@@ -297,6 +302,8 @@ def main() -> int:
                     help="torch's intra-op threads in pfl's worker (default: torch's)")
     ap.add_argument("--members", default="auto", choices=("auto", "loop", "vmap"),
                     help="fcir's fed.map lowering (xla.compile's members=)")  # fmt: skip
+    ap.add_argument("--loop", default="auto", choices=("auto", "host", "device"),
+                    help="fcir's loop over the rounds (xla.simulate's loop=)")  # fmt: skip
     for key in FULL:
         kind = _budget if key == "clients_per_step" else int
         ap.add_argument(f"--{key.replace('_', '-')}", type=kind)
@@ -308,10 +315,11 @@ def main() -> int:
     names = [s for s in a.systems.split(",") if s]
     if unknown := set(names) - set(SYSTEMS + EXTRA):
         ap.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS + EXTRA)}")
-    label = {"fcir-k": f"fcir k={cfg['clients_per_step']}", "fcir-vmap": "fcir vmap"}
+    label = {"fcir-k": f"fcir k={cfg['clients_per_step']}", "fcir-vmap": "fcir vmap",
+             "fcir-host": "fcir host"}  # fmt: skip
 
     load_before = os.getloadavg()
-    print(f"config: {cfg}, members={a.members}; "
+    print(f"config: {cfg}, members={a.members}, loop={a.loop}; "
           f"load average {load_before[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
     work = pathlib.Path(tempfile.mkdtemp(prefix="fcir-bench-simulate-"))
     systems, skipped, out_of_memory = build(names, cfg, a, work)
@@ -357,7 +365,9 @@ def main() -> int:
     print()
     for key, s in ratios.items():
         goal = f" (goal >= {GOALS[key]})" if key in GOALS else ""
-        shown = key.replace("fcir-k", label["fcir-k"]).replace("fcir-vmap", label["fcir-vmap"])
+        shown = key
+        for name in ("fcir-k", "fcir-vmap", "fcir-host"):
+            shown = shown.replace(name, label[name])
         print(f"{shown}: {_timing.format_ratio(s)}{goal}")
     versions = _record.versions("drjax", "flwr", "fcir")
     if "pfl" in systems:
@@ -367,7 +377,8 @@ def main() -> int:
 
     result = {
         **{f"{n}/{d}": ratios.get(f"{n}/{d}", {}).get("median") for n, d in RATIOS[:3]},
-        "smoke": a.smoke, "config": cfg, "members": a.members, "systems": list(systems),
+        "smoke": a.smoke, "config": cfg, "members": a.members, "loop": a.loop,
+        "systems": list(systems),
         "skipped": skipped, "out_of_memory": out_of_memory, "fcir-k streaming": chosen,
         "seconds": seconds, "rounds_per_s": rps, "ratios": ratios, "versions": versions,
         **_record.machine(), "load_average": [load_before[0], load_after[0]],

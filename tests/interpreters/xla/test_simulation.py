@@ -453,17 +453,21 @@ def test_an_error_in_the_feed_or_a_callback_ends_the_run_and_its_thread(populati
     assert threading.active_count() == before
 
 
-def test_auto_keeps_a_population_over_the_device_budget_on_the_host(
+def test_auto_keeps_a_population_over_the_device_budget_or_on_a_cpu_on_the_host(
     population, uniform_exe, monkeypatch
 ):
     cohorts = population.uniform(K, seed=3)
     loops = []
     monkeypatch.setattr(xsim, "_device_loop", lambda *a: loops.append("device") or (None, None))
     monkeypatch.setattr(xsim, "_host_loop", lambda *a: loops.append("host") or (None, None))
+    monkeypatch.setattr(xsim, "_on_accelerator", lambda: True)
     xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
     monkeypatch.setattr(xsim, "device_budget", lambda: population.nbytes - 1)
     xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
-    assert loops == ["device", "host"]
+    monkeypatch.setattr(xsim, "_on_accelerator", lambda: False)
+    monkeypatch.setattr(xsim, "device_budget", lambda: population.nbytes)
+    xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
+    assert loops == ["device", "host", "host"]
 
 
 def test_a_round_for_another_cohort_size_or_a_callback_on_the_device_is_refused(population):
@@ -543,6 +547,7 @@ def test_bucketed_cohorts_refuse_one_shape_rounds_and_the_device_loop(skewed, mo
     loops = []
     monkeypatch.setattr(xsim, "_device_loop", lambda *a: loops.append("device") or (None, None))
     monkeypatch.setattr(xsim, "_host_loop", lambda *a: loops.append("host") or (None, None))
+    monkeypatch.setattr(xsim, "_on_accelerator", lambda: True)  # where auto may pick the device
     xla.simulate(step, jnp.zeros(2), cohorts, 1)
     xla.simulate(step, jnp.zeros(2), skewed.uniform(3, seed=0), 1)
     assert loops == ["host", "device"]
