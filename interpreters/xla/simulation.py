@@ -50,8 +50,10 @@ device and size):
   host. One dispatch for the whole run. A ragged population stays ragged there (its
   examples concatenated; a member is a window of examples, zeroed past its count).
   ``"auto"`` picks it on an accelerator when the population takes at most a quarter
-  of the device's memory, there is no mesh, no callback and one cohort shape: there it
-  saves each round's host gather and transfer. On CPU, where the device's memory is the
+  of the device's memory and fits beside the round's peak (XLA's memory analysis; a
+  round of ``clients_per_step="auto"`` may fill the memory), there is no mesh, no
+  callback and one cohort shape: there it saves each round's host gather and
+  transfer. On CPU, where the device's memory is the
   host's, it would gather each cohort between the rounds, where the host loop gathers
   it in a thread of its own while the round runs: ``"auto"`` picks the host loop
   (bench/simulate.py's CIFAR round, cohort 50 of 1,000, 2 cores at load 5, one
@@ -154,6 +156,11 @@ def simulate(
     if loop == "auto":
         fits = _on_accelerator() and cohorts.population.nbytes <= device_budget()
         device = fits and callback is None and mesh is None and not cohorts.bucketed
+        if device:  # and the population beside the round's peak
+            (exe,) = exes.values()
+            peak = _peak(exe, state, cohorts._specs(lengths[0]), key, first_round)  # noqa: SLF001
+            limit = _device_limit(exes)
+            device = limit is None or cohorts.population.nbytes + peak <= limit
         loop = "device" if device else "host"
     if loop == "device":
         (exe,) = exes.values()
@@ -337,14 +344,21 @@ def _depth(exes: dict, state, cohorts: Cohorts, key, first: int) -> int:
     n = len(jax.tree.leaves(state))
     for length, exe in exes.items():
         specs = cohorts._specs(length)  # noqa: SLF001
-        streaming = exe.streaming or {}
-        peak = streaming.get("predicted_peak_bytes")
-        if peak is None:  # the compile the calls use (the same argument types)
-            peak = predicted_peak(exe.compiled(*_args(state, specs, key, first)))
+        peak = _peak(exe, state, specs, key, first)
         per = _cohort_bytes(exe, specs, n)
         if per:
             ahead = min(ahead, max(0, (limit - peak) // per))
     return 1 + int(ahead)
+
+
+def _peak(exe: Executable, state, specs, key, first: int) -> int:
+    """The round's peak bytes on one device, as XLA's memory analysis predicts it: the
+    one ``clients_per_step="auto"`` chose by, else that of the compile its calls use
+    (the same argument types)."""
+    peak = (exe.streaming or {}).get("predicted_peak_bytes")
+    if peak is None:
+        peak = predicted_peak(exe.compiled(*_args(state, specs, key, first)))
+    return int(peak)
 
 
 def _device_limit(exes: dict) -> int | None:

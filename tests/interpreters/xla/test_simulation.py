@@ -453,7 +453,7 @@ def test_an_error_in_the_feed_or_a_callback_ends_the_run_and_its_thread(populati
     assert threading.active_count() == before
 
 
-def test_auto_keeps_a_population_over_the_device_budget_or_on_a_cpu_on_the_host(
+def test_auto_keeps_a_population_over_the_budget_beside_the_round_or_on_a_cpu_on_the_host(
     population, uniform_exe, monkeypatch
 ):
     cohorts = population.uniform(K, seed=3)
@@ -464,10 +464,16 @@ def test_auto_keeps_a_population_over_the_device_budget_or_on_a_cpu_on_the_host(
     xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
     monkeypatch.setattr(xsim, "device_budget", lambda: population.nbytes - 1)
     xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
-    monkeypatch.setattr(xsim, "_on_accelerator", lambda: False)
+    # Within the budget, but not beside the round's peak: a round that fills the memory.
     monkeypatch.setattr(xsim, "device_budget", lambda: population.nbytes)
+    peak = predicted_peak(uniform_exe.compiled(jnp.zeros(2), *cohorts.specs()))
+    monkeypatch.setattr(xsim, "_device_limit", lambda exes: peak + population.nbytes)
     xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
-    assert loops == ["device", "host", "host"]
+    monkeypatch.setattr(xsim, "_device_limit", lambda exes: peak + population.nbytes - 1)
+    xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
+    monkeypatch.setattr(xsim, "_on_accelerator", lambda: False)
+    xla.simulate(uniform_exe, jnp.zeros(2), cohorts, 1)
+    assert loops == ["device", "host", "device", "host", "host"]
 
 
 def test_a_round_for_another_cohort_size_or_a_callback_on_the_device_is_refused(population):
