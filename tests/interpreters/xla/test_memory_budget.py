@@ -139,21 +139,20 @@ def _round(w, x):
     return w + fcir.reduce_mean(fcir.map_fn(local, (fcir.broadcast(w), x)))
 
 
-# A member's state is [SIDE, SIDE]. On a TPU, XLA keeps buffers of a few KiB in the
-# core's own memory, outside the HBM its memory analysis counts (measured on a v5e: the
-# same peak for k = 1 and k = 2 with [32, 32] states): there a state is 4 MiB.
-SIDE = 32 if jax.default_backend() == "cpu" else 1024
-
-
 @pytest.fixture(scope="module")
 def module():
-    return fcir.capture(_round, np.zeros((SIDE, SIDE), np.float32), np.ones((16, SIDE), np.float32))
+    if jax.default_backend() != "cpu":
+        # On a TPU, k = 1 and k = 2 of this round had the same predicted peak (its buffers
+        # of a few KiB stay in the core's own memory); there the real compiler refuses what
+        # does not fit, which bench/device.sh's clients_per_step="auto" part meets.
+        pytest.skip("a fake TPU compiler over XLA:CPU's memory analysis")
+    return fcir.capture(_round, np.zeros((32, 32), np.float32), np.ones((16, 32), np.float32))
 
 
 @pytest.fixture(scope="module")
 def peaks(module):
     """The predicted peaks of k = 1 and k = 2 on this backend (each step holds k
-    members' [SIDE, SIDE] states: k = 2 needs more)."""
+    members' [32, 32] states: k = 2 needs more)."""
     one, two = (
         memory_budget.predicted_peak(xla.compile(module, clients_per_step=k).compiled())
         for k in (1, 2)
@@ -199,7 +198,7 @@ def test_auto_takes_a_compile_that_runs_out_of_memory_as_does_not_fit(module, pe
     assert s["clients_per_step"] == 1 and s["predicted_peak_bytes"] == one
     assert s["out_of_memory"] == {"2": asked_as_printed(two)} and list(s["candidates"]) == ["1"]
     assert seen == [one, two]
-    w, x = np.ones((SIDE, SIDE), np.float32) / 8, np.ones((16, SIDE), np.float32) / 4
+    w, x = np.ones((32, 32), np.float32) / 8, np.ones((16, 32), np.float32) / 4
     np.testing.assert_allclose(exe(w, x), xla.compile(module)(w, x), rtol=1e-5, atol=1e-6)
 
 
