@@ -29,7 +29,9 @@ from fcir.ir.types import SERVER, PlacedType, TensorType, Type
 #   ddp        members -> the placement above through distributed DP (noised at the
 #              members, summed securely); the last operand holds one PRNG key per
 #              member, placed like the values
-KINDS = ("broadcast", "map", "reduction", "dp", "ddp")
+#   index      members -> members: each member's position in its placement (no value
+#              is read or sent)
+KINDS = ("broadcast", "map", "reduction", "dp", "ddp", "index")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ of the chosen), the distances and the pytree helpers (``flatten_members``).
 from __future__ import annotations
 
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from fcir.ir.types import TensorType
 from fcir.opkit import autodiff as AD
@@ -193,24 +194,7 @@ class Krum(Reduction):
 
     @classmethod
     def verify(cls, op, ctx):
-        from .base import arity
-
-        arity(cls, op, 1, 1)
-        t = cls.placed_operand(ctx, op.operands[0], "C2")
-        if not isinstance(t.member, TensorType):
-            cls.fail("C4", f"operand member type {t.member}")
-        n = ctx.cardinality.get(t.placement)
-        if not _int_attr(n) or n < 1:
-            n = None  # module/C2 reports the cardinality
-        found = cls.problem(t.member.dtype, n, op.attrs)
-        if found is not None:
-            cls.fail(*found)
-        shape = cls.result_shape(tuple(t.member.shape), op.attrs, n)
-        if shape is None:
-            return  # the result's shape needs n, which module/C2 reports
-        expected = ctx.local(TensorType(t.member.dtype, shape))
-        if op.results[0].type != expected:
-            cls.fail("C3", f"result {op.results[0].type}, expected {expected}")
+        verify_gathered(cls, op, ctx)
 
     @classmethod
     def reference(cls, x: np.ndarray, attrs: dict) -> np.ndarray:
@@ -222,12 +206,40 @@ class Krum(Reduction):
 # --- the primitives (shared with fed.multi_krum, fed.bulyan_select and fed.bulyan) --------
 
 
-def define_gathered(cls, jvp=None):
+def verify_gathered(cls, op, ctx, result_dtype=None) -> None:
+    """The type rule of an op over every member's value (``cls``: Krum and its kin,
+    ``fed.band_edges``): one operand placed below, tensors for members, the attributes
+    ``cls.problem`` allows, and a result of ``cls.result_shape`` (dtype
+    ``result_dtype(member dtype)``, by default the member's) local to this placement."""
+    from .base import arity
+
+    arity(cls, op, 1, 1)
+    t = cls.placed_operand(ctx, op.operands[0], "C2")
+    if not isinstance(t.member, TensorType):
+        cls.fail("C4", f"operand member type {t.member}")
+    n = ctx.cardinality.get(t.placement)
+    if not _int_attr(n) or n < 1:
+        n = None  # module/C2 reports the cardinality
+    found = cls.problem(t.member.dtype, n, op.attrs)
+    if found is not None:
+        cls.fail(*found)
+    shape = cls.result_shape(tuple(t.member.shape), op.attrs, n)
+    if shape is None:
+        return  # the result's shape needs n, which module/C2 reports
+    dtype = t.member.dtype if result_dtype is None else result_dtype(t.member.dtype)
+    expected = ctx.local(TensorType(dtype, shape))
+    if op.results[0].type != expected:
+        cls.fail("C3", f"result {op.results[0].type}, expected {expected}")
+
+
+def define_gathered(cls, jvp="selection", result_dtype=None):
     """The primitive of ``cls``, an op over every member's value whose impl and
     lowering are its ``server_aggregate`` and whose result shape is
-    ``cls.result_shape``: its abstract evaluation raises ``cls``'s constraints;
-    batching unrolls the batch axis (a choice per batch element); derivative ``jvp``
-    (``(prim, primals, tangents, **params)``), by default ``selection_jvp``."""
+    ``cls.result_shape`` (dtype ``result_dtype(member dtype)``, by default the
+    member's): its abstract evaluation raises ``cls``'s constraints; batching unrolls
+    the batch axis (a choice per batch element); derivative ``jvp`` (``(prim, primals,
+    tangents, **params)``; ``"selection"``: ``selection_jvp``; None: not
+    differentiable)."""
 
     from fcir.ir.types import dtype_name
 
@@ -239,7 +251,10 @@ def define_gathered(cls, jvp=None):
         shape = cls.result_shape(tuple(member.shape), attrs, n)
         from fcir.jaxcompat import core
 
-        return core.ShapedArray(shape, member.dtype)
+        dtype = member.dtype if result_dtype is None else result_dtype(member.dtype)
+        # At the server, whole: on the operand's mesh (Explicit axes type it), replicated.
+        sharding = member.sharding.update(spec=PartitionSpec(*([None] * len(shape))))
+        return core.ShapedArray(shape, dtype, sharding=sharding)
 
     def lower(x, *, placement, n, **attrs):
         # The op's one definition is the copy the Flower app runs (server_aggregate).
@@ -252,7 +267,10 @@ def define_gathered(cls, jvp=None):
         f"fed_{cls.name.removeprefix('fed.')}", lower, abstract_eval, unrolled_batch(lambda: prim)
     )
     cls.primitive = prim
-    rule = selection_jvp if jvp is None else jvp
+    if jvp is None:
+        AD.def_jvp_zero(prim)
+        return prim
+    rule = selection_jvp if jvp == "selection" else jvp
 
     def prim_jvp(primals, tangents, **params):
         return rule(prim, primals, tangents, **params)

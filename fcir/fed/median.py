@@ -2,11 +2,9 @@
 two middle values for an even number of members, as ``np.median``).
 
 It is ``fed.trimmed_mean`` with ``trim = (n - 1) // 2``, and shares its impl, numpy
-semantics and derivative (``fcir.fed.trimmed_mean``). Its derivative finds the two
-middle values without peeling: they are the largest value not above the median and
-the smallest not below it (one ``fed.max`` and one ``fed.min``), so the gradient
-program has a fixed size. NaN as there: a NaN member makes its coordinate NaN (as
-``np.median`` / ``jnp.median``) with a zero gradient.
+semantics and derivative (``fcir.fed.trimmed_mean.band_tangent``: the middle members
+found by the index their sort recorded). NaN as there: a NaN member makes its
+coordinate NaN (as ``np.median`` / ``jnp.median``) with a zero gradient.
 """
 
 from __future__ import annotations
@@ -18,15 +16,7 @@ from fcir.opkit import placement as api
 from fcir.opkit import primitives as P
 
 from .base import Reduction, public
-from .trimmed_mean import (
-    _check,
-    _Fed,
-    _where_region,
-    float_problem,
-    l_estimate,
-    l_estimate_numpy,
-    l_estimate_tangent,
-)
+from .trimmed_mean import _check, band_tangent, float_problem, l_estimate, l_estimate_numpy
 
 __all__ = ["Median", "median_p", "reduce_median"]
 
@@ -89,11 +79,7 @@ def _median_jvp(primals, tangents, *, placement, n):
     ans = median_p.bind(x, placement=placement, n=n)
     if AD.is_zero(t):
         return ans, AD.zero_tangent(ans)
-    f = _Fed(placement, n, x)
-    at = f.bcast(ans)
-    lo = f.max(f.map(_where_region, ("<=", float(-np.inf)), x, at))
-    hi = f.min(f.map(_where_region, (">=", float(np.inf)), x, at))
-    return ans, l_estimate_tangent(f, x, t, n, (n - 1) // 2, lo, hi)
+    return ans, band_tangent(x, t, placement=placement, n=n, trim=(n - 1) // 2)
 
 
 AD.def_jvp(median_p, _median_jvp)

@@ -10,18 +10,21 @@ Derivative (a subgradient, in the spirit of ``jnp.min``'s): the result is
 ``sum_j c_j s_j`` over the sorted values ``s`` with ``c_j = 1/m`` for the ``m = n - 2
 trim`` kept positions. Members whose value lies strictly between the thresholds
 ``lo = s_trim`` and ``hi = s_{n-1-trim}`` pass their tangent with weight ``1/m``; the
-kept positions holding ``lo`` (and ``hi``) share their weight equally among the tied
-members. Everything per member happens in ``fed_map`` regions and every sum over
-members is a ``fed.sum``, so the derivative stays federated. The thresholds come from
-``trim + 1`` rounds of ``fed.min`` (``fed.max``) over the values above (below) the
-previous one: the gradient program grows with ``trim``.
+kept positions holding ``lo`` (and ``hi``) pass it from the member there, found by the
+index the sort recorded (``fed.band_edges``, ``fed.member_index``) where it is alone
+at the edge, and share it equally among the tied members otherwise (found by
+equality). A recomputed member value need not have the sort's last bits (another
+fusion of the program, a streamed backward pass), so matching it to the edge by value
+could miss the member, which then lost its whole gradient (seen compiled at XLA's
+optimization level 0). Everything per member happens in ``fed_map`` regions and every
+sum over members is a ``fed.sum``, so the derivative stays federated; its size does not
+grow with ``trim``.
 
 NaN: a coordinate where any member's value is NaN comes out NaN (as ``np.median``,
 ``jnp.median`` and ``scipy.stats.trim_mean`` give; a sort alone would rank NaN as the
 largest value and trim it away unseen), and its derivative is zero for every member
-(as ``jax.grad`` of ``jnp.median`` gives there). The derivative counts NaN members
-with a ``fed.sum``, not from the thresholds (``fed.min``/``fed.max`` propagate NaN).
-Other coordinates are unaffected. To drop a bad client's update rather than let it
+(as ``jax.grad`` of ``jnp.median`` gives there): ``fed.band_edges`` counts the NaN
+members. Other coordinates are unaffected. To drop a bad client's update rather than let it
 poison the coordinate, filter or clip it on the client first.
 """
 
@@ -36,11 +39,11 @@ from fcir.opkit import placement as api
 from fcir.opkit import primitives as P
 from fcir.opkit.sharding import gather_members
 
+from .band_edges import band_edges_p
 from .base import Reduction, public
 from .broadcast import broadcast_like
 from .map import member_map
-from .max import max_p
-from .min import min_p
+from .member_index import member_index
 from .sum import sum_p
 
 __all__ = ["TrimmedMean", "reduce_trimmed_mean", "trimmed_mean_p"]
@@ -177,99 +180,53 @@ TrimmedMean.primitive = trimmed_mean_p
 # --- derivative -------------------------------------------------------------------------
 
 
-def _where_region(op: str, fill: float):
-    def where(x, v):
+def _weighted_region(acc: str):
+    def weighted(x, index, edges, c, t):
         import jax.numpy as jnp
 
-        keep = {"<": x < v, ">": x > v, "<=": x <= v, ">=": x >= v}[op]
-        return [jnp.where(keep, x, jnp.asarray(fill, x.dtype))]
-
-    return where
-
-
-def _count_region(op: str):
-    def count(x, v):
-        import jax.numpy as jnp
-
-        hit = {"<": x < v, ">": x > v, "==": x == v, "nan": jnp.isnan(x)}[op]
-        return [hit.astype(jnp.float32)]
-
-    return count
-
-
-def _weighted_region():
-    def weighted(x, lo, hi, c_lo, c_hi, c_mid, t):
-        import jax.numpy as jnp
-
-        w = (
-            jnp.where((x > lo) & (x < hi), c_mid, 0.0)
-            + jnp.where(x == lo, c_lo, 0.0)
-            + jnp.where(x == hi, c_hi, 0.0)
-        )
-        return [t * w.astype(t.dtype)]
+        v = x.astype(acc)
+        lo, hi, lo_index, hi_index, _, at_lo, _, at_hi, _ = edges
+        i = index.astype(acc)
+        # The member alone at an edge is the one the sort recorded; members tied at an
+        # edge share its weight, found by equality.
+        own_lo, own_hi = (at_lo == 1) & (i == lo_index), (at_hi == 1) & (i == hi_index)
+        on_lo = jnp.where(at_lo == 1, own_lo, v == lo)
+        on_hi = jnp.where(at_hi == 1, own_hi, v == hi)
+        inside = (v > lo) & (v < hi) & ~own_lo & ~own_hi
+        w = jnp.where(inside, c[2], 0.0) + jnp.where(on_lo, c[0], 0.0)
+        return [t * (w + jnp.where(on_hi, c[1], 0.0)).astype(t.dtype)]
 
     return weighted
 
 
-class _Fed:
-    """The fed primitives a derivative rule binds, at one placement; its broadcasts are
-    laid out like ``x``, the placed operand they meet member by member."""
-
-    def __init__(self, placement: str, n: int, x):
-        self.kw = {"placement": placement, "n": n}
-        self.x = x
-
-    def bcast(self, v):
-        return broadcast_like(v, self.x, **self.kw)
-
-    def map(self, builder, static, *placed):
-        return member_map(builder, static, self.kw["placement"], self.kw["n"], *placed)[0]
-
-    def sum(self, x):
-        return sum_p.bind(x, **self.kw)
-
-    def min(self, x):
-        return min_p.bind(x, **self.kw)
-
-    def max(self, x):
-        return max_p.bind(x, **self.kw)
-
-    def count(self, op: str, x, v):
-        return self.sum(self.map(_count_region, (op,), x, self.bcast(v)))
-
-
-def order_statistic(f: _Fed, x, k: int, *, largest: bool):
-    """The ``k``-th smallest (``largest``: k-th largest) member value per coordinate,
-    by ``k + 1`` rounds over the distinct values from the bottom (top)."""
+def band_tangent(x, t, *, placement: str, n: int, trim: int):
+    """``sum_i w_i t_i`` (a ``fed.sum``) for the kept positions' weights ``w``: the
+    band's edges, the members alone at them and the counts around them from one sort
+    (``fed.band_edges``), the members told apart by ``fed.member_index``; zero where a
+    member is NaN (the value is NaN there: jnp.median's derivative)."""
     import jax.numpy as jnp
 
-    pick, beyond, fill = (f.min, ">", np.inf) if not largest else (f.max, "<", -np.inf)
-    v = pick(x)
-    cum = f.count("==", x, v)
-    stat = v
-    for _ in range(k):
-        v = pick(f.map(_where_region, (beyond, float(fill)), x, f.bcast(v)))
-        stat = jnp.where(cum <= k, v, stat)
-        cum = cum + f.count("==", x, v)
-    return stat
-
-
-def l_estimate_tangent(f: _Fed, x, t, n: int, k: int, lo, hi):
-    """``sum_i w_i t_i`` (a ``fed.sum``) for the kept-position weights ``w`` given the
-    thresholds ``lo = s_k`` and ``hi = s_{n-1-k}``; zero where a member is NaN (the
-    value is NaN there: jnp.median's derivative)."""
-    import jax.numpy as jnp
-
-    m = n - 2 * k
-    nan = f.count("nan", x, lo) > 0
-    a, b = f.count("<", x, lo), f.count("==", x, lo)
-    c, d = f.count(">", x, hi), f.count("==", x, hi)
-    same = lo == hi
-    c_lo = (jnp.minimum(a + b, n - k) - k) / (b * m)
-    c_hi = jnp.where(same, 0.0, (jnp.minimum(c + d, n - k) - k) / (d * m))
-    c_mid = jnp.full(jnp.shape(lo), 1.0 / m, jnp.float32)
-    parts = [f.bcast(jnp.where(nan, 0.0, v).astype(jnp.float32)) for v in (c_lo, c_hi, c_mid)]
-    return f.sum(f.map(_weighted_region, (), x, f.bcast(lo), f.bcast(hi), *parts, t))
+    kw = {"placement": placement, "n": n}
+    edges = band_edges_p.bind(x, trim=trim, **kw)
+    lo, hi, _, _, below, at_lo, above, at_hi, nan = edges
+    m, k = n - 2 * trim, trim
+    c_lo = (jnp.minimum(below + at_lo, n - k) - k) / (at_lo * m)
+    c_hi = jnp.where(lo == hi, 0.0, (jnp.minimum(above + at_hi, n - k) - k) / (at_hi * m))
+    c_mid = jnp.full(jnp.shape(lo), 1.0 / m, edges.dtype)
+    c = jnp.where(nan > 0, 0.0, jnp.stack([c_lo, c_hi, c_mid])).astype(jnp.float32)
+    index = member_index(x, placement, n)
+    (parts,) = member_map(
+        _weighted_region,
+        (np.dtype(edges.dtype).name,),
+        placement,
+        n,
+        x,
+        index,
+        broadcast_like(edges, x, **kw),
+        broadcast_like(c, x, **kw),
+        t,
+    )
+    return sum_p.bind(parts, **kw)
 
 
 def _trimmed_mean_jvp(primals, tangents, *, placement, n, trim):
@@ -277,10 +234,7 @@ def _trimmed_mean_jvp(primals, tangents, *, placement, n, trim):
     ans = trimmed_mean_p.bind(x, placement=placement, n=n, trim=trim)
     if AD.is_zero(t):
         return ans, AD.zero_tangent(ans)
-    f = _Fed(placement, n, x)
-    lo = order_statistic(f, x, trim, largest=False)
-    hi = order_statistic(f, x, trim, largest=True)
-    return ans, l_estimate_tangent(f, x, t, n, trim, lo, hi)
+    return ans, band_tangent(x, t, placement=placement, n=n, trim=trim)
 
 
 AD.def_jvp(trimmed_mean_p, _trimmed_mean_jvp)

@@ -802,6 +802,9 @@ class _Converter:
             # A stacked value passes through the map unchanged (member axis first).
             self.swapped.update(v for v, r in zip(out, sub.results) if r in self.swapped)
             op = Op(cls.name, operands, out, {}, [sub], location=loc)
+        elif cls.kind == "index":  # each member's position: a value per member
+            out = [Value(PlacedType(TensorType("i32", ()), p))]
+            op = Op(cls.name, operands, out, {}, location=loc)
         else:  # the reductions and DP aggregates: results local to this level
             out = [Value(self.local(tensor_of(v.aval), level)) for v in eqn.outvars]
             op = Op(cls.name, operands, out, cls.attrs_from_params(eqn.params), location=loc)

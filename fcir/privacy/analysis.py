@@ -342,12 +342,18 @@ def _noised(taint: _Taint, op: Op, ins: list[int], path: tuple, level: int) -> l
     return _follows(taint, op, ins, path, level)
 
 
+def _untainted(taint: _Taint, op: Op, ins: list[int], path: tuple, level: int) -> list[int]:
+    """Results that carry nothing of the operands' values (a member's position)."""
+    return [0] * len(op.results)
+
+
 _BY_KIND = {
     "broadcast": _follows,
     "map": _region,
     "reduction": _follows,
     "dp": _noised,
     "ddp": _noised,  # noised at the clients; its keys are checked (privacy/C4, privacy/C5)
+    "index": _untainted,
 }
 RULES = F.resolve(_BY_KIND)
 

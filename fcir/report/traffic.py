@@ -138,12 +138,18 @@ def _ddp_aggregate(module: Module, op: Op, members: int, repeats: int):
     yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
 
 
+def _local(module: Module, op: Op, members: int, repeats: int):
+    """Nothing sent: each member computes the value itself (its position)."""
+    yield from ()
+
+
 _BY_KIND = {
     "broadcast": _broadcast,
     "map": _map,
     "reduction": _aggregate,
     "dp": _dp_aggregate,
     "ddp": _ddp_aggregate,
+    "index": _local,
 }
 RULES = F.resolve(_BY_KIND)
 # The ops whose members send their values (the reports count them as aggregates).

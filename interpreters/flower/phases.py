@@ -85,6 +85,7 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.SecureSum: SecAggPlus(),
     **{c: splitting.OP_RULES[c] for c in (F.DpSum, F.DpMean, F.DdpSum, F.DdpMean)},
     "reduction": GatheredAggregate(),
+    F.MemberIndex: splitting.OP_RULES[F.MemberIndex],  # production's refusal
 }
 RULES = F.resolve(_OWN_RULES)
 

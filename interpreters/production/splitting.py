@@ -357,6 +357,14 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.DdpSum: dp.Decomposition(ddp.decomposed_program, mean=False),
     F.DdpMean: dp.Decomposition(ddp.decomposed_program, mean=True),
     "reduction": Gathering(),
+    # A derivative's way to tell members apart (the order statistics'); a client does
+    # not know its position among the replies, and a derivative program is not one
+    # round (it has a second exchange).
+    F.MemberIndex: F.Unsupported(
+        "a client does not know its position among the clients that reply: "
+        "fed.member_index belongs to derivative programs, which run on the reference "
+        "and XLA backends"
+    ),
 }
 OP_RULES = F.resolve(_OWN_RULES)
 # fed op name -> intrinsic URI, for every reduction the split lowers.

@@ -79,6 +79,13 @@ class XlaInterpreter(Interpreter):
         outs = F.Map.bind(op, args, self.module.cardinality, [body])
         return [self.constrain(o, placement) for o in outs]
 
+    @impl(F.MemberIndex)
+    def member_index(self, op: Op, x):
+        """Each member's position: the primitive's iota, laid out as the placement's
+        members (on a mesh, split over its axis like the values it indexes)."""
+        placement = op.operands[0].type.placement
+        return [self.constrain(self.fed_op(op, x), placement)]
+
     @impl(*(c for c in F.ops().values() if c.kind in ("reduction", "dp", "ddp")))
     def aggregate(self, op: Op, *args):
         """A reduction or DP aggregate: its primitive, lowered by the rule its module in

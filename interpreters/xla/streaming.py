@@ -101,6 +101,16 @@ class StreamSource:
         return op.operands[0] if op.attrs.get("to") == placement else None
 
 
+class MemberPosition:
+    """``fed.member_index``: read per member like an elementwise op after the map (its
+    operand names the placement), each member's value its cohort index, which the chunk
+    knows (``start + j``, plus the device's offset under shard_map)."""
+
+    def __call__(self, index) -> list:
+        """A member's value, given its cohort index."""
+        return [index]
+
+
 class StreamHead:
     """``fed.map``: a stream, its region run ``k`` members at a time with the per-member
     ops after it and the reductions of their values (:func:`plan_region`)."""
@@ -115,6 +125,7 @@ class StreamHead:
 _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     F.Broadcast: StreamSource(),
     F.Map: StreamHead(),
+    F.MemberIndex: MemberPosition(),
     # The sum-like family: running sums in the accumulation dtype, finished once.
     F.Sum: A.Linear(P.sum_result_dtype),
     F.Mean: A.Linear(P.mean_result_dtype, A.divided_by_cohort),
@@ -131,6 +142,7 @@ _OWN_RULES: dict[type[F.FedOp] | str, object] = {
     # Exact, by passes over the chunks after the stream's loop (streaming_order.py).
     F.Median: _order.ByPasses(),
     F.TrimmedMean: _order.ByPasses(),
+    F.BandEdges: _order.BandEdgesPasses(),
     # The robust aggregates, by passes too: the members' distances chunk by chunk, the
     # chosen members gathered (streaming_robust.py), or Weiszfeld's steps.
     F.Krum: _robust.ChosenMembers(),
@@ -348,7 +360,7 @@ def _stream_ops(region, index, map_op, producer, cardinality):
         if not touches:
             continue
         if (
-            (op.name in ELEMENTWISE or op.name in LAYOUT)
+            (op.name in ELEMENTWISE or op.name in LAYOUT or isinstance(_rule(op), MemberPosition))
             and not op.regions
             and all(_placed_at(r, placement) for r in op.results)
             and any(v in group for v in op.operands)
@@ -664,11 +676,12 @@ class StreamingInterpreter(XlaInterpreter):
         return s.placement if s.n % mesh.shape[s.placement] == 0 else None
 
     def _chunk_values(self, s: Stream, k: int):
-        """``values(b_chunk, unbatched) -> {Value: [k, ...]}``: the per-member values a
-        step reads (reduction operands, materialized values, the chunk's own inputs)."""
+        """``values(b_chunk, unbatched, members) -> {Value: [k, ...]}``: the per-member
+        values a step reads (reduction operands, materialized values, the chunk's own
+        inputs); ``members``: the chunk's cohort indices (int32[k])."""
         inner = self._members()
 
-        def one_member(b_vals, u_vals):
+        def one_member(b_vals, u_vals, index):
             env = dict(zip(s.batched, b_vals))
             env.update(zip(s.unbatched, u_vals))
             env.update({v: env[src] for v, src in s.source.items()})
@@ -678,6 +691,8 @@ class StreamingInterpreter(XlaInterpreter):
                     outs = inner.run_region(op.regions[0], vals)
                 elif op.name in LAYOUT:
                     outs = vals  # one member's value: nothing to lay out
+                elif isinstance(_rule(op), MemberPosition):
+                    outs = _rule(op)(index)
                 else:
                     outs = inner.run_op(op, vals)
                 env.update(zip(op.results, outs))
@@ -695,13 +710,13 @@ class StreamingInterpreter(XlaInterpreter):
             )
         )
         # axis_size: a map whose operands are all broadcast values has nothing batched.
-        vmapped = jax.vmap(one_member, in_axes=(0, None), axis_size=k)
+        vmapped = jax.vmap(one_member, in_axes=(0, None, 0), axis_size=k)
 
-        def values(b_chunk, unbatched, shapes_only=False) -> dict:
+        def values(b_chunk, unbatched, members, shapes_only=False) -> dict:
             if shapes_only:  # b_chunk: ShapeDtypeStructs
-                outs = jax.eval_shape(lambda b: vmapped(b, unbatched), b_chunk)
+                outs = jax.eval_shape(lambda b: vmapped(b, unbatched, members), b_chunk)
             else:
-                outs = vmapped(b_chunk, unbatched)
+                outs = vmapped(b_chunk, unbatched, members)
             vals = dict(zip(needed, outs))
             vals.update(zip(s.batched, b_chunk))
             return vals
@@ -714,14 +729,16 @@ class StreamingInterpreter(XlaInterpreter):
         k = min(self.k, n)
         values = self._chunk_values(s, k)
         chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
-        shapes = values(chunk_specs, unbatched, shapes_only=True)
+        shapes = values(chunk_specs, unbatched, _cohort(0, k), shapes_only=True)
         accs0 = [_accumulator(op).init(op, shapes, s.n) for op in s.reductions]
         bufs0 = [_zeros((n, *shapes[v].shape[1:]), shapes[v].dtype) for v in s.materialized]
 
         def step(state, start, valid):
             accs, bufs = state
-            vals = values([lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched], unbatched)
-            members = offset + start + jnp.arange(k, dtype=jnp.int32)
+            members = _cohort(offset + start, k)
+            vals = values(
+                [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched], unbatched, members
+            )
             accs = [
                 _accumulator(op).step(op, a, vals, valid, s.n, members=members)
                 for op, a in zip(s.reductions, accs)
@@ -745,14 +762,14 @@ class StreamingInterpreter(XlaInterpreter):
         k = min(self.k, n)
         values = self._chunk_values(s, k)
         chunk_specs = [jax.ShapeDtypeStruct((k, *x.shape[1:]), x.dtype) for x in batched]
-        shapes = values(chunk_specs, unbatched, shapes_only=True)
+        shapes = values(chunk_specs, unbatched, _cohort(0, k), shapes_only=True)
         outs = []
         for op in s.ordered:
             v = op.operands[0]
 
             def operand(start, v=v):
                 b = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
-                return values(b, unbatched)[v]
+                return values(b, unbatched, _cohort(start, k))[v]
 
             cls = F.ops()[op.name]
             shape, dtype = shapes[v].shape[1:], shapes[v].dtype
@@ -770,13 +787,13 @@ class StreamingInterpreter(XlaInterpreter):
         values = self._chunk_values(s, k)
         mat_values = [s.materialized[j] for j in mats]
 
-        def contributions(db, du, b_chunk, valid):
+        def contributions(db, du, b_chunk, valid, members):
             b_vals, u_vals = list(b_chunk), list(unbatched)
             for j, x in zip(diff_b, db):
                 b_vals[j] = x
             for j, x in zip(diff_u, du):
                 u_vals[j] = x
-            vals = values(b_vals, u_vals)
+            vals = values(b_vals, u_vals, members)
             parts = [
                 None if seed is None else _accumulator(op).contribution(op, vals, valid)
                 for op, seed in zip(s.reductions, seeds)
@@ -786,12 +803,12 @@ class StreamingInterpreter(XlaInterpreter):
         def step(state, start, valid):
             ct_b, ct_u = state
             b_chunk = [lax.dynamic_slice_in_dim(x, start, k, 0) for x in batched]
+            members = _cohort(offset + start, k)
             (parts, _), pull = jax.vjp(
-                lambda db, du: contributions(db, du, b_chunk, valid),
+                lambda db, du: contributions(db, du, b_chunk, valid, members),
                 [b_chunk[j] for j in diff_b],
                 [unbatched[j] for j in diff_u],
             )
-            members = offset + start + jnp.arange(k, dtype=jnp.int32)
             part_cts = [
                 None
                 if seed is None
@@ -842,10 +859,19 @@ class Chunks:
         return self.values(start), valid, start
 
     def fold(self, step, acc0):
-        """One pass: ``acc0`` through ``step(acc, values, valid)`` for every chunk."""
+        """One pass: ``acc0`` through ``step(acc, values, valid, start)`` for every
+        chunk (``start``: the cohort index of its first member)."""
         return _chunk_loop(
-            self.n, self.k, lambda acc, start, valid: step(acc, self.values(start), valid), acc0
+            self.n,
+            self.k,
+            lambda acc, start, valid: step(acc, self.values(start), valid, start),
+            acc0,
         )
+
+
+def _cohort(start, k: int):
+    """The cohort indices of a chunk of ``k`` members from ``start`` (int32[k])."""
+    return start + jnp.arange(k, dtype=jnp.int32)
 
 
 def _chunk_bounds(n: int, k: int, i):

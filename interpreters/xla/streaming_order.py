@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["ByPasses", "OrderStatistic"]
+__all__ = ["BandEdgesPasses", "ByPasses", "OrderStatistic"]
 
 
 def _key_dtypes(dtype) -> tuple:
@@ -132,7 +132,8 @@ class OrderStatistic:
 
     def run(self, over_chunks):
         """The result, given ``over_chunks(step, acc0)``: ``acc0`` folded by
-        ``step(acc, x_chunk, valid)`` over every chunk of the members (one pass).
+        ``step(acc, x_chunk, valid, start)`` over every chunk of the members (one pass;
+        ``start``: the cohort index of the chunk's first row).
 
         Every pass is one iteration of a single loop whose one chunk step folds every
         pass kind's accumulator: the member values are then computed by the same
@@ -160,7 +161,7 @@ class OrderStatistic:
         def one_pass(st):
             mid = mids(st)
 
-            def step(acc, x, valid):
+            def step(acc, x, valid, start=None):
                 c1, c2, nan = self.bisect_step(mid, acc[:3], x, valid)
                 m, c = self.next_step(st["cur"], acc[3:], x, valid)
                 return c1, c2, nan, m, c
@@ -230,6 +231,74 @@ class OrderStatistic:
         mean = total / jnp.asarray(self.kept, acc_dt)
         return jnp.where(st["nan"] > 0, jnp.nan, mean).astype(self.dtype)
 
+    # -- the band's edges (fed.band_edges) ---------------------------------------------------
+
+    def edges(self, over_chunks):
+        """``fed.band_edges``'s record (``[9, *shape]``: the edges ``lo``/``hi``, the
+        lowest member index at each, the counts below, at, above and NaN) of the members
+        ``over_chunks`` folds (as :meth:`run`'s). The bisection passes find the edges and,
+        from their own counts, how many members lie below and at each (as :meth:`run`
+        takes the band's start); one more pass finds the lowest member index at each
+        edge. One loop, so every pass computes the member values alike."""
+        u = self._u()
+        bits = _key_dtypes(self.dtype)[2]
+        r = (self.trim, self.n - 1 - self.trim)
+        acc_dt = np.result_type(self.dtype, np.float32)
+        shape = self.shape
+        zero_i = jnp.zeros(shape, jnp.int32)
+        every = nobody = jnp.full(shape, self.n, jnp.int32)  # (names for the two uses)
+
+        def one_pass(st):
+            mid = st["lo1"] + (st["hi1"] - st["lo1"]) // 2, st["lo2"] + (st["hi2"] - st["lo2"]) // 2
+
+            def step(acc, x, valid, start):
+                c1, c2, nan = self.bisect_step(mid, acc[:3], x, valid)
+                key = to_key(x, self.dtype)
+                ok = jnp.ones(key.shape[:1], bool) if valid is None else valid
+                ok = ok.reshape(ok.shape + (1,) * len(shape))
+                at = (start + jnp.arange(key.shape[0], dtype=jnp.int32)).reshape(ok.shape)
+
+                def first(edge, so_far):
+                    return jnp.minimum(so_far, jnp.min(jnp.where(ok & (key == edge), at, self.n), 0))
+
+                return c1, c2, nan, first(st["lo1"], acc[3]), first(st["lo2"], acc[4])
+
+            c1, c2, nan, first_lo, first_hi = over_chunks(
+                step, (zero_i, zero_i, zero_i, nobody, nobody)
+            )
+            bis = st["i"] < bits
+            up1, up2 = c1 > r[0], c2 > r[1]
+            out = dict(st)
+            out["lo1"] = jnp.where(bis & ~up1, mid[0] + 1, st["lo1"])
+            out["hi1"] = jnp.where(bis & up1, mid[0], st["hi1"])
+            out["lo2"] = jnp.where(bis & ~up2, mid[1] + 1, st["lo2"])
+            out["hi2"] = jnp.where(bis & up2, mid[1], st["hi2"])
+            # count(key <= mid) when an edge's lower bound was last raised to mid + 1 is
+            # the count below the edge; when its upper bound was last lowered to mid,
+            # the count up to the edge (its bounds end on it).
+            out["below_lo"] = jnp.where(bis & ~up1, c1, st["below_lo"])
+            out["upto_lo"] = jnp.where(bis & up1, c1, st["upto_lo"])
+            out["below_hi"] = jnp.where(bis & ~up2, c2, st["below_hi"])
+            out["upto_hi"] = jnp.where(bis & up2, c2, st["upto_hi"])
+            out["nan"] = jnp.where(bis, nan, st["nan"])
+            out["first_lo"] = jnp.where(bis, st["first_lo"], first_lo)  # the last pass
+            out["first_hi"] = jnp.where(bis, st["first_hi"], first_hi)
+            out["i"] = st["i"] + 1
+            return out
+
+        zero_u = jnp.zeros(shape, u)
+        top = jnp.full(shape, np.iinfo(u).max, u)
+        init = {"i": jnp.zeros((), jnp.int32), "lo1": zero_u, "hi1": top, "lo2": zero_u}
+        init.update(hi2=top, below_lo=zero_i, upto_lo=every, below_hi=zero_i, upto_hi=every)
+        init.update(nan=zero_i, first_lo=nobody, first_hi=nobody)
+        st = lax.while_loop(lambda st: st["i"] <= bits, one_pass, init)
+        lo, hi = (from_key(st[k], self.dtype).astype(self.dtype).astype(acc_dt) for k in ("lo1", "lo2"))
+        rows = [lo, hi, st["first_lo"], st["first_hi"], st["below_lo"]]
+        rows += [st["upto_lo"] - st["below_lo"], self.n - st["upto_hi"]]
+        rows += [st["upto_hi"] - st["below_hi"]]
+        rows = [jnp.where(st["nan"] > 0, 0, v).astype(acc_dt) for v in rows]
+        return jnp.stack([*rows, st["nan"].astype(acc_dt)])
+
 
 def _add_times(total, v, times):
     """``total + v + v + ...``, ``times`` adds per coordinate, one by one."""
@@ -260,6 +329,18 @@ class ByPasses:
         :class:`OrderStatistic`."""
         trim = op_cls.trim_for(chunks.n, attrs)
         return OrderStatistic(chunks.n, trim, tuple(shape), np.dtype(dtype)).run(chunks.fold)
+
+    def __str__(self) -> str:
+        return "exact, by passes over the chunks (streaming_order.py)"
+
+
+class BandEdgesPasses(ByPasses):
+    """Streaming's family for ``fed.band_edges`` (the order statistics' derivatives'
+    record): :meth:`OrderStatistic.edges`, the bisection passes and one more."""
+
+    def run(self, op_cls, attrs: dict, chunks, shape, dtype):
+        stat = OrderStatistic(chunks.n, attrs["trim"], tuple(shape), np.dtype(dtype))
+        return stat.edges(chunks.fold)
 
     def __str__(self) -> str:
         return "exact, by passes over the chunks (streaming_order.py)"

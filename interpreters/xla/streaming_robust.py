@@ -157,7 +157,7 @@ class WeiszfeldPasses(ByPasses):
         def one_pass(carry):
             p, z = carry
 
-            def step(total, x, valid):
+            def step(total, x, valid, start):
                 rows = x.reshape(k, size).astype(acc)
                 return weiszfeld_fold(total, rows, z, p, attrs["eps"], valid)
 

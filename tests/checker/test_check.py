@@ -239,16 +239,20 @@ MK = "fed.multi_krum"
 BS = "fed.bulyan_select"
 BY = "fed.bulyan"
 GM = "fed.geometric_median"
+BE = "fed.band_edges"
+MI = "fed.member_index"
 # The robust selections' results feed the program's results directly here, so that a
 # retyped result breaks only the op's own C3.
 ROBUST = """fcir.module @robust ir_version=1 placements=[clients:3]
-func @main(%0: f32[2]@server, %1: {f32[2]}@clients, %2: {i32[2]}@clients) -> (f32[2,2]@server, f32[3,2]@server, f32[2]@server, f32[2]@server, f32[2]@server) {
+func @main(%0: f32[2]@server, %1: {f32[2]}@clients, %2: {i32[2]}@clients) -> (f32[2,2]@server, f32[3,2]@server, f32[2]@server, f32[2]@server, f32[2]@server, f32[9,2]@server, {i32[]}@clients) {
   %3: f32[2,2]@server = fed.krum %1 {f=0, m=2}
   %4: f32[3,2]@server = fed.bulyan_select %1 {f=0}
   %5: f32[2]@server = fed.geometric_median %1 {eps=1e-06, iters=2}
   %6: f32[2]@server = fed.multi_krum %1 {f=0, m=2}
   %7: f32[2]@server = fed.bulyan %1 {f=0}
-  return %3, %4, %5, %6, %7
+  %8: f32[9,2]@server = fed.band_edges %1 {trim=1}
+  %9: {i32[]}@clients = fed.member_index %1
+  return %3, %4, %5, %6, %7, %8, %9
 }
 """
 
@@ -467,6 +471,10 @@ CASES = [
     Case(GM, "C4", ROBUST, set_operand(GM, 0, lambda m: param(m, 2)), "i32 operand"),
     Case(GM, "C5", ROBUST, set_attr(GM, "iters", -1), "iters -1"),
     Case(GM, "C6", ROBUST, set_attr(GM, "eps", 0.0), "eps 0"),
+    *reduction_cases(BE, server(t("f32", 9, 3)), ROBUST),
+    Case(BE, "C4", ROBUST, set_operand(BE, 0, lambda m: param(m, 2)), "i32 operand"),
+    Case(BE, "C5", ROBUST, set_attr(BE, "trim", 2), "trim 2 of 3 members keeps none"),
+    *reduction_cases(MI, placed(t("f32")), ROBUST),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", 0), "bitwidth 0"),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", 33), "bitwidth 33 for i32"),
     Case(SS, "C5", "flat", set_attr(SS, "bitwidth", True), "bitwidth bool"),

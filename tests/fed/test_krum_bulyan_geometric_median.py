@@ -558,7 +558,6 @@ def test_streamed_median_equals_the_unstreamed_bit_for_bit(n, dtype):
 # (docs/contributing.md).
 @pytest.mark.parametrize("dtype", [np.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_order_statistic_passes_give_the_unstreamed_trimmed_mean_bits(n, trim, dtype):
-    from fcir.interpreters.xla.streaming import _chunk_loop
     from fcir.interpreters.xla.streaming_order import OrderStatistic
 
     from fcir.fed.trimmed_mean import l_estimate
@@ -566,17 +565,32 @@ def test_order_statistic_passes_give_the_unstreamed_trimmed_mean_bits(n, trim, d
     x = _hard_values(n, dtype)
     want = np.asarray(jax.jit(lambda x: l_estimate(x, n=n, trim=trim))(x))
     for k in sorted({1, 3, n}):
+        stat = OrderStatistic(n, trim, x.shape[1:], np.dtype(dtype))
+        got = np.asarray(jax.jit(lambda x, k=k: stat.run(_over_chunks(x, k)))(x))
+        np.testing.assert_array_equal(_bits(got), _bits(want), f"k={k}")
 
-        def run(x, k=k):
-            def over_chunks(step, acc0):
-                def chunk(acc, start, valid):
-                    return step(acc, jax.lax.dynamic_slice_in_dim(x, start, k, 0), valid)
 
-                return _chunk_loop(n, k, chunk, acc0)
+def _over_chunks(x, k: int):
+    """One pass over the members of ``x`` ``k`` at a time, as a stream makes it."""
+    from fcir.interpreters.xla.streaming import Chunks
 
-            return OrderStatistic(n, trim, x.shape[1:], np.dtype(dtype)).run(over_chunks)
+    return Chunks(x.shape[0], k, lambda start: jax.lax.dynamic_slice_in_dim(x, start, k, 0)).fold
 
-        got = np.asarray(jax.jit(run)(x))
+
+@pytest.mark.parametrize("n, trim", [(5, 1), (6, 2), (9, 4), (10, 3)])
+def test_band_edges_passes_give_the_unstreamed_record_bits(n, trim):
+    """fed.band_edges (the order statistics' derivative's record) by passes equals its
+    unstreamed sort's, ties, signed zeros and infinities included, and a coordinate with
+    a NaN member records only that."""
+    from fcir.interpreters.xla.streaming_order import OrderStatistic
+
+    x = _hard_values(n)
+    want = np.asarray(jax.jit(lambda x: fcir.fed.BandEdges.server_aggregate(x, trim=trim))(x))
+    np.testing.assert_array_equal(want, fcir.fed.BandEdges.reference(x, {"trim": trim}))
+    assert (want[:8, 0, 2] == 0).all() and want[8, 0, 2] == 1  # the NaN member
+    for k in sorted({1, 3, n}):
+        stat = OrderStatistic(n, trim, x.shape[1:], np.dtype(np.float32))
+        got = np.asarray(jax.jit(lambda x, k=k: stat.edges(_over_chunks(x, k)))(x))
         np.testing.assert_array_equal(_bits(got), _bits(want), f"k={k}")
 
 

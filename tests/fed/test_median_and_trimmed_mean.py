@@ -94,6 +94,53 @@ def test_gradient_program_is_federated_and_runs_on_every_backend():
     )
 
 
+def test_the_gradient_reaches_the_members_the_sort_chose_at_xla_optimization_level_0():
+    """Members that take a gradient step (a dot, a mean), the gradient program compiled
+    at XLA's optimization level 0, unchunked and streamed (k = 3 of 7, the last chunk
+    ragged): the median's and trimmed mean's gradients are plain JAX's (a sort's). They
+    found the member at an edge by value == edge, and the value another fusion (or the
+    streamed backward pass) recomputed came out ulps away: the median's gradient was
+    0.85 off unchunked and NaN streamed with k = 1. The member is now found by the index
+    the sort recorded (fed.band_edges, fed.member_index)."""
+    from fcir.interpreters.xla.interpreter import XlaInterpreter
+    from fcir.interpreters.xla.streaming import StreamingInterpreter
+
+    n = 7
+
+    def step(w, x, y):
+        return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.square(x @ w - y)))(w)
+
+    @fcir.program(placements={"clients": n})
+    def robust(w, x, y):
+        upd = fcir.map_fn(step, (fcir.broadcast(w), x, y))
+        return fcir.reduce_median(upd), fcir.reduce_trimmed_mean(upd, trim=1)
+
+    def plain(w, x, y):  # the same in plain JAX: a sort's gradient
+        s = jnp.sort(jax.vmap(step, (None, 0, 0))(w, x, y), axis=0)
+        return s[3], jnp.mean(s[1:6], axis=0)
+
+    def loss(f):
+        return lambda *a: sum(jnp.sum(o * jnp.arange(1.0, 5.0)) for o in f(*a))
+
+    rng = np.random.default_rng(21)
+    args = [rng.normal(size=s).astype(np.float32) for s in [(4,), (n, 6, 4), (n, 6)]]
+    args[2][3] *= 1000.0
+    grad = jax.grad(loss(robust), argnums=(0, 1))
+    module = fcir.capture(grad, *args)
+
+    def every_budget(*a):
+        return XlaInterpreter().run(module, *a), [
+            StreamingInterpreter(clients_per_step=k).run(module, *a) for k in (1, 3)
+        ]
+
+    level_0 = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    got, streamed = jax.jit(every_budget).lower(*args).compile(level_0)(*args)
+    want = jax.grad(loss(plain), argnums=(0, 1))(*args)
+    for g in (got, *streamed):
+        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 def test_vmap_over_a_batch_of_client_values():
     xs = jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, 3)), jnp.float32)
     f = program(5, 1)

@@ -56,8 +56,8 @@ recursively on every fed_map region, where the region's own member values are th
   jax.checkpoint puts on saved residuals) or the frontend's layout-only identities on a
   mesh (``sharding_constraint``, ``reshard``), whose operands are all placed values of
   the result's shape: member-wise, no cross-member data flow.
-* fed_broadcast operands are server values; fed_map and reduction operands are placed
-  values. (A program may hand server-computed per-member data to map_fn, e.g. keys
+* fed_broadcast operands are server values; fed_map, reduction and fed_member_index
+  operands are placed values (a member index is a placed value). (A program may hand server-computed per-member data to map_fn, e.g. keys
   from ``jax.random.split``; the corpus test only requires that a gradient adds no
   violation of a kind its forward program does not already have.)
 So a plain reduction over the member axis, a map body inlined at top level, or a hidden
@@ -97,6 +97,8 @@ TOL = 1e-5
 _REDUCTIONS = frozenset(
     prim for prim, op in fcir.fed.by_primitive().items() if op.kind in ("reduction", "dp")
 )
+# Each member's position (fed.member_index): a placed value from a placed operand.
+_INDEX = frozenset(prim for prim, op in fcir.fed.by_primitive().items() if op.kind == "index")
 # Member-wise ops allowed on placed values at top level: the ones JAX's own AD machinery
 # inserts (add_any accumulates the cotangents of a value used twice; reduce_precision is
 # the identity jax.checkpoint applies to saved residuals) and the layout-only identities
@@ -153,6 +155,10 @@ def _walk(jaxpr, placed_invars, where: str, errors: list[str]) -> list[bool]:
         if eqn.primitive is broadcast_p:
             if ins[0]:
                 errors.append(f"{loc}: broadcast of a placed value")
+            placed.update(eqn.outvars)
+        elif name in _INDEX:
+            if not ins[0]:
+                errors.append(f"{name}: operand produced by {producer(eqn.invars[0])} is not placed")
             placed.update(eqn.outvars)
         elif eqn.primitive is map_p or name in _REDUCTIONS:
             for a, p in zip(eqn.invars, ins):

@@ -154,15 +154,6 @@ def test_corpus_program_streams_like_unchunked(name):
 # masked last chunk): k = 1 and k = cohort are the same loop without a mask and the
 # same code without a loop, both covered by every forward program above.
 ALL_BUDGETS_GRADIENTS = {"fedsgd_linreg", "minmax_agg"}
-# Gradients of order statistics pick members by equality with the selected value (the
-# members at the median share its cotangent), so a member's value must come out with
-# the same bits wherever the program computes it. At XLA backend optimization level 0
-# it does not: there the unchunked program's own gradient of robust_agg is 0.03 off
-# jax.jit's (a member fused into two readers, computed differently), and a chunked one
-# finds no member at the median (NaN). Compiled with XLA's defaults, as users do.
-DEFAULT_OPTIONS_GRADIENTS = {"robust_agg"}
-
-
 @in_main_process
 @pytest.mark.parametrize("name", [_param(c.name) for c in CASES if c.grad_argnums and c.loss])
 def test_corpus_gradient_streams_like_unchunked(name):
@@ -175,8 +166,7 @@ def test_corpus_gradient_streams_like_unchunked(name):
     ks = budgets(module)
     if name not in ALL_BUDGETS_GRADIENTS:
         ks = ks[1:-1] or ks
-    options = None if name in DEFAULT_OPTIONS_GRADIENTS else FAST
-    want, outs = run_budgets(module, args, ks, options)
+    want, outs = run_budgets(module, args, ks)
     for k, got in zip(ks, outs):
         what = f"grad {name} k={k}"
         assert_streamed_equal(got, want, exact=False, what=what, tol=tolerance(name, GRAD_TOL))
