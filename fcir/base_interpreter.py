@@ -176,8 +176,15 @@ def as_input(x):
     return x if dtype == x.dtype else np.asarray(x, dtype)
 
 
-def check_leaf(module: Module, i: int, v, t: TensorType, shape: tuple, dtype,
-               placed: type[FcirError] = InterpreterError) -> None:
+def check_leaf(
+    module: Module,
+    i: int,
+    v,
+    t: TensorType,
+    shape: tuple,
+    dtype,
+    placed: type[FcirError] = InterpreterError,
+) -> None:
     """Raises the clear error for argument leaf ``i`` (parameter ``v`` of runtime type
     ``t``) given as ``dtype[shape]``: the one message of every backend (the
     interpreters, ``xla.compile``'s executables). When only the members per placement
@@ -290,18 +297,24 @@ class Interpreter:
                 out = self.fed_op(op, *args)
             else:
                 raise UnsupportedError(f"{type(self).__name__} has no implementation of {op.name}")
+            multiple = fed.multiple_results if fed is not None else _multiple(op)
             if op.results and (
                 out is None or isinstance(out, (list, tuple)) and any(o is None for o in out)
             ):
                 # Blamed on the method here: else on the op that reads the None.
                 raise InterpreterError(_returned_none(type(self), method, op))
+            if len(op.results) == 1 and not multiple and isinstance(out, (list, tuple)):
+                # Else the list becomes the value: jnp.asarray restacks it where it is
+                # read (a (1, n) value, or n values sliced from the result and stacked
+                # again, other work than the program's and, on JAX 0.12, an unstack that
+                # refuses a member axis split over a mesh).
+                raise InterpreterError(_returned_list(type(self), method, op, out))
         except FcirError as e:
             if getattr(e, "fcir_located", False):
                 raise
             raise self._locate(e, op) from e
         except Exception as e:  # an op failed while running: attach the op, like torch.fx
             raise self._locate(InterpreterError(f"{type(e).__name__}: {e}"), op) from e
-        multiple = fed.multiple_results if fed is not None else _multiple(op)
         if len(op.results) == 1 and not multiple:
             return [out]
         return list(out)
@@ -468,6 +481,15 @@ def _returned_none(cls: type, method: str, op: Op) -> str:
     return (
         f"{cls.__name__}.{method} returned None for {op.name}, which has {len(op.results)} "
         f"result(s): return its value (the inherited one is {base})"
+    )
+
+
+def _returned_list(cls: type, method: str, op: Op, out) -> str:
+    """The message for a rule that returned a list where its op has one result."""
+    return (
+        f"{cls.__name__}.{method} returned a {type(out).__name__} of {len(out)} for {op.name}, "
+        "which has one result: return the value itself (the interpreter puts it in the "
+        "op's result list)"
     )
 
 

@@ -84,7 +84,7 @@ class XlaInterpreter(Interpreter):
         """Each member's position: the primitive's iota, laid out as the placement's
         members (on a mesh, split over its axis like the values it indexes)."""
         placement = op.operands[0].type.placement
-        return [self.constrain(self.fed_op(op, x), placement)]
+        return self.constrain(self.fed_op(op, x), placement)
 
     @impl(*(c for c in F.ops().values() if c.kind in ("reduction", "dp", "ddp")))
     def aggregate(self, op: Op, *args):

@@ -65,8 +65,9 @@ class CountDots(ReferenceInterpreter):
         return super().local(op, x, y)
 
 
-@pytest.mark.parametrize("local", [_local_scan, _local_while, _local_jit],
-                         ids=["scan", "while", "jit"])
+@pytest.mark.parametrize(
+    "local", [_local_scan, _local_while, _local_jit], ids=["scan", "while", "jit"]
+)
 def test_a_rule_for_a_jax_op_sees_every_local_iteration_of_every_round(local):
     args = _args()
     module = fcir.capture(_rounds(local), *args)
@@ -106,8 +107,7 @@ def test_a_broadcast_in_a_server_scan_is_seen_per_round_and_per_leaf():
     @fcir.program(placements={"clients": 3})
     def three_rounds(p, x):
         def one(p, _):
-            new = fcir.map_fn(lambda p, x: {"a": p["a"] + x, "b": p["b"]},
-                              (fcir.broadcast(p), x))
+            new = fcir.map_fn(lambda p, x: {"a": p["a"] + x, "b": p["b"]}, (fcir.broadcast(p), x))
             return jax.tree.map(fcir.reduce_mean, new), None
 
         return jax.lax.scan(one, p, None, length=3)[0]
@@ -136,9 +136,30 @@ def test_a_rule_returning_none_is_blamed_on_the_rule_not_on_the_op_reading_it():
     assert "while running jax.dot_general" in msg
     assert "Forgot.dot_general returned None for jax.dot_general" in msg
     assert "super().local(op, ...)" in msg and "NoneType" not in msg
-    with pytest.raises(fcir.InterpreterError, match=r"ForgotMean.mean returned None for "
-                       r"fed.mean.*super\(\)\.mean\(op, \.\.\.\)"):
+    with pytest.raises(
+        fcir.InterpreterError,
+        match=r"ForgotMean.mean returned None for "
+        r"fed.mean.*super\(\)\.mean\(op, \.\.\.\)",
+    ):
         ForgotMean().run(module, *args)
+
+
+def test_a_rule_returning_a_list_for_its_one_result_is_blamed_on_the_rule():
+    # A one-result list was taken as the value: read by jnp.asarray as a (1, ...) stack,
+    # or, iterated from the result, as its rows sliced and stacked again.
+    class Listed(ReferenceInterpreter):
+        @fcir.impl(fcir.fed.Mean)
+        def mean(self, op, x):
+            return [super().mean(op, x)]
+
+    args = _args()
+    module = fcir.capture(_rounds(_local_scan), *args)
+    with pytest.raises(
+        fcir.InterpreterError,
+        match=r"Listed.mean returned a list of 1 for "
+        r"fed.mean, which has one result: return the value itself",
+    ):
+        Listed().run(module, *args)
 
 
 # --- @fcir.impl with a misspelt op name: the method was dead code --------------------------
