@@ -133,7 +133,7 @@ GRAD_FLOPS_DIFFER = {
         {
             "fedsgd_linreg": "1277 vs 1213 (JAX 0.10.2; 0.12: equal)",
             "client_rng": "2179 vs 2143 (JAX 0.10.2; 0.12: equal)",
-            "robust_agg": "1276 vs 1264 (JAX 0.10.2; 0.12: equal)",
+            "robust_agg": "1892 vs 1880 (JAX 0.10.2; 0.12: equal)",
         }
         if OLD_JAX
         else {}
@@ -146,7 +146,9 @@ GRAD_FLOPS_DIFFER = {
 GRAD_BITS_DIFFER = (
     {}
     if MINMAX_AS_JIT
-    else {"minmax_agg": "7 clients on 8 devices: reductions partitioned differently (0.12.1: equal)"}
+    else {
+        "minmax_agg": "7 clients on 8 devices: reductions partitioned differently (0.12.1: equal)"
+    }
 )
 
 
@@ -180,6 +182,21 @@ def test_sharded_gradient_is_bitwise_jit_on_the_mesh(name):
 def test_sharded_gradient_does_jits_per_device_flops(name):
     exe, compiled, args = gradient_both_ways(name)
     assert flops(exe.compiled(*args)) == flops(compiled)
+
+
+@on_8_devices
+def test_robust_agg_gradient_on_the_mesh_is_its_gradient_on_one_device():
+    """The median's and trimmed mean's gradients find the members at the band's edges
+    by the record of one sort (fed.band_edges). When that record counted the members
+    at an edge by comparing their values again, XLA compiled those readers on this mesh
+    (at optimization level 0, as this process compiles) with other last bits than the
+    sort's operand: an edge counted no member, whose gradient was lost (0.03 off the
+    one-device gradient; jax.jit of the program on the mesh too)."""
+    c = case("robust_agg")
+    exe, _, args = gradient_both_ways("robust_agg")
+    one_device = jax.jit(gradient(c))(*c.make_args())
+    for got, want in zip(jax.tree.leaves(exe(*args)), jax.tree.leaves(one_device)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
 class _AsMapFn(Interpreter):
