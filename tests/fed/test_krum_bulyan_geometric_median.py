@@ -566,7 +566,7 @@ def test_order_statistic_passes_give_the_unstreamed_trimmed_mean_bits(n, trim, d
     want = np.asarray(jax.jit(lambda x: l_estimate(x, n=n, trim=trim))(x))
     for k in sorted({1, 3, n}):
         stat = OrderStatistic(n, trim, x.shape[1:], np.dtype(dtype))
-        got = np.asarray(jax.jit(lambda x, k=k: stat.run(_over_chunks(x, k)))(x))
+        got = np.asarray(jax.jit(lambda x, k=k, stat=stat: stat.run(_over_chunks(x, k)))(x))
         np.testing.assert_array_equal(_bits(got), _bits(want), f"k={k}")
 
 
@@ -590,7 +590,7 @@ def test_band_edges_passes_give_the_unstreamed_record_bits(n, trim):
     assert (want[:8, 0, 2] == 0).all() and want[8, 0, 2] == 1  # the NaN member
     for k in sorted({1, 3, n}):
         stat = OrderStatistic(n, trim, x.shape[1:], np.dtype(np.float32))
-        got = np.asarray(jax.jit(lambda x, k=k: stat.edges(_over_chunks(x, k)))(x))
+        got = np.asarray(jax.jit(lambda x, k=k, stat=stat: stat.edges(_over_chunks(x, k)))(x))
         np.testing.assert_array_equal(_bits(got), _bits(want), f"k={k}")
 
 
