@@ -508,7 +508,9 @@ def _round_event(rels: list[Release], sampling_rate: float):
     if any(_z(r) == 0 for r in rels):
         return dpa.NonPrivateDpEvent()
     if any(isinstance(r, _DISCRETE) for r in rels):
-        sampling_rate = 1.0  # fcir.mechanisms.ddgauss: no amplification by sampling is claimed (epsilon
+        sampling_rate = (
+            1.0  # fcir.mechanisms.ddgauss: no amplification by sampling is claimed (epsilon
+        )
         # refuses a sampled round; round_cost states every client taking part)
     if sampling_rate >= 1.0:
         events = [
@@ -735,4 +737,3 @@ def format_round_cost(cost: dict | None) -> list[str]:
             "(fcir.mechanisms.ddgauss.sampler_tv)"
         )
     return lines
-

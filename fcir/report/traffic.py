@@ -113,7 +113,8 @@ def _aggregate(module: Module, op: Op, members: int, repeats: int):
     server's key, is not sent)."""
     p = op.operands[0].type.placement
     sizes = tuple(
-        nbytes(module, _member(o.type)) for o in op.operands
+        nbytes(module, _member(o.type))
+        for o in op.operands
         if isinstance(o.type, PlacedType) and o.type.placement == p
     )
     yield Transfer(op, "aggregate", p, sizes, members * module.cardinality(p), repeats)
@@ -176,8 +177,11 @@ def call_unit(module: Module) -> str:
 
 
 def _federated(op: Op) -> bool:
-    return any(o.name.startswith("fed.") or (o.regions and _federated(o))
-               for r in op.regions for o in r.ops)
+    return any(
+        o.name.startswith("fed.") or (o.regions and _federated(o))
+        for r in op.regions
+        for o in r.ops
+    )
 
 
 def communication_bytes(module: Module) -> dict[str, dict[str, int]]:

@@ -136,9 +136,7 @@ def split_phases(module: Module) -> list[Phase]:
     phases = []
     for k in range(1, last + 1):
         carried = [v for v in names if level[v] < k]
-        outputs = (
-            [v for v in names if level[v] == k] if k < last else list(main.body.results)
-        )
+        outputs = [v for v in names if level[v] == k] if k < last else list(main.body.results)
         stop = set(carried) | set(main.body.params)
         needed: set[int] = set()
         stack = list(outputs)

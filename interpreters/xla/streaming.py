@@ -643,7 +643,15 @@ class StreamingInterpreter(XlaInterpreter):
             def local(batched, unbatched, seeds, buf_cts):
                 n = s.n // devices
                 ct_b, ct_u = self._backward_local(
-                    s, batched, unbatched, seeds, buf_cts, mats, diff_b, diff_u, n,
+                    s,
+                    batched,
+                    unbatched,
+                    seeds,
+                    buf_cts,
+                    mats,
+                    diff_b,
+                    diff_u,
+                    n,
                     offset=lax.axis_index(axis) * n,
                 )
                 return ct_b, [c[None] for c in ct_u]

@@ -259,7 +259,9 @@ class OrderStatistic:
                 at = (start + jnp.arange(key.shape[0], dtype=jnp.int32)).reshape(ok.shape)
 
                 def first(edge, so_far):
-                    return jnp.minimum(so_far, jnp.min(jnp.where(ok & (key == edge), at, self.n), 0))
+                    return jnp.minimum(
+                        so_far, jnp.min(jnp.where(ok & (key == edge), at, self.n), 0)
+                    )
 
                 return c1, c2, nan, first(st["lo1"], acc[3]), first(st["lo2"], acc[4])
 
@@ -292,7 +294,9 @@ class OrderStatistic:
         init.update(hi2=top, below_lo=zero_i, upto_lo=every, below_hi=zero_i, upto_hi=every)
         init.update(nan=zero_i, first_lo=nobody, first_hi=nobody)
         st = lax.while_loop(lambda st: st["i"] <= bits, one_pass, init)
-        lo, hi = (from_key(st[k], self.dtype).astype(self.dtype).astype(acc_dt) for k in ("lo1", "lo2"))
+        lo, hi = (
+            from_key(st[k], self.dtype).astype(self.dtype).astype(acc_dt) for k in ("lo1", "lo2")
+        )
         rows = [lo, hi, st["first_lo"], st["first_hi"], st["below_lo"]]
         rows += [st["upto_lo"] - st["below_lo"], self.n - st["upto_hi"]]
         rows += [st["upto_hi"] - st["below_hi"]]

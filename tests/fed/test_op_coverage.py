@@ -214,7 +214,8 @@ def constraint_tables() -> list[dict[str, str]]:
     import importlib
 
     check, check_local, privacy = (
-        importlib.import_module(f"fcir.{m}") for m in ("checker.check", "checker.local_ops", "privacy")
+        importlib.import_module(f"fcir.{m}")
+        for m in ("checker.check", "checker.local_ops", "privacy")
     )
     fed = {f"{cls.name}/{c}": t for cls in F.ops().values() for c, t in cls.constraints.items()}
     return [fed, check.CONSTRAINTS, check_local.CONSTRAINTS, privacy.CONSTRAINTS]
@@ -364,8 +365,9 @@ def test_every_gathered_reduction_has_a_self_contained_server_aggregate_equal_to
     from fcir.interpreters.flower.app import runtime
     from fcir.interpreters.production import splitting
 
-    gathered = [F.ops()[name] for name, uri in splitting.INTRINSICS.items()
-                if uri == "federated_aggregate"]
+    gathered = [
+        F.ops()[name] for name, uri in splitting.INTRINSICS.items() if uri == "federated_aggregate"
+    ]
     assert {c.name for c in gathered} >= {"fed.median", "fed.trimmed_mean"}
     for cls in gathered:
         source = cls.server_aggregate_source()

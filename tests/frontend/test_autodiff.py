@@ -158,7 +158,9 @@ def _walk(jaxpr, placed_invars, where: str, errors: list[str]) -> list[bool]:
             placed.update(eqn.outvars)
         elif name in _INDEX:
             if not ins[0]:
-                errors.append(f"{name}: operand produced by {producer(eqn.invars[0])} is not placed")
+                errors.append(
+                    f"{name}: operand produced by {producer(eqn.invars[0])} is not placed"
+                )
             placed.update(eqn.outvars)
         elif eqn.primitive is map_p or name in _REDUCTIONS:
             for a, p in zip(eqn.invars, ins):
