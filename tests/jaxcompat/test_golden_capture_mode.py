@@ -8,11 +8,13 @@ does), so scan_rounds, fedavg_mlp's gradient and scan_rounds' and meta-learning'
 gradients of a gradient print the same on JAX 0.10.2 and 0.12. Capture mode is part of
 JAX's trace context, so JAX's trace caches never hand a trace made with JAX's own rules
 to a capture, nor a capture's trace to ``jax.jit``: the cache-order tests run each order
-in a fresh process (what earlier tests in this process traced cannot mask a leak).
+in a fresh process (what earlier tests in this process traced cannot mask a leak), one
+for the three programs, whose traces of one kind all come before any of the other.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import subprocess
@@ -33,9 +35,12 @@ from fcir.jaxcompat import derivatives
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 DERIVATIVE_OPS = {f"jax.{name}" for name in derivatives.OPS}
 
-# One process: JAX traces and differentiates the corpus program itself (jit, make_jaxpr,
-# running it), then fcir captures it, or the other way round; it prints the captured
-# text's match with the golden and whether xla.compile of the IR is bitwise jax.jit.
+# One process per order: JAX traces and differentiates the corpus programs itself (jit,
+# make_jaxpr, running them), then fcir captures them, or the other way round: every
+# trace of one kind before any of the other, so within the process no capture comes
+# before a JAX trace (jax_first), or no JAX trace before a capture (capture_first). It
+# prints, for each program, the captured text's match with its golden and whether
+# xla.compile of the IR is bitwise jax.jit.
 _SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -47,49 +52,68 @@ _SCRIPT = textwrap.dedent(
     from corpus import case
     from conftest import GOLDEN_DIR, _JAX_DIR
 
-    name, jax_first = sys.argv[1], sys.argv[2] == "jax_first"
-    c = case(name.removesuffix("_grad"))
-    args = c.make_args()
-    fn = c.fn
-    if name.endswith("_grad"):
-        fn = jax.grad(lambda *a: c.loss(c.fn(*a)), c.grad_argnums)
+    jax_first, names = sys.argv[1] == "jax_first", sys.argv[2:]
 
-    def by_jax():
+    def program(name):
+        c = case(name.removesuffix("_grad"))
+        fn = c.fn
+        if name.endswith("_grad"):
+            fn = jax.grad(lambda *a: c.loss(c.fn(*a)), c.grad_argnums)
+        return fn, c.make_args()
+
+    programs = {{name: program(name) for name in names}}
+
+    def by_jax(name):
+        fn, args = programs[name]
         jaxpr = str(jax.make_jaxpr(fn)(*args))
         compiled = jax.jit(fn).lower(*args).compile()
         return jaxpr, compiled, compiled(*args)
 
+    def by_capture(name):
+        fn, args = programs[name]
+        return fcir.capture(fn, *args, name=name)
+
     if jax_first:
-        jaxpr, compiled, expected = by_jax()
-    module = fcir.capture(fn, *args, name=name)
-    if not jax_first:
-        jaxpr, compiled, expected = by_jax()
-    path = GOLDEN_DIR / _JAX_DIR / f"{{name}}.fcir"
-    if not path.exists():
-        path = GOLDEN_DIR / f"{{name}}.fcir"
-    captured.forget(module)  # the backend rebuilds the program from the IR
-    exe = xla.compile(module)
-    got = exe(*args)
-    same = all(
-        np.asarray(a).tobytes() == np.asarray(b).tobytes()
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
-    )
+        traced = {{name: by_jax(name) for name in names}}
+        modules = {{name: by_capture(name) for name in names}}
+    else:
+        modules = {{name: by_capture(name) for name in names}}
+        traced = {{name: by_jax(name) for name in names}}
+
     def flops(comp):
         a = comp.cost_analysis()
         return (a[0] if isinstance(a, (list, tuple)) else a)["flops"]
-    print(json.dumps({{
-        "golden": module.to_text() == path.read_text(),
-        "bitwise": same,
-        "flops": [flops(exe.compiled(*args)), flops(compiled)],
-        "jax_trace_has_fcir_ops": any(n in jaxpr for n in ("tanh_tangent", "tanh_cotangent")),
-    }}))
+
+    results = {{}}
+    for name in names:
+        module, (jaxpr, compiled, expected), args = modules[name], traced[name], programs[name][1]
+        path = GOLDEN_DIR / _JAX_DIR / f"{{name}}.fcir"
+        if not path.exists():
+            path = GOLDEN_DIR / f"{{name}}.fcir"
+        captured.forget(module)  # the backend rebuilds the program from the IR
+        exe = xla.compile(module)
+        got = exe(*args)
+        same = all(
+            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected))
+        )
+        results[name] = {{
+            "golden": module.to_text() == path.read_text(),
+            "bitwise": same,
+            "flops": [flops(exe.compiled(*args)), flops(compiled)],
+            "jax_trace_has_fcir_ops": any(n in jaxpr for n in ("tanh_tangent", "tanh_cotangent")),
+        }}
+    print(json.dumps(results))
     """
 ).format(tests=str(TESTS))
+CAPTURE_ORDER_PROGRAMS = ["scan_rounds", "fedavg_mlp_grad", "scan_rounds_grad"]
 
 
-def _run(name: str, order: str) -> dict:
+@functools.cache
+def _run(order: str) -> dict:
+    """Each program's results in the fresh process of ``order`` (one per order)."""
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, name, order],
+        [sys.executable, "-c", _SCRIPT, order, *CAPTURE_ORDER_PROGRAMS],
         capture_output=True,
         text=True,
         timeout=900,
@@ -99,11 +123,11 @@ def _run(name: str, order: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # a fresh process each: left out of the fast tier
+@pytest.mark.slow  # a fresh process for each order: left out of the fast tier
 @pytest.mark.parametrize("order", ["jax_first", "capture_first"])
-@pytest.mark.parametrize("name", ["scan_rounds", "fedavg_mlp_grad", "scan_rounds_grad"])
+@pytest.mark.parametrize("name", CAPTURE_ORDER_PROGRAMS)
 def test_capture_matches_golden_and_jit_whatever_jax_traced_before(name, order):
-    result = _run(name, order)
+    result = _run(order)[name]
     assert result["golden"], f"{name} captured after/before JAX's own trace differs from its golden"
     assert result["bitwise"], f"xla.compile(capture({name})) is not bitwise jax.jit ({order})"
     assert result["flops"][0] == result["flops"][1]
