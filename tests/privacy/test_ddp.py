@@ -277,14 +277,20 @@ def _encode_all(xs, keys, p):
     return jax.jit(jax.vmap(lambda x, k: ddp.encode([x], k, p)))(xs, keys)
 
 
+def _decode_sum(enc, p, like):
+    """The server's ``decode(aggregate(enc))`` of the clients' encodings ``enc``, compiled
+    as one function (op by op, over a hundred kernels compile: 2 s)."""
+    return jax.jit(lambda e: ddp.decode(ddp.aggregate(e, p), p, [like], mean=False)[0])(enc)
+
+
 def test_noiseless_round_trip_is_the_clipped_sum_up_to_rounding():
     n, d = 10, 300
     xs = jax.random.normal(jax.random.key(0), (n, d))
     p = ddp.params(d, n, 1.0, 0.0, 20)
     enc = _encode_all(xs, jax.random.split(jax.random.key(1), n), p)
     assert enc.dtype == jnp.uint32 and int(enc.max()) < 2**20
-    out = ddp.decode(ddp.aggregate(enc, p), p, [xs[0]], mean=False)[0]
-    want = sum(clip_member([xs[i]], 1.0)[0] for i in range(n))
+    out = _decode_sum(enc, p, xs[0])
+    want = jax.jit(lambda xs: sum(clip_member([xs[i]], 1.0)[0] for i in range(n)))(xs)
     # rounding moves each client's rotated coordinate by < 1/scale: the sum's L2 error is
     # below n * sqrt(D) / scale (the inverse rotation keeps norms)
     err = float(jnp.linalg.norm(out - want))
@@ -314,7 +320,7 @@ def test_sum_noise_has_std_noise_multiplier_times_clip():
     xs = jnp.zeros((n, d))
     p = ddp.params(d, n, 0.5, 1.3, 20)
     enc = _encode_all(xs, jax.random.split(jax.random.key(2), n), p)
-    out = np.asarray(ddp.decode(ddp.aggregate(enc, p), p, [xs[0]], mean=False)[0])
+    out = np.asarray(_decode_sum(enc, p, xs[0]))
     # 2048 coordinates: the sample std is within 5% of 0.65 with overwhelming probability
     assert abs(out.std() / 0.65 - 1) < 0.05
 
@@ -353,7 +359,8 @@ def _args(clients=5, seed=0):
 
 # ddp_mean is slow; ddp_sum stays in the fast tier (docs/contributing.md)
 @pytest.mark.parametrize(
-    "mean", [pytest.param(False, id="ddp_sum"), pytest.param(True, id="ddp_mean", marks=pytest.mark.slow)]
+    "mean",
+    [pytest.param(False, id="ddp_sum"), pytest.param(True, id="ddp_mean", marks=pytest.mark.slow)],
 )
 def test_reference_xla_and_jit_agree_bit_for_bit(mean):
     fn, args = _program(mean), _args()
@@ -477,8 +484,10 @@ def test_gradient_treats_noise_and_rounding_as_constant():
 
     w, x = jnp.array([1.0, 0.5, 2.0]), jnp.arange(12.0).reshape(4, 3) / 4
     keys = jax.random.split(jax.random.key(0), 4)
-    g = jax.grad(ddp_loss)(w, keys, x)
-    np.testing.assert_allclose(g, jax.grad(dp_loss)(w, jax.random.key(0), x), rtol=1e-6)
+    # Compiled: op by op, the encoding's and the noise's kernels compile one by one.
+    g = jax.jit(jax.grad(ddp_loss))(w, keys, x)
+    want = jax.jit(jax.grad(dp_loss))(w, jax.random.key(0), x)
+    np.testing.assert_allclose(g, want, rtol=1e-6)
     m = fcir.capture(jax.grad(ddp_loss), w, keys, x)
     np.testing.assert_allclose(reference.run(m, w, keys, x), g, rtol=1e-6)
 
