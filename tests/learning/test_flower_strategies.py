@@ -105,7 +105,8 @@ def flower_rounds(strategy, app, params) -> dict:
     nodes = {101 + i: {"partition-id": i} for i in range(N)}
     grid = inprocess.Grid(types.SimpleNamespace(client=types.SimpleNamespace(app=app)), nodes)
     arrays = ArrayRecord({k: Array(v) for k, v in params.items()})
-    result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=ROUNDS)
+    with inprocess.own_garbage_only():
+        result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=ROUNDS)
     return {k: v.numpy() for k, v in result.arrays.items()}
 
 
