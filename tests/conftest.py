@@ -145,6 +145,15 @@ def _atomic_put(self, key: str, value: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _parent_jax_cache() -> str | None:
+    """In an 8-device child, the folder of the session that started it."""
+    try:
+        from eight_devices import PARENT_JAX_CACHE
+    except ImportError:  # a scratch suite with this conftest (test_conftest_goldens.py)
+        return None
+    return os.environ.get(PARENT_JAX_CACHE)
+
+
 def _use_session_jax_cache(config) -> None:
     global _SESSION_JAX_CACHE
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -153,6 +162,11 @@ def _use_session_jax_cache(config) -> None:
 
     if _xdist_worker(config):
         folder = config.workerinput.get("fcir_jax_cache")
+    elif _parent_jax_cache():
+        # An 8-device child: its session's folder, which the session removes. Its
+        # entries are keyed by its XLA_FLAGS and 8 devices, so the children share them
+        # among themselves only.
+        folder = _parent_jax_cache()
     else:
         folder = _SESSION_JAX_CACHE = tempfile.mkdtemp(prefix="fcir-tests-jax-cache-")
         if getattr(config.option, "numprocesses", None):
