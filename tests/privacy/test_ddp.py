@@ -858,14 +858,21 @@ print("ok")
 """
 
 
-@pytest.mark.slow  # 9 s: a two-device child process (docs/contributing.md)
+@pytest.mark.slow  # 7 s: a two-device child process (docs/contributing.md)
 def test_on_a_two_device_mesh_streamed_or_not_the_bits_are_the_references(tmp_path):
     import os
     import subprocess
     import sys
 
     env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    # LLVM at -O0, as the 8-device children (eight_devices.py): the reference and the
+    # mesh's programs are compiled alike in the child, and how the round is split over
+    # the devices is decided on the HLO. The single-device checks above keep XLA's
+    # defaults. Measured: 11.5 -> 6.9 CPU s.
+    flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    env["XLA_FLAGS"] = (
+        f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2 {flags}"
+    )
     out = subprocess.run(
         [sys.executable, "-c", MESH_SCRIPT],
         env=env,
