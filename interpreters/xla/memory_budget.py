@@ -47,6 +47,7 @@ from .executable import Executable
 from .streaming import StreamingInterpreter, members_per_step
 
 __all__ = [
+    "allocator_limit",
     "device_memory",
     "members_per_device",
     "memory_stats",
@@ -92,13 +93,24 @@ def _interpreter(k: int):
     return functools.partial(StreamingInterpreter, clients_per_step=k)
 
 
+def allocator_limit(device) -> int | None:
+    """Bytes ``device``'s allocator may hold (``bytes_limit`` of its memory stats), or
+    None where JAX does not say (CPU)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001  some backends raise instead of returning None
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
 def device_memory(mesh) -> int:
     """Bytes one device may use: its allocator's limit, or on CPU the host's RAM divided
     among the devices the program runs on (they share it)."""
     devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
-    stats = devices[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"])
+    limit = allocator_limit(devices[0])
+    if limit is not None:
+        return limit
     ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(ram // len(devices))
 

@@ -98,6 +98,7 @@ from fcir.population import Cohorts
 from .build import compile as xla_compile
 from .cost import predicted_peak
 from .executable import Executable, _mesh_context
+from .memory_budget import allocator_limit
 
 __all__ = ["device_budget", "simulate"]
 
@@ -107,13 +108,8 @@ LOOPS = ("auto", "device", "host")
 def device_budget(device=None) -> int:
     """Bytes of population that ``loop="auto"`` puts on ``device``: a quarter of its
     memory, or 1 GiB where JAX reports none (CPU)."""
-    device = device or jax.devices()[0]
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001  some backends raise instead of returning None
-        stats = {}
-    limit = stats.get("bytes_limit")
-    return int(limit) // 4 if limit else 2**30
+    limit = allocator_limit(device or jax.devices()[0])
+    return limit // 4 if limit else 2**30
 
 
 def _on_accelerator() -> bool:
@@ -367,12 +363,7 @@ def _device_limit(exes: dict) -> int | None:
     everything else)."""
     exe = next(iter(exes.values()))
     device = next(iter(exe.mesh.devices.flat)) if exe.mesh is not None else jax.devices()[0]
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # noqa: BLE001  some backends raise instead of returning None
-        return None
-    limit = stats.get("bytes_limit")
-    return int(limit) if limit else None
+    return allocator_limit(device)
 
 
 def _cohort_bytes(exe: Executable, specs, state_leaves: int) -> int:
