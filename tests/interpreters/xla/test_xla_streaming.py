@@ -280,13 +280,14 @@ def test_compile_with_a_budget_streams_and_reports_it():
         np.testing.assert_array_equal(exe(*args)[key], want[key])
 
 
-def skip_where_memory_analysis_cannot_tell(grown: int) -> None:
-    """Skips off the CPU where the bytes that should grow with k are none: on a TPU,
-    XLA keeps these rounds' buffers of a few KiB in the core's own memory, which its
-    memory analysis does not count (measured on a v5e: no temporaries at any k; the
-    device benchmark's FAX round shows the same flat memory at GiB sizes)."""
-    if grown <= 0 and jax.default_backend() != "cpu":
-        pytest.skip(f"XLA on {jax.default_backend()} counts no memory that grows with k here")
+def skip_where_memory_analysis_cannot_tell(counted: int) -> None:
+    """Skips off the CPU where the bytes a memory check compares (that grow with k, or
+    a program's temporaries) are none: on a TPU, XLA keeps buffers of a few KiB in the
+    core's own memory, which its memory analysis does not count (measured on a v5e: no
+    temporaries at any k; the device benchmark's FAX round shows streaming's memory
+    flat at GiB sizes)."""
+    if counted <= 0 and jax.default_backend() != "cpu":
+        pytest.skip(f"XLA on {jax.default_backend()} counts none of the memory compared here")
 
 
 def training(n: int):
