@@ -179,71 +179,17 @@ def test_digits_trains_a_population_ten_times_the_cohort_with_epsilon_at_q(tmp_p
     want = [fcir.privacy.epsilon(module, r, 1e-5, sampling_rate=0.1) for r in (1, 2)]
     assert curves["epsilon"] == pytest.approx(want, rel=1e-12)
     assert want[-1] < fcir.privacy.epsilon(module, 2, 1e-5) / 2
-    losses = [float(line.split("(loss ")[1].split(")")[0])
-              for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
+    losses = [
+        float(line.split("(loss ")[1].split(")")[0])
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("round ")
+    ]
     assert len(losses) == 2 and all(0.05 < x < 5 for x in losses), losses
 
 
-# --- examples/dp_flower_training.py: a Flower budget across a resume ----------------------
-
-
-# What it pins is Flower's and the budget's (rounds run, the resume, nothing left running),
-# not JAX's: the oldest-JAX leg runs the DP round itself elsewhere and leaves this one, a
-# Ray cluster that would start beside the newest leg's, to the newest JAX.
-@pytest.mark.jax_independent
-def test_dp_flower_example_stops_on_its_budget_and_the_resume_keeps_spending_it(capsys, tmp_path):
-    """3 virtual nodes, rounds=6, max-epsilon between ε(3 rounds) and ε(4 rounds): the
-    first run trains 2 rounds, the resumed run only round 3 (a fresh budget would run 3
-    more), as many as fcir.privacy.Budget on the module allows; the model is 3 rounds
-    of production.run_bundle bit for bit (reference.run's to 1e-5), and nothing of the
-    simulation is left running."""
-    pytest.importorskip("flwr", reason="needs flwr (pip install 'fcir[flower]')")
-    pytest.importorskip(
-        "ray", reason="the Simulation Engine needs ray (pip install 'fcir[flower]')"
-    )
-    pytest.importorskip("sklearn")
-    import re
-
-    import jax
-    from corpus.compare import assert_trees_match
-    from fcir.interpreters import production, reference
-    from fcir.interpreters.flower.simulation import _pids_with_home_under
-
-    example = load("dp_flower_training")
-    argv = ["--nodes", "3", "--noise-multiplier", "2.0", "--rounds", "6", "--first-rounds", "2"]
-    rnd = example.make_round(3, 0.5, 2.0, None)
-    args, _ = example.round_args(3, 0, None)
-    module = fcir.capture(rnd, *args)
-    eps = [fcir.privacy.epsilon(module, r, 1e-5) for r in (3, 4)]
-    cap = sum(eps) / 2
-    result = example.main([*argv, "--max-epsilon", repr(cap), "--dir", str(tmp_path / "work")])
-    out = capsys.readouterr().out
-    budget = fcir.privacy.Budget(module, 1e-5, cap)
-    while budget.can_spend():
-        budget.spend()
-    assert result["planned"] == budget.rounds == result["rounds"] == 3
-    assert result["epsilon"] <= cap < budget.epsilon_after(1)
-    first, resumed = result["logs"]
-    assert re.findall(r"round (\d)/2:", first) == ["1", "2"]
-    assert "resuming after round 2" in resumed
-    assert re.findall(r"round (\d)/6:", resumed) == ["3"]
-    assert f"stopping before round 4: it would bring epsilon to {eps[1]:.4g}" in resumed
-    assert f"epsilon={eps[0]:.4g} after 3 round(s)" in out
-
-    model, r, key, clients = args
-    bundle = production.export(module).write(tmp_path / "bundle")
-    ref_model, ref_r = model, r
-    for _ in range(3):
-        model, r = production.run_bundle(bundle, model, r, key, clients)
-        ref_model, ref_r = reference.run(module, ref_model, ref_r, key, clients)
-    got = result["outputs"]
-    assert int(got[-1]) == 4  # the round counter: 3 rounds ran
-    # Bit for bit the production bundle's 3 rounds; the reference interpreter's to 1e-5.
-    assert [g.tobytes() for g in got] == [
-        np.asarray(v).tobytes() for v in jax.tree.leaves((model, r))
-    ]
-    want = [np.asarray(v) for v in jax.tree.leaves((ref_model, ref_r))]
-    assert_trees_match(got, want, rtol=1e-5, atol=1e-6)
-    work = result["work"]
-    for sim in ("sim0", "sim1"):
-        assert _pids_with_home_under(work / sim) == []
+# --- examples/dp_flower_training.py ----------------------------------------------------
+# Its two Simulation Engine runs are its cost (a Ray cluster, Flower's processes, jax in
+# each): it is checked on the run docs/flower.md's command makes, in
+# tests/interpreters/flower/test_flower_doc_commands.py (test_the_dp_example_runs_as_the_page_says):
+# it stops on its budget, the resume keeps spending it, its model is the production
+# bundle's rounds bit for bit and reference.run's to 1e-5, nothing is left running.

@@ -460,7 +460,11 @@ def test_the_dp_example_runs_as_the_page_says(tmp_path):
     """`python examples/dp_flower_training.py --nodes 30 --rounds 20 --max-epsilon 6`:
     what the page says it does (2 rounds, then resumed, rounds 3 to 6, epsilon 5.979,
     round 7 would bring it to 6.543, the held-out accuracy it states to 0.01), nothing
-    left running."""
+    left running. The example's own checks ride on this run (its two Simulation Engine
+    runs are the cost): it stops on its budget, as many rounds as fcir.privacy.Budget on
+    the round's module allows, and the resume keeps spending the first run's (a fresh
+    budget would run 6 more); the model it writes is 6 rounds of the production bundle
+    bit for bit (reference.run's to 1e-5)."""
     pytest.importorskip("flwr", reason="the Flower tests need flwr (pip install -e '.[flower]')")
     pytest.importorskip(
         "ray", reason="the Simulation Engine needs ray (pip install -e '.[flower]')"
@@ -477,6 +481,7 @@ def test_the_dp_example_runs_as_the_page_says(tmp_path):
     tmp = _short_tmp(tmp_path)
     log = ok(DP_EXAMPLE, work, tmp=tmp)
     assert re.findall(r"round (\d+)/2:", log) == ["1", "2"], log[-3000:]
+    assert "resuming after round 2" in log, log[-3000:]
     assert re.findall(r"round (\d+)/20:", log) == ["3", "4", "5", "6"], log[-3000:]
     assert "stopping before round 7: it would bring epsilon to 6.543" in log, log[-3000:]
     assert "6 rounds ran in all" in log and "ε 5.979 spent" in log, log[-3000:]
@@ -484,3 +489,45 @@ def test_the_dp_example_runs_as_the_page_says(tmp_path):
     (stated,) = re.findall(r"reaching (\d\.\d+) held-out accuracy", text)
     assert abs(float(accuracy) - float(stated)) <= 0.01, (accuracy, stated)
     assert _pids_with_home_under(tmp.resolve()) == []
+    (written,) = re.findall(r"the model: (\S+)\n", log)
+    _the_dp_example_spends_its_budget_and_writes_the_bundle_s_model(
+        log, _outputs(written), tmp_path
+    )
+
+
+def _the_dp_example_spends_its_budget_and_writes_the_bundle_s_model(log, got, tmp_path):
+    """The page's run against the example's round (30 nodes, clip 0.5, noise 2.0, seed
+    0: its defaults): the budget and ε it printed, and its model."""
+    import jax
+    from corpus.compare import assert_trees_match
+    from examples_testing import load
+    from fcir.interpreters import production, reference
+
+    import fcir
+
+    example = load("dp_flower_training")
+    args, _ = example.round_args(30, 0, None)
+    module = fcir.capture(example.make_round(30, 0.5, 2.0, None), *args)
+    budget = fcir.privacy.Budget(module, 1e-5, 6.0)
+    while budget.can_spend():
+        budget.spend()
+    assert budget.rounds == 6 and "allows 6 of 20 rounds" in log, log[-3000:]
+    assert "6 rounds ran in all (the budget planned 6)" in log, log[-3000:]
+    eps = [fcir.privacy.epsilon(module, r, 1e-5) for r in (6, 7)]
+    assert eps[0] <= 6.0 < budget.epsilon_after(1) == eps[1]
+    assert f"epsilon={eps[0]:.4g} after 6 round(s)" in log, log[-3000:]
+    assert f"it would bring epsilon to {eps[1]:.4g}" in log and f"ε {eps[0]:.4g} spent" in log
+
+    assert int(got[-1]) == 7  # the round counter: 6 rounds ran
+    # One Bundle for the 6 rounds: its parts compile once (run_bundle reads it anew).
+    bundle = production.Bundle(production.export(module).write(tmp_path / "bundle"))
+    leaves = [np.asarray(x) for x in jax.tree.leaves(args)]
+    model, r, key, clients = args
+    for _ in range(6):
+        flat = bundle.run_flat(leaves)
+        leaves[: len(got)] = [np.asarray(flat[i]) for i in rounds.output_order(module)]
+        model, r = reference.run(module, model, r, key, clients)
+    # Bit for bit the production bundle's 6 rounds; the reference interpreter's to 1e-5.
+    assert [g.tobytes() for g in got] == [x.tobytes() for x in leaves[: len(got)]]
+    want = [np.asarray(v) for v in jax.tree.leaves((model, r))]
+    assert_trees_match(got, want, rtol=1e-5, atol=1e-6)
