@@ -377,11 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d", type=int, help="model width (default: the 368M model's, 1024)")
     ap.add_argument("--layers", type=int, help="model depth (default: the 368M model's, 24)")
     ap.add_argument("--batch", type=int, help=f"sequences per training step (default {BATCH})")
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints go")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints go (made if missing)")
     ap.add_argument("--serial", action="store_true",
                     help="also fcir-serial: every host copy awaited before the first write")  # fmt: skip
     ap.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
     a = ap.parse_args(argv)
+    # Made (with its parents) before the 4 GiB state is built, not found missing after.
+    pathlib.Path(a.dir).mkdir(parents=True, exist_ok=True)
     import jax
     import orbax.checkpoint as ocp
 
