@@ -12,11 +12,25 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
+# XLA_FLAGS for a smoke run whose checks hold however LLVM optimizes XLA:CPU's kernels
+# (LLVM at -O0, as the 8-device children, tests/eight_devices.py): it proves that the
+# script runs and records what it should, and what it compares (programs compiled alike,
+# within a tolerance), XLA's memory analysis (buffer assignment is decided on the HLO:
+# bench/streaming.py's gradient and DP rows have the same bytes at -O0, measured) and
+# its flops are not the kernels' speed. A smoke run's timings say nothing either way.
+CHEAP_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
-def run_smoke(name: str, out_dir, mode: str = "--smoke", timeout: float = 600) -> tuple[str, dict]:
+
+def run_smoke(
+    name: str, out_dir, mode: str = "--smoke", timeout: float = 600, xla_flags: str = ""
+) -> tuple[str, dict]:
     """``python bench/NAME.py MODE --out-dir OUT_DIR``; asserts that it exits 0 and
-    returns its stdout and the one record it wrote (``NAME-<mode>-<time>.json``)."""
+    returns its stdout and the one record it wrote (``NAME-<mode>-<time>.json``).
+    ``xla_flags``: its XLA_FLAGS (``CHEAP_CODEGEN``), to which the script adds its
+    device count."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / f"{name}.py"), mode, "--out-dir", str(out_dir)],
         env=env,

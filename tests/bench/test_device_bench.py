@@ -29,6 +29,7 @@ TPU_OOM = (
 @pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 def test_device_script_smoke_mode(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = benchrun.CHEAP_CODEGEN  # LLVM at -O0, as the other smoke runs
     env["OUT_DIR"] = str(tmp_path)
     env["PYTHON"] = sys.executable  # this test's Python, whatever python is on PATH (CI's leg 1)
     result = subprocess.run(["bash", str(benchrun.ROOT / "bench" / "device.sh"), "--smoke"],

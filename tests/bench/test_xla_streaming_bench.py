@@ -11,7 +11,8 @@ pytestmark = pytest.mark.slow  # docs/contributing.md: left out of the fast tier
 
 
 def test_streaming_benchmark_smoke_mode(tmp_path):
-    out, data = benchrun.run_smoke("streaming", tmp_path)
+    # At LLVM -O0: its two gradient and DP memory workers were 40 of its 46 CPU s.
+    out, data = benchrun.run_smoke("streaming", tmp_path, xla_flags=benchrun.CHEAP_CODEGEN)
     assert "fcir growth" in out and "fcir/drjax median" in out
     assert data["smoke"] and data["devices"] == 8 and data["cores"] == os.cpu_count()
     assert set(data["versions"]) >= {"jax", "jaxlib", "numpy", "drjax"}
