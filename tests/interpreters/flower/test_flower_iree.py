@@ -502,31 +502,27 @@ def node_venv() -> pathlib.Path:
     return root
 
 
-@pytest.mark.parametrize("name", ["fedavg_mlp", "scan_rounds"])
-def test_real_supernodes_without_jax_run_the_app(name, tmp_path):
-    """A round (fedavg_mlp), and a whole training program of three rounds in a server
-    lax.scan (scan_rounds), on SuperNodes whose Flower (and so ClientApp) runs from a
-    venv with only flwr, numpy and iree-base-runtime."""
-    from fcir.interpreters.flower.local import Deployment, env_for
+@pytest.fixture(scope="module")
+def jax_free_nodes(tmp_path_factory):
+    """A SuperLink (the ServerApp's host: this venv, with jax) and N SuperNodes whose
+    Flower (and so ClientApp) runs from ``node_venv()``, started once for the apps run
+    on it one after another: node ``i`` reads ``node<i>/<round>.npz`` (its data-path is
+    a template). Stopped by PID."""
+    from fcir.interpreters.flower.local import Deployment
 
     venv = node_venv()
-    r = rounds.corpus_round(name)
-    app = flower.export(r.module, tmp_path / "app", inputs=r.server_leaves, device_runtime="iree")
-    plan = rounds.plan_of(app)
-    paths = []
-    for i in range(N):
-        p = tmp_path / f"node{i}.npz"
-        np.savez(p, *r.node_leaves(plan, i))
-        paths.append(p)
-    dep = Deployment(tmp_path / "dep", N, paths)
+    root = tmp_path_factory.mktemp("jax-free-nodes")
+    paths = [root / f"node{i}" / "{round}.npz" for i in range(N)]
+    dep = Deployment(root / "dep", N, paths)
     dep.root.mkdir(parents=True, exist_ok=True)
     dep.cli_home.mkdir(parents=True, exist_ok=True)
     (dep.cli_home / "config.toml").write_text(
         f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "{dep.address}"\ninsecure = true\n'
     )
     try:
-        dep.start_superlink()  # the ServerApp's host: this venv, with jax
+        dep.start_superlink()
         for i in range(N):  # the devices: the jax-free venv's Flower runs the ClientApp
+            (root / f"node{i}").mkdir()
             home = dep.root / f"home-node{i}"
             home.mkdir()
             env = {
@@ -561,24 +557,38 @@ def test_real_supernodes_without_jax_run_the_app(name, tmp_path):
                 start_new_session=True,
             )
             log.close()
-        out = tmp_path / "out.npz"
-        p = subprocess.run(
-            dep.run_command(app, f'num-server-rounds=1 output="{out}"'),
-            env=env_for(dep.cli_home),
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-        logs = "\n".join(dep.log_tail(f"node{i}", 20) for i in range(N))
-        assert out.is_file(), f"{p.stdout[-3000:]}\n{logs}"
-        assert "ModuleNotFoundError" not in logs
-        if "loop" in rounds.plan_of(app):
-            assert "round 3/3: 3/3 clients replied" in p.stdout + p.stderr
-        assert_trees_match(
-            files.read_outputs(out), rounds.reference_outputs(r), rtol=1e-5, atol=1e-5
-        )
+        yield dep
     finally:
         dep.stop()
+
+
+@pytest.mark.parametrize("name", ["fedavg_mlp", "scan_rounds"])
+def test_real_supernodes_without_jax_run_the_app(name, tmp_path, jax_free_nodes):
+    """A round (fedavg_mlp), and a whole training program of three rounds in a server
+    lax.scan (scan_rounds), on SuperNodes whose Flower (and so ClientApp) runs from a
+    venv with only flwr, numpy and iree-base-runtime."""
+    from fcir.interpreters.flower.local import env_for
+
+    dep = jax_free_nodes
+    r = rounds.corpus_round(name)
+    app = flower.export(r.module, tmp_path / "app", inputs=r.server_leaves, device_runtime="iree")
+    plan = rounds.plan_of(app)
+    for i in range(N):
+        np.savez(dep.root.parent / f"node{i}" / f"{plan['round']}.npz", *r.node_leaves(plan, i))
+    out = tmp_path / "out.npz"
+    p = subprocess.run(
+        dep.run_command(app, f'num-server-rounds=1 output="{out}"'),
+        env=env_for(dep.cli_home),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    logs = "\n".join(dep.log_tail(f"node{i}", 20) for i in range(N))
+    assert out.is_file(), f"{p.stdout[-3000:]}\n{logs}"
+    assert "ModuleNotFoundError" not in logs
+    if "loop" in plan:
+        assert "round 3/3: 3/3 clients replied" in p.stdout + p.stderr
+    assert_trees_match(files.read_outputs(out), rounds.reference_outputs(r), rtol=1e-5, atol=1e-5)
 
 
 def test_cli_exports_a_flower_app_with_iree_modules_per_target(tmp_path, capsys):
