@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 
+import cheap_compile
 import pytest
 
 TIMEOUT = 900  # seconds a test waits for its child
@@ -83,8 +84,9 @@ class Child:
         # and jax.jit's, or the reference's, on the same mesh, compiled alike; the
         # HLO, its partitioning and its flops) does not depend on how LLVM optimizes
         # the kernels. Measured: test_xla_mesh.py's child 78 -> 61 s of CPU (jax
-        # 0.10.2), the same outcomes.
-        flags += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+        # 0.10.2), the same outcomes. On jaxlib 0.10 also the older fusion emitters
+        # (cheap_compile.py).
+        flags += cheap_compile.flags()
         env["XLA_FLAGS"] = " ".join(flags).strip()
         # Simulated CPU devices, whatever else the machine has: on an accelerator the
         # parent holds the device, which one process at a time may open.

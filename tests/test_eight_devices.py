@@ -65,6 +65,7 @@ def _suite(tmp_path) -> pathlib.Path:
     tests.mkdir()
     shutil.copy(HERE / "conftest.py", tests / "conftest.py")
     shutil.copy(HERE / "eight_devices.py", tests / "eight_devices.py")
+    shutil.copy(HERE / "cheap_compile.py", tests / "cheap_compile.py")
     (tests / "test_scratch.py").write_text(SCRATCH)
     return tests
 

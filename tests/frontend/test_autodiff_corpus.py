@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 
+import cheap_compile
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,7 +50,7 @@ def _direction(tree):
 
 # Cheaper XLA compilation (no effect on what is computed beyond float rounding; these
 # tests compare at 1e-5): the corpus gradients are big programs (a transformer).
-_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+_FAST_COMPILE = cheap_compile.options()
 
 
 def _run_jitted(fn):

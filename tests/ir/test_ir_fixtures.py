@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import cheap_compile
 import jax
 import numpy as np
 import pytest
@@ -30,13 +31,9 @@ CASES = [
 
 # What an old file must keep is how fcir reads, checks and lowers it; the numbers compare
 # at 1e-5, not bit for bit, so XLA compiles it with its backend optimizations off (LLVM
-# at -O0; on CPU, where the option is XLA:CPU's): the transformer's gradient took 15 CPU
-# s at the defaults.
-_XLA_OPTIONS = (
-    {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-    if jax.default_backend() == "cpu"
-    else None
-)
+# at -O0, cheap_compile.py; on CPU, where the options are XLA:CPU's): the transformer's
+# gradient took 15 CPU s at the defaults.
+_XLA_OPTIONS = cheap_compile.options() if jax.default_backend() == "cpu" else None
 
 
 def _ids(case):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pathlib
 
+import cheap_compile
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +42,21 @@ EIGHT_DEVICES = Child(HERE, "FCIR_XLA_STREAMING_TESTS", "-rA", "-k", "mesh")
 on_8_devices = EIGHT_DEVICES.on_8_devices
 in_main_process = EIGHT_DEVICES.in_main_process
 
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# XLA:CPU at -O0 (with its older fusion emitters where it has them): both sides of each
+# comparison compile alike (cheap_compile.py).
+FAST = cheap_compile.options()
+# Compiled at -O0 with XLA's current fusion emitters, as before: under jaxlib 0.10's older
+# ones robust_agg's streamed trimmed mean at k = 2 comes out 0.13 (relative) off the
+# unstreamed one, as when a member's value recomputed in another pass over the chunks
+# had other bits (test_krum_bulyan_geometric_median.py, exact at optimization level 0).
+CURRENT_EMITTERS = {"robust_agg"}
+
+
+def fast(name: str) -> dict:
+    """The compile options of corpus program ``name``'s comparisons."""
+    return cheap_compile.LEVEL_0 if name in CURRENT_EMITTERS else FAST
+
+
 SLOW = {"fedavg_transformer"}
 EXACT = {"minmax_agg", "secure_histogram", "int_mean"}
 TOL = 1e-6
@@ -143,7 +158,7 @@ def test_corpus_program_streams_like_unchunked(name):
     if refuses(module, args):
         return
     ks = budgets(module, full=name not in SLOW)
-    want, outs = run_budgets(module, args, ks)
+    want, outs = run_budgets(module, args, ks, fast(name))
     for k, got in zip(ks, outs):
         what = f"{name} k={k}"
         assert_streamed_equal(got, want, exact=name in EXACT, what=what, tol=tolerance(name))
@@ -154,6 +169,8 @@ def test_corpus_program_streams_like_unchunked(name):
 # masked last chunk): k = 1 and k = cohort are the same loop without a mask and the
 # same code without a loop, both covered by every forward program above.
 ALL_BUDGETS_GRADIENTS = {"fedsgd_linreg", "minmax_agg"}
+
+
 @in_main_process
 @pytest.mark.parametrize("name", [_param(c.name) for c in CASES if c.grad_argnums and c.loss])
 def test_corpus_gradient_streams_like_unchunked(name):
@@ -166,7 +183,7 @@ def test_corpus_gradient_streams_like_unchunked(name):
     ks = budgets(module)
     if name not in ALL_BUDGETS_GRADIENTS:
         ks = ks[1:-1] or ks
-    want, outs = run_budgets(module, args, ks)
+    want, outs = run_budgets(module, args, ks, fast(name))
     for k, got in zip(ks, outs):
         what = f"grad {name} k={k}"
         assert_streamed_equal(got, want, exact=False, what=what, tol=tolerance(name, GRAD_TOL))
