@@ -366,8 +366,15 @@ class _Parser:
     def identifier(self, kind: str, what: str, ir_name: bool = False) -> str:
         """A name token that must also be a Python identifier (as the protobuf reader
         requires), without its ``@`` sigil; module, func and placement names
-        (``ir_name``) must be ASCII identifiers (``fcir.ir.is_name``)."""
-        t = self.expect_kind(kind, what)
+        (``ir_name``) must be ASCII identifiers (``fcir.ir.is_name``). ``inf`` and
+        ``nan`` lex as numbers (a float attribute's value); where a name is expected they
+        are names (a placement may be called ``nan``)."""
+        t = self.tok
+        if kind == "ident" and t[0] == "number" and t[1] in ("inf", "nan"):
+            t = ("ident", t[1], t[2])
+            self.next()
+        else:
+            t = self.expect_kind(kind, what)
         name = t[1][1:] if kind == "sym" else t[1]
         if not (is_name(name) if ir_name else name.isidentifier()):
             raise self.error(
