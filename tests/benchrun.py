@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import cheap_compile
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # XLA_FLAGS for a smoke run whose checks hold however LLVM optimizes XLA:CPU's kernels
@@ -18,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # within a tolerance), XLA's memory analysis (buffer assignment is decided on the HLO:
 # bench/streaming.py's gradient and DP rows have the same bytes at -O0, measured) and
 # its flops are not the kernels' speed. A smoke run's timings say nothing either way.
-CHEAP_CODEGEN = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+CHEAP_CODEGEN = " ".join(cheap_compile.words(cheap_compile.LEVEL_0))
 
 
 def run_smoke(

@@ -41,5 +41,9 @@ def options() -> dict:
 def flags() -> list[str]:
     """The same as XLA_FLAGS words; without JAX imported (a scratch suite's parent), the
     -O0 words only."""
-    opts = options() if "jax" in sys.modules else LEVEL_0
+    return words(options() if "jax" in sys.modules else LEVEL_0)
+
+
+def words(opts: dict) -> list[str]:
+    """Compile options as XLA_FLAGS words."""
     return [f"--{k}={str(v).lower()}" for k, v in opts.items()]
