@@ -50,16 +50,21 @@ class Round:
         return paths
 
 
+def client_params(module: fcir.Module) -> list[bool]:
+    """For each of the round's argument leaves, whether it is placed at the clients."""
+    return [
+        isinstance(v.type, PlacedType) and v.type.placement != SERVER
+        for v in module.main.body.params
+    ]
+
+
 @functools.cache
 def corpus_round(name: str, clients: int = NODES) -> Round:
     c = case(name)
     args = c.make_args()
     module = rebind(fcir.capture(c.fn, *args), clients)
     leaves = jax.tree.leaves(args)
-    is_client = [
-        isinstance(v.type, PlacedType) and v.type.placement != SERVER
-        for v in module.main.body.params
-    ]
+    is_client = client_params(module)
     leaves = [np.asarray(x)[:clients] if cl else np.asarray(x) for x, cl in zip(leaves, is_client)]
     return Round(name, module, leaves, is_client)
 
@@ -76,8 +81,9 @@ def bundle_outputs(r: Round, directory) -> list:
 
 def bundle_rounds(r: Round, directory, rounds: int) -> list:
     """The outputs of ``rounds`` rounds of ``production.run_bundle`` (each round's
-    outputs, in order, the next round's server leaves), in ``bundle_outputs``' layout.
-    One export and one Bundle: its parts compile once, not once per round."""
+    outputs, in order, the next round's first server leaves; a server leaf past them,
+    such as a key, stays as it is), in ``bundle_outputs``' layout. One export and one
+    Bundle: its parts compile once, not once per round."""
     production.export(r.module).write(directory)
     bundle = production.Bundle(directory)
     leaves = list(r.leaves)
@@ -85,8 +91,8 @@ def bundle_rounds(r: Round, directory, rounds: int) -> list:
     for _ in range(rounds):
         flat = bundle.run_flat(leaves)
         outs = [np.asarray(flat[i]) for i in output_order(r.module)]
-        for j, i in enumerate(server):
-            leaves[i] = outs[j]
+        for i, out in zip(server, outs):
+            leaves[i] = out
     return outs
 
 
