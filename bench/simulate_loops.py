@@ -18,8 +18,7 @@ each of ``--reps`` repetitions (rotating which goes first), ``--rounds`` rounds 
 Reported: rounds per second of each (median, min, max), each loop's cost over
 ``compiled`` (its seconds / compiled's, per repetition) and ``host``/``device`` against
 ``drjax``; and, timed alone, the host loop's two steps for one cohort: the gather into
-host arrays used before, and the transfer to the device (``device_put``, and as the
-host loop sends it: on a TPU, rows of 128 laid out on the device; awaited). A
+host arrays used before, and the transfer to the device (``device_put``, awaited). A
 loop keeps the device busy when one cohort's gather and transfer take less than a
 round. JSON with every sample: bench/results/simulate_loops[-smoke]-<time>.json.
 """
@@ -43,9 +42,8 @@ SMOKE = {"clients": 12, "examples": 20, "cohort": 4, "batch": 10, "rounds": 2, "
 PARTS = 10  # cohorts gathered and put, each timed alone
 
 
-def systems(cfg: dict) -> tuple[dict, object]:
-    """(name -> function running ``cfg["rounds"]`` rounds, awaited; fcir's compiled
-    round)."""
+def systems(cfg: dict) -> dict:
+    """name -> function running ``cfg["rounds"]`` rounds, awaited."""
     import jax
     from fcir.interpreters import xla
 
@@ -68,26 +66,19 @@ def systems(cfg: dict) -> tuple[dict, object]:
         return lambda: jax.block_until_ready(xla.simulate(exe, params, cohorts, rounds, loop=kind))
 
     return {"compiled": compiled, "host": loop("host"), "device": loop("device"),
-            "drjax": lambda: hand.run(rounds)}, exe  # fmt: skip
+            "drjax": lambda: hand.run(rounds)}  # fmt: skip
 
 
-def parts(cfg: dict, exe) -> dict:
-    """Seconds of one cohort's gather (into host arrays written before), of its
-    transfer as it is (``device_put``) and as the host loop sends it (on a TPU, leaves
-    the chip would pad to 128 lanes go as rows of 128, laid out on the device), each
-    timed alone and awaited, ``PARTS`` cohorts."""
+def parts(cfg: dict) -> dict:
+    """Seconds of one cohort's gather (into host arrays written before) and of its
+    transfer, each timed alone, ``PARTS`` cohorts."""
     import jax
-    from fcir.interpreters.xla import simulation
 
     pop = cifar.population(cfg["clients"], cfg["examples"])
     cohorts = cifar.population_fcir(pop, cfg["batch"], cfg["cohort"])
     out = cohorts.empty(0)
     cohorts.take(*cohorts.indices(0), out=out)  # its pages touched once
-    state_leaves = len(jax.tree.leaves(cifar.model().init_params(0, pop[0].shape[2:])))
-    sender = simulation._Sender(exe, cohorts.specs(), state_leaves)  # noqa: SLF001
-    host = simulation._HostArrays(cohorts)  # noqa: SLF001
-    jax.block_until_ready(sender.send(out, host))  # compiles the layout program
-    gather, put, send = [], [], []
+    gather, put = [], []
     for r in range(PARTS):
         t = time.perf_counter()
         cohort = cohorts.take(*cohorts.indices(r), out=out)
@@ -95,11 +86,8 @@ def parts(cfg: dict, exe) -> dict:
         t = time.perf_counter()
         jax.block_until_ready(jax.device_put(cohort))
         put.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        jax.block_until_ready(sender.send(cohort, host))
-        send.append(time.perf_counter() - t)
-    return {"gather_s": gather, "put_s": put, "send_s": send, "slabbed": sender.slabbed,
-            "cohort_bytes": int(sum(x.nbytes for x in jax.tree.leaves(cohort)))}  # fmt: skip
+    return {"gather_s": gather, "put_s": put, "cohort_bytes": int(sum(
+        x.nbytes for x in jax.tree.leaves(cohort)))}  # fmt: skip
 
 
 def main() -> int:
@@ -116,7 +104,7 @@ def main() -> int:
     import jax
 
     print(f"config: {cfg} on {jax.devices()[0].device_kind}", flush=True)
-    run, exe = systems(cfg)
+    run = systems(cfg)
     for fn in run.values():
         fn()  # compiles, warms caches
     seconds = {n: [] for n in run}
@@ -125,7 +113,7 @@ def main() -> int:
             t = time.perf_counter()
             run[name]()
             seconds[name].append(time.perf_counter() - t)
-    steps = parts(cfg, exe)
+    steps = parts(cfg)
     rps = {n: [cfg["rounds"] / s for s in v] for n, v in seconds.items()}
     print(f"\n{'':<10} {'rounds/s':>9} {'min':>8} {'max':>8} {'ms a round':>11}")
     for n, v in rps.items():
@@ -140,11 +128,9 @@ def main() -> int:
         ratios[f"{num}/{den}"] = s
         what = "seconds" if den == "compiled" else "rounds/s"
         print(f"{num}/{den} ({what}): {_timing.format_ratio(s)}")
-    g, p, d = (statistics.median(steps[k]) * 1e3 for k in ("gather_s", "put_s", "send_s"))
-    how = "as rows of 128" if any(steps["slabbed"]) else "as they are"
+    g, p = (statistics.median(steps[k]) * 1e3 for k in ("gather_s", "put_s"))
     print(f"one cohort ({steps['cohort_bytes'] / 2**20:.1f} MiB): gather {g:.2f} ms, "
-          f"transfer {p:.2f} ms as it is, {d:.2f} ms as the host loop sends it (leaves "
-          f"{how}; medians of {PARTS}); a compiled round "
+          f"transfer {p:.2f} ms (medians of {PARTS}); a compiled round "
           f"{1e3 / statistics.median(rps['compiled']):.2f} ms")  # fmt: skip
     result = {"smoke": a.smoke, "config": cfg, "seconds": seconds, "rounds_per_s": rps,
               "ratios": ratios, "parts": steps, "device": jax.devices()[0].device_kind,

@@ -72,10 +72,6 @@ device and size):
   cohorts ahead of the running round are as many as its memory holds beside the
   round's peak (XLA's memory analysis; ``clients_per_step="auto"`` may fill the
   memory): two, one, or none, when the next cohort is put once a round has finished.
-  On a TPU, which tiles an array's two minor dimensions by 128 lanes, a leaf whose
-  members' minor dimension is not a multiple of 128 (images ``[..., 32, 32, 3]``) is
-  sent as rows of 128 values and laid out on the device by a small program before the
-  round (5x faster to put on a v5e; ``_Sender``).
   ``callback(r, state, metrics)`` is called after each round has finished (host loop
   only), while the next round runs.
 
@@ -333,15 +329,14 @@ def _split(out, has_metrics):
 DEPTH = 3
 
 
-def _depth(exes: dict, senders: dict, state, cohorts: Cohorts, key, first: int) -> int:
+def _depth(exes: dict, state, cohorts: Cohorts, key, first: int) -> int:
     """The cohorts that exist at once in the host loop: :data:`DEPTH`, or fewer where
     the device's memory does not hold them. XLA's memory analysis of a round (its peak)
     counts the running round's own cohort among its arguments; each cohort put ahead of
     it takes one cohort's bytes more. A round of ``clients_per_step="auto"`` is chosen
     to fill the memory: on a TPU, a cohort of 2,048 CIFAR clients streamed 385 at a time
     peaked at 15.8 of the chip's 16.9 GB, and the next cohort (1.3 GB) put beside it
-    ran out of memory. A cohort sent as slabs (:class:`_Sender`) counts its slabs too.
-    1: none ahead."""
+    ran out of memory. 1: none ahead."""
     limit = _device_limit(exes)
     if limit is None:
         return DEPTH
@@ -350,7 +345,7 @@ def _depth(exes: dict, senders: dict, state, cohorts: Cohorts, key, first: int) 
     for length, exe in exes.items():
         specs = cohorts._specs(length)  # noqa: SLF001
         peak = _peak(exe, state, specs, key, first)
-        per = _cohort_bytes(exe, specs, n) + senders[length].extra_bytes(specs)
+        per = _cohort_bytes(exe, specs, n)
         if per:
             ahead = min(ahead, max(0, (limit - peak) // per))
     return 1 + int(ahead)
@@ -397,57 +392,6 @@ def _put(exe: Executable, cohort, state_leaves: int):
     return treedef.unflatten([jax.device_put(x, s.sharding) for x, s in zip(leaves, specs)])
 
 
-# Platforms whose arrays have their two minor dimensions tiled by 128 lanes, where the
-# host loop sends a cohort's leaves as slabs (:class:`_Sender`).
-SLAB_PLATFORMS = ("tpu",)
-
-
-class _Sender:
-    """Puts a round's cohorts on its executable's devices (``send``), as :func:`_put`,
-    except that on a TPU (:data:`SLAB_PLATFORMS`), where an array's two minor dimensions
-    are tiled by 128 lanes, a leaf whose members' minor dimension is not a multiple of
-    128 goes as a slab: each member's values flat in rows of 128 (:func:`_slab`), then
-    one small program lays the slabs out in the leaf's own shape on the device, ahead
-    of the round, which is still the compiled round itself (the same result, bit for
-    bit). Sent in its own shape, a leaf is laid out into tiles on the way: on a v5e, a
-    CIFAR cohort of 50 members of 50 images ``f32[32, 32, 3]`` (30 MB) took 21.4 ms to
-    put, and 4.2 ms as slabs, which also left the round beside it less to wait for
-    (bench/README.md). Not on a mesh: there the leaves go as the executable lays them
-    out."""
-
-    def __init__(self, exe: Executable, specs, state_leaves: int):
-        self._exe, self._state_leaves = exe, state_leaves
-        leaves = jax.tree.leaves(specs)
-        self._shapes = [tuple(x.shape) for x in leaves]
-        platform = jax.devices()[0].platform if exe.mesh is None else None
-        self.slabbed = [
-            platform in SLAB_PLATFORMS and len(sh) > 1 and math.prod(sh[1:]) >= LANES
-            and sh[-1] % LANES != 0
-            for sh in self._shapes
-        ]  # fmt: skip
-        shapes = [sh[1:] for sh, s in zip(self._shapes, self.slabbed) if s]
-        self._unslab = jax.jit(lambda xs: [_unslab(x, sh) for x, sh in zip(xs, shapes)])
-
-    def extra_bytes(self, specs) -> int:
-        """Device bytes a cohort's slabs take beside the cohort, until laid out."""
-        leaves = jax.tree.leaves(specs)
-        return sum(math.prod(_slab_shape(sh)) * np.dtype(x.dtype).itemsize
-                   for sh, x, s in zip(self._shapes, leaves, self.slabbed) if s)  # fmt: skip
-
-    def send(self, cohort, host: _HostArrays | None = None):
-        if not any(self.slabbed):
-            return _put(self._exe, cohort, self._state_leaves)
-        leaves, treedef = jax.tree.flatten(cohort)
-        slabs = [
-            jax.device_put(_slab(x, None if host is None else host.padded(i, x)))
-            for i, (x, s) in enumerate(zip(leaves, self.slabbed)) if s
-        ]  # fmt: skip
-        laid = iter(self._unslab(slabs))
-        return treedef.unflatten(
-            [next(laid) if s else jax.device_put(x) for x, s in zip(leaves, self.slabbed)]
-        )
-
-
 class _Feed:
     """Rounds' cohorts gathered on the host and put on the devices by a thread of its
     own, ahead of the rounds, so that neither the gather nor the transfer waits for a
@@ -459,8 +403,7 @@ class _Feed:
     finished.
 
     ``plan``: the rounds' (indices, valid) sampled beforehand, or None to sample each
-    round here. ``put(length, cohort, host)`` puts a cohort of that example length,
-    gathered into ``host`` (the set's :class:`_HostArrays`, whose buffers it may use)."""
+    round here. ``put(length, cohort)`` puts a cohort of that example length."""
 
     def __init__(self, cohorts: Cohorts, rounds: range, put: Callable, plan=None, depth=DEPTH):
         self._cohorts, self._rounds, self._put, self._plan = cohorts, rounds, put, plan
@@ -484,9 +427,8 @@ class _Feed:
                 else:
                     idx, valid = self._plan[0][i], self._plan[1][i]
                 length = cohorts._length(idx, valid)  # noqa: SLF001
-                into = host[i % self.depth]
-                cohort = cohorts.take(idx, valid, out=into.arrays(length))
-                self._ready.put((r, length, self._put(length, cohort, into)))
+                cohort = cohorts.take(idx, valid, out=host[i % self.depth].arrays(length))
+                self._ready.put((r, length, self._put(length, cohort)))
         except BaseException as e:  # noqa: BLE001  raised in the loop's thread by get()
             self._ready.put((None, None, e))
 
@@ -520,7 +462,6 @@ class _HostArrays:
         self._flat: list[np.ndarray] = []
         self._length: object = ()  # no length yet
         self._views = None
-        self._padded: dict[int, np.ndarray] = {}
 
     def arrays(self, length):
         if length != self._length:
@@ -536,24 +477,13 @@ class _HostArrays:
             self._views, self._length = treedef.unflatten(views), length
         return self._views
 
-    def padded(self, i: int, x: np.ndarray) -> np.ndarray:
-        """A zeroed buffer for leaf ``i``'s :func:`_slab` of ``x``, kept for the next
-        cohort of the same shape (the zeros past each member's values stay zeros)."""
-        shape = _slab_shape(x.shape)
-        kept = self._padded.get(i)
-        if kept is None or kept.shape != shape or kept.dtype != x.dtype:
-            kept = self._padded[i] = np.zeros(shape, x.dtype)
-        return kept
-
 
 def _host_loop(exes, state, cohorts, rounds, key, first, has_metrics, callback, plan):
     metrics = []
     n = len(jax.tree.leaves(state))
-    senders = {length: _Sender(exe, cohorts._specs(length), n)  # noqa: SLF001
-               for length, exe in exes.items()}  # fmt: skip
-    depth = _depth(exes, senders, state, cohorts, key, first)
+    depth = _depth(exes, state, cohorts, key, first)
     feed = _Feed(cohorts, range(first, first + rounds),
-                 lambda length, c, host: senders[length].send(c, host), plan, depth)  # fmt: skip
+                 lambda length, c: _put(exes[length], c, n), plan, depth)  # fmt: skip
     running = None  # the round dispatched before this one: (r, state, metrics)
     try:
         for r in range(first, first + rounds):
@@ -588,32 +518,21 @@ def _finish(running, feed: _Feed, callback) -> None:
 # -- the device loop --------------------------------------------------------------------
 
 
-def _slab(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """A leaf ``[N, ...]`` as slabs: each member's values flat, in rows of 128 (``[N,
-    ceil(D / 128), 128]``, zero past its ``D`` values) where it has at least 128, else
-    ``[N, D]``. On a TPU an array's two minor dimensions are tiled by 128 lanes, so a
-    client's images ``[..., 32, 32, 3]`` would be padded 3 -> 128: a gather of members
-    copies tile fragments (42 ms a cohort on a v5e where the round takes 42), a transfer
-    lays the values out into tiles (21.4 against 4.2 ms for a CIFAR cohort); as whole
-    rows of 128 each member is whole tiles of its own. A view of ``x`` where ``D`` is a
-    multiple of 128 (and ``x`` contiguous), else written into ``out`` (of
-    :func:`_slab_shape`, zero past each member's values) or a new array."""
-    shape = _slab_shape(x.shape)
-    flat = x.reshape(x.shape[0], -1)
-    if len(shape) == 2:
+def _slab(x: np.ndarray) -> np.ndarray:
+    """A population leaf ``[N, ...]`` as the device loop keeps it: each client's values
+    flat, in rows of 128 (``[N, ceil(D / 128), 128]``) where a client has at least 128
+    (``D``), else ``[N, D]``. On a TPU an array's two minor dimensions are tiled by 128
+    lanes, so a client's images ``[..., 32, 32, 3]`` would be padded 3 -> 128 and a
+    gather of members copy tile fragments (42 ms a cohort on a v5e where the round takes
+    42); as whole rows of 128 each member is whole tiles of its own."""
+    d = math.prod(x.shape[1:])
+    flat = x.reshape(x.shape[0], d)
+    if d < LANES:
         return flat
-    if shape[1] * LANES == flat.shape[1]:
-        return flat.reshape(shape)
-    if out is None:
-        out = np.zeros(shape, x.dtype)
-    out.reshape(x.shape[0], -1)[:, : flat.shape[1]] = flat
-    return out
-
-
-def _slab_shape(shape) -> tuple:
-    """The shape of :func:`_slab` of a leaf of ``shape``."""
-    d = math.prod(shape[1:])
-    return (shape[0], d) if d < LANES else (shape[0], -(-d // LANES), LANES)
+    rows = -(-d // LANES)
+    if rows * LANES != d:
+        flat = np.pad(flat, ((0, 0), (0, rows * LANES - d)))
+    return flat.reshape(x.shape[0], rows, LANES)
 
 
 LANES = 128

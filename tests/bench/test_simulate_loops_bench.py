@@ -23,6 +23,5 @@ def test_simulate_loops_benchmark_smoke_mode(tmp_path):
     rps = data["rounds_per_s"]
     assert ratios["device/drjax"]["median"] == pytest.approx(rps["device"][0] / rps["drjax"][0])
     parts = data["parts"]
-    assert len(parts["gather_s"]) == len(parts["put_s"]) == len(parts["send_s"]) == 10
-    assert parts["cohort_bytes"] > 0 and len(parts["slabbed"]) == 3  # x, y, counts
+    assert len(parts["gather_s"]) == len(parts["put_s"]) == 10 and parts["cohort_bytes"] > 0
     assert "host/compiled (seconds)" in out and "gather" in out and "transfer" in out

@@ -534,55 +534,6 @@ def test_the_feeds_host_arrays_are_one_buffer_per_leaf_viewed_at_each_length(ske
     assert np.shares_memory(arrays.arrays(8)[0]["y"], thirty[0]["y"])
 
 
-@pytest.mark.parametrize("values", [(16, 8), (13, 3)])  # a member's x: 512 values, 156
-def test_leaves_the_tpu_would_tile_go_as_slabs_and_the_rounds_stay_the_round_by_hand(
-    monkeypatch, values
-):
-    """On a TPU (here any device, as if it were one) a leaf whose members have at least 128
-    values and a minor dimension not a multiple of 128 is put as slabs of rows of 128
-    (a view where the values fill whole rows, else the feed's zero-padded buffer) and
-    laid out on the device before the round: the rounds are still the compiled round
-    run by hand, bit for bit, and the slabs count in the cohorts' bytes."""
-    rng = np.random.default_rng(0)
-    n, m = 12, 4
-    data = {
-        "x": rng.normal(size=(n, m, *values)).astype(np.float32),
-        "y": rng.integers(0, 9, (n, m)).astype(np.int32),  # 4 values: as it is
-    }
-    cohorts = Population(data, np.full(n, m)).uniform(3, seed=1)
-
-    @fcir.program(placements={"clients": 3})
-    def step(w, data, counts):
-        def local(w, d, c):
-            return jnp.mean(d["x"] * jnp.arange(values[-1])) * c - w + jnp.sum(d["y"])
-
-        return w + 0.5 * fcir.reduce_mean(fcir.map_fn(local, (fcir.broadcast(w), data, counts)))
-
-    exe = xla.compile(fcir.capture(step, jnp.zeros(()), *cohorts.specs()))
-    w0 = jnp.float32(0.25)
-    want = np.asarray(by_hand(exe, w0, cohorts, 0, 5))
-    platform = jax.devices()[0].platform
-    monkeypatch.setattr(xsim, "SLAB_PLATFORMS", (platform,))  # on any device, as on a TPU
-    sender = xsim._Sender(exe, cohorts.specs(), 1)
-    assert sender.slabbed == [True, False, False]  # x, y, counts
-    rows = -(-m * math.prod(values) // 128)
-    assert sender.extra_bytes(cohorts.specs()) == 3 * rows * 128 * 4
-    put, host_put = [], xsim.jax.device_put
-    monkeypatch.setattr(xsim.jax, "device_put", lambda x, *a: put.append(np.shape(x)) or host_put(x, *a))
-    got, _ = xla.simulate(exe, w0, cohorts, 5, loop="host")
-    np.testing.assert_array_equal(np.asarray(got), want)
-    assert (3, rows, 128) in put and (3, m, *values) not in put
-    buffers = xsim._HostArrays(cohorts)
-    x = cohorts.gather(0)[0]["x"]
-    slab = xsim._slab(x, buffers.padded(0, x))
-    assert np.shares_memory(slab, x) == (values == (16, 8))  # whole rows: a view
-    assert slab.shape == (3, rows, 128) and buffers.padded(0, x) is buffers.padded(0, x)
-    np.testing.assert_array_equal(np.asarray(xsim._unslab(jnp.asarray(slab), x.shape[1:])), x)
-    # Elsewhere (a CPU or a GPU tiles nothing), every leaf goes as it is.
-    monkeypatch.setattr(xsim, "SLAB_PLATFORMS", ("tpu",))
-    assert any(xsim._Sender(exe, cohorts.specs(), 1).slabbed) == (platform == "tpu")
-
-
 def test_bucketed_cohorts_refuse_one_shape_rounds_and_the_device_loop(skewed, monkeypatch):
     cohorts = skewed.uniform(3, seed=0, padding="bucket")
     step = make_round(3)
