@@ -574,15 +574,10 @@ def _dense_layout(pop):
 
     def gather(arrays, i):
         slabs, counts = arrays
-        n = counts.shape[0]
 
-        # Padding members' index N is past the end: they take client N - 1's rows
-        # ("clip", which XLA gathers as whole slices where "fill" checks every index: on
-        # a TPU v5e the CIFAR round in this loop took 42.65 ms with "fill", 41.82 with
-        # "clip", the compiled round alone 41.90), then zeros in their place.
+        # Padding members' index N is past the end: their rows are filled with zeros.
         def take(x):
-            real = (i < n).reshape(-1, *(1,) * (x.ndim - 1))
-            return jnp.where(real, jnp.take(x, i, 0, mode="clip"), jnp.zeros((), x.dtype))
+            return jnp.take(x, i, 0, mode="fill", fill_value=0)
 
         data = treedef.unflatten([_unslab(take(x), sh) for x, sh in zip(slabs, shapes)])
         return data, take(counts)
