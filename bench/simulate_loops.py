@@ -18,7 +18,8 @@ each of ``--reps`` repetitions (rotating which goes first), ``--rounds`` rounds 
 Reported: rounds per second of each (median, min, max), each loop's cost over
 ``compiled`` (its seconds / compiled's, per repetition) and ``host``/``device`` against
 ``drjax``; and, timed alone, the host loop's two steps for one cohort: the gather into
-host arrays used before, and the transfer to the device (``device_put``, awaited). A
+host arrays used before, and the transfer to the device (``device_put``, awaited), and
+the device loop's put of the whole population, which it makes at every call. A
 loop keeps the device busy when one cohort's gather and transfer take less than a
 round. JSON with every sample: bench/results/simulate_loops[-smoke]-<time>.json.
 """
@@ -71,8 +72,11 @@ def systems(cfg: dict) -> dict:
 
 def parts(cfg: dict) -> dict:
     """Seconds of one cohort's gather (into host arrays written before) and of its
-    transfer, each timed alone, ``PARTS`` cohorts."""
+    transfer, each timed alone, ``PARTS`` cohorts; and of putting the whole population
+    on the device as the device loop does at each ``simulate`` call (in its layout of
+    128-lane rows), ``PARTS`` times."""
     import jax
+    from fcir.interpreters.xla import simulation
 
     pop = cifar.population(cfg["clients"], cfg["examples"])
     cohorts = cifar.population_fcir(pop, cfg["batch"], cfg["cohort"])
@@ -86,8 +90,15 @@ def parts(cfg: dict) -> dict:
         t = time.perf_counter()
         jax.block_until_ready(jax.device_put(cohort))
         put.append(time.perf_counter() - t)
-    return {"gather_s": gather, "put_s": put, "cohort_bytes": int(sum(
-        x.nbytes for x in jax.tree.leaves(cohort)))}  # fmt: skip
+    arrays, _, _ = simulation._dense_layout(cohorts.population)  # noqa: SLF001
+    population = []
+    for _ in range(PARTS):
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put(arrays))
+        population.append(time.perf_counter() - t)
+    return {"gather_s": gather, "put_s": put, "population_put_s": population,
+            "cohort_bytes": int(sum(x.nbytes for x in jax.tree.leaves(cohort))),
+            "population_bytes": int(sum(x.nbytes for x in jax.tree.leaves(arrays)))}  # fmt: skip
 
 
 def main() -> int:
@@ -132,6 +143,10 @@ def main() -> int:
     print(f"one cohort ({steps['cohort_bytes'] / 2**20:.1f} MiB): gather {g:.2f} ms, "
           f"transfer {p:.2f} ms (medians of {PARTS}); a compiled round "
           f"{1e3 / statistics.median(rps['compiled']):.2f} ms")  # fmt: skip
+    u = statistics.median(steps["population_put_s"]) * 1e3
+    print(f"the population ({steps['population_bytes'] / 2**20:.1f} MiB) put on the device, "
+          f"as the device loop does at each call: {u:.2f} ms, {u / cfg['rounds']:.2f} ms a "
+          f"round over {cfg['rounds']} rounds")  # fmt: skip
     result = {"smoke": a.smoke, "config": cfg, "seconds": seconds, "rounds_per_s": rps,
               "ratios": ratios, "parts": steps, "device": jax.devices()[0].device_kind,
               "versions": _record.versions("drjax", "fcir"), **_record.machine()}  # fmt: skip

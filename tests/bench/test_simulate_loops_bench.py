@@ -24,4 +24,7 @@ def test_simulate_loops_benchmark_smoke_mode(tmp_path):
     assert ratios["device/drjax"]["median"] == pytest.approx(rps["device"][0] / rps["drjax"][0])
     parts = data["parts"]
     assert len(parts["gather_s"]) == len(parts["put_s"]) == 10 and parts["cohort_bytes"] > 0
+    assert len(parts["population_put_s"]) == 10
+    assert parts["population_bytes"] >= 12 * 20 * 32 * 32 * 3 * 4  # 12 clients' images
     assert "host/compiled (seconds)" in out and "gather" in out and "transfer" in out
+    assert "as the device loop does at each call" in out
