@@ -44,8 +44,9 @@ loops and vmapped ones slowly), else all at once.
 Two loops, one result (the same cohorts and keys; ``loop=`` picks, ``"auto"`` by
 device and size):
 
-- ``"device"``: the population is put on the device once (on a mesh, replicated on
-  each of its devices) and all the rounds run in one compiled ``lax.scan``; each step
+- ``"device"``: the population is put on the device once a call (on a mesh,
+  replicated on each of its devices; again at the next call: run many rounds a call)
+  and all the rounds run in one compiled ``lax.scan``; each step
   gathers its cohort on the device from the cohorts' indices, sampled beforehand on the
   host. One dispatch for the whole run. A ragged population stays ragged there (its
   examples concatenated; a member is a window of examples, zeroed past its count).
