@@ -19,7 +19,8 @@ Reported: rounds per second of each (median, min, max), each loop's cost over
 ``compiled`` (its seconds / compiled's, per repetition) and ``host``/``device`` against
 ``drjax``; and, timed alone, the host loop's two steps for one cohort: the gather into
 host arrays used before, and the transfer to the device (``device_put``, awaited), and
-the device loop's put of the whole population, which it makes at every call. A
+the device loop's put of the whole population, which it makes at a call where the
+population is not on the device already (the first: it stays there for the next). A
 loop keeps the device busy when one cohort's gather and transfer take less than a
 round. JSON with every sample: bench/results/simulate_loops[-smoke]-<time>.json.
 """
@@ -145,8 +146,8 @@ def main() -> int:
           f"{1e3 / statistics.median(rps['compiled']):.2f} ms")  # fmt: skip
     u = statistics.median(steps["population_put_s"]) * 1e3
     print(f"the population ({steps['population_bytes'] / 2**20:.1f} MiB) put on the device, "
-          f"as the device loop does at each call: {u:.2f} ms, {u / cfg['rounds']:.2f} ms a "
-          f"round over {cfg['rounds']} rounds")  # fmt: skip
+          f"as the device loop does at its first call: {u:.2f} ms, {u / cfg['rounds']:.2f} "
+          f"ms a round over {cfg['rounds']} rounds")  # fmt: skip
     result = {"smoke": a.smoke, "config": cfg, "seconds": seconds, "rounds_per_s": rps,
               "ratios": ratios, "parts": steps, "device": jax.devices()[0].device_kind,
               "versions": _record.versions("drjax", "fcir"), **_record.machine()}  # fmt: skip

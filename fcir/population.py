@@ -17,9 +17,10 @@ bucketed = population.uniform(2, seed=0, padding="bucket")  # to 4 when both hav
 assert bucketed.lengths == (1, 2, 4, 7) and bucketed.specs(0)[0][0].shape[1] in (4, 7)
 ```
 
-The population's data stay on the host as numpy arrays. ``from_clients`` keeps each
-leaf's examples concatenated (``[total examples, ...]``, client ``i``'s at
-``offsets[i]:offsets[i + 1]``), so the host holds the examples and no padding;
+The population's data stay on the host as numpy arrays, read-only (the class says
+when they are the caller's own). ``from_clients`` keeps each leaf's examples
+concatenated (``[total examples, ...]``, client ``i``'s at ``offsets[i]:offsets[i +
+1]``), so the host holds the examples and no padding;
 ``Population(data, counts)`` takes data already padded, clients on the leading axis,
 and a member gets its client's slice as it is. ``counts`` (``f32[N]``) holds each
 client's number of real examples. A cohort's members are padded with zeros to one
@@ -94,6 +95,14 @@ class Population:
     the examples, not ``N`` times the longest client; ``counts`` is each client's
     number of examples. A cohort pads its members' examples with zeros to one length,
     the population's longest or a bucket (``padding=`` of :meth:`uniform`).
+
+    A population is what its data were when it was made: its arrays are read-only and
+    no one writes to them. ``from_clients`` builds arrays of its own; ``Population``
+    keeps a read-only copy of an array the caller can still write to, and shares one
+    that is read-only down to its memory (``x.flags.writeable = False`` on an array
+    that owns it, or ``np.load(path, mmap_mode="r")``), so that a large population is
+    not held twice. ``xla.simulate``'s device loop relies on this to keep the
+    population on the device from one call to the next.
     """
 
     def __init__(self, data, counts=None):
@@ -109,14 +118,14 @@ class Population:
             )
         if n == 0:
             raise PopulationError("fcir.Population: no clients (leading axis of length 0)")
-        self.data = jax.tree.map(np.asarray, data)
+        self.data = jax.tree.map(_read_only, data)
         counts = np.ones(n) if counts is None else np.asarray(counts)
         if counts.shape != (n,) or not np.all(np.isfinite(counts)) or np.any(counts < 0):
             raise PopulationError(
                 f"fcir.Population: counts must be {n} finite numbers >= 0 (one per client), "
                 f"got shape {counts.shape}"
             )
-        self.counts = counts.astype(np.float32)
+        self.counts = _frozen(counts.astype(np.float32))
         self.offsets = None  # dense: whole client slices
         self._rows = None
 
@@ -151,12 +160,12 @@ class Population:
                     f"fcir.Population.from_clients: leaf {j} differs between clients in "
                     "shape past axis 0 or in dtype"
                 )
-            stacked.append(np.concatenate(col))
+            stacked.append(_frozen(np.concatenate(col)))  # its own: no copy
         self = cls.__new__(cls)
         self.data = treedef.unflatten(stacked)
-        self.counts = rows.astype(np.float32)
-        self.offsets = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
-        self._rows = rows
+        self.counts = _frozen(rows.astype(np.float32))
+        self.offsets = _frozen(np.concatenate([[0], np.cumsum(rows)]).astype(np.int64))
+        self._rows = _frozen(rows)
         return self
 
     def client(self, i: int):
@@ -254,6 +263,26 @@ def _lengths(who: str, population: Population, padding) -> tuple[int, ...] | Non
         )
     longest = population.longest
     return tuple(sorted({b for b in buckets if b < longest} | {longest}))
+
+
+def _frozen(x: np.ndarray) -> np.ndarray:
+    """``x``, an array no one else holds, made read-only."""
+    x.flags.writeable = False
+    return x
+
+
+def _read_only(x) -> np.ndarray:
+    """A leaf of a dense population as the population keeps it: read-only, and never
+    written to by anyone: the caller's own array where it is read-only down to its
+    memory (a read-only array, or a view whose every base is read-only: no one can
+    write to it), else a read-only copy (the caller may write to the array it gave)."""
+    x = np.asarray(x)
+    base = x
+    while isinstance(base, np.ndarray):
+        if base.flags.writeable:
+            return _frozen(np.array(x, order="C"))
+        base = base.base
+    return x
 
 
 def _seed(seed) -> int:

@@ -44,11 +44,11 @@ loops and vmapped ones slowly), else all at once.
 Two loops, one result (the same cohorts and keys; ``loop=`` picks, ``"auto"`` by
 device and size):
 
-- ``"device"``: the population is put on the device once a call (on a mesh,
-  replicated on each of its devices; again at the next call: run many rounds a call)
-  and all the rounds run in one compiled ``lax.scan``; each step
-  gathers its cohort on the device from the cohorts' indices, sampled beforehand on the
-  host. One dispatch for the whole run. A ragged population stays ragged there (its
+- ``"device"``: the population is put on the device (on a mesh, replicated on each of
+  its devices), where it stays for the next call on it (one population at a time: a
+  population is read-only, ``fcir.Population``), and all the rounds run in one compiled
+  ``lax.scan``; each step gathers its cohort on the device from the cohorts' indices,
+  sampled beforehand on the host. One dispatch for the whole run. A ragged population stays ragged there (its
   examples concatenated; a member is a window of examples, zeroed past its count).
   ``"auto"`` picks it on an accelerator when the population takes at most a quarter
   of the device's memory and fits beside the round's peak (XLA's memory analysis; a
@@ -337,18 +337,27 @@ def _depth(exes: dict, state, cohorts: Cohorts, key, first: int) -> int:
     it takes one cohort's bytes more. A round of ``clients_per_step="auto"`` is chosen
     to fill the memory: on a TPU, a cohort of 2,048 CIFAR clients streamed 385 at a time
     peaked at 15.8 of the chip's 16.9 GB, and the next cohort (1.3 GB) put beside it
-    ran out of memory. 1: none ahead."""
+    ran out of memory. 1: none ahead.
+
+    A population the device loop keeps on the device (:func:`_on_device`) stays there
+    where the rounds' peak fits beside it, its bytes taken from the room for cohorts
+    ahead; else it is freed."""
     limit = _device_limit(exes)
     if limit is None:
         return DEPTH
-    ahead = DEPTH - 1
     n = len(jax.tree.leaves(state))
+    sizes = []  # (peak, cohort bytes) per example length
     for length, exe in exes.items():
         specs = cohorts._specs(length)  # noqa: SLF001
-        peak = _peak(exe, state, specs, key, first)
-        per = _cohort_bytes(exe, specs, n)
+        sizes.append((_peak(exe, state, specs, key, first), _cohort_bytes(exe, specs, n)))
+    kept = _resident_bytes()
+    if kept and max(peak for peak, _ in sizes) + kept > limit:
+        _release_population()
+        kept = 0
+    ahead = DEPTH - 1
+    for peak, per in sizes:
         if per:
-            ahead = min(ahead, max(0, (limit - peak) // per))
+            ahead = min(ahead, max(0, (limit - kept - peak) // per))
     return 1 + int(ahead)
 
 
@@ -546,13 +555,7 @@ def _unslab(members, shape) -> jax.Array:
 
 
 def _device_loop(exe, state, cohorts, rounds, key, first, has_metrics):
-    pop = cohorts.population
-    if pop.offsets is None:
-        arrays, gather, kind = _dense_layout(pop)
-    else:
-        arrays, gather, kind = _ragged_layout(pop, cohorts.lengths[0])
-    where = None if exe.mesh is None else NamedSharding(exe.mesh, PartitionSpec())
-    arrays = jax.device_put(arrays, where)
+    arrays, gather, kind = _on_device(cohorts, exe.mesh)
     idx, _ = cohorts.plan(first, rounds)
     rs = np.arange(first, first + rounds, dtype=np.int32)
     run = _scan(exe, has_metrics, key is not None, kind, gather)
@@ -563,6 +566,48 @@ def _device_loop(exe, state, cohorts, rounds, key, first, has_metrics):
     with _mesh_context(exe.mesh if explicit else None):
         out = run(state, arrays, idx, rs, key)
     return jax.tree.map(exe._on_auto_axes, out) if retype else out  # noqa: SLF001
+
+
+# The population the device loop ran on last, kept on the device for the next call of
+# the device loop on it (rounds in chunks, an evaluation between them; a benchmark's
+# repetitions): on a TPU v5e, putting bench/simulate.py's CIFAR population (614 MB)
+# took about 61 ms a call, most of the device loop's cost over its compiled round at 20
+# rounds a call. Safe because a population's arrays are read-only and no one writes to
+# them (fcir.Population). One population at a time, so that device memory holds at
+# most one: the device loop over another population, or on another device or mesh,
+# frees it before putting its own; the host loop counts it beside its rounds, or frees
+# it where they do not fit beside it (_depth); the population's garbage collection
+# frees it too (weakly keyed).
+_RESIDENT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _on_device(cohorts: Cohorts, mesh):
+    """The cohorts' population on the device as the device loop reads it, ``(arrays,
+    gather, kind)`` (:func:`_dense_layout`, :func:`_ragged_layout`): kept from the last
+    call where that was this population, layout and device, else put now."""
+    pop = cohorts.population
+    where = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    length = None if pop.offsets is None else cohorts.lengths[0]
+    on = where if mesh is not None else (jax.default_backend(), jax.config.jax_default_device)
+    kept = _RESIDENT.get(pop)
+    if kept is not None and kept[0] == (length, on):
+        return kept[1]
+    _release_population()  # one at a time: the memory holds it or ours
+    arrays, gather, kind = _dense_layout(pop) if length is None else _ragged_layout(pop, length)
+    laid = (jax.device_put(arrays, where), gather, kind)
+    _RESIDENT[pop] = ((length, on), laid)
+    return laid
+
+
+def _resident_bytes() -> int:
+    """Bytes of the population kept on the device (0: none)."""
+    return sum(x.nbytes for _, (arrays, _, _) in _RESIDENT.values()
+               for x in jax.tree.leaves(arrays))  # fmt: skip
+
+
+def _release_population() -> None:
+    """Frees the population the device loop keeps on the device between calls."""
+    _RESIDENT.clear()
 
 
 def _dense_layout(pop):

@@ -249,6 +249,31 @@ def test_bad_populations_are_population_errors():
         Population(np.zeros((3, 2))).poisson(0.0)
 
 
+def test_a_population_is_read_only_and_what_its_data_were_when_it_was_made():
+    """Nothing writes to a population's arrays (the device loop keeps it on the device
+    between calls): it copies an array its caller can still write to, and shares one
+    that is read-only down to its memory."""
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    pop = Population({"x": x}, counts=[1, 2, 3, 0])
+    x[0] = -1.0  # the caller's own array, not the population's
+    np.testing.assert_array_equal(pop.data["x"][0], [0.0, 1.0, 2.0])
+    assert not np.shares_memory(pop.data["x"], x)
+    frozen = np.arange(12, dtype=np.float32).reshape(4, 3).copy()  # owns its memory
+    frozen.flags.writeable = False
+    shared = Population((frozen, frozen[:, :2]))
+    assert shared.data[0] is frozen and np.shares_memory(shared.data[1], frozen)
+    view = x[:, :2]  # read-only, but its base is not: copied
+    view.flags.writeable = False
+    assert not np.shares_memory(Population(view).data, x)
+    ragged = Population.from_clients(ragged_clients(4))
+    dense = Population(*padded(ragged_clients(4)))
+    for p in (pop, shared, ragged, dense):
+        for a in (*jax.tree.leaves(p.data), p.counts, p.offsets, p._rows):
+            if a is not None:
+                with pytest.raises(ValueError, match="read-only"):
+                    a[0] = 0
+
+
 # -- simulate ---------------------------------------------------------------------------
 
 
@@ -303,6 +328,52 @@ def test_the_device_loop_runs_every_round_in_one_program_without_the_host(
     arrays, _, _ = xsim._ragged_layout(population, population.longest)
     text = str(jax.make_jaxpr(run)(jnp.zeros(2), arrays, idx, np.arange(3, dtype=np.int32), None))
     assert text.count(" scan[") == 1 and "length=3" in text
+
+
+def test_the_device_loop_keeps_one_population_on_the_device_from_call_to_call(
+    population, uniform_exe, monkeypatch
+):
+    """The second call of the device loop on a population puts nothing: its arrays are
+    still on the device (and the run is the one a fresh put gives). The host loop
+    counts them beside its rounds, or frees them where the rounds do not fit beside
+    them; the device loop on another population frees them, as does their population's
+    end."""
+    w0 = jnp.array([0.5, -1.0], jnp.float32)
+    xla.simulate(uniform_exe, w0, population.uniform(K, seed=3), 2, loop="device")
+    kept = xsim._RESIDENT[population]
+
+    def layout(*args):
+        raise AssertionError("the population was laid out and put on the device again")
+
+    with monkeypatch.context() as m:
+        m.setattr(xsim, "_ragged_layout", layout)
+        again, _ = xla.simulate(uniform_exe, w0, population.uniform(K, seed=4), 3, loop="device")
+    assert xsim._RESIDENT[population] is kept and len(xsim._RESIDENT) == 1
+    cohorts = population.uniform(K, seed=4)
+    peak = predicted_peak(uniform_exe.compiled(w0, *cohorts.specs()))
+    per = xsim._cohort_bytes(uniform_exe, cohorts.specs(), 1)
+    here = xsim._resident_bytes()
+    assert here == sum(x.nbytes for x in jax.tree.leaves(kept[1][0])) > 0
+    xla.simulate(uniform_exe, w0, cohorts, 1, loop="host")  # the rounds fit beside it
+    assert xsim._RESIDENT[population] is kept
+    exes = {cohorts.lengths[0]: uniform_exe}
+    beside = (here - 1) // per  # cohorts ahead once it is freed
+    for limit, depth, stays in ((peak + here + per, 2, True),
+                                (peak + here - 1, 1 + min(2, beside), False)):  # fmt: skip
+        with monkeypatch.context() as m:
+            m.setattr(xsim, "_device_limit", lambda exes, limit=limit: limit)
+            assert xsim._depth(exes, w0, cohorts, None, 0) == depth
+        assert (population in xsim._RESIDENT) == stays
+    fresh, _ = xla.simulate(uniform_exe, w0, population.uniform(K, seed=4), 3, loop="device")
+    assert xsim._RESIDENT[population] is not kept  # put again, the same run
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(fresh))
+    other = Population(*padded(ragged_clients()))
+    xla.simulate(uniform_exe, w0, other.uniform(K, seed=3), 1, loop="device")
+    assert population not in xsim._RESIDENT and other in xsim._RESIDENT
+    gone = weakref.ref(xsim._RESIDENT[other][1][0][1])  # its counts, on the device
+    del other
+    gc.collect()
+    assert len(xsim._RESIDENT) == 0 and gone() is None
 
 
 def test_counts_weight_unequal_clients_and_padding_members_count_nothing(population):
