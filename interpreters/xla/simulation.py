@@ -54,15 +54,15 @@ device and size):
   of the device's memory and fits beside the round's peak (XLA's memory analysis; a
   round of ``clients_per_step="auto"`` may fill the memory), there is no mesh, no
   callback and one cohort shape: there it saves each round's host gather and
-  transfer, which the host loop waits for whenever a round is shorter than them; where
-  a round is longer, the host loop hides them and the device loop's own gather costs
-  it a little more (bench/README.md, TPU v5e: CIFAR cohort 50 of 1,000, a 42.7 ms
-  round against 27.6 ms of gather and transfer: host loop 1% to 3.5% faster in four
-  runs). On CPU, where the device's memory is the
-  host's, it would gather each cohort between the rounds, where the host loop gathers
-  it in a thread of its own while the round runs: ``"auto"`` picks the host loop
-  (bench/simulate.py's CIFAR round, cohort 50 of 1,000, 2 cores at load 5, one
-  repetition each: 0.099 rounds/s in the device loop, 0.125 in the host loop).
+  transfer, which the host loop waits for whenever a round is shorter than them, and
+  which cost it a little even where a round is longer (bench/README.md, TPU v5e: CIFAR
+  cohort 50 of 1,000, a 42.8 ms round against 28 ms of gather and transfer: the
+  device loop 1.000 of the compiled round called back to back, the host loop 1.056).
+  On CPU, where the device's memory is the host's, it would gather each cohort between
+  the rounds, where the host loop gathers it in a thread of its own while the round
+  runs: ``"auto"`` picks the host loop (bench/simulate.py's CIFAR round, cohort 50 of
+  1,000, 2 cores at load 5, one repetition each: 0.099 rounds/s in the device loop,
+  0.125 in the host loop).
 - ``"host"``: the population stays in host memory. A thread gathers each round's cohort
   on the host and puts it on the devices ahead of the rounds, and each round is
   dispatched before the one ahead of it has finished, then that one is waited for:
