@@ -249,7 +249,7 @@ def test_bad_populations_are_population_errors():
         Population(np.zeros((3, 2))).poisson(0.0)
 
 
-def test_a_population_is_read_only_and_what_its_data_were_when_it_was_made():
+def test_a_population_is_read_only_and_what_its_data_were_when_it_was_made(tmp_path):
     """Nothing writes to a population's arrays (the device loop keeps it on the device
     between calls): it copies an array its caller can still write to, and shares one
     that is read-only down to its memory."""
@@ -265,6 +265,11 @@ def test_a_population_is_read_only_and_what_its_data_were_when_it_was_made():
     view = x[:, :2]  # read-only, but its base is not: copied
     view.flags.writeable = False
     assert not np.shares_memory(Population(view).data, x)
+    np.save(tmp_path / "x.npy", x)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")  # a read-only map: shared
+    assert np.shares_memory(Population(mapped).data, mapped)
+    writable = np.load(tmp_path / "x.npy", mmap_mode="r+")
+    assert not np.shares_memory(Population(writable).data, writable)
     ragged = Population.from_clients(ragged_clients(4))
     dense = Population(*padded(ragged_clients(4)))
     for p in (pop, shared, ragged, dense):
