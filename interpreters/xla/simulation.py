@@ -48,8 +48,9 @@ device and size):
   its devices), where it stays for the next call on it (one population at a time: a
   population is read-only, ``fcir.Population``), and all the rounds run in one compiled
   ``lax.scan``; each step gathers its cohort on the device from the cohorts' indices,
-  sampled beforehand on the host. One dispatch for the whole run. A ragged population stays ragged there (its
-  examples concatenated; a member is a window of examples, zeroed past its count).
+  sampled beforehand on the host. One dispatch for the whole run. A ragged population
+  stays ragged there (its examples concatenated; a member is a window of examples,
+  zeroed past its count).
   ``"auto"`` picks it on an accelerator when the population takes at most a quarter
   of the device's memory and fits beside the round's peak (XLA's memory analysis; a
   round of ``clients_per_step="auto"`` may fill the memory), there is no mesh, no
