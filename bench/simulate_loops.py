@@ -74,8 +74,8 @@ def systems(cfg: dict) -> dict:
 def parts(cfg: dict) -> dict:
     """Seconds of one cohort's gather (into host arrays written before) and of its
     transfer, each timed alone, ``PARTS`` cohorts; and of putting the whole population
-    on the device as the device loop does at each ``simulate`` call (in its layout of
-    128-lane rows), ``PARTS`` times."""
+    on the device as the device loop does at its first ``simulate`` call (in its layout
+    of 128-lane rows), ``PARTS`` times."""
     import jax
     from fcir.interpreters.xla import simulation
 

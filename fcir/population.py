@@ -118,7 +118,7 @@ class Population:
             )
         if n == 0:
             raise PopulationError("fcir.Population: no clients (leading axis of length 0)")
-        self.data = jax.tree.map(_read_only, data)
+        self.data = jax.tree.unflatten(jax.tree.structure(data), map(_read_only, leaves))
         counts = np.ones(n) if counts is None else np.asarray(counts)
         if counts.shape != (n,) or not np.all(np.isfinite(counts)) or np.any(counts < 0):
             raise PopulationError(
